@@ -1,0 +1,173 @@
+"""Pure-torch attention over a quantized :class:`~kvquant.store.LayerStore`.
+
+Two functions with one signature::
+
+    attend_torch(query, fresh_k, fresh_v, layer, past_len, mask, scaling) -> out[B, Hq, Tq, D]
+    attend_naive(...)  # same result, by dequantize-everything-then-SDPA (tests only)
+
+* ``query[B, Hq, Tq, D]`` -- queries of the current chunk (``Tq == 1`` when decoding).
+* ``fresh_k/fresh_v[B, Hkv, Tq, D]`` -- this chunk's K/V in full precision (also written to the
+  store; attention uses them unquantized for the chunk itself, the quantized store for the past).
+* ``layer`` -- the store; its first ``past_len`` tokens are the history.
+* ``mask`` -- ``None`` (causal, the chunk's last query at the last position) or a boolean
+  ``[B, 1 or Hq, Tq, past_len + Tq]`` mask, True = attend (transformers' SDPA mask).
+
+``attend_torch`` is flash-decoding style: it walks the history tile by tile (a few blocks at a
+time), dequantizes each tile and folds it into an online softmax in fp32, so the full-precision
+history is never materialised; the workspace is bounded by ``WORKSPACE_BYTES``. It is the CPU
+path of the library and the reference the Triton kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvquant.store import HeadGroup, LayerStore
+
+WORKSPACE_BYTES = 32 * 2**20  # fp32 scratch per tile: scores and a dequantized K or V tile
+QUERY_TILE = 128  # queries per tile when a chunk (prefill) is long
+
+
+class _OnlineSoftmax:
+    """Running (max, sum, weighted sum) of one group's attention rows, in fp32."""
+
+    def __init__(self, rows_shape: tuple[int, ...], head_dim: int, device: torch.device) -> None:
+        self.m = torch.full((*rows_shape, 1), -math.inf, device=device)
+        self.l = torch.zeros((*rows_shape, 1), device=device)
+        self.acc = torch.zeros((*rows_shape, head_dim), device=device)
+
+    def update(self, scores: torch.Tensor, values: torch.Tensor) -> None:
+        """Fold ``scores[..., t]`` (masked entries = -inf) against ``values[..., t, D]``."""
+        m_new = torch.maximum(self.m, scores.amax(dim=-1, keepdim=True))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(scores - m_safe)
+        alpha = torch.exp(self.m - m_safe)
+        self.l = self.l * alpha + p.sum(dim=-1, keepdim=True)
+        self.acc = self.acc * alpha + p @ values
+        self.m = m_new
+
+    def result(self) -> torch.Tensor:
+        # rows with no visible key (fully padded) give 0, not NaN
+        return torch.where(self.l > 0, self.acc / self.l.clamp_min(1e-30), torch.zeros_like(self.acc))
+
+
+def _mask_tile(
+    mask: torch.Tensor | None,
+    group: HeadGroup,
+    num_kv: int,
+    rep: int,
+    q_range: tuple[int, int],
+    k_range: tuple[int, int],
+    past_len: int,
+) -> torch.Tensor | None:
+    """Boolean keep-mask ``[B, Hg or 1, rep or 1, tq, tk]`` for one (query tile, key tile), or None."""
+    q0, q1 = q_range
+    k0, k1 = k_range
+    if mask is None:
+        # causal: query i (absolute position past_len + i) sees keys <= past_len + i
+        if k1 <= past_len + q0 + 1:
+            return None  # every key of the tile is visible to every query of the tile
+        qpos = torch.arange(q0, q1, device=group.head_index.device).view(-1, 1) + past_len
+        kpos = torch.arange(k0, k1, device=group.head_index.device).view(1, -1)
+        return (kpos <= qpos).view(1, 1, 1, q1 - q0, k1 - k0)
+    m = mask[:, :, q0:q1, k0:k1]
+    if m.shape[1] == 1:
+        return m.unsqueeze(2)  # [B, 1, 1, tq, tk]
+    m = m.reshape(m.shape[0], num_kv, rep, q1 - q0, k1 - k0)
+    return m if group.all_heads else m.index_select(1, group.head_index)
+
+
+def _tiles(total: int, size: int) -> list[tuple[int, int]]:
+    return [(s, min(total, s + size)) for s in range(0, total, size)]
+
+
+def attend_torch(
+    query: torch.Tensor,
+    fresh_k: torch.Tensor,
+    fresh_v: torch.Tensor,
+    layer: LayerStore,
+    past_len: int,
+    mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention of ``query`` over ``layer``'s quantized history plus the fresh chunk (see module doc)."""
+    B, Hq, Tq, D = query.shape
+    Hkv = layer.num_heads
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    rep = Hq // Hkv
+    device = query.device
+    out = torch.empty((B, Hkv, rep, Tq, D), dtype=torch.float32, device=device)
+    q5 = query.float().view(B, Hkv, rep, Tq, D) * scaling
+    for g in layer.groups:
+        Hg = len(g.heads)
+        q = q5 if g.all_heads else q5.index_select(1, g.head_index)
+        # tile sizes: scores [B, Hg, rep, tq, tk] and a K/V tile [B, Hg, tk, D] within the workspace
+        tq = min(Tq, QUERY_TILE)
+        row_bytes = 4 * B * Hg * max(rep * tq, D)
+        tk = max(layer.block_size, (WORKSPACE_BYTES // row_bytes) // layer.block_size * layer.block_size)
+        fk = fresh_k if g.all_heads else fresh_k.index_select(1, g.head_index)
+        fv = fresh_v if g.all_heads else fresh_v.index_select(1, g.head_index)
+        for q0, q1 in _tiles(Tq, tq):
+            qt = q[:, :, :, q0:q1]  # [B, Hg, rep, tq, D]
+            acc = _OnlineSoftmax((B, Hg, rep, q1 - q0), D, device)
+            # 1) quantized history, dequantized one tile at a time
+            for k0, k1 in _tiles(past_len, tk):
+                keys = g.key.read(k0, k1).unsqueeze(2)  # [B, Hg, 1, tk, D]
+                scores = qt @ keys.transpose(-1, -2)
+                keep = _mask_tile(mask, g, Hkv, rep, (q0, q1), (k0, k1), past_len)
+                if keep is not None:
+                    scores = scores.masked_fill(~keep, -math.inf)
+                acc.update(scores, g.value.read(k0, k1).unsqueeze(2))
+            # 2) the fresh chunk in full precision (causal: keys up to the tile's last query)
+            for f0, f1 in _tiles(q1, tk):
+                keys = fk[:, :, f0:f1].float().unsqueeze(2)
+                scores = qt @ keys.transpose(-1, -2)
+                keep = _mask_tile(mask, g, Hkv, rep, (q0, q1), (past_len + f0, past_len + f1), past_len)
+                if keep is not None:
+                    scores = scores.masked_fill(~keep, -math.inf)
+                acc.update(scores, fv[:, :, f0:f1].float().unsqueeze(2))
+            res = acc.result()
+            if g.all_heads:
+                out[:, :, :, q0:q1] = res
+            else:
+                out[:, :, :, q0:q1].index_copy_(1, g.head_index, res)
+    return out.view(B, Hq, Tq, D).to(query.dtype)
+
+
+def dequantize_history(layer: LayerStore, past_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole history as float32 ``[B, Hkv, past_len, D]`` K and V (tests and debugging only)."""
+    B, D = layer.batch, layer.head_dim
+    k = torch.empty((B, layer.num_heads, past_len, D), device=layer.device)
+    v = torch.empty_like(k)
+    for g in layer.groups:
+        k[:, g.head_index] = g.key.read(0, past_len)
+        v[:, g.head_index] = g.value.read(0, past_len)
+    return k, v
+
+
+def attend_naive(
+    query: torch.Tensor,
+    fresh_k: torch.Tensor,
+    fresh_v: torch.Tensor,
+    layer: LayerStore,
+    past_len: int,
+    mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Reference: dequantize the whole history, concatenate the fresh chunk, run SDPA in fp32."""
+    B, Hq, Tq, D = query.shape
+    rep = Hq // layer.num_heads
+    hk, hv = dequantize_history(layer, past_len)
+    k = torch.cat([hk, fresh_k.float()], dim=2).repeat_interleave(rep, dim=1)
+    v = torch.cat([hv, fresh_v.float()], dim=2).repeat_interleave(rep, dim=1)
+    L = past_len + Tq
+    if mask is None:
+        qpos = torch.arange(Tq, device=query.device).view(-1, 1) + past_len
+        mask = (torch.arange(L, device=query.device).view(1, -1) <= qpos).view(1, 1, Tq, L)
+    out = F.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask, scale=scaling)
+    visible = mask.any(dim=-1, keepdim=True).expand(B, Hq, Tq, 1)
+    return torch.where(visible, out, torch.zeros_like(out)).to(query.dtype)

@@ -1,0 +1,56 @@
+"""Choose the attention implementation for one call: Triton on CUDA, torch elsewhere.
+
+``KVQUANT_ATTENTION=torch`` or ``=triton`` forces one (``triton`` on CPU needs
+``TRITON_INTERPRET=1``). When Triton cannot serve a call (unsupported head_dim, precision or
+mask), the torch path runs instead and the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kvquant.store import LayerStore
+
+from .attention_torch import attend_torch
+
+logger = logging.getLogger("kvquant")
+_logged: set[str] = set()
+
+
+class Unsupported(Exception):
+    """Raised by a Triton launcher for inputs it cannot serve; the torch path takes over."""
+
+
+def backend_for(device: torch.device) -> str:
+    forced = os.environ.get("KVQUANT_ATTENTION", "").strip().lower()
+    if forced in ("torch", "triton"):
+        return forced
+    if forced:
+        raise ValueError(f"KVQUANT_ATTENTION: {forced!r} is not one of torch, triton")
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def attend(
+    query: torch.Tensor,
+    fresh_k: torch.Tensor,
+    fresh_v: torch.Tensor,
+    layer: LayerStore,
+    past_len: int,
+    mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention of ``query[B, Hq, Tq, D]`` over the store's history and the fresh chunk."""
+    if backend_for(query.device) == "triton":
+        try:
+            from .triton_attention import attend_triton
+
+            return attend_triton(query, fresh_k, fresh_v, layer, past_len, mask, scaling)
+        except (Unsupported, ImportError) as e:
+            reason = f"{type(e).__name__}: {e}"
+            if reason not in _logged:
+                _logged.add(reason)
+                logger.warning("kvquant: Triton attention unavailable, using the torch path (%s)", reason)
+    return attend_torch(query, fresh_k, fresh_v, layer, past_len, mask, scaling)

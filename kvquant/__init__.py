@@ -1,0 +1,36 @@
+"""kvquant: quantize and compress the KV cache of transformers LLMs, and measure what it costs.
+
+Quick start::
+
+    import kvquant
+    model = kvquant.wrap(model, "int8")          # generate() now uses a quantized KV cache
+    out = model.generate(**inputs, max_new_tokens=200)
+
+    cache = kvquant.QuantizedKVCache(model, kvquant.KVQuantConfig.from_file("recipes/configs/mixed-int4-int8.yaml"))
+    out = model.generate(**inputs, cache=cache, max_new_tokens=200)
+    print(cache.memory_report())
+"""
+
+from .cache import QuantizedKVCache, QuantizedLayer
+from .config import PRESETS, ConfigError, KVPrecision, KVQuantConfig
+from .quantizers import PRECISIONS, make_quantizer
+from .shape import ModelShape
+from .simulate import SimulatedQuantCache
+from .wrap import unwrap, wrap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRECISIONS",
+    "PRESETS",
+    "ConfigError",
+    "KVPrecision",
+    "KVQuantConfig",
+    "ModelShape",
+    "QuantizedKVCache",
+    "QuantizedLayer",
+    "SimulatedQuantCache",
+    "make_quantizer",
+    "unwrap",
+    "wrap",
+]

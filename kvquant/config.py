@@ -1,0 +1,398 @@
+"""``KVQuantConfig``: which precision each (layer, KV head) stores its K and V in.
+
+A config is a default precision plus overrides per layer and per (layer, KV head), for K and V
+together or separately, and a few storage options. It reads and writes YAML and JSON::
+
+    default: int8                 # every K and V, unless overridden below
+    group_size: 32                # channels per (scale, zero) group for int4 / int2
+    layers:
+      0: fp16                     # both K and V of every head of layer 0
+      5: {key: int8, value: int4}
+    heads:
+      "3.1": int8                 # layer 3, KV head 1
+      "7.0": {key: fp16}          # only the keys of layer 7, head 0
+
+A precision is a name from :data:`kvquant.quantizers.PRECISIONS`, or ``{bits: 2|4|8|16}``.
+Every error names the field it is about, e.g. ``heads."3.9": KV head 9 out of range``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .quantizers import GROUPED, PRECISIONS, make_quantizer
+from .shape import ModelShape
+
+BITS_TO_PRECISION = {2: "int2", 4: "int4", 8: "int8", 16: "fp16"}
+
+
+class ConfigError(ValueError):
+    """A config field is invalid; the message starts with the field's name."""
+
+
+@dataclass(frozen=True)
+class KVPrecision:
+    """The precisions of the keys and the values of one KV head."""
+
+    key: str
+    value: str
+
+    def as_yaml(self) -> str | dict[str, str]:
+        return self.key if self.key == self.value else {"key": self.key, "value": self.value}
+
+
+# Presets: name -> (default precision(s), description, extra fields).
+PRESETS: dict[str, tuple[Any, str, dict[str, Any]]] = {
+    "fp16": ("fp16", "float16 passthrough: the FP16 reference, through kvquant's own store", {}),
+    "bf16": ("bf16", "bfloat16 passthrough", {}),
+    "fp32": ("fp32", "float32 passthrough (exact for fp32 models)", {}),
+    "int8": ("int8", "INT8, one scale per (layer, KV head) shared by K and V", {}),
+    "int8-token": ("int8-token", "INT8, one scale per token and KV head", {}),
+    "int4": ("int4", "INT4 asymmetric, groups of 32 along head_dim", {}),
+    "int2": ("int2", "INT2 asymmetric, groups of 32 along head_dim", {}),
+    "fp8-e4m3": ("fp8-e4m3", "FP8 e4m3, one scale per (layer, KV head)", {}),
+    "fp8-e5m2": ("fp8-e5m2", "FP8 e5m2, one scale per (layer, KV head)", {}),
+    "mixed-int4-int8": (
+        {"key": "int8-token", "value": "int4"},
+        "keys INT8 per token (keys carry outlier channels), values INT4 g32",
+        {},
+    ),
+}
+
+_OPTION_FIELDS = {
+    "group_size",
+    "headroom",
+    "share_kv_scale",
+    "block_size",
+    "scales_file",
+    "check_finite",
+}
+_TOP_LEVEL = {"default", "layers", "heads", "name", "description", "model_shape"} | _OPTION_FIELDS
+
+
+@dataclass
+class KVQuantConfig:
+    """Precision plan for a KV cache: a default plus per-layer and per-(layer, KV head) overrides.
+
+    Args:
+        default: precision of every K and V unless overridden.
+        layers: ``{layer: KVPrecision}`` overrides for whole layers.
+        heads: ``{(layer, kv_head): KVPrecision}`` overrides, applied after ``layers``.
+        group_size: channels per group for ``int4``/``int2``; ``None`` means 32, or head_dim if smaller.
+        headroom: multiplier on the calibrated max for static scales (``int8``, ``fp8-*``); > 1 leaves
+            room for values larger than the prefill's, at some resolution.
+        share_kv_scale: ``int8`` keys and values of a head share one scale (the seed design).
+        block_size: tokens per storage block (memory grows by whole blocks).
+        scales_file: optional JSON file of static scales from ``kvquant calibrate`` (skips prefill calibration).
+        check_finite: reject NaN/Inf K/V when written (one reduction per write).
+        name: preset or file name, for reports.
+    """
+
+    default: KVPrecision = field(default_factory=lambda: KVPrecision("int8", "int8"))
+    layers: dict[int, KVPrecision] = field(default_factory=dict)
+    heads: dict[tuple[int, int], KVPrecision] = field(default_factory=dict)
+    group_size: int | None = None
+    headroom: float = 1.0
+    share_kv_scale: bool = True
+    block_size: int = 128
+    scales_file: str | None = None
+    check_finite: bool = True
+    name: str | None = None
+    description: str | None = None
+    model_shape: dict[str, int] | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def preset(cls, name: str) -> KVQuantConfig:
+        """A named preset: ``fp16``, ``int8``, ``int8-token``, ``int4``, ``fp8-e4m3``, ... (see ``PRESETS``)."""
+        if name not in PRESETS:
+            raise ConfigError(f"preset: unknown {name!r} (known: {', '.join(PRESETS)})")
+        default, description, extra = PRESETS[name]
+        cfg = cls.from_dict({"default": default, **extra})
+        cfg.name = name
+        cfg.description = description
+        return cfg
+
+    @classmethod
+    def load(cls, spec: str | Path | Mapping[str, Any] | KVQuantConfig) -> KVQuantConfig:
+        """A preset name, a YAML/JSON file path, a mapping, or a config (returned as is)."""
+        if isinstance(spec, KVQuantConfig):
+            return spec
+        if isinstance(spec, Mapping):
+            return cls.from_dict(spec)
+        if isinstance(spec, str) and spec in PRESETS:
+            return cls.preset(spec)
+        return cls.from_file(spec)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> KVQuantConfig:
+        """Read a YAML or JSON config file (a preset name is accepted too)."""
+        p = Path(path)
+        if not p.is_file():
+            if str(path) in PRESETS:
+                return cls.preset(str(path))
+            raise ConfigError(f"config: {str(path)!r} is neither a file nor a preset (presets: {', '.join(PRESETS)})")
+        text = p.read_text()
+        data = _parse_text(text, p)
+        cfg = cls.from_dict(data, source=str(p))
+        cfg.name = cfg.name or p.stem
+        return cfg
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> KVQuantConfig:
+        """Build from a mapping with the YAML schema above; raises :class:`ConfigError` naming the field."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
+        unknown = sorted(set(map(str, data)) - _TOP_LEVEL)
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: unknown field (known: {', '.join(sorted(_TOP_LEVEL))})")
+        cfg = cls()
+        if "default" in data:
+            cfg.default = _parse_pair(data["default"], "default", base=None)
+        for k, v in (data.get("layers") or {}).items():
+            layer = _parse_index(k, f"layers.{k}")
+            cfg.layers[layer] = _parse_pair(v, f"layers.{k}", base=None, partial=True)
+        heads = data.get("heads") or {}
+        if not isinstance(heads, Mapping):
+            raise ConfigError("heads: expected a mapping like {\"3.1\": int8}")
+        for k, v in heads.items():
+            if isinstance(v, Mapping) and not (set(map(str, v)) & {"key", "value", "bits", "precision"}):
+                # nested form {layer: {head: spec}}
+                layer = _parse_index(k, f"heads.{k}")
+                for hk, hv in v.items():
+                    head = _parse_index(hk, f"heads.{k}.{hk}")
+                    cfg.heads[(layer, head)] = _parse_pair(hv, f"heads.{k}.{hk}", base=None, partial=True)
+                continue
+            parts = str(k).split(".")
+            if len(parts) != 2:
+                raise ConfigError(f'heads."{k}": expected "layer.head", e.g. "3.1"')
+            layer = _parse_index(parts[0], f'heads."{k}"')
+            head = _parse_index(parts[1], f'heads."{k}"')
+            cfg.heads[(layer, head)] = _parse_pair(v, f'heads."{k}"', base=None, partial=True)
+        for name in _OPTION_FIELDS:
+            if name in data:
+                setattr(cfg, name, data[name])
+        cfg.name = data.get("name")
+        cfg.description = data.get("description")
+        cfg.model_shape = data.get("model_shape")
+        cfg._check_options()
+        return cfg
+
+    def _check_options(self) -> None:
+        gs = self.group_size
+        if gs is not None and (not isinstance(gs, int) or isinstance(gs, bool) or gs <= 0 or gs & (gs - 1)):
+            raise ConfigError(f"group_size: {gs!r} must be a positive power of two")
+        hr = self.headroom
+        if not isinstance(hr, (int, float)) or isinstance(hr, bool) or not math.isfinite(hr) or hr < 1.0:
+            raise ConfigError(f"headroom: {hr!r} must be a number >= 1.0")
+        bs = self.block_size
+        if not isinstance(bs, int) or isinstance(bs, bool) or bs < 16 or bs > 4096 or bs & (bs - 1):
+            raise ConfigError(f"block_size: {bs!r} must be a power of two between 16 and 4096")
+        for name in ("share_kv_scale", "check_finite"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: {getattr(self, name)!r} must be true or false")
+        if self.scales_file is not None and not isinstance(self.scales_file, str):
+            raise ConfigError(f"scales_file: {self.scales_file!r} must be a path")
+        if self.model_shape is not None and (
+            not isinstance(self.model_shape, Mapping)
+            or set(self.model_shape) - {"layers", "kv_heads", "head_dim"}
+        ):
+            raise ConfigError("model_shape: expected {layers: N, kv_heads: N, head_dim: N}")
+
+    # ------------------------------------------------------------------ output
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML/JSON form (round-trips through :meth:`from_dict`)."""
+        out: dict[str, Any] = {}
+        if self.name:
+            out["name"] = self.name
+        if self.description:
+            out["description"] = self.description
+        out["default"] = self.default.as_yaml()
+        defaults = KVQuantConfig()
+        for f in fields(self):
+            if f.name in _OPTION_FIELDS and getattr(self, f.name) != getattr(defaults, f.name):
+                out[f.name] = getattr(self, f.name)
+        if self.model_shape:
+            out["model_shape"] = dict(self.model_shape)
+        if self.layers:
+            out["layers"] = {i: p.as_yaml() for i, p in sorted(self.layers.items())}
+        if self.heads:
+            out["heads"] = {f"{li}.{h}": p.as_yaml() for (li, h), p in sorted(self.heads.items())}
+        return out
+
+    def to_yaml(self, header: str | None = None) -> str:
+        body = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+        if header:
+            body = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + body
+        return body
+
+    def save(self, path: str | Path, header: str | None = None) -> None:
+        """Write YAML (``.yaml``/``.yml``) or JSON (``.json``), chosen by the suffix."""
+        p = Path(path)
+        if p.suffix == ".json":
+            text = json.dumps(self.to_dict(), indent=2) + "\n"
+        else:
+            text = self.to_yaml(header)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(p)  # nothing half-written
+
+    # ------------------------------------------------------------------ resolution
+    def effective_group_size(self, head_dim: int) -> int:
+        return self.group_size if self.group_size is not None else min(32, head_dim)
+
+    def resolve(self, shape: ModelShape | Any) -> list[list[KVPrecision]]:
+        """Validate against the model and return ``plan[layer][kv_head] -> KVPrecision``."""
+        shape = ModelShape.of(shape)
+        self.validate(shape)
+        plan = [[self.default] * shape.num_kv_heads for _ in range(shape.num_layers)]
+        for layer, p in self.layers.items():
+            plan[layer] = [_merge(p, x) for x in plan[layer]]
+        for (layer, head), p in self.heads.items():
+            plan[layer][head] = _merge(p, plan[layer][head])
+        return plan
+
+    def validate(self, shape: ModelShape | Any) -> None:
+        """Raise :class:`ConfigError` (naming the field) if this config cannot serve the model."""
+        shape = ModelShape.of(shape)
+        if self.model_shape:
+            for key, actual in shape.as_dict().items():
+                want = self.model_shape.get(key)
+                if want is not None and want != actual:
+                    raise ConfigError(
+                        f"model_shape.{key}: the config was made for {want}, the model has {actual} "
+                        "(a config for another model?)"
+                    )
+        for layer in self.layers:
+            if layer >= shape.num_layers:
+                raise ConfigError(f"layers.{layer}: layer {layer} out of range (model has {shape.num_layers})")
+        for layer, head in self.heads:
+            where = f'heads."{layer}.{head}"'
+            if layer >= shape.num_layers:
+                raise ConfigError(f"{where}: layer {layer} out of range (model has {shape.num_layers} layers)")
+            if head >= shape.num_kv_heads:
+                raise ConfigError(
+                    f"{where}: KV head {head} out of range (model has {shape.num_kv_heads} KV heads)"
+                )
+        gs = self.effective_group_size(shape.head_dim)
+        if self.uses_grouped() and shape.head_dim % gs:
+            raise ConfigError(f"group_size: {gs} does not divide head_dim {shape.head_dim}")
+        if self.uses_grouped() and (shape.head_dim // 2) % 1:
+            raise ConfigError(f"head_dim: {shape.head_dim} must be even for packed int4")
+
+    def precisions(self) -> set[str]:
+        out = {self.default.key, self.default.value}
+        for p in [*self.layers.values(), *self.heads.values()]:
+            out |= {p.key, p.value}
+        return out
+
+    def uses_grouped(self) -> bool:
+        return bool(self.precisions() & set(GROUPED))
+
+    def bits(self, precision: str, head_dim: int) -> float:
+        """Stored bits per element of one precision, scale/zero overhead included."""
+        return make_quantizer(precision, head_dim, self.effective_group_size(head_dim)).bits_per_element()
+
+    def avg_bits(self, shape: ModelShape | Any) -> float:
+        """Average stored bits per K/V element over the whole model, scale and zero overhead included."""
+        shape = ModelShape.of(shape)
+        plan = self.resolve(shape)
+        total = sum(
+            self.bits(p.key, shape.head_dim) + self.bits(p.value, shape.head_dim) for row in plan for p in row
+        )
+        return total / (2 * shape.num_layers * shape.num_kv_heads)
+
+    def with_updates(self, **changes: Any) -> KVQuantConfig:
+        cfg = replace(self, layers=dict(self.layers), heads=dict(self.heads), **changes)
+        cfg._check_options()
+        return cfg
+
+    def __str__(self) -> str:
+        return self.name or self.to_yaml()
+
+
+# ---------------------------------------------------------------------- parsing helpers
+def _parse_text(text: str, path: Path) -> Any:
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path}: neither YAML nor JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"config file {path}: neither a YAML nor a JSON mapping of fields (got {type(data).__name__})"
+        )
+    return data
+
+
+def _parse_index(value: Any, where: str) -> int:
+    try:
+        idx = int(str(value))
+    except ValueError:
+        raise ConfigError(f"{where}: {value!r} is not an index") from None
+    if idx < 0:
+        raise ConfigError(f"{where}: index {idx} must be >= 0")
+    return idx
+
+
+def _parse_precision(value: Any, where: str) -> str:
+    if isinstance(value, Mapping):
+        keys = set(map(str, value))
+        if keys == {"bits"}:
+            bits = value["bits"]
+            if bits not in BITS_TO_PRECISION:
+                raise ConfigError(f"{where}.bits: {bits!r} is not supported (choose 2, 4, 8 or 16)")
+            return BITS_TO_PRECISION[bits]
+        if keys == {"precision"}:
+            value = value["precision"]
+        else:
+            raise ConfigError(f"{where}: expected a precision name or {{bits: N}}, got {dict(value)!r}")
+    if not isinstance(value, str) or value not in PRECISIONS:
+        raise ConfigError(f"{where}: unknown precision {value!r} (known: {', '.join(PRECISIONS)})")
+    return value
+
+
+@dataclass(frozen=True)
+class _Partial:
+    key: str | None
+    value: str | None
+
+
+def _parse_pair(value: Any, where: str, base: KVPrecision | None, partial: bool = False) -> Any:
+    if isinstance(value, Mapping) and set(map(str, value)) & {"key", "value"}:
+        extra = set(map(str, value)) - {"key", "value"}
+        if extra:
+            raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown field (use key / value)")
+        k = _parse_precision(value["key"], f"{where}.key") if "key" in value else None
+        v = _parse_precision(value["value"], f"{where}.value") if "value" in value else None
+        if not partial and (k is None or v is None):
+            raise ConfigError(f"{where}: needs both key and value")
+        return KVPrecision(k, v) if (k and v) else _Partial(k, v)
+    p = _parse_precision(value, where)
+    return KVPrecision(p, p)
+
+
+def _merge(override: KVPrecision | _Partial, current: KVPrecision) -> KVPrecision:
+    return KVPrecision(override.key or current.key, override.value or current.value)
+
+
+def config_to_partial_yaml(p: KVPrecision | _Partial) -> Any:
+    if isinstance(p, KVPrecision):
+        return p.as_yaml()
+    return {k: v for k, v in (("key", p.key), ("value", p.value)) if v}
+
+
+# _Partial objects must also serialise
+_Partial.as_yaml = config_to_partial_yaml  # type: ignore[attr-defined]

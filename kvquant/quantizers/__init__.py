@@ -1,0 +1,58 @@
+"""Quantizers: one small class per storage scheme, each naming its granularity.
+
+``make_quantizer(precision, head_dim, ...)`` builds the quantizer a config precision names.
+"""
+
+from __future__ import annotations
+
+from .base import Parts, PartSpec, Quantizer
+from .fp8 import FP8_DTYPES, Fp8
+from .int8 import Int8PerToken, Int8SharedScale
+from .intn import IntNGrouped, pack_codes, unpack_codes
+from .passthrough import FLOAT_DTYPES, Passthrough
+
+#: Every precision a config may name, with a one-line description.
+PRECISIONS: dict[str, str] = {
+    "fp16": "float16 passthrough (exact for fp16 models)",
+    "bf16": "bfloat16 passthrough",
+    "fp32": "float32 passthrough (exact for fp32 models)",
+    "int8": "symmetric INT8, one scale per (layer, KV head) shared by K and V",
+    "int8-token": "symmetric INT8, one fp16 scale per token and KV head",
+    "int4": "asymmetric INT4 packed 2 per byte, fp16 scale+zero per token and group along head_dim",
+    "int2": "asymmetric INT2 packed 4 per byte, fp16 scale+zero per token and group along head_dim",
+    "fp8-e4m3": "FP8 e4m3 storage, one scale per (layer, KV head)",
+    "fp8-e5m2": "FP8 e5m2 storage, one scale per (layer, KV head)",
+}
+
+GROUPED = {"int4": 4, "int2": 2}
+
+
+def make_quantizer(precision: str, head_dim: int, group_size: int = 32, headroom: float = 1.0) -> Quantizer:
+    """Build the quantizer for one config ``precision`` (see :data:`PRECISIONS`)."""
+    if precision in FLOAT_DTYPES:
+        return Passthrough(head_dim, precision)
+    if precision == "int8":
+        return Int8SharedScale(head_dim, headroom=headroom)
+    if precision == "int8-token":
+        return Int8PerToken(head_dim)
+    if precision in GROUPED:
+        return IntNGrouped(head_dim, bits=GROUPED[precision], group_size=group_size)
+    if precision in FP8_DTYPES:
+        return Fp8(head_dim, precision, headroom=headroom)
+    raise ValueError(f"precision: unknown {precision!r} (known: {', '.join(PRECISIONS)})")
+
+
+__all__ = [
+    "PRECISIONS",
+    "Fp8",
+    "Int8PerToken",
+    "Int8SharedScale",
+    "IntNGrouped",
+    "PartSpec",
+    "Parts",
+    "Passthrough",
+    "Quantizer",
+    "make_quantizer",
+    "pack_codes",
+    "unpack_codes",
+]

@@ -1,0 +1,94 @@
+"""The quantizer interface: how one precision turns K or V rows into stored parts and back.
+
+Every tensor passed around here has the layout ``[batch, heads, tokens, head_dim]``. A quantizer
+names its *granularity* (which elements share one scale) and the *parts* it stores per token,
+so that the block store can preallocate them and the kernels can read them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+Parts = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """One stored tensor of a quantizer: its per-token trailing shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class Quantizer(ABC):
+    """Quantizes a ``[B, H, T, D]`` tensor into named parts, one row per token.
+
+    Subclasses set:
+      * ``name``: the precision name used in configs (``int8``, ``int4``, ...).
+      * ``granularity``: which elements share a scale, e.g. ``"per (layer, head)"``,
+        ``"per token and head"``, ``"per token, group of 32 along head_dim"``.
+      * ``static``: True when the scale is fixed per (layer, head) (set by ``calibrate``),
+        False when scales are computed from each token as it is written.
+    """
+
+    name: str = "?"
+    granularity: str = "?"
+    static: bool = False
+
+    def __init__(self, head_dim: int) -> None:
+        self.head_dim = head_dim
+
+    # -- layout ---------------------------------------------------------------------------
+    @abstractmethod
+    def parts(self) -> dict[str, PartSpec]:
+        """The tensors stored per token and head, e.g. ``{"q": PartSpec((D,), int8)}``."""
+
+    def bits_per_element(self) -> float:
+        """Average stored bits per K/V element, scale and zero-point overhead included."""
+        total = 0
+        for spec in self.parts().values():
+            n = 1
+            for s in spec.shape:
+                n *= s
+            total += n * _dtype_bits(spec.dtype)
+        return total / self.head_dim
+
+    # -- static scales ----------------------------------------------------------------------
+    def calibrate(self, amax: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Static state (e.g. one scale per head) from the per-head absolute max ``amax[H]``."""
+        return {}
+
+    # -- math -------------------------------------------------------------------------------
+    @abstractmethod
+    def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
+        """``x[B, H, T, D]`` (finite floats) -> parts ``{name: [B, H, T, *shape]}``."""
+
+    @abstractmethod
+    def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Parts ``{name: [B, H, T, *shape]}`` -> ``[B, H, T, D]`` in ``dtype``."""
+
+    def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """How many elements of ``x`` exceed the representable range (static scales only)."""
+        return torch.zeros((), dtype=torch.int64, device=x.device)
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.granularity})"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(head_dim={self.head_dim}, granularity={self.granularity!r})"
+
+
+def _dtype_bits(dtype: torch.dtype) -> int:
+    if dtype == torch.bool:
+        return 8
+    if dtype.is_floating_point:
+        return torch.finfo(dtype).bits
+    return torch.iinfo(dtype).bits
+
+
+def static_state_shape(state: dict[str, torch.Tensor]) -> int:
+    """Bytes held by a static state (a few scales per head)."""
+    return sum(t.numel() * t.element_size() for t in state.values())

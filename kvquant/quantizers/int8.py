@@ -1,0 +1,68 @@
+"""Symmetric INT8 quantizers.
+
+* ``Int8SharedScale`` -- granularity: one scale per (layer, KV head), shared by K and V::
+
+      scale[h] = headroom * max(|K[h]|max, |V[h]|max) / 127        (set once, from the prefill)
+      q = clamp(round(x / scale[h]), -127, 127)                      x_hat = q * scale[h]
+
+  Values that later exceed ``127 * scale`` are clipped, and counted.
+
+* ``Int8PerToken`` -- granularity: one scale per token and head, K and V scaled separately::
+
+      scale[t, h] = max_d |x[t, h, d]| / 127   (stored in fp16)      q = round(x / scale)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Parts, PartSpec, Quantizer
+
+QMAX = 127.0
+FP16_TINY = 2.0**-14  # smallest normal fp16: per-token scales are stored in fp16
+
+
+class Int8SharedScale(Quantizer):
+    name = "int8"
+    granularity = "per (layer, KV head), shared by K and V"
+    static = True
+
+    def __init__(self, head_dim: int, headroom: float = 1.0) -> None:
+        super().__init__(head_dim)
+        self.headroom = headroom
+
+    def parts(self) -> dict[str, PartSpec]:
+        return {"q": PartSpec((self.head_dim,), torch.int8)}
+
+    def calibrate(self, amax: torch.Tensor) -> dict[str, torch.Tensor]:
+        scale = (amax.float() * self.headroom / QMAX).clamp_min(torch.finfo(torch.float32).tiny)
+        return {"scale": scale}
+
+    def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
+        scale = state["scale"].view(1, -1, 1, 1)
+        q = torch.round(x.float() / scale).clamp_(-QMAX, QMAX)
+        return {"q": q.to(torch.int8)}
+
+    def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return (parts["q"].float() * state["scale"].view(1, -1, 1, 1)).to(dtype)
+
+    def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        limit = (state["scale"] * (QMAX + 0.5)).view(1, -1, 1, 1)
+        return (x.float().abs() > limit).sum()
+
+
+class Int8PerToken(Quantizer):
+    name = "int8-token"
+    granularity = "per token and KV head (dynamic, fp16 scale)"
+
+    def parts(self) -> dict[str, PartSpec]:
+        return {"q": PartSpec((self.head_dim,), torch.int8), "scale": PartSpec((1,), torch.float16)}
+
+    def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
+        xf = x.float()
+        scale = (xf.abs().amax(dim=-1, keepdim=True) / QMAX).clamp_min(FP16_TINY).to(torch.float16)
+        q = torch.round(xf / scale.float()).clamp_(-QMAX, QMAX)
+        return {"q": q.to(torch.int8), "scale": scale}
+
+    def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return (parts["q"].float() * parts["scale"].float()).to(dtype)

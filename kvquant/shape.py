@@ -1,0 +1,41 @@
+"""The shape of a model's KV cache, read from a transformers config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Layers, KV heads and head_dim: all that sizing and validating a KV config needs."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_query_heads: int | None = None
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """Read the shape from a transformers ``PretrainedConfig`` (text config for multimodal models)."""
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config(decoder=True)
+        layers = getattr(config, "num_hidden_layers", None)
+        q_heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+        if not layers or not kv_heads:
+            raise ValueError(
+                f"model: {type(config).__name__} has no attention KV heads "
+                "(num_hidden_layers / num_key_value_heads missing): kvquant needs a decoder with a KV cache"
+            )
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
+        return cls(int(layers), int(kv_heads), int(head_dim), int(q_heads) if q_heads else None)
+
+    @classmethod
+    def of(cls, model_or_config: Any) -> ModelShape:
+        if isinstance(model_or_config, ModelShape):
+            return model_or_config
+        return cls.from_config(getattr(model_or_config, "config", model_or_config))
+
+    def as_dict(self) -> dict[str, int]:
+        return {"layers": self.num_layers, "kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
