@@ -236,10 +236,7 @@ class KVQuantConfig:
     def save(self, path: str | Path, header: str | None = None) -> None:
         """Write YAML (``.yaml``/``.yml``) or JSON (``.json``), chosen by the suffix."""
         p = Path(path)
-        if p.suffix == ".json":
-            text = json.dumps(self.to_dict(), indent=2) + "\n"
-        else:
-            text = self.to_yaml(header)
+        text = json.dumps(self.to_dict(), indent=2) + "\n" if p.suffix == ".json" else self.to_yaml(header)
         tmp = p.with_name(p.name + ".tmp")
         tmp.write_text(text)
         tmp.replace(p)  # nothing half-written
