@@ -1,0 +1,234 @@
+"""Split-K (flash-decoding) attention of one new token over the quantized history.
+
+Two kernels:
+
+* ``_decode_partial`` -- grid ``(B * Hg, S)``: one program per (batch row, KV head of the group,
+  partition of the history). It holds *all* ``rep = Hq / Hkv`` query heads of its KV head (GQA: each
+  K/V byte is read once for ``rep`` queries; the query rows are padded to ``BLOCK_H >= 16`` for
+  ``tl.dot``), walks its partition ``BLOCK_N`` tokens at a time, dequantizes K and V in registers
+  (:mod:`triton_dequant`), and keeps an online softmax in base 2 (``exp2``, ``log2(e)`` folded into
+  the softmax scale). It writes the partition's normalised output and log-sum-exp.
+* ``_decode_reduce`` -- grid ``(B * Hkv,)``: merges the ``S`` partitions of every query head by
+  log-sum-exp, then merges the fresh token (this step's own K/V, full precision) as one more key,
+  and writes the output in the query dtype.
+
+The fresh token is computed in the reduction kernel rather than as a torch LSE partial: it is a
+single key per head (a ``D``-long dot per query head), so it costs nothing there, whereas a torch
+partial would add several small launches per layer and step, comparable to the whole attention
+at short contexts.
+
+Mixed precisions: the launcher runs ``_decode_partial`` once per head group (see
+:mod:`triton_attention` for why) into one shared partial buffer, and ``_decode_reduce`` once for
+all heads.
+
+Variable lengths / left padding: ``lo[b], hi[b]`` (from the mask) bound the visible history of row
+``b``; partitions outside it exit without loading anything.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .dispatch import Unsupported
+from .triton_dequant import Operand, dot, load_head_scale, load_tile, load_token_scale
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_partial(
+    Q, q_sb, q_sh,
+    K, KS, KZ, KH, k_sb, k_sh, k_st, ks_sb, ks_sh, ks_st,
+    V, VS, VZ, VH, v_sb, v_sh, v_st, vs_sb, vs_sh, vs_st,
+    HEAD_IDX, LO, HI, lo_sb, O_PART, LSE_PART,
+    qk_scale, past_len, part_len, Hg, S, n_qheads,
+    REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_FP8: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_FP8: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // Hg
+    hg = pid % Hg
+    b64 = b.to(tl.int64)
+    h = tl.load(HEAD_IDX + hg)  # the layer's KV head
+
+    lo = 0
+    hi = past_len
+    if HAS_RANGE:
+        lo = tl.load(LO + b * lo_sb)
+        hi = tl.minimum(tl.load(HI + b * lo_sb), past_len)
+    start = tl.maximum(lo, split * part_len)
+    end = tl.minimum(hi, (split + 1) * part_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    mask_h = offs_h < REP
+    qh = h * REP + offs_h  # query heads of this KV head
+    q = tl.load(Q + b64 * q_sb + qh[:, None] * q_sh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
+
+    k_base = K + b64 * k_sb + hg * k_sh
+    ks_base = KS + b64 * ks_sb + hg * ks_sh
+    kz_base = KZ + b64 * ks_sb + hg * ks_sh
+    v_base = V + b64 * v_sb + hg * v_sh
+    vs_base = VS + b64 * vs_sb + hg * vs_sh
+    vz_base = VZ + b64 * vs_sb + hg * vs_sh
+    # per-head K scale folded into the softmax scale
+    scale = qk_scale * load_head_scale(KH, hg, K_KIND, K_FP8)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    # start aligned down to a tile boundary (aligned loads); keys below `lo` are masked
+    first = start - (start % BLOCK_N)
+    for n0 in range(first, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = (offs_n >= start) & (offs_n < end)
+        k = load_tile(k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, K_FP8, D)
+        s = dot(q, tl.trans(k), DOT) * scale
+        if K_KIND == 2:
+            s = s * load_token_scale(ks_base, ks_st, offs_n, mask_n)[None, :]
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, V_FP8, D)
+        if V_KIND == 2:
+            p = p * load_token_scale(vs_base, vs_st, offs_n, mask_n)[None, :]
+        acc = acc * alpha[:, None] + dot(p, v, DOT)
+        m_i = m_new
+
+    # per-head V scale, once after the loop
+    acc = acc * load_head_scale(VH, hg, V_KIND, V_FP8)
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    # partial buffers [B, Hq, S, D] and [B, Hq, S] (contiguous), indexed by the layer's query head
+    prow = (b64 * n_qheads + qh) * S + split
+    tl.store(O_PART + prow[:, None] * D + offs_d[None, :], o, mask=mask_h[:, None])
+    tl.store(LSE_PART + prow, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_reduce(
+    O_PART, LSE_PART, Q, q_sb, q_sh, FK, fk_sb, fk_sh, FV, fv_sb, fv_sh, OUT, o_sb, o_sh,
+    LO, HI, lo_sb, qk_scale, past_len, Hkv, S,
+    REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, HAS_RANGE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    b = pid // Hkv
+    h = pid % Hkv
+    b64 = b.to(tl.int64)
+    n_qheads = Hkv * REP
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    mask_h = offs_h < REP
+    qh = h * REP + offs_h
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    prow = (b64 * n_qheads + qh) * S
+    for split in range(0, S):
+        lse = tl.load(LSE_PART + prow + split, mask=mask_h, other=float("-inf"))
+        o = tl.load(O_PART + (prow + split)[:, None] * D + offs_d[None, :], mask=mask_h[:, None], other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(lse - m_safe)
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + w
+        acc = acc * alpha[:, None] + o * w[:, None]
+        m_i = m_new
+
+    # the fresh token: one full-precision key/value per KV head, visible when lo <= past_len < hi
+    q = tl.load(Q + b64 * q_sb + qh[:, None] * q_sh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
+    fk = tl.load(FK + b64 * fk_sb + h * fk_sh + offs_d).to(tl.float32)
+    fv = tl.load(FV + b64 * fv_sb + h * fv_sh + offs_d).to(tl.float32)
+    s = tl.sum(q.to(tl.float32) * fk[None, :], 1) * qk_scale
+    if HAS_RANGE:
+        lo = tl.load(LO + b * lo_sb)
+        hi = tl.load(HI + b * lo_sb)
+        s = tl.where((lo <= past_len) & (past_len < hi), s, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    w = tl.exp2(s - m_safe)
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + w
+    acc = acc * alpha[:, None] + w[:, None] * fv[None, :]
+
+    # rows with no visible key give 0 (as the torch path)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = tl.where((l_i > 0)[:, None], out, 0.0)
+    tl.store(OUT + b64 * o_sb + qh[:, None] * o_sh + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=mask_h[:, None])
+
+
+# ------------------------------------------------------------------------------------------- launcher
+def block_n_for(head_dim: int) -> int:
+    return 64 if head_dim <= 128 else 32
+
+
+def num_splits(batch: int, kv_heads: int, past_len: int, block_n: int, device: torch.device) -> int:
+    """Partitions of the history: enough programs to fill the GPU about twice, no empty partition."""
+    tiles = max(1, math.ceil(past_len / block_n))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = math.ceil(2 * sms / max(1, batch * kv_heads))
+    return max(1, min(tiles, want, 128))
+
+
+def decode(
+    query: torch.Tensor,
+    fresh_k: torch.Tensor,
+    fresh_v: torch.Tensor,
+    groups: list[tuple[torch.Tensor, Operand, Operand]],
+    num_kv: int,
+    past_len: int,
+    ranges: tuple[torch.Tensor, torch.Tensor] | None,
+    scaling: float,
+    out: torch.Tensor,
+    dot_kind: int,
+    splits: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Decode attention (``Tq == 1``) into ``out[B, Hq, 1, D]``; ``groups`` = (head_index int32, K, V)."""
+    B, Hq, Tq, D = query.shape
+    if Tq != 1:
+        raise Unsupported(f"decode kernel: Tq={Tq}, expected 1")
+    rep = Hq // num_kv
+    block_h = max(16, triton.next_power_of_2(rep))
+    block_n = block_n_for(D)
+    S = splits or num_splits(B, num_kv, past_len, block_n, query.device)
+    tiles = max(1, math.ceil(past_len / block_n))
+    part_len = math.ceil(tiles / S) * block_n
+    S = max(1, math.ceil(past_len / part_len))
+    o_part = torch.empty((B, Hq, S, D), dtype=torch.float32, device=query.device)
+    lse_part = torch.empty((B, Hq, S), dtype=torch.float32, device=query.device)
+    qk_scale = scaling * LOG2E
+    lo, hi = ranges if ranges is not None else (query, query)  # dummies when there is no mask
+    lo_sb = lo.stride(0) if ranges is not None else 0
+    for head_index, kop, vop in groups:
+        Hg = head_index.numel()
+        _decode_partial[(B * Hg, S)](
+            query, query.stride(0), query.stride(1),
+            *kop.args(), *vop.args(),
+            head_index, lo, hi, lo_sb, o_part, lse_part,
+            qk_scale, past_len, part_len, Hg, S, Hq,
+            REP=rep, BLOCK_H=block_h, D=D, BLOCK_N=block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
+            K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group, K_FP8=kop.fp8,
+            V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group, V_FP8=vop.fp8,
+            num_warps=num_warps,
+        )  # fmt: skip
+    _decode_reduce[(B * num_kv,)](
+        o_part, lse_part, query, query.stride(0), query.stride(1),
+        fresh_k, fresh_k.stride(0), fresh_k.stride(1), fresh_v, fresh_v.stride(0), fresh_v.stride(1),
+        out, out.stride(0), out.stride(1), lo, hi, lo_sb, qk_scale, past_len, num_kv, S,
+        REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=ranges is not None,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return out

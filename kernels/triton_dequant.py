@@ -1,0 +1,212 @@
+"""Shared Triton pieces: read one tile of a quantized K or V part and dequantize it in registers.
+
+The kernels (:mod:`triton_decode`, :mod:`triton_chunk`) never see a dequantized copy of the history:
+each program loads the stored bytes of ``BLOCK_N`` tokens, turns them into floats in registers and
+applies the scales there. Which scale goes where (scale folding)::
+
+    kind        stored part(s)                 per-head scale        per-token / per-group scale
+    FLOAT       x  fp16/bf16/fp32              -                     -
+    HEAD        q  int8   (int8 shared)        state["scale"][h]     -
+    TOKEN       q  int8 + scale fp16[1]        -                     scale[t]: on the score column (K)
+                                                                     or on the probability column (V)
+    INTN        q  uint8 split-packed          -                     scale/zero[t, group] on load
+                   + scale, zero fp16[G]
+    FP8         q  float8 e4m3 / e5m2          state["scale"][h]     -
+
+A per-head K scale is folded into the softmax scale (``scores = (q . k_codes) * scaling * s_k[h]``);
+a per-head V scale multiplies the accumulator once, after the history loop; a per-token scale is
+one multiply per score (K) or per probability (V) instead of one per element. All are exact in
+fp32 up to rounding order.
+
+FP8: on GPUs with native fp8 conversions (compute capability >= 8.9: Ada, Hopper) the part is loaded
+as ``tl.float8e4nv`` / ``tl.float8e5``. Elsewhere (Ampere, and the CPU interpreter tests of this
+path) the bytes are loaded as uint8 and decoded with integer ops: an e5m2 byte is the high byte of
+an fp16; an e4m3 byte shifted into fp16's exponent/mantissa fields is the value / 256 (normals and
+subnormals alike), and the 256 is folded into the per-head scale.
+
+This module also holds the host-side description of a part (:func:`operand`) and its shape checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvquant.quantizers import Fp8, Int8PerToken, Int8SharedScale, IntNGrouped, Passthrough
+
+from .dispatch import Unsupported
+
+KIND_FLOAT = 0
+KIND_HEAD = 1
+KIND_TOKEN = 2
+KIND_INTN = 3
+KIND_FP8 = 4
+
+FP8_NATIVE = 0  # load as tl.float8e4nv / tl.float8e5
+FP8_E4M3_BITS = 1  # uint8 view, integer decode (value / 256; 256 folded into the head scale)
+FP8_E5M2_BITS = 2  # uint8 view, integer decode (exact)
+
+DOT_IEEE = 0  # fp32 operands, exact fp32 products (fp32 queries: the 2e-3 contract vs the fp32 reference)
+DOT_FP16 = 1  # fp16 operands, fp32 accumulation (tensor cores)
+DOT_BF16 = 2  # bf16 operands, fp32 accumulation (tensor cores)
+
+
+@triton.jit
+def load_tile(
+    ptr,
+    sc_ptr,
+    zp_ptr,
+    stride_t,
+    sc_stride_t,
+    offs_n,
+    mask_n,
+    offs_d,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    FP8: tl.constexpr,
+    D: tl.constexpr,
+):
+    """Float32 ``[BLOCK_N, D]`` tile of tokens ``offs_n`` (rows outside ``mask_n`` read as 0).
+
+    Per-group scale/zero (INTN) are applied here; per-head and per-token scales are not (the
+    kernels fold them, see the module doc). ``ptr``/``sc_ptr``/``zp_ptr`` point at token 0 of one
+    (batch, head) of the part tensors.
+    """
+    m2 = mask_n[:, None]
+    if KIND == 3:
+        # split packing: byte j holds channels j, j + D/n, ... (n = 8 / BITS) at bit offsets 0, BITS, ...
+        PER_BYTE: tl.constexpr = 8 // BITS
+        DP: tl.constexpr = D // PER_BYTE
+        col = offs_d % DP
+        shift = (offs_d // DP) * BITS
+        byte = tl.load(ptr + offs_n[:, None] * stride_t + col[None, :], mask=m2, other=0)
+        code = (byte.to(tl.int32) >> shift[None, :]) & ((1 << BITS) - 1)
+        grp = offs_d // GROUP
+        s_off = offs_n[:, None] * sc_stride_t + grp[None, :]
+        s = tl.load(sc_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
+        z = tl.load(zp_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
+        x = code.to(tl.float32) * s + z
+    elif KIND == 4 and FP8 == 1:
+        b = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
+        bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        x = bits.to(tl.float16, bitcast=True).to(tl.float32)
+    elif KIND == 4 and FP8 == 2:
+        b = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
+        x = (b << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        x = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def load_token_scale(sc_ptr, sc_stride_t, offs_n, mask_n):
+    """Per-token scales ``[BLOCK_N]`` (int8-token), 0 outside ``mask_n``."""
+    return tl.load(sc_ptr + offs_n * sc_stride_t, mask=mask_n, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_head_scale(hs_ptr, hg, KIND: tl.constexpr, FP8: tl.constexpr):
+    """The per-head factor of head ``hg`` of the group: the static scale (x256 for e4m3 bit decode), or 1."""
+    if KIND == 1 or KIND == 4:
+        s = tl.load(hs_ptr + hg).to(tl.float32)
+        if KIND == 4 and FP8 == 1:
+            s = s * 256.0
+    else:
+        s = 1.0
+    return s
+
+
+@triton.jit
+def dot(a, b, DOT: tl.constexpr):
+    """``a @ b`` with fp32 accumulation; operands fp32 (exact products), fp16 or bf16."""
+    if DOT == 0:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif DOT == 1:
+        r = tl.dot(a.to(tl.float16), b.to(tl.float16))
+    else:
+        r = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return r
+
+
+# ------------------------------------------------------------------------------------------- host side
+@dataclass
+class Operand:
+    """One quantized K or V of a head group, as kernel arguments."""
+
+    data: torch.Tensor  # [B, Hg, cap, D or D*bits/8]
+    scale: torch.Tensor  # per-token/per-group scale part, or a dummy
+    zero: torch.Tensor  # per-group zero part, or a dummy
+    head_scale: torch.Tensor  # state["scale"][Hg] fp32, or a dummy
+    kind: int
+    bits: int = 8
+    group: int = 1
+    fp8: int = FP8_NATIVE
+
+    def args(self) -> tuple:
+        """Pointer and stride arguments, in the order the kernels declare them."""
+        d, s = self.data, self.scale
+        return (d, s, self.zero, self.head_scale, d.stride(0), d.stride(1), d.stride(2),
+                s.stride(0), s.stride(1), s.stride(2))
+
+    def meta(self) -> tuple:
+        return (self.kind, self.bits, self.group, self.fp8)
+
+
+def native_fp8(device: torch.device) -> bool:
+    """True when this device converts fp8 in hardware (CUDA compute capability >= 8.9)."""
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def operand(store, head_dim: int, fp8_native: bool) -> Operand:
+    """Describe one :class:`~kvquant.store.QuantizedTensorStore` for the kernels; raise Unsupported if unknown."""
+    qz = store.quantizer
+    parts = store.parts
+    main = parts.get("q", parts.get("x"))
+    if main is None or main.dim() != 4 or main.stride(-1) != 1:
+        raise Unsupported(f"{qz.describe()}: part layout not [B, H, T, D] with unit channel stride")
+    if isinstance(qz, Passthrough):
+        return Operand(main, main, main, main, KIND_FLOAT)
+    if isinstance(qz, Int8SharedScale):
+        return Operand(main, main, main, _head_scale(store), KIND_HEAD)
+    if isinstance(qz, Int8PerToken):
+        return Operand(main, parts["scale"], main, main, KIND_TOKEN)
+    if isinstance(qz, IntNGrouped):
+        if head_dim % qz.group_size or head_dim % (8 // qz.bits):
+            raise Unsupported(f"{qz.describe()}: head_dim {head_dim} not a multiple of the group / packing")
+        sc, zp = parts["scale"], parts["zero"]
+        if sc.stride(-1) != 1 or zp.stride() != sc.stride():
+            raise Unsupported(f"{qz.describe()}: scale/zero parts not laid out alike")
+        return Operand(main, sc, zp, main, KIND_INTN, bits=qz.bits, group=qz.group_size)
+    if isinstance(qz, Fp8):
+        if fp8_native:
+            mode, data = FP8_NATIVE, main
+        else:
+            mode = FP8_E4M3_BITS if qz.dtype == torch.float8_e4m3fn else FP8_E5M2_BITS
+            data = main.view(torch.uint8)
+        return Operand(data, main.view(torch.uint8), data, _head_scale(store), KIND_FP8, fp8=mode)
+    raise Unsupported(f"{type(qz).__name__}: no Triton path for this quantizer")
+
+
+def _head_scale(store) -> torch.Tensor:
+    s = store.state.get("scale")
+    if s is None:
+        raise Unsupported(f"{store.quantizer.describe()}: no static scale (store not calibrated)")
+    if s.dtype != torch.float32 or s.dim() != 1 or s.stride(0) != 1:
+        s = s.float().contiguous()
+    return s
+
+
+def dot_kind(dtype: torch.dtype) -> int:
+    if dtype == torch.float32:
+        return DOT_IEEE
+    if dtype == torch.float16:
+        return DOT_FP16
+    if dtype == torch.bfloat16:
+        return DOT_BF16
+    raise Unsupported(f"query dtype {dtype}: expected float32, float16 or bfloat16")
