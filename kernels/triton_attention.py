@@ -52,7 +52,7 @@ def check_shapes(query: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tens
         raise Unsupported(f"device {query.device.type}: no Triton path")
     if D < 16 or D > 256 or D & (D - 1):
         raise Unsupported(f"head_dim {D}: the Triton kernels need a power of two in [16, 256]")
-    if D != layer.head_dim:
+    if layer.head_dim != D:
         raise Unsupported(f"head_dim: query {D}, store {layer.head_dim}")
     Hkv = layer.num_heads
     if Hq % Hkv:
@@ -135,7 +135,7 @@ def attend_triton(
     """
     B, Hq, Tq, D = query.shape
     check_shapes(query, fresh_k, fresh_v, layer)
-    dk = dot_kind(query.dtype)
+    dk = dot_kind(query.dtype, interpreted())
     ranges = key_ranges(mask, B, Hq, Tq, past_len)
     fp8_native = native_fp8(query.device)
     groups = [
@@ -148,11 +148,16 @@ def attend_triton(
     # written as [B, Tq, Hq, D] and returned as its [B, Hq, Tq, D] view: the caller's
     # ``out.transpose(1, 2).contiguous()`` is then free
     out = torch.empty((B, Tq, Hq, D), dtype=query.dtype, device=query.device).transpose(1, 2)
+    # Triton's interpreter converts fp32 -> bf16 by truncation (compiled code rounds to nearest even):
+    # under the interpreter a bf16 result is written in fp32 and rounded by torch
+    res = torch.empty(out.shape, device=out.device) if interpreted() and out.dtype == torch.bfloat16 else out
     if Tq == 1:
-        return decode(query, fresh_k, fresh_v, groups, layer.num_heads, past_len, ranges, scaling, out, dk,
-                      splits=splits)  # fmt: skip
-    return chunk(query, fresh_k, fresh_v, groups, layer.num_heads, past_len, ranges, scaling, out, dk,
-                 block_m=block_m)  # fmt: skip
+        decode(query, fresh_k, fresh_v, groups, layer.num_heads, past_len, ranges, scaling, res, dk, splits=splits)
+    else:
+        chunk(query, fresh_k, fresh_v, groups, layer.num_heads, past_len, ranges, scaling, res, dk, block_m=block_m)
+    if res is not out:
+        out.copy_(res)
+    return out
 
 
 __all__ = ["attend_triton", "check_shapes", "interpreted", "key_ranges"]

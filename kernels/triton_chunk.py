@@ -22,8 +22,18 @@ import triton
 import triton.language as tl
 
 from .dispatch import Unsupported
-from .triton_dequant import Operand, dot, load_head_scale, load_tile, load_token_scale
 from .triton_decode import LOG2E
+from .triton_dequant import (
+    Operand,
+    dot_pv,
+    dot_qk,
+    load_head_scale,
+    load_tile,
+    load_token_scale,
+    reduce_max,
+    reduce_min,
+    reduce_sum,
+)
 
 
 @triton.jit
@@ -57,13 +67,13 @@ def _chunk_attn(
         lo_r = tl.load(LO + b * lo_sb + t * lo_st, mask=mask_r, other=0)
         hi_r = tl.load(HI + b * lo_sb + t * lo_st, mask=mask_r, other=0)
     else:
-        lo_r = tl.zeros([BLOCK_M], tl.int32)
+        lo_r = tl.full([BLOCK_M], 0, tl.int32)
         hi_r = past_len + t + 1
     # padding rows take no part in the tile bounds
     lo_r = tl.where(mask_r, lo_r, 2147483647)
     hi_r = tl.where(mask_r, hi_r, 0)
-    k_lo = tl.min(lo_r, 0)
-    k_hi = tl.max(hi_r, 0)
+    k_lo = reduce_min(lo_r, 0)
+    k_hi = reduce_max(hi_r, 0)
 
     k_base = K + b64 * k_sb + hg * k_sh
     ks_base = KS + b64 * ks_sb + hg * ks_sh
@@ -74,8 +84,8 @@ def _chunk_attn(
     scale = qk_scale * load_head_scale(KH, hg, K_KIND, K_FP8)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    l_i = tl.full([BLOCK_M], 0, tl.float32)
+    acc = tl.full([BLOCK_M, D], 0, tl.float32)
 
     # 1) quantized history
     h_start = k_lo
@@ -85,19 +95,19 @@ def _chunk_attn(
         mask_n = (offs_n >= h_start) & (offs_n < h_end)
         vis = (offs_n[None, :] >= lo_r[:, None]) & (offs_n[None, :] < hi_r[:, None]) & mask_n[None, :]
         k = load_tile(k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, K_FP8, D)
-        s = dot(q, tl.trans(k), DOT) * scale
+        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3) * scale
         if K_KIND == 2:
             s = s * load_token_scale(ks_base, ks_st, offs_n, mask_n)[None, :]
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, reduce_max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + reduce_sum(p, 1)
         v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, V_FP8, D)
         if V_KIND == 2:
             p = p * load_token_scale(vs_base, vs_st, offs_n, mask_n)[None, :]
-        acc = acc * alpha[:, None] + dot(p, v, DOT)
+        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3)
         m_i = m_new
     # per-head V scale, once, before the (unscaled) fresh values join the accumulator
     acc = acc * load_head_scale(VH, hg, V_KIND, V_FP8)
@@ -113,15 +123,15 @@ def _chunk_attn(
         pos = past_len + offs_j
         vis = (pos[None, :] >= lo_r[:, None]) & (pos[None, :] < hi_r[:, None]) & mask_j[None, :]
         fk = tl.load(fk_base + offs_j[:, None] * fk_st + offs_d[None, :], mask=mask_j[:, None], other=0.0)
-        s = dot(q, tl.trans(fk), DOT) * qk_scale
+        s = dot_qk(q, tl.trans(fk), DOT, False) * qk_scale
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, reduce_max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + reduce_sum(p, 1)
         fv = tl.load(fv_base + offs_j[:, None] * fv_st + offs_d[None, :], mask=mask_j[:, None], other=0.0)
-        acc = acc * alpha[:, None] + dot(p, fv, DOT)
+        acc = acc * alpha[:, None] + dot_pv(p, fv, DOT, False)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -34,7 +34,16 @@ import triton
 import triton.language as tl
 
 from .dispatch import Unsupported
-from .triton_dequant import Operand, dot, load_head_scale, load_tile, load_token_scale
+from .triton_dequant import (
+    Operand,
+    dot_pv,
+    dot_qk,
+    load_head_scale,
+    load_tile,
+    load_token_scale,
+    reduce_max,
+    reduce_sum,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -82,27 +91,27 @@ def _decode_partial(
     scale = qk_scale * load_head_scale(KH, hg, K_KIND, K_FP8)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    l_i = tl.full([BLOCK_H], 0, tl.float32)
+    acc = tl.full([BLOCK_H, D], 0, tl.float32)
     # start aligned down to a tile boundary (aligned loads); keys below `lo` are masked
     first = start - (start % BLOCK_N)
     for n0 in range(first, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= start) & (offs_n < end)
         k = load_tile(k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, K_FP8, D)
-        s = dot(q, tl.trans(k), DOT) * scale
+        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3) * scale
         if K_KIND == 2:
             s = s * load_token_scale(ks_base, ks_st, offs_n, mask_n)[None, :]
         s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, reduce_max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + reduce_sum(p, 1)
         v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, V_FP8, D)
         if V_KIND == 2:
             p = p * load_token_scale(vs_base, vs_st, offs_n, mask_n)[None, :]
-        acc = acc * alpha[:, None] + dot(p, v, DOT)
+        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3)
         m_i = m_new
 
     # per-head V scale, once after the loop
@@ -133,8 +142,8 @@ def _decode_reduce(
     qh = h * REP + offs_h
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    l_i = tl.full([BLOCK_H], 0, tl.float32)
+    acc = tl.full([BLOCK_H, D], 0, tl.float32)
     prow = (b64 * n_qheads + qh) * S
     for split in range(0, S):
         lse = tl.load(LSE_PART + prow + split, mask=mask_h, other=float("-inf"))
@@ -151,7 +160,7 @@ def _decode_reduce(
     q = tl.load(Q + b64 * q_sb + qh[:, None] * q_sh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
     fk = tl.load(FK + b64 * fk_sb + h * fk_sh + offs_d).to(tl.float32)
     fv = tl.load(FV + b64 * fv_sb + h * fv_sh + offs_d).to(tl.float32)
-    s = tl.sum(q.to(tl.float32) * fk[None, :], 1) * qk_scale
+    s = reduce_sum(q.to(tl.float32) * fk[None, :], 1) * qk_scale
     if HAS_RANGE:
         lo = tl.load(LO + b * lo_sb)
         hi = tl.load(HI + b * lo_sb)
@@ -166,7 +175,8 @@ def _decode_reduce(
     # rows with no visible key give 0 (as the torch path)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out = tl.where((l_i > 0)[:, None], out, 0.0)
-    tl.store(OUT + b64 * o_sb + qh[:, None] * o_sh + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=mask_h[:, None])
+    o_ptr = OUT + b64 * o_sb + qh[:, None] * o_sh + offs_d[None, :]
+    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=mask_h[:, None])
 
 
 # ------------------------------------------------------------------------------------------- launcher

@@ -52,6 +52,7 @@ FP8_E5M2_BITS = 2  # uint8 view, integer decode (exact)
 DOT_IEEE = 0  # fp32 operands, exact fp32 products (fp32 queries: the 2e-3 contract vs the fp32 reference)
 DOT_FP16 = 1  # fp16 operands, fp32 accumulation (tensor cores)
 DOT_BF16 = 2  # bf16 operands, fp32 accumulation (tensor cores)
+DOT_BF16_EMULATED = 3  # bf16-rounded operands, fp32 dot: bf16 under the interpreter, whose bf16 tl.dot is wrong
 
 
 @triton.jit
@@ -97,6 +98,10 @@ def load_tile(
     elif KIND == 4 and FP8 == 2:
         b = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
         x = (b << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    elif KIND == 4:
+        # native fp8: no `other` (an int/float literal cannot be cast to fp8); masked lanes zeroed after
+        x = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2).to(tl.float32)
+        x = tl.where(m2, x, 0.0)
     else:
         x = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0).to(tl.float32)
     return x
@@ -121,15 +126,73 @@ def load_head_scale(hs_ptr, hg, KIND: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
-def dot(a, b, DOT: tl.constexpr):
-    """``a @ b`` with fp32 accumulation; operands fp32 (exact products), fp16 or bf16."""
-    if DOT == 0:
-        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif DOT == 1:
-        r = tl.dot(a.to(tl.float16), b.to(tl.float16))
+def _half(x, DOT: tl.constexpr):
+    """``x`` as an MMA operand of the query's precision (DOT 3: bf16-rounded values kept in fp32)."""
+    if DOT == 1:
+        r = x.to(tl.float16)
+    elif DOT == 2:
+        r = x.to(tl.bfloat16)
     else:
-        r = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        r = x.to(tl.bfloat16).to(tl.float32)
     return r
+
+
+@triton.jit
+def _mma(a, b, DOT: tl.constexpr):
+    return tl.dot(a, b, input_precision="ieee") if DOT == 3 else tl.dot(a, b)
+
+
+@triton.jit
+def dot_qk(q, kt, DOT: tl.constexpr, SPLIT: tl.constexpr):
+    """Scores ``q @ kt`` (fp32 accumulation). ``q`` is in the query dtype (exact as an operand); ``kt`` is
+    a dequantized fp32 tile: int8 / fp8 codes and stored half values are exact in the half type; with
+    ``SPLIT`` (int4/int2: code * scale + zero) it is split into high + low halves (two MMAs)."""
+    if DOT == 0:
+        r = tl.dot(q.to(tl.float32), kt, input_precision="ieee")
+    else:
+        qh = _half(q, DOT)
+        kh = _half(kt, DOT)
+        r = _mma(qh, kh, DOT)
+        if SPLIT:
+            r += _mma(qh, _half(kt - kh.to(tl.float32), DOT), DOT)
+    return r
+
+
+@triton.jit
+def dot_pv(p, v, DOT: tl.constexpr, SPLIT: tl.constexpr):
+    """``p @ v`` for fp32 probabilities ``p``. In half precision ``p`` is split into high + low halves
+    (two MMAs: rounding ``p`` then costs ~2^-22 instead of 2^-11 (fp16) / 2^-8 (bf16) relative), and so
+    is ``v`` with ``SPLIT`` (int4/int2; one more MMA, the low x low term is dropped)."""
+    if DOT == 0:
+        r = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        ph = _half(p, DOT)
+        pl = _half(p - ph.to(tl.float32), DOT)
+        vh = _half(v, DOT)
+        r = _mma(ph, vh, DOT) + _mma(pl, vh, DOT)
+        if SPLIT:
+            r += _mma(ph, _half(v - vh.to(tl.float32), DOT), DOT)
+    return r
+
+
+# Reductions as tl.reduce with triton's own combine functions rather than tl.max / tl.sum / tl.zeros:
+# those are @triton.jit functions of triton's standard library, built compiled (not interpreted) when
+# `triton` was imported before TRITON_INTERPRET=1 was set (transformers imports it), and the interpreter
+# cannot call them then. tl.reduce is a builtin; with these combine functions the interpreter takes its
+# numpy fast path, and compiled code is exactly what tl.max / tl.min / tl.sum generate.
+@triton.jit
+def reduce_max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def reduce_min(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_min)
+
+
+@triton.jit
+def reduce_sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._sum_combine)
 
 
 # ------------------------------------------------------------------------------------------- host side
@@ -202,11 +265,13 @@ def _head_scale(store) -> torch.Tensor:
     return s
 
 
-def dot_kind(dtype: torch.dtype) -> int:
+def dot_kind(dtype: torch.dtype, interpreted: bool = False) -> int:
     if dtype == torch.float32:
         return DOT_IEEE
     if dtype == torch.float16:
         return DOT_FP16
     if dtype == torch.bfloat16:
-        return DOT_BF16
+        # Triton 3.x's interpreter multiplies bf16 tl.dot operands as raw integers (checked with
+        # triton 3.9); the emulation rounds the operands to bf16 exactly as the MMA sees them.
+        return DOT_BF16_EMULATED if interpreted else DOT_BF16
     raise Unsupported(f"query dtype {dtype}: expected float32, float16 or bfloat16")

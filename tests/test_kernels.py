@@ -1,0 +1,262 @@
+"""Triton attention kernels vs the torch references (``attend_torch`` and the fp32 ``attend_naive``).
+
+On CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set below before the
+kernels are imported); on a CUDA machine (``benchmarks/gpu_check.sh``) the same tests run compiled.
+Contract: max abs error <= 2e-3 against the fp32 reference for fp32 queries.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from kvquant.kernels import dispatch  # noqa: E402
+from kvquant.kernels.attention_torch import attend_naive, attend_torch  # noqa: E402
+from kvquant.kernels.dispatch import Unsupported  # noqa: E402
+from kvquant.kernels.triton_attention import attend_triton, interpreted, key_ranges  # noqa: E402
+
+from kvquant.config import KVPrecision, KVQuantConfig  # noqa: E402
+from kvquant.store import LayerStore  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOL = 2e-3
+ALL = ["fp16", "bf16", "fp32", "int8", "int8-token", "int4", "int2", "fp8-e4m3", "fp8-e5m2"]
+
+
+def test_interpreter_on_cpu():
+    # on CPU the kernels must have been built by the interpreter, else every test below would only
+    # exercise the Unsupported fallback
+    assert DEV.type == "cuda" or interpreted(), "TRITON_INTERPRET=1 was not set before the kernels were imported"
+
+
+def make_layer(row, B=2, D=64, past=77, Tq=1, block=16, steps=(), seed=0, dtype=torch.float32):
+    """A LayerStore holding ``past`` tokens (written as a prefill, then ``steps`` more appends), the
+    fresh chunk of ``Tq`` tokens appended after it, and ``(fresh_k, fresh_v)``."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = KVQuantConfig(block_size=block)
+    row = [r if isinstance(r, KVPrecision) else KVPrecision(r, r) for r in row]
+    layer = LayerStore(row, cfg, D, B, DEV)
+    H = len(row)
+    # channel-dependent magnitudes, so per-head / per-group scales matter
+    mag = torch.rand(1, H, 1, D, generator=g) * 2 + 0.25
+    k = (torch.randn(B, H, past + Tq, D, generator=g) * mag).to(DEV, dtype)
+    v = (torch.randn(B, H, past + Tq, D, generator=g) * mag).to(DEV, dtype)
+    cuts = [0, *[c for c in steps if 0 < c < past], past]
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        if b > a:
+            layer.append(k[:, :, a:b], v[:, :, a:b])
+    fk, fv = k[:, :, past:], v[:, :, past:]
+    layer.append(fk, fv)
+    return layer, fk, fv
+
+
+def query(B, Hq, Tq, D, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Hq, Tq, D, generator=g) * 1.5).to(DEV, dtype)
+
+
+def check(q, fk, fv, layer, past, mask=None, tol=TOL, **kw):
+    scaling = q.shape[-1] ** -0.5
+    out = attend_triton(q, fk, fv, layer, past, mask, scaling, **kw)
+    ref = attend_naive(q.float(), fk, fv, layer, past, mask, scaling)
+    walk = attend_torch(q, fk, fv, layer, past, mask, scaling)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref).abs().max().item()
+    assert err <= tol, f"max abs error vs fp32 reference {err:.2e} > {tol:.0e}"
+    err_walk = (out.float() - walk.float()).abs().max().item()
+    assert err_walk <= tol, f"max abs error vs attend_torch {err_walk:.2e}"
+    return err
+
+
+# ------------------------------------------------------------------------------------- precisions
+PAIRS = [(p, p) for p in ALL] + [("int8-token", "int4"), ("fp8-e4m3", "int8"), ("int4", "fp16"), ("fp32", "fp8-e5m2")]
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}/{p[1]}")
+def test_decode_every_precision(pair):
+    layer, fk, fv = make_layer([KVPrecision(*pair)] * 2, past=77, steps=(40, 41))
+    q = query(2, 8, 1, 64)
+    check(q, fk, fv, layer, 77, splits=3)
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}/{p[1]}")
+def test_chunk_every_precision(pair):
+    layer, fk, fv = make_layer([KVPrecision(*pair)] * 2, past=70, Tq=9)
+    q = query(2, 4, 9, 64)
+    check(q, fk, fv, layer, 70, block_m=16)
+
+
+MIXED = ["int4", "int8", "fp16", "int4", "fp8-e4m3", "int8-token", KVPrecision("int8-token", "int4"), "int2"]
+
+
+@pytest.mark.parametrize("rep", [1, 3, 4, 8])
+def test_gqa_mixed_heads_decode(rep):
+    H = 4
+    row = MIXED[rep % 4 : rep % 4 + H]  # interleaved heads of 3-4 groups, none holding all heads
+    layer, fk, fv = make_layer(row, B=3, past=131)
+    assert len(layer.groups) >= 3 and not any(g.all_heads for g in layer.groups)
+    check(query(3, H * rep, 1, 64), fk, fv, layer, 131, splits=2)
+
+
+@pytest.mark.parametrize("rep", [1, 3, 4, 8])
+def test_gqa_mixed_heads_chunk(rep):
+    row = MIXED[4:8]
+    layer, fk, fv = make_layer(row, B=2, past=45, Tq=6)
+    check(query(2, 4 * rep, 6, 64), fk, fv, layer, 45, block_m=32)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, 50])
+def test_decode_splits(splits):
+    """Any number of partitions (more than tiles included) gives the same result."""
+    layer, fk, fv = make_layer(["int4", "int8"], B=1, past=200)
+    check(query(1, 4, 1, 64), fk, fv, layer, 200, splits=splits)
+
+
+@pytest.mark.parametrize("D", [16, 32, 128])
+def test_head_dims(D):
+    row = ["int2", "int4", "int8-token", "fp8-e5m2"]
+    layer, fk, fv = make_layer(row, B=1, D=D, past=50)
+    check(query(1, 8, 1, D), fk, fv, layer, 50, splits=2)
+    layer, fk, fv = make_layer(row, B=1, D=D, past=30, Tq=4)
+    check(query(1, 8, 4, D), fk, fv, layer, 30, block_m=16)
+
+
+@pytest.mark.parametrize("D", [8, 48, 96])
+def test_unsupported_head_dim(D):
+    layer, fk, fv = make_layer(["fp16"], B=1, D=D, past=5)
+    q = query(1, 2, 1, D)
+    with pytest.raises(Unsupported, match="head_dim"):
+        attend_triton(q, fk, fv, layer, 5, None, D**-0.5)
+    # the dispatcher falls back to the torch path
+    out = dispatch.attend(q, fk, fv, layer, 5, None, D**-0.5)
+    assert torch.allclose(out, attend_torch(q, fk, fv, layer, 5, None, D**-0.5))
+
+
+def test_empty_history():
+    layer, fk, fv = make_layer(["int8", "int4"], past=0, Tq=1)
+    check(query(2, 4, 1, 64), fk, fv, layer, 0)
+    layer, fk, fv = make_layer(["int8", "int4"], past=0, Tq=11)
+    check(query(2, 4, 11, 64), fk, fv, layer, 0, block_m=16)
+
+
+def test_fp8_native_path(monkeypatch):
+    """The native fp8 load (tl.float8e4nv / tl.float8e5), as run on Hopper, also checked here."""
+    from kvquant.kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "native_fp8", lambda device: True)
+    layer, fk, fv = make_layer([KVPrecision("fp8-e4m3", "fp8-e5m2"), KVPrecision("fp8-e5m2", "fp8-e4m3")], past=60)
+    check(query(2, 4, 1, 64), fk, fv, layer, 60, splits=2)
+    layer, fk, fv = make_layer(["fp8-e4m3", "fp8-e5m2"], past=40, Tq=5)
+    check(query(2, 4, 5, 64), fk, fv, layer, 40, block_m=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_queries(dtype):
+    """fp16/bf16 models: MMAs in the query dtype with fp32 accumulation (tensor cores on a GPU).
+
+    A half-precision *output* alone is off the fp32 reference by up to half an ulp (fp16: 1e-3 at
+    |o| ~ 4; bf16: 8e-3), which is the error of the torch path too. The kernel must add nothing
+    visible to that: its error vs the fp32 reference <= the torch path's + 1e-4 (fp16) / 1e-3 (bf16).
+    """
+    slack = 1e-4 if dtype == torch.float16 else 1e-3
+    for row in (["int8", "int4"], ["fp16", "int8-token"], ["fp8-e4m3", "int2"]):
+        for past, Tq in ((90, 1), (33, 5)):
+            layer, fk, fv = make_layer(row, past=past, Tq=Tq, dtype=dtype)
+            q = query(2, 8, Tq, 64, dtype=dtype)
+            out = attend_triton(q, fk, fv, layer, past, None, 0.125, splits=2, block_m=16)
+            assert out.dtype == dtype
+            ref = attend_naive(q.float(), fk, fv, layer, past, None, 0.125)
+            walk = attend_torch(q, fk, fv, layer, past, None, 0.125)
+            err = (out.float() - ref).abs().max().item()
+            err_walk = (walk.float() - ref).abs().max().item()
+            assert err <= err_walk + slack, f"{row} Tq={Tq}: {err:.2e} vs torch path {err_walk:.2e}"
+
+
+# ------------------------------------------------------------------------------------------- masks
+def padded_mask(pads, past, Tq, heads=1):
+    """transformers' left-padding SDPA mask: row b sees keys pads[b] <= j <= past + t."""
+    L = past + Tq
+    j = torch.arange(L).view(1, 1, L)
+    qpos = torch.arange(Tq).view(1, Tq, 1) + past
+    pad = torch.tensor(pads).view(-1, 1, 1)
+    m = (j >= pad) & (j <= qpos)
+    return m.unsqueeze(1).expand(len(pads), heads, Tq, L).to(DEV)
+
+
+def test_left_padding_decode():
+    pads = [0, 30, 76, 77]  # a long row, a padded one, one with only the fresh token, one with nothing visible
+    layer, fk, fv = make_layer(["int8", "int4", "fp8-e4m3", "int8-token"], B=4, past=77)
+    mask = padded_mask(pads, 77, 1)
+    mask[3] = False  # a fully masked row: output 0, as the torch path
+    err = check(query(4, 8, 1, 64), fk, fv, layer, 77, mask=mask, splits=3)
+    assert err <= TOL
+    out = attend_triton(query(4, 8, 1, 64), fk, fv, layer, 77, mask, 0.125)
+    assert out[3].abs().max() == 0
+
+
+def test_left_padding_chunk():
+    pads = [0, 19, 50]  # the last row's padding reaches into the chunk
+    layer, fk, fv = make_layer(["int4", KVPrecision("int8-token", "int4")], B=3, past=45, Tq=8)
+    mask = padded_mask(pads, 45, 8)
+    check(query(3, 4, 8, 64), fk, fv, layer, 45, mask=mask, block_m=16)
+
+
+def test_per_head_mask_and_extra_columns():
+    layer, fk, fv = make_layer(["int8", "int4"], B=2, past=40, Tq=3)
+    mask = padded_mask([0, 7], 40, 3, heads=4)
+    q = query(2, 4, 3, 64)
+    check(q, fk, fv, layer, 40, mask=mask, block_m=16)
+    wide = torch.cat([mask, torch.ones_like(mask[..., :5])], dim=-1)  # static-cache style extra columns
+    out = attend_triton(q, fk, fv, layer, 40, wide, 0.125, block_m=16)
+    assert (out - attend_naive(q, fk, fv, layer, 40, mask, 0.125)).abs().max() <= TOL
+
+
+def test_non_contiguous_mask_falls_back():
+    layer, fk, fv = make_layer(["int8"], B=1, past=30)
+    q = query(1, 2, 1, 64)
+    mask = padded_mask([0], 30, 1)
+    mask[..., 10:15] = False  # a hole: not one key range
+    with pytest.raises(Unsupported, match="contiguous"):
+        attend_triton(q, fk, fv, layer, 30, mask, 0.125)
+    heads = padded_mask([0], 30, 1, heads=2).clone()
+    heads[:, 1, :, :3] = False
+    with pytest.raises(Unsupported, match="heads"):
+        attend_triton(q, fk, fv, layer, 30, heads, 0.125)
+    out = dispatch.attend(q, fk, fv, layer, 30, mask, 0.125)
+    assert torch.allclose(out, attend_naive(q, fk, fv, layer, 30, mask, 0.125), atol=1e-5)
+
+
+def test_key_ranges():
+    mask = padded_mask([0, 3], 5, 2)
+    lo, hi = key_ranges(mask, 2, 1, 2, 5)
+    assert lo.tolist() == [[0, 0], [3, 3]] and hi.tolist() == [[6, 7], [6, 7]]
+    assert key_ranges(None, 2, 1, 2, 5) is None
+
+
+def test_dispatch_forced_triton(monkeypatch):
+    """``KVQUANT_ATTENTION=triton`` runs the Triton kernels (not the fallback)."""
+    from kvquant.kernels import triton_attention
+
+    calls = []
+    real = triton_attention.attend_triton
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        calls.append(1)
+        return out
+
+    monkeypatch.setattr(triton_attention, "attend_triton", spy)
+    monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
+    layer, fk, fv = make_layer(["int4"], B=1, past=20)
+    q = query(1, 2, 1, 64)
+    out = dispatch.attend(q, fk, fv, layer, 20, None, 0.125)
+    assert calls == [1]
+    assert (out - attend_naive(q, fk, fv, layer, 20, None, 0.125)).abs().max() <= TOL
