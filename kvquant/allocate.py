@@ -1,0 +1,185 @@
+"""Choose a precision per (layer, KV head) -- K and V together or separately -- under an average-bits budget.
+
+``allocate`` is a greedy multiple-choice knapsack: every unit starts at the cheapest candidate; then,
+while the budget allows, the upgrade (any unit to any more expensive candidate) with the largest
+predicted loss decrease per added bit is taken. The predicted loss of a unit at a candidate is its
+measured sensitivity (:mod:`kvquant.sensitivity`), and units add up. Bits are the stored bits per
+element of each precision, scale and zero-point overhead included (``KVQuantConfig.bits``), so the
+result's ``KVQuantConfig.avg_bits`` is what the budget bounds.
+
+Two reference policies for comparisons live here too: ``layer_upgrade`` (a uniform precision widened
+to the budget by upgrading whole layers in order, as a per-layer search without measurement would)
+and ``random_allocation`` (random units upgraded until the budget is spent).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .config import KVPrecision, KVQuantConfig
+from .quantizers import PRECISIONS
+from .shape import ModelShape
+
+Plan = list[list[KVPrecision]]  # plan[layer][kv_head]
+
+
+@dataclass
+class Allocation:
+    plan: Plan
+    avg_bits: float
+    predicted_kl: float  # sum of the chosen units' sensitivities (nats per token, additive model)
+
+
+def parse_candidates(text: str | Sequence[str]) -> list[str]:
+    """``"int4,int8,fp16"`` -> a checked list, ordered by name as given; errors name ``--candidates``."""
+    names = [c.strip() for c in text.split(",")] if isinstance(text, str) else [str(c).strip() for c in text]
+    names = [c for c in names if c]
+    if not names:
+        raise ValueError("--candidates: give at least one precision, e.g. int4,int8,fp16")
+    for c in names:
+        if c not in PRECISIONS:
+            raise ValueError(f"--candidates: unknown precision {c!r} (known: {', '.join(PRECISIONS)})")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--candidates: {','.join(names)} names a precision twice")
+    return names
+
+
+def candidate_bits(candidates: Sequence[str], template: KVQuantConfig, head_dim: int) -> dict[str, float]:
+    """Stored bits per element of each candidate, overhead included."""
+    return {c: template.bits(c, head_dim) for c in candidates}
+
+
+def check_budget(budget: float, bits: dict[str, float]) -> None:
+    lo = min(bits.values())
+    if not budget >= lo:  # also catches NaN
+        cheapest = min(bits, key=bits.get)
+        raise ValueError(
+            f"--budget-bits: {budget} is below the cheapest candidate ({cheapest}: {lo:.3f} bits per element "
+            "with its scale/zero overhead); raise the budget or add a cheaper candidate"
+        )
+
+
+def allocate(
+    sens: dict[str, torch.Tensor],
+    bits: dict[str, float],
+    budget: float,
+    kv_separate: bool = False,
+) -> Allocation:
+    """Greedy allocation (see module doc). ``sens[c]`` is ``[layers, kv_heads, 2]``; ``budget`` in avg bits."""
+    check_budget(budget, bits)
+    cands = sorted(bits, key=lambda c: (bits[c], c))
+    first = sens[cands[0]]
+    L, H = int(first.shape[0]), int(first.shape[1])
+    if kv_separate:
+        units = [(li, h, (k,)) for li in range(L) for h in range(H) for k in (0, 1)]
+    else:
+        units = [(li, h, (0, 1)) for li in range(L) for h in range(H)]
+    loss = [[float(sum(sens[c][li, h, k] for k in kinds)) for c in cands] for li, h, kinds in units]
+    cost = [[bits[c] * len(kinds) for c in cands] for _li, _h, kinds in units]
+    capacity = budget * 2 * L * H + 1e-9
+    choice = [0] * len(units)
+    spent = sum(cost[u][0] for u in range(len(units)))
+    while True:
+        best = None  # (ratio, unit, candidate index)
+        for u in range(len(units)):
+            cur = choice[u]
+            for ci in range(len(cands)):
+                extra = cost[u][ci] - cost[u][cur]
+                gain = loss[u][cur] - loss[u][ci]
+                if ci == cur or gain <= 0 or spent + extra > capacity:
+                    continue
+                ratio = float("inf") if extra <= 0 else gain / extra
+                if best is None or ratio > best[0]:
+                    best = (ratio, u, ci)
+        if best is None:
+            break
+        _, u, ci = best
+        spent += cost[u][ci] - cost[u][choice[u]]
+        choice[u] = ci
+    plan: Plan = [[KVPrecision(cands[0], cands[0]) for _ in range(H)] for _ in range(L)]
+    for u, (li, h, kinds) in enumerate(units):
+        c = cands[choice[u]]
+        old = plan[li][h]
+        if kinds == (0, 1):
+            plan[li][h] = KVPrecision(c, c)
+        elif kinds == (0,):
+            plan[li][h] = KVPrecision(c, old.value)
+        else:
+            plan[li][h] = KVPrecision(old.key, c)
+    predicted = sum(loss[u][choice[u]] for u in range(len(units)))
+    return Allocation(plan, spent / (2 * L * H), predicted)
+
+
+def plan_avg_bits(plan: Plan, bits: dict[str, float]) -> float:
+    n = sum(len(row) for row in plan)
+    return sum(bits[p.key] + bits[p.value] for row in plan for p in row) / (2 * n)
+
+
+def predicted_kl(plan: Plan, sens: dict[str, torch.Tensor]) -> float:
+    return float(sum(sens[p.key][li, h, 0] + sens[p.value][li, h, 1]
+                     for li, row in enumerate(plan) for h, p in enumerate(row)))
+
+
+def plan_to_config(plan: Plan, template: KVQuantConfig | None = None, shape: ModelShape | None = None,
+                   name: str | None = None, description: str | None = None) -> KVQuantConfig:
+    """A compact config for ``plan``: the commonest pair as default, whole-layer and per-head overrides."""
+    from .sensitivity import with_plan
+
+    counts = Counter(p for row in plan for p in row)
+    default = counts.most_common(1)[0][0]
+    cfg = with_plan(template or KVQuantConfig(), default)
+    for li, row in enumerate(plan):
+        if len(set(row)) == 1 and row[0] != default:
+            cfg.layers[li] = row[0]
+            continue
+        layer_default = default
+        for h, p in enumerate(row):
+            if p != layer_default:
+                cfg.heads[(li, h)] = p
+    cfg.model_shape = shape.as_dict() if shape is not None else None
+    cfg.name, cfg.description = name, description
+    return cfg
+
+
+def layer_upgrade(shape: ModelShape, bits: dict[str, float], budget: float, low: str = "int4",
+                  high: str = "int8") -> Plan:
+    """Uniform ``low``, then whole layers 0, 1, 2, ... upgraded to ``high`` while the average fits ``budget``."""
+    check_budget(budget, {low: bits[low]})
+    L, H = shape.num_layers, shape.num_kv_heads
+    plan = [[KVPrecision(low, low)] * H for _ in range(L)]
+    for li in range(L):
+        trial = [list(r) for r in plan]
+        trial[li] = [KVPrecision(high, high)] * H
+        if plan_avg_bits(trial, bits) > budget + 1e-9:
+            break
+        plan = trial
+    return plan
+
+
+def random_allocation(shape: ModelShape, bits: dict[str, float], budget: float, seed: int,
+                      kv_separate: bool = False) -> Plan:
+    """Units in a random order, each upgraded to a random more expensive candidate that still fits the budget."""
+    check_budget(budget, bits)
+    rng = random.Random(seed)
+    cands = sorted(bits, key=lambda c: (bits[c], c))
+    L, H = shape.num_layers, shape.num_kv_heads
+    plan = [[KVPrecision(cands[0], cands[0])] * H for _ in range(L)]
+    kinds = [(0,), (1,)] if kv_separate else [(0, 1)]
+    units = [(li, h, k) for li in range(L) for h in range(H) for k in kinds]
+    rng.shuffle(units)
+    capacity = budget * 2 * L * H + 1e-9
+    spent = bits[cands[0]] * 2 * L * H
+    for li, h, k in units:
+        options = [c for c in cands[1:] if spent + (bits[c] - bits[cands[0]]) * len(k) <= capacity]
+        if not options:
+            continue
+        c = rng.choice(options)
+        spent += (bits[c] - bits[cands[0]]) * len(k)
+        old = plan[li][h]
+        plan[li][h] = KVPrecision(c if 0 in k else old.key, c if 1 in k else old.value)
+    return plan

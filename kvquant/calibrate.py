@@ -1,0 +1,478 @@
+"""``kvquant calibrate`` and ``kvquant show-config``: per-head precisions from measured sensitivity.
+
+``calibrate`` measures, on calibration text that evaluation windows do not use (the END of the corpus;
+evaluation windows are cut from its start), how much each (layer, KV head)'s K and V move the final
+logits when stored in each candidate precision (:mod:`kvquant.sensitivity`), caches those numbers
+beside the output, allocates precisions under an average-bits budget (:mod:`kvquant.allocate`), and
+writes a commented YAML config that ``KVQuantConfig.from_file`` reads as is, plus a heatmap PNG.
+
+Library use::
+
+    from kvquant.calibrate import calibrate
+    result = calibrate(model, tokenizer, text, budget_bits=6.0, output="cfg.yaml")
+    result.config.avg_bits(model)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .allocate import Allocation, allocate, candidate_bits, check_budget, parse_candidates, plan_to_config
+from .config import KVQuantConfig
+from .sensitivity import (
+    METHODS,
+    CalibrationTokens,
+    Sensitivity,
+    cache_key,
+    calibration_windows,
+    estimate_fisher,
+    load_cached,
+    measure_kl,
+    save_cached,
+)
+from .shape import ModelShape
+
+DEFAULT_CANDIDATES = "int4,int8,fp16"
+CACHE_NAME = "kvquant-sensitivity.json"
+
+CALIBRATE_EPILOG = """\
+examples:
+  kvquant calibrate --model smollm2-135m --data wikitext-2 --budget-bits 6.0 -o smollm2-6bit.yaml
+  kvquant calibrate --model smollm2-135m --data wikitext-2 --budget-bits 5.5 --kv-separate -o smollm2-5.5.yaml
+  kvquant calibrate --model ./my-model --data corpus.txt --budget-bits 7 --candidates int4,int8-token,fp16 \\
+      --method kl --calib-windows 4 --calib-window 512 -o my.yaml
+
+What it does:
+  1. takes the LAST calib-windows x calib-window tokens of --data (evaluation windows are cut from the
+     start of a corpus, so the two do not overlap; the header records the token range);
+  2. measures each (layer, KV head)'s sensitivity, K and V apart: the mean KL(base || quantized) of
+     the next-token distribution when that unit alone is stored in a candidate precision
+     (--method kl: measured, one forward per unit and candidate; --method fisher: estimated from a
+     few backward passes, much faster, rank correlation with kl reported in docs/results/calibration.md);
+  3. caches the sensitivities in kvquant-sensitivity.json beside -o: another budget is then seconds;
+  4. allocates greedily by predicted KL decrease per added bit until the average bits per element
+     (scale/zero overhead included) would exceed --budget-bits; K and V of a head share a precision
+     unless --kv-separate;
+  5. writes -o (commented YAML, editable by hand) and a heatmap PNG beside it.
+Bits per element with head_dim 64: int4 5.0 (4 + fp16 scale and zero per 32), int8 8.0, fp16 16.0.
+"""
+
+SHOW_EPILOG = """\
+examples:
+  kvquant show-config smollm2-6bit.yaml
+  kvquant show-config recipes/configs/mixed-int4-int8.yaml --model smollm2-135m
+  kvquant show-config int4 --model ./my-model
+
+The shape comes from --model, else from the config's model_shape field (written by calibrate).
+"""
+
+
+# ------------------------------------------------------------------------------------------ loading (kvquant.eval)
+def _tokenize(text: str, tokenizer: Any) -> torch.Tensor:
+    """The whole text as 1-D token ids, no special tokens (``kvquant.eval.data.tokenize``)."""
+    from kvquant.eval.data import tokenize
+
+    return tokenize(text, tokenizer)
+
+
+def _model_dir(spec: str) -> str:
+    """Where a model's config.json is: the converted cache of a named model, else ``spec`` itself."""
+    from kvquant.eval.models import NAMED_MODELS, resolve_named
+
+    if spec in NAMED_MODELS:
+        return str(resolve_named(spec, progress=False)[0])
+    return spec
+
+
+def _load_model_and_text(model: str, data: str, dtype: str) -> tuple[Any, Any, str, str, str]:
+    """``(model, tokenizer, text, model label, data label)`` through ``kvquant.eval``'s loaders."""
+    from kvquant.eval.data import load_text
+    from kvquant.eval.models import load_model
+
+    text = load_text(data)  # before the model: a bad --data fails fast
+    loaded = load_model(model, dtype=dtype, attn_implementation="sdpa", progress=True)
+    return loaded.model, loaded.tokenizer, text.text, model, f"{data} ({text.source})"
+
+
+# ------------------------------------------------------------------------------------------ result
+@dataclass
+class CalibrationResult:
+    config: KVQuantConfig
+    allocation: Allocation
+    sensitivity: Sensitivity
+    tokens: CalibrationTokens
+    bits: dict[str, float]
+    header: str
+    cache_hit: bool
+    cache_path: Path | None = None
+    heatmap: Path | None = None
+    output: Path | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _model_identity(model: Any, model_name: str | None) -> dict[str, Any]:
+    shape = ModelShape.of(model)
+    # a cheap fingerprint of the weights: a few values of the embedding and the last layer norm
+    params = list(model.parameters())
+    probe = torch.cat([p.detach().flatten()[:64].float().cpu() for p in (params[0], params[-1])])
+    return {
+        "name": model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
+        "shape": shape.as_dict(),
+        "dtype": str(next(model.parameters()).dtype),
+        "probe": hashlib.sha256(probe.numpy().tobytes()).hexdigest()[:16],
+    }
+
+
+def calibrate(
+    model: Any,
+    tokenizer: Any,
+    text: str,
+    budget_bits: float,
+    candidates: str | list[str] = DEFAULT_CANDIDATES,
+    kv_separate: bool = False,
+    method: str = "fisher",
+    calib_window: int = 512,
+    calib_windows: int = 2,
+    samples: int = 8,
+    seed: int = 0,
+    template: KVQuantConfig | None = None,
+    output: str | Path | None = None,
+    cache_path: str | Path | None = None,
+    use_cache: bool = True,
+    heatmap: bool = True,
+    model_name: str | None = None,
+    data_name: str | None = None,
+    command: str | None = None,
+    progress: bool = False,
+) -> CalibrationResult:
+    """Measure (or reuse) sensitivities, allocate under ``budget_bits``, optionally write the config and heatmap."""
+    t_start = time.perf_counter()
+    shape = ModelShape.of(model)  # raises for a model without KV heads
+    template = template or KVQuantConfig()
+    cands = parse_candidates(candidates)
+    if method not in METHODS:
+        raise ValueError(f"--method: unknown {method!r} (known: {', '.join(METHODS)})")
+    bits = candidate_bits(cands, template, shape.head_dim)
+    check_budget(budget_bits, bits)
+    base = max(cands, key=lambda c: (bits[c], c))
+    # tokens
+    ids = _tokenize(text, tokenizer)
+    tokens = calibration_windows(ids, calib_window, calib_windows)
+    t_tok = time.perf_counter()
+    key_parts = {
+        "model": _model_identity(model, model_name),
+        "data": {"name": data_name, "sha256_16": _text_digest(text), "start": tokens.start, "end": tokens.end,
+                 "window": calib_window, "windows": calib_windows},
+        "candidates": sorted(cands),
+        "base": base,
+        "method": method,
+        "samples": samples if method == "fisher" else None,
+        "seed": seed if method == "fisher" else None,
+        "storage": {"group_size": template.effective_group_size(shape.head_dim), "headroom": template.headroom,
+                    "share_kv_scale": template.share_kv_scale},
+    }
+    key = cache_key(key_parts)
+    out_path = Path(output) if output else None
+    if out_path is not None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+    if cache_path is None and out_path is not None:
+        cache_path = out_path.parent / CACHE_NAME
+    cache_path = Path(cache_path) if cache_path else None
+    sens = load_cached(cache_path, key) if (use_cache and cache_path) else None
+    cache_hit = sens is not None
+    if sens is None:
+        report = _progress_printer(method) if progress else None
+        if method == "kl":
+            sens = measure_kl(model, tokens.ids, cands, base, template, progress=report)
+        else:
+            sens = estimate_fisher(model, tokens.ids, cands, base, template, samples=samples, seed=seed,
+                                   progress=report)
+        if cache_path is not None:
+            save_cached(cache_path, key, sens, key_parts)
+    t_sens = time.perf_counter()
+    alloc = allocate(sens.values, bits, budget_bits, kv_separate=kv_separate)
+    cfg = plan_to_config(alloc.plan, template, shape, name=out_path.stem if out_path else None)
+    achieved = cfg.avg_bits(shape)
+    if achieved > budget_bits + 1e-9:  # the allocator and the config count bits the same way; guard anyway
+        raise AssertionError(f"allocation: {achieved:.4f} avg bits exceeds the budget {budget_bits}")
+    heat_path = out_path.with_suffix(".png") if (out_path and heatmap) else None
+    header = _header(
+        shape=shape, cfg=cfg, alloc=alloc, sens=sens, tokens=tokens, bits=bits, budget=budget_bits,
+        kv_separate=kv_separate, model_name=key_parts["model"]["name"], data_name=data_name,
+        text_digest=key_parts["data"]["sha256_16"], command=command, cache_path=cache_path, key=key,
+        cache_hit=cache_hit, heatmap=heat_path,
+    )
+    cfg.description = (
+        f"calibrated: {sens.method} sensitivity, budget {budget_bits} avg bits, achieved {achieved:.3f}"
+    )
+    if out_path is not None:
+        cfg.save(out_path, header=header)
+        if heat_path is not None:
+            save_heatmap(sens, alloc, heat_path, title=f"{key_parts['model']['name']}: {out_path.name}")
+    seconds = {"tokenize": round(t_tok - t_start, 2), "sensitivity": round(t_sens - t_tok, 2),
+               "allocate_and_write": round(time.perf_counter() - t_sens, 2)}
+    return CalibrationResult(cfg, alloc, sens, tokens, bits, header, cache_hit, cache_path, heat_path, out_path,
+                             seconds)
+
+
+def _progress_printer(method: str):
+    t0 = time.perf_counter()
+    last = [0.0]
+
+    def report(done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - last[0] > 5 or done == total:
+            last[0] = now
+            el = now - t0
+            eta = el / done * (total - done) if done else 0
+            print(f"[kvquant calibrate] {method}: {done}/{total}  {el:.0f}s elapsed, ~{eta:.0f}s left",
+                  file=sys.stderr, flush=True)
+
+    return report
+
+
+def _count_line(cfg: KVQuantConfig, shape: ModelShape) -> str:
+    plan = cfg.resolve(shape)
+    out = []
+    for kind in ("key", "value"):
+        counts: dict[str, int] = {}
+        for row in plan:
+            for p in row:
+                c = getattr(p, kind)
+                counts[c] = counts.get(c, 0) + 1
+        out.append(f"{kind[0].upper()}: " + ", ".join(f"{n} {c}" for c, n in sorted(counts.items())))
+    return "; ".join(out)
+
+
+def _header(*, shape, cfg, alloc, sens, tokens, bits, budget, kv_separate, model_name, data_name, text_digest,
+            command, cache_path, key, cache_hit, heatmap) -> str:
+    achieved = cfg.avg_bits(shape)
+    n_units = shape.num_layers * shape.num_kv_heads
+    lines = [
+        "kvquant calibrated KV-cache config: a precision per (layer, KV head), K and V "
+        + ("chosen separately" if kv_separate else "chosen together per head"),
+        f"made {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by: {command or '(library call)'}",
+        "",
+        f"model: {model_name} ({shape.num_layers} layers x {shape.num_kv_heads} KV heads x head_dim "
+        f"{shape.head_dim} = {n_units} heads)",
+        f"calibration text: {data_name or '(given text)'} (sha256 {text_digest}...)",
+        f"  tokens used: {tokens.describe()};",
+        "  evaluation windows are cut from the start of a corpus, so they do not overlap these",
+        f"sensitivity: {sens.method} -- {METHODS[sens.method]}",
+        f"  per unit (layer, head, K or V) and candidate: mean per-token KL({sens.base} everywhere || that unit "
+        "lowered), in nats",
+        "  candidates (stored bits per element, scale/zero overhead included): "
+        + ", ".join(f"{c} {bits[c]:.3f}" for c in sorted(bits, key=bits.get)),
+        f"  cached in {cache_path.name if cache_path else '(not cached)'} under key {key}"
+        + (" (reused)" if cache_hit else ""),
+        "allocation: greedy, largest predicted KL decrease per added bit first, while the average fits",
+        f"budget: {budget} avg bits per element; achieved: {achieved:.4f} (overhead included)",
+        f"predicted KL (sum of chosen units' sensitivities): {alloc.predicted_kl:.5f} nats/token",
+        f"counts over {n_units} heads: {_count_line(cfg, shape)}",
+    ]
+    if heatmap is not None:
+        lines.append(f"heatmap: {heatmap.name}")
+    lines += [
+        "",
+        "Edit freely: default, layers.N and heads.\"L.H\" (K/V: {key: ..., value: ...}) are read by",
+        "KVQuantConfig.from_file; `kvquant show-config FILE` prints the table and the average bits.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ heatmap
+def save_heatmap(sens: Sensitivity, alloc: Allocation | None, path: str | Path, title: str = "") -> Path:
+    """Layers x heads heatmaps of the K and V sensitivity at the cheapest candidate, chosen precision in each cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    # the candidate with the largest sensitivities: the cheapest one
+    lowest = max(sens.candidates, key=lambda c: float(sens.values[c].sum()))
+    vals = sens.values[lowest].double()
+    L, H = vals.shape[0], vals.shape[1]
+    pos = vals[vals > 0]
+    vmin = float(pos.min()) if pos.numel() else 1e-9
+    vmax = max(float(vals.max()), vmin * 10)
+    fig, axes = plt.subplots(1, 2, figsize=(2.2 + 1.1 * H * 2, 1.2 + 0.28 * L), squeeze=False)
+    for kind, ax in enumerate(axes[0]):
+        data = vals[:, :, kind].clamp_min(vmin).numpy()
+        im = ax.imshow(data, aspect="auto", cmap="magma", norm=LogNorm(vmin=vmin, vmax=vmax))
+        ax.set_title(f"{'K' if kind == 0 else 'V'}: KL at {lowest}", fontsize=9)
+        ax.set_xlabel("KV head")
+        ax.set_ylabel("layer")
+        ax.set_xticks(range(H))
+        ax.set_yticks(range(L))
+        ax.tick_params(labelsize=6)
+        if alloc is not None:
+            for li in range(L):
+                for h in range(H):
+                    p = alloc.plan[li][h]
+                    ax.text(h, li, p.key if kind == 0 else p.value, ha="center", va="center", fontsize=5,
+                            color="cyan")
+        fig.colorbar(im, ax=ax, fraction=0.08)
+    fig.suptitle(title or "KV sensitivity", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ show-config
+def config_table(cfg: KVQuantConfig, shape: ModelShape) -> str:
+    """The per-layer table of a config: K and V precision of every KV head, bits per layer, and the average."""
+    plan = cfg.resolve(shape)
+    H = shape.num_kv_heads
+    rows = []
+    width = max(8, max(len(p.key) + len(p.value) + 1 for row in plan for p in row))
+    head_cols = "  ".join(f"{'h' + str(h) + ' K/V':<{width}}" for h in range(H))
+    rows.append(f"{'layer':>5}  {head_cols}  {'avg bits':>8}")
+    for li, row in enumerate(plan):
+        cells = "  ".join(f"{p.key + '/' + p.value:<{width}}" for p in row)
+        layer_bits = sum(cfg.bits(p.key, shape.head_dim) + cfg.bits(p.value, shape.head_dim) for p in row) / (2 * H)
+        rows.append(f"{li:>5}  {cells}  {layer_bits:>8.3f}")
+    fp16 = 16.0
+    avg = cfg.avg_bits(shape)
+    rows.append(f"avg bits per K/V element (scale/zero overhead included): {avg:.4f}  "
+                f"({avg / fp16:.3f}x FP16)")
+    return "\n".join(rows)
+
+
+def _shape_for(model: str | None, cfg: KVQuantConfig) -> ModelShape:
+    if model:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(_model_dir(model))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--model: {model!r}: cannot read its config ({str(e).splitlines()[0]})") from None
+        try:
+            return ModelShape.from_config(config)
+        except ValueError as e:
+            raise ValueError(f"--model: {e}") from None
+    if cfg.model_shape and {"layers", "kv_heads", "head_dim"} <= set(cfg.model_shape):
+        ms = cfg.model_shape
+        return ModelShape(int(ms["layers"]), int(ms["kv_heads"]), int(ms["head_dim"]))
+    raise ValueError("--model: needed, the config has no model_shape to size the table by")
+
+
+def cmd_show_config(args: argparse.Namespace) -> int:
+    cfg = KVQuantConfig.load(args.config)
+    shape = _shape_for(args.model, cfg)
+    print(f"config: {args.config}" + (f"  ({cfg.description})" if cfg.description else ""))
+    print(f"model shape: {shape.num_layers} layers x {shape.num_kv_heads} KV heads x head_dim {shape.head_dim}")
+    print(config_table(cfg, shape))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ calibrate CLI
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    # cheap checks first: a bad option must not wait for the model to load
+    cands = parse_candidates(args.candidates)
+    if args.budget_bits is None:
+        raise ValueError("--budget-bits: required, e.g. --budget-bits 6.0")
+    template = KVQuantConfig(group_size=args.group_size) if args.group_size else KVQuantConfig()
+    template._check_options()
+    model, tokenizer, text, model_label, data_label = _load_model_and_text(args.model, args.data, args.dtype)
+    try:
+        ModelShape.of(model)
+    except ValueError as e:
+        raise ValueError(f"--model: {e}") from None
+    command = _command_line(args)
+    res = calibrate(
+        model, tokenizer, text, args.budget_bits, candidates=cands, kv_separate=args.kv_separate, method=args.method,
+        calib_window=args.calib_window, calib_windows=args.calib_windows, samples=args.samples, seed=args.seed,
+        template=template, output=args.output, cache_path=args.sens_cache, use_cache=not args.no_cache,
+        heatmap=not args.no_heatmap, model_name=model_label, data_name=data_label, command=command, progress=True,
+    )
+    shape = ModelShape.of(model)
+    print(f"wrote {res.output}  (avg bits {res.config.avg_bits(shape):.4f} <= budget {args.budget_bits}; "
+          f"predicted KL {res.allocation.predicted_kl:.5f})")
+    if res.heatmap:
+        print(f"heatmap {res.heatmap}")
+    print(f"sensitivities {'reused from' if res.cache_hit else 'cached in'} {res.cache_path}  "
+          f"(sensitivity {res.seconds['sensitivity']}s)")
+    return 0
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The command that reproduces this run, every setting spelled out (defaults included)."""
+    parts = ["kvquant", "calibrate", "--model", args.model, "--data", args.data, "--budget-bits", str(args.budget_bits),
+             "--candidates", args.candidates]
+    if args.kv_separate:
+        parts.append("--kv-separate")
+    parts += ["--method", args.method, "--calib-window", str(args.calib_window), "--calib-windows",
+              str(args.calib_windows)]
+    if args.method == "fisher":
+        parts += ["--samples", str(args.samples), "--seed", str(args.seed)]
+    if args.group_size:
+        parts += ["--group-size", str(args.group_size)]
+    if args.dtype != "float32":
+        parts += ["--dtype", args.dtype]
+    parts += ["-o", args.output]
+    return " ".join(shlex.quote(str(a)) for a in parts)
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``calibrate`` and ``show-config`` subcommands to the ``kvquant`` CLI."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = subparsers.add_parser(
+        "calibrate",
+        help="measure per-head sensitivity and write a mixed-precision config for a bit budget",
+        description="Measure each (layer, KV head)'s K/V sensitivity on calibration text, allocate precisions "
+        "under an average-bits budget, write a commented YAML config and a heatmap.",
+        epilog=CALIBRATE_EPILOG,
+        formatter_class=fmt,
+    )
+    p.add_argument("--model", required=True, help="smollm2-135m, a checkpoint directory, a .gguf file or a hub id")
+    p.add_argument("--data", default="wikitext-2",
+                   help="calibration corpus: wikitext-2, tinystories, kjv, hub:NAME[/CONFIG][:SPLIT] or a text file "
+                   "(default: wikitext-2); its LAST tokens are used")
+    p.add_argument("--budget-bits", dest="budget_bits", type=float,
+                   help="average stored bits per K/V element, scale/zero overhead included (e.g. 6.0)")
+    p.add_argument("--candidates", default=DEFAULT_CANDIDATES,
+                   help=f"precisions to choose from, comma-separated (default: {DEFAULT_CANDIDATES})")
+    p.add_argument("--kv-separate", dest="kv_separate", action="store_true",
+                   help="choose K and V of a head separately (default: one precision per head)")
+    p.add_argument("--method", default="fisher", choices=list(METHODS),
+                   help="fisher: estimated from gradients, fast (default); kl: measured, one forward per unit")
+    p.add_argument("--calib-window", dest="calib_window", type=int, default=512, help="tokens per window (512)")
+    p.add_argument("--calib-windows", dest="calib_windows", type=int, default=2, help="windows, from the end (2)")
+    p.add_argument("--samples", type=int, default=8, help="fisher: sampled backward passes per window (8)")
+    p.add_argument("--seed", type=int, default=0, help="fisher: sampling seed (0)")
+    p.add_argument("--group-size", dest="group_size", type=int, help="int4/int2 group size (default: 32)")
+    p.add_argument("--dtype", default="float32", help="model dtype (float32)")
+    p.add_argument("--sens-cache", dest="sens_cache",
+                   help=f"sensitivity cache file (default: {CACHE_NAME} beside the output)")
+    p.add_argument("--no-cache", dest="no_cache", action="store_true", help="measure again, ignore the cache")
+    p.add_argument("--no-heatmap", dest="no_heatmap", action="store_true", help="skip the heatmap PNG")
+    p.add_argument("-o", "--output", required=True, help="the config to write (.yaml); the heatmap goes beside it")
+    p.set_defaults(func=cmd_calibrate)
+
+    p = subparsers.add_parser(
+        "show-config",
+        help="print a config's per-layer precisions and average bits",
+        description="Print the per-layer, per-head K/V precisions of a config and its average bits.",
+        epilog=SHOW_EPILOG,
+        formatter_class=fmt,
+    )
+    p.add_argument("config", help="a YAML/JSON config file or a preset name")
+    p.add_argument("--model", help="the model the table is sized for (default: the config's model_shape)")
+    p.set_defaults(func=cmd_show_config)
