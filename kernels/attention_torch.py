@@ -80,6 +80,27 @@ def _mask_tile(
     return m if group.all_heads else m.index_select(1, group.head_index)
 
 
+def _direct(qt, tiles, mask, group, num_kv, rep, q_range, past_len) -> torch.Tensor:
+    """Plain softmax over at most two tiles (the common decode case: history fits one tile)."""
+    loaded = [(load(), k_range) for load, k_range in tiles]
+    parts = []
+    for (keys, _), k_range in loaded:
+        scores = qt @ keys.unsqueeze(2).transpose(-1, -2)
+        keep = _mask_tile(mask, group, num_kv, rep, q_range, k_range, past_len)
+        parts.append(scores if keep is None else scores.masked_fill(~keep, -math.inf))
+    scores = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+    m = scores.amax(dim=-1, keepdim=True)
+    p = torch.exp(scores - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+    denom = p.sum(dim=-1, keepdim=True)
+    out = None
+    start = 0
+    for (_, values), (k0, k1) in loaded:
+        term = p[..., start:start + k1 - k0] @ values.unsqueeze(2)
+        out = term if out is None else out + term
+        start += k1 - k0
+    return torch.where(denom > 0, out / denom.clamp_min(1e-30), torch.zeros_like(out))
+
+
 def _tiles(total: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(total, s + size)) for s in range(0, total, size)]
 
@@ -113,24 +134,27 @@ def attend_torch(
         fv = fresh_v if g.all_heads else fresh_v.index_select(1, g.head_index)
         for q0, q1 in _tiles(Tq, tq):
             qt = q[:, :, :, q0:q1]  # [B, Hg, rep, tq, D]
-            acc = _OnlineSoftmax((B, Hg, rep, q1 - q0), D, device)
-            # 1) quantized history, dequantized one tile at a time
-            for k0, k1 in _tiles(past_len, tk):
-                keys = g.key.read(k0, k1).unsqueeze(2)  # [B, Hg, 1, tk, D]
-                scores = qt @ keys.transpose(-1, -2)
-                keep = _mask_tile(mask, g, Hkv, rep, (q0, q1), (k0, k1), past_len)
-                if keep is not None:
-                    scores = scores.masked_fill(~keep, -math.inf)
-                acc.update(scores, g.value.read(k0, k1).unsqueeze(2))
-            # 2) the fresh chunk in full precision (causal: keys up to the tile's last query)
-            for f0, f1 in _tiles(q1, tk):
-                keys = fk[:, :, f0:f1].float().unsqueeze(2)
-                scores = qt @ keys.transpose(-1, -2)
-                keep = _mask_tile(mask, g, Hkv, rep, (q0, q1), (past_len + f0, past_len + f1), past_len)
-                if keep is not None:
-                    scores = scores.masked_fill(~keep, -math.inf)
-                acc.update(scores, fv[:, :, f0:f1].float().unsqueeze(2))
-            res = acc.result()
+            # (keys, values, keep-mask) tiles: the quantized history (dequantized one tile at a time),
+            # then the fresh chunk in full precision (causal: keys up to the tile's last query)
+            tiles = [
+                (lambda a=k0, b=k1: (g.key.read(a, b), g.value.read(a, b)), (k0, k1))
+                for k0, k1 in _tiles(past_len, tk)
+            ] + [
+                (lambda a=f0, b=f1: (fk[:, :, a:b].float(), fv[:, :, a:b].float()), (past_len + f0, past_len + f1))
+                for f0, f1 in _tiles(q1, tk)
+            ]
+            if len(tiles) <= 2:
+                res = _direct(qt, tiles, mask, g, Hkv, rep, (q0, q1), past_len)
+            else:
+                acc = _OnlineSoftmax((B, Hg, rep, q1 - q0), D, device)
+                for load, k_range in tiles:
+                    keys, values = load()
+                    scores = qt @ keys.unsqueeze(2).transpose(-1, -2)
+                    keep = _mask_tile(mask, g, Hkv, rep, (q0, q1), k_range, past_len)
+                    if keep is not None:
+                        scores = scores.masked_fill(~keep, -math.inf)
+                    acc.update(scores, values.unsqueeze(2))
+                res = acc.result()
             if g.all_heads:
                 out[:, :, :, q0:q1] = res
             else:

@@ -64,6 +64,8 @@ class QuantizedLayer(CacheLayerMixin):
         self.capacity = capacity
         self.store: LayerStore | None = None
         self._unread = False
+        # when bound to a model, every update must be read by the kvquant attention before the next one
+        self.strict = True
 
     def __repr__(self) -> str:
         pos = self.store.cache_pos if self.store else 0
@@ -97,7 +99,7 @@ class QuantizedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         assert self.store is not None
-        if self._unread:
+        if self._unread and self.strict:
             raise RuntimeError(
                 f"layer {self.layer_idx}: the previous update was not read by the kvquant attention. "
                 "Call kvquant.wrap(model, config) (or build QuantizedKVCache(model, config)) so that "
@@ -164,6 +166,8 @@ class QuantizedKVCache(Cache):
     Args:
         model: the transformers model (its config gives layers, KV heads and head_dim). The
             ``kvquant`` attention is installed on it if it is not already (see :func:`kvquant.wrap`).
+            A :class:`~kvquant.ModelShape` builds a free-standing cache (``update`` / ``memory_report``
+            without a model).
         config: a :class:`KVQuantConfig`, a preset name (``"int8"``) or a YAML/JSON path.
         capacity: tokens to preallocate per sequence (optional; otherwise blocks are added on demand).
 
@@ -189,6 +193,9 @@ class QuantizedKVCache(Cache):
             QuantizedLayer(i, row, self.kv_config, self.shape.head_dim, static[i] if static else None, capacity)
             for i, row in enumerate(self.plan)
         ]
+        bound = model is not None and hasattr(model, "config")
+        for layer in layers:
+            layer.strict = bound
         super().__init__(layers=layers)
         self.session_id = f"kvq-{next(_session_ids):04d}"
 

@@ -87,7 +87,8 @@ class KVQuantConfig:
         heads: ``{(layer, kv_head): KVPrecision}`` overrides, applied after ``layers``.
         group_size: channels per group for ``int4``/``int2``; ``None`` means 32, or head_dim if smaller.
         headroom: multiplier on the calibrated max for static scales (``int8``, ``fp8-*``); > 1 leaves
-            room for values larger than the prefill's, at some resolution.
+            room for values larger than the prefill's, at some resolution. Default 1.5: on stories260K,
+            scales from a 5-token prompt clip later tokens at 1.0 (93% top-1 vs FP16) but not at 1.5 (98%).
         share_kv_scale: ``int8`` keys and values of a head share one scale (the seed design).
         block_size: tokens per storage block (memory grows by whole blocks).
         scales_file: optional JSON file of static scales from ``kvquant calibrate`` (skips prefill calibration).
@@ -99,7 +100,7 @@ class KVQuantConfig:
     layers: dict[int, KVPrecision] = field(default_factory=dict)
     heads: dict[tuple[int, int], KVPrecision] = field(default_factory=dict)
     group_size: int | None = None
-    headroom: float = 1.0
+    headroom: float = 1.5
     share_kv_scale: bool = True
     block_size: int = 128
     scales_file: str | None = None

@@ -181,8 +181,12 @@ def measure_kl(
     base: str,
     template: KVQuantConfig | None = None,
     progress: Callable[[int, int], None] | None = None,
+    layers_subset: Sequence[int] | None = None,
 ) -> Sensitivity:
-    """Measured sensitivities (see module doc); ``ids[n, T]``; ``progress(done, total)`` is called per forward."""
+    """Measured sensitivities (see module doc); ``ids[n, T]``; ``progress(done, total)`` is called per forward.
+
+    ``layers_subset`` measures only those layers (the others are NaN): for checking a proxy at less cost.
+    """
     template = template or KVQuantConfig()
     shape = ModelShape.of(model)
     L, H = shape.num_layers, shape.num_kv_heads
@@ -206,9 +210,13 @@ def measure_kl(
             h.remove()
     ref_logp = torch.log_softmax(ref_logits.float(), dim=-1)
     del ref_logits
-    total, done = L * H * 2 * len(lower), 0
+    todo = sorted(set(layers_subset)) if layers_subset is not None else list(range(L))
+    for c in lower:
+        for layer in set(range(L)) - set(todo):
+            values[c][layer] = math.nan
+    total, done = len(todo) * H * 2 * len(lower), 0
     t0 = time.perf_counter()
-    for layer in range(L):
+    for layer in todo:
         for c in lower:
             for head in range(H):
                 for kind in (0, 1):
