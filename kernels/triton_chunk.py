@@ -46,8 +46,8 @@ def _chunk_attn(
     qk_scale, past_len, Tq, Hg,
     REP: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
-    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_FP8: tl.constexpr,
-    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_FP8: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pm = tl.program_id(1)
@@ -81,7 +81,7 @@ def _chunk_attn(
     v_base = V + b64 * v_sb + hg * v_sh
     vs_base = VS + b64 * vs_sb + hg * vs_sh
     vz_base = VZ + b64 * vs_sb + hg * vs_sh
-    scale = qk_scale * load_head_scale(KH, hg, K_KIND, K_FP8)
+    scale = qk_scale * load_head_scale(KH, hg, K_KIND)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0, tl.float32)
@@ -94,7 +94,7 @@ def _chunk_attn(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= h_start) & (offs_n < h_end)
         vis = (offs_n[None, :] >= lo_r[:, None]) & (offs_n[None, :] < hi_r[:, None]) & mask_n[None, :]
-        k = load_tile(k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, K_FP8, D)
+        k = load_tile(k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D)
         s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3) * scale
         if K_KIND == 2:
             s = s * load_token_scale(ks_base, ks_st, offs_n, mask_n)[None, :]
@@ -104,13 +104,13 @@ def _chunk_attn(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + reduce_sum(p, 1)
-        v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, V_FP8, D)
+        v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D)
         if V_KIND == 2:
             p = p * load_token_scale(vs_base, vs_st, offs_n, mask_n)[None, :]
         acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3)
         m_i = m_new
     # per-head V scale, once, before the (unscaled) fresh values join the accumulator
-    acc = acc * load_head_scale(VH, hg, V_KIND, V_FP8)
+    acc = acc * load_head_scale(VH, hg, V_KIND)
 
     # 2) the fresh chunk, full precision; chunk key j sits at position past_len + j
     f_start = tl.maximum(k_lo - past_len, 0)
@@ -174,8 +174,8 @@ def chunk(
             head_index, lo, hi, lo_sb, lo_st, out, out.stride(0), out.stride(1), out.stride(2),
             scaling * LOG2E, past_len, Tq, Hg,
             REP=rep, BLOCK_M=block_m, D=D, BLOCK_N=block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
-            K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group, K_FP8=kop.fp8,
-            V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group, V_FP8=vop.fp8,
+            K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group,
+            V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group,
             num_warps=num_warps,
         )  # fmt: skip
     return out

@@ -57,8 +57,8 @@ def _decode_partial(
     qk_scale, past_len, part_len, Hg, S, n_qheads,
     REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
-    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, K_FP8: tl.constexpr,
-    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, V_FP8: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -88,7 +88,7 @@ def _decode_partial(
     vs_base = VS + b64 * vs_sb + hg * vs_sh
     vz_base = VZ + b64 * vs_sb + hg * vs_sh
     # per-head K scale folded into the softmax scale
-    scale = qk_scale * load_head_scale(KH, hg, K_KIND, K_FP8)
+    scale = qk_scale * load_head_scale(KH, hg, K_KIND)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_H], 0, tl.float32)
@@ -98,7 +98,7 @@ def _decode_partial(
     for n0 in range(first, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= start) & (offs_n < end)
-        k = load_tile(k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, K_FP8, D)
+        k = load_tile(k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D)
         s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3) * scale
         if K_KIND == 2:
             s = s * load_token_scale(ks_base, ks_st, offs_n, mask_n)[None, :]
@@ -108,14 +108,14 @@ def _decode_partial(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + reduce_sum(p, 1)
-        v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, V_FP8, D)
+        v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D)
         if V_KIND == 2:
             p = p * load_token_scale(vs_base, vs_st, offs_n, mask_n)[None, :]
         acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3)
         m_i = m_new
 
     # per-head V scale, once after the loop
-    acc = acc * load_head_scale(VH, hg, V_KIND, V_FP8)
+    acc = acc * load_head_scale(VH, hg, V_KIND)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -230,8 +230,8 @@ def decode(
             head_index, lo, hi, lo_sb, o_part, lse_part,
             qk_scale, past_len, part_len, Hg, S, Hq,
             REP=rep, BLOCK_H=block_h, D=D, BLOCK_N=block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
-            K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group, K_FP8=kop.fp8,
-            V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group, V_FP8=vop.fp8,
+            K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group,
+            V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group,
             num_warps=num_warps,
         )  # fmt: skip
     _decode_reduce[(B * num_kv,)](

@@ -43,11 +43,9 @@ KIND_FLOAT = 0
 KIND_HEAD = 1
 KIND_TOKEN = 2
 KIND_INTN = 3
-KIND_FP8 = 4
-
-FP8_NATIVE = 0  # load as tl.float8e4nv / tl.float8e5
-FP8_E4M3_BITS = 1  # uint8 view, integer decode (value / 256; 256 folded into the head scale)
-FP8_E5M2_BITS = 2  # uint8 view, integer decode (exact)
+KIND_FP8 = 4  # native: loaded as tl.float8e4nv / tl.float8e5
+KIND_FP8_E4M3_BITS = 5  # uint8 view, integer decode (value / 256; the 256 folded into the head scale)
+KIND_FP8_E5M2_BITS = 6  # uint8 view, integer decode (exact)
 
 DOT_IEEE = 0  # fp32 operands, exact fp32 products (fp32 queries: the 2e-3 contract vs the fp32 reference)
 DOT_FP16 = 1  # fp16 operands, fp32 accumulation (tensor cores)
@@ -68,7 +66,6 @@ def load_tile(
     KIND: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
-    FP8: tl.constexpr,
     D: tl.constexpr,
 ):
     """Float32 ``[BLOCK_N, D]`` tile of tokens ``offs_n`` (rows outside ``mask_n`` read as 0).
@@ -91,11 +88,11 @@ def load_tile(
         s = tl.load(sc_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
         z = tl.load(zp_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
         x = code.to(tl.float32) * s + z
-    elif KIND == 4 and FP8 == 1:
+    elif KIND == 5:
         b = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
         bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
         x = bits.to(tl.float16, bitcast=True).to(tl.float32)
-    elif KIND == 4 and FP8 == 2:
+    elif KIND == 6:
         b = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
         x = (b << 8).to(tl.float16, bitcast=True).to(tl.float32)
     elif KIND == 4:
@@ -114,12 +111,14 @@ def load_token_scale(sc_ptr, sc_stride_t, offs_n, mask_n):
 
 
 @triton.jit
-def load_head_scale(hs_ptr, hg, KIND: tl.constexpr, FP8: tl.constexpr):
+def load_head_scale(hs_ptr, hg, KIND: tl.constexpr):
     """The per-head factor of head ``hg`` of the group: the static scale (x256 for e4m3 bit decode), or 1."""
     if KIND == 1 or KIND == 4:
         s = tl.load(hs_ptr + hg).to(tl.float32)
-        if KIND == 4 and FP8 == 1:
-            s = s * 256.0
+    elif KIND == 5:
+        s = tl.load(hs_ptr + hg).to(tl.float32) * 256.0
+    elif KIND == 6:
+        s = tl.load(hs_ptr + hg).to(tl.float32)
     else:
         s = 1.0
     return s
@@ -207,7 +206,6 @@ class Operand:
     kind: int
     bits: int = 8
     group: int = 1
-    fp8: int = FP8_NATIVE
 
     def args(self) -> tuple:
         """Pointer and stride arguments, in the order the kernels declare them."""
@@ -216,7 +214,7 @@ class Operand:
                 s.stride(0), s.stride(1), s.stride(2))
 
     def meta(self) -> tuple:
-        return (self.kind, self.bits, self.group, self.fp8)
+        return (self.kind, self.bits, self.group)
 
 
 def native_fp8(device: torch.device) -> bool:
@@ -248,11 +246,11 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
         return Operand(main, sc, zp, main, KIND_INTN, bits=qz.bits, group=qz.group_size)
     if isinstance(qz, Fp8):
         if fp8_native:
-            mode, data = FP8_NATIVE, main
+            kind, data = KIND_FP8, main
         else:
-            mode = FP8_E4M3_BITS if qz.dtype == torch.float8_e4m3fn else FP8_E5M2_BITS
+            kind = KIND_FP8_E4M3_BITS if qz.dtype == torch.float8_e4m3fn else KIND_FP8_E5M2_BITS
             data = main.view(torch.uint8)
-        return Operand(data, main.view(torch.uint8), data, _head_scale(store), KIND_FP8, fp8=mode)
+        return Operand(data, main.view(torch.uint8), data, _head_scale(store), kind)
     raise Unsupported(f"{type(qz).__name__}: no Triton path for this quantizer")
 
 
