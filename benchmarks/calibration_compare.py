@@ -40,7 +40,12 @@ def evaluate(model, windows, ref, cfg) -> dict[str, float]:
     for w, r in zip(windows, ref, strict=True):
         s = simulated_logits(model, w, SimulatedQuantCache(model, cfg))
         acc.add(token_drift(r.logits, s.logits, r.targets))
-    return acc.summary()
+    out = acc.summary()
+    # paired standard error of delta ppl (tokens treated as independent, so a lower bound)
+    d = torch.cat(acc.parts["nll_q"]) - torch.cat(acc.parts["nll_ref"])
+    out["delta_ppl_se"] = out["ppl"] * float(d.std() / d.numel() ** 0.5)
+    out["_dnll"] = d
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,11 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [float(b) for b in args.budgets.split(",")]
     bits = candidate_bits(args.candidates.split(","), KVQuantConfig(), shape.head_dim)
     rows: list[dict] = []
+    dnll: dict[tuple, torch.Tensor] = {}  # per-token NLL rise of each config, for paired comparisons
 
     def add(budget, name, cfg, note=""):
         t = time.perf_counter()
         m = evaluate(model, windows, ref, cfg)
         row = {"budget": budget, "config": name, "avg_bits": cfg.avg_bits(shape), **m, "note": note}
+        dnll[(budget, name)] = row.pop("_dnll")
         rows.append(row)
         print(f"  {budget!s:>5} {name:28s} bits {row['avg_bits']:.3f}  KL {m['kl_mean']:.5f}  "
               f"dppl {m['delta_ppl']:+.4f}  top1 {m['top1']:.4f}  ({time.perf_counter() - t:.0f}s)", flush=True)
@@ -109,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             plan_to_config(layer_upgrade(shape, bits, budget, low, high), shape=shape))
         rand = [add(budget, f"random seed {s}", plan_to_config(random_allocation(shape, bits, budget, s), shape=shape))
                 for s in range(args.seeds)]
-        mean = {k: statistics.fmean(r[k] for r in rand) for k in ("avg_bits", "kl_mean", "kl_p99", "delta_ppl", "top1")}
+        keys = ("avg_bits", "kl_mean", "kl_p99", "delta_ppl", "top1")
+        mean = {k: statistics.fmean(r[k] for r in rand) for k in keys}
+        mean["delta_ppl_se"] = statistics.fmean(r["delta_ppl_se"] for r in rand) / len(rand) ** 0.5
         rows.append({"budget": budget, "config": f"random (mean of {args.seeds})", **mean, "note": ""})
 
     elapsed = time.perf_counter() - t0
@@ -121,12 +130,25 @@ def main(argv: list[str] | None = None) -> int:
         f"(tokens [0, {eval_end})); calibration: {calib_info.get('tokens')}, "
         f"method {calib_info.get('method')} ({calib_info.get('sensitivity_seconds')} s)",
         "",
-        "| budget | config | avg bits | KL mean | KL p99 | delta ppl | top-1 |",
+        "| budget | config | avg bits | KL mean | KL p99 | delta ppl (± 1 SE) | top-1 |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['budget']} | {r['config']} | {r['avg_bits']:.3f} | {r['kl_mean']:.5f} | "
-                     f"{r['kl_p99']:.4f} | {r['delta_ppl']:+.4f} | {r['top1']:.4f} |")
+                     f"{r['kl_p99']:.4f} | {r['delta_ppl']:+.3f} ± {r['delta_ppl_se']:.3f} | {r['top1']:.4f} |")
+    lines += ["", "Paired on the same tokens: mean NLL rise of the calibrated config minus the baseline's, in "
+              "nats/token (negative: calibrated better), ± 1 SE (tokens treated as independent):", ""]
+    for budget in budgets:
+        base_names = [n for (b, n) in dnll if b == budget and "layers upgraded" in n]
+        rand_names = [n for (b, n) in dnll if b == budget and n.startswith("random seed")]
+        for cal in ("calibrated", "calibrated --kv-separate"):
+            c = dnll[(budget, cal)]
+            parts = []
+            for label, names in (("layers in order", base_names), ("random (3 seeds)", rand_names)):
+                other = torch.stack([dnll[(budget, n)] for n in names]).mean(0)
+                diff = c - other
+                parts.append(f"vs {label} {float(diff.mean()):+.4f} ± {float(diff.std() / diff.numel() ** 0.5):.4f}")
+            lines.append(f"- {budget} bits, {cal}: " + "; ".join(parts))
     lines.append("")
     lines.append(f"total {elapsed:.0f} s; command: python benchmarks/calibration_compare.py {' '.join(sys.argv[1:])}")
     table = "\n".join(lines)
