@@ -8,7 +8,9 @@ Two functions with one signature::
 * ``query[B, Hq, Tq, D]`` -- queries of the current chunk (``Tq == 1`` when decoding).
 * ``fresh_k/fresh_v[B, Hkv, Tq, D]`` -- this chunk's K/V in full precision (also written to the
   store; attention uses them unquantized for the chunk itself, the quantized store for the past).
-* ``layer`` -- the store; its first ``past_len`` tokens are the history.
+* ``layer`` -- the store; its first ``past_len`` tokens are the history. Everything here is in the
+  store's *storage space*: with ``rotate`` on, the caller (:func:`kvquant.kernels.attend`) passes
+  Hadamard-rotated queries and fresh K/V, and un-rotates the output.
 * ``mask`` -- ``None`` (causal, the chunk's last query at the last position) or a boolean
   ``[B, 1 or Hq, Tq, past_len + Tq]`` mask, True = attend (transformers' SDPA mask).
 
@@ -137,10 +139,9 @@ def attend_torch(
             # (keys, values, keep-mask) tiles: the quantized history (dequantized one tile at a time),
             # then the fresh chunk in full precision (causal: keys up to the tile's last query)
             tiles = [
-                (lambda a=k0, b=k1: (g.key.read(a, b), g.value.read(a, b)), (k0, k1))
-                for k0, k1 in _tiles(past_len, tk)
+                (lambda a=k0, b=k1, grp=g: layer.read(grp, a, b), (k0, k1)) for k0, k1 in layer.tiles(past_len, tk)
             ] + [
-                (lambda a=f0, b=f1: (fk[:, :, a:b].float(), fv[:, :, a:b].float()), (past_len + f0, past_len + f1))
+                (lambda a=f0, b=f1, k=fk, v=fv: (k[:, :, a:b].float(), v[:, :, a:b].float()), (past_len + f0, past_len + f1))
                 for f0, f1 in _tiles(q1, tk)
             ]
             if len(tiles) <= 2:
@@ -163,13 +164,13 @@ def attend_torch(
 
 
 def dequantize_history(layer: LayerStore, past_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole history as float32 ``[B, Hkv, past_len, D]`` K and V (tests and debugging only)."""
+    """The whole history as float32 ``[B, Hkv, past_len, D]`` K and V, in storage space (rotated if
+    the config rotates), sinks and residual included (tests and debugging only)."""
     B, D = layer.batch, layer.head_dim
     k = torch.empty((B, layer.num_heads, past_len, D), device=layer.device)
     v = torch.empty_like(k)
     for g in layer.groups:
-        k[:, g.head_index] = g.key.read(0, past_len)
-        v[:, g.head_index] = g.value.read(0, past_len)
+        k[:, g.head_index], v[:, g.head_index] = layer.read(g, 0, past_len)
     return k, v
 
 

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from kvquant.rotation import fwht
 from kvquant.store import LayerStore
 
 from .attention_torch import attend_torch
@@ -42,15 +43,27 @@ def attend(
     mask: torch.Tensor | None,
     scaling: float,
 ) -> torch.Tensor:
-    """Attention of ``query[B, Hq, Tq, D]`` over the store's history and the fresh chunk."""
+    """Attention of ``query[B, Hq, Tq, D]`` over the store's history and the fresh chunk.
+
+    With ``rotate`` on, queries and the fresh K (and V) are rotated into the store's space first
+    and the output rotated back (the Hadamard matrix is its own inverse).
+    """
+    if layer.rotate_keys or layer.rotate_values:
+        query = fwht(query) if layer.rotate_keys else query
+        fresh_k, fresh_v = layer.to_storage_space(fresh_k, fresh_v)
+    out = None
     if backend_for(query.device) == "triton":
         try:
+            if layer.has_dense_segments:
+                raise Unsupported("sink / residual tokens are read by the torch path")
             from .triton_attention import attend_triton
 
-            return attend_triton(query, fresh_k, fresh_v, layer, past_len, mask, scaling)
+            out = attend_triton(query, fresh_k, fresh_v, layer, past_len, mask, scaling)
         except (Unsupported, ImportError) as e:
             reason = f"{type(e).__name__}: {e}"
             if reason not in _logged:
                 _logged.add(reason)
                 logger.warning("kvquant: Triton attention unavailable, using the torch path (%s)", reason)
-    return attend_torch(query, fresh_k, fresh_v, layer, past_len, mask, scaling)
+    if out is None:
+        out = attend_torch(query, fresh_k, fresh_v, layer, past_len, mask, scaling)
+    return fwht(out) if layer.rotate_values else out

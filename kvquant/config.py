@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from .quantizers import GROUPED, PRECISIONS, make_quantizer
+from .quantizers import CHANNEL, GROUPED, PRECISIONS, make_quantizer
 from .shape import ModelShape
 
 BITS_TO_PRECISION = {2: "int2", 4: "int4", 8: "int8", 16: "fp16"}
@@ -73,6 +73,9 @@ _OPTION_FIELDS = {
     "block_size",
     "scales_file",
     "check_finite",
+    "rotate",
+    "sink_tokens",
+    "residual_tokens",
 }
 _TOP_LEVEL = {"default", "layers", "heads", "name", "description", "model_shape"} | _OPTION_FIELDS
 
@@ -93,6 +96,11 @@ class KVQuantConfig:
         block_size: tokens per storage block (memory grows by whole blocks).
         scales_file: optional JSON file of static scales from ``kvquant calibrate`` (skips prefill calibration).
         check_finite: reject NaN/Inf K/V when written (one reduction per write).
+        rotate: ``none``, ``keys`` or ``kv``: store K (and V) Hadamard-rotated per head; queries are rotated
+            alike and the output un-rotated, so attention is unchanged while outlier channels are spread.
+        sink_tokens: the first N tokens of each sequence are kept in full precision (attention sinks).
+        residual_tokens: the newest R tokens stay in full precision; older ones are quantized a whole
+            block at a time, once (KIVI's residual). Per-channel key precisions imply this mode.
         name: preset or file name, for reports.
     """
 
@@ -105,6 +113,9 @@ class KVQuantConfig:
     block_size: int = 128
     scales_file: str | None = None
     check_finite: bool = True
+    rotate: str = "none"
+    sink_tokens: int = 0
+    residual_tokens: int = 0
     name: str | None = None
     description: str | None = None
     model_shape: dict[str, int] | None = None
@@ -196,6 +207,12 @@ class KVQuantConfig:
         bs = self.block_size
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 16 or bs > 4096 or bs & (bs - 1):
             raise ConfigError(f"block_size: {bs!r} must be a power of two between 16 and 4096")
+        if self.rotate not in ("none", "keys", "kv"):
+            raise ConfigError(f"rotate: {self.rotate!r} must be none, keys or kv")
+        for name in ("sink_tokens", "residual_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"{name}: {v!r} must be an integer >= 0")
         for name in ("share_kv_scale", "check_finite"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} must be true or false")
@@ -282,8 +299,14 @@ class KVQuantConfig:
         gs = self.effective_group_size(shape.head_dim)
         if self.uses_grouped() and shape.head_dim % gs:
             raise ConfigError(f"group_size: {gs} does not divide head_dim {shape.head_dim}")
-        if self.uses_grouped() and (shape.head_dim // 2) % 1:
-            raise ConfigError(f"head_dim: {shape.head_dim} must be even for packed int4")
+        for p in self.precisions() & (set(GROUPED) | set(CHANNEL)):
+            bits = GROUPED.get(p) or CHANNEL[p]
+            codes_per_unit = 8 if bits == 3 else 8 // bits
+            if shape.head_dim % codes_per_unit:
+                raise ConfigError(f"default: {p} packs {codes_per_unit} codes together; head_dim {shape.head_dim} "
+                                  f"is not a multiple of {codes_per_unit}")
+        if self.rotate != "none" and shape.head_dim & (shape.head_dim - 1):
+            raise ConfigError(f"rotate: the Hadamard rotation needs a power-of-two head_dim, not {shape.head_dim}")
 
     def precisions(self) -> set[str]:
         out = {self.default.key, self.default.value}
@@ -296,7 +319,9 @@ class KVQuantConfig:
 
     def bits(self, precision: str, head_dim: int) -> float:
         """Stored bits per element of one precision, scale/zero overhead included."""
-        return make_quantizer(precision, head_dim, self.effective_group_size(head_dim)).bits_per_element()
+        return make_quantizer(
+            precision, head_dim, self.effective_group_size(head_dim), block_size=self.block_size
+        ).bits_per_element()
 
     def avg_bits(self, shape: ModelShape | Any) -> float:
         """Average stored bits per K/V element over the whole model, scale and zero overhead included."""

@@ -48,7 +48,7 @@ def memory_report(cache: Any) -> dict[str, Any]:
     shape: ModelShape = cache.shape
     per_layer: list[dict[str, Any]] = []
     per_precision: dict[str, int] = {}
-    totals = {"keys": 0, "values": 0, "scales": 0, "reserved": 0}
+    totals = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "reserved": 0}
     batch = 0
     for i, layer in enumerate(cache.layers):
         store = layer.store
@@ -59,14 +59,17 @@ def memory_report(cache: Any) -> dict[str, Any]:
         mem = store.memory()
         for k in totals:
             totals[k] += mem[k]
-        per_layer.append({"layer": i, "bytes": mem["keys"] + mem["values"] + mem["scales"], **mem})
+        per_layer.append({"layer": i, "bytes": mem["keys"] + mem["values"] + mem["scales"] + mem["dense"], **mem})
         used = store.used_tokens()
         for g in store.groups:
             for kind, s in (("key", g.key), ("value", g.value)):
                 name = f"{s.quantizer.name} ({kind}s)"
                 per_precision[name] = per_precision.get(name, 0) + s.nbytes(used) + s.state_nbytes()
+        for what, (k, _v) in store.dense_buffers().items():
+            name = f"{str(k.dtype).removeprefix('torch.')} ({what})"
+            per_precision[name] = per_precision.get(name, 0) + k.numel() * k.element_size() * 2
     tokens = cache.get_seq_length()
-    total = totals["keys"] + totals["values"] + totals["scales"]
+    total = totals["keys"] + totals["values"] + totals["scales"] + totals["dense"]
     fp16_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
     per_token = total / (tokens * batch) if tokens and batch else 0.0
     return {
@@ -77,6 +80,7 @@ def memory_report(cache: Any) -> dict[str, Any]:
         "bytes_keys": totals["keys"],
         "bytes_values": totals["values"],
         "bytes_scales": totals["scales"],
+        "bytes_dense": totals["dense"],
         "bytes_reserved": totals["reserved"],
         "bytes_per_token": per_token,
         "fp16_bytes_per_token": fp16_per_token,

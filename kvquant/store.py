@@ -4,13 +4,25 @@ Layout: the KV heads of a layer are split into *head groups*, one per distinct (
 value precision) pair. Each group stores its K and V as the parts of its quantizers, one
 preallocated tensor per part::
 
-    part tensor: [batch, heads_in_group, capacity_tokens, *part_shape]
+    per-token part:  [batch, heads_in_group, capacity_tokens, *part_shape]
+    per-block part:  [batch, heads_in_group, capacity_tokens / block_size, *part_shape]
 
 ``capacity_tokens`` is a whole number of blocks (``block_size`` tokens). Blocks are added on
-demand when the ``cache_pos`` cursor reaches the end, so memory follows the real length, never a
-max_seq_len; pass ``capacity`` to preallocate (then nothing is ever copied). When the capacity
-must grow, the pool grows by at least a quarter (amortised O(1) per token, O(log n) copies of
-the *quantized* bytes); a token is written once, quantized once, never re-quantized.
+demand when the cursor reaches the end, so memory follows the real length, never a max_seq_len;
+pass ``capacity`` to preallocate (then nothing is ever copied). When the capacity must grow, the
+pool grows by at least a quarter (amortised O(1) per token, O(log n) copies of the *quantized*
+bytes). A token is written once, quantized once, never re-quantized.
+
+Outlier options (all in the config, composable with per-head precision):
+
+* ``rotate``: K (and V) are stored Hadamard-rotated (:mod:`kvquant.rotation`); the attention
+  rotates the queries alike and un-rotates the output, so scores are unchanged.
+* ``sink_tokens = N``: the first N tokens are also kept in full precision (fp16; the model's
+  dtype if that is 16-bit) and read from there; their quantized rows are zeroed so that they do
+  not widen any scale.
+* ``residual_tokens = R`` (and per-channel key precisions): new tokens first go to a full-precision
+  residual buffer; once it holds ``R + block_size`` tokens, its oldest block is quantized, once.
+  The pool then holds ``[0, q_end)``, the residual ``[q_end, cache_pos)``.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ import torch
 
 from .config import KVPrecision, KVQuantConfig
 from .quantizers import Quantizer, make_quantizer
+from .rotation import fwht
 
 GROWTH = 1.25
 
@@ -29,40 +42,57 @@ GROWTH = 1.25
 class QuantizedTensorStore:
     """The K (or V) of one head group: quantizer, static state and preallocated part tensors."""
 
-    def __init__(self, quantizer: Quantizer, batch: int, heads: int, device: torch.device) -> None:
+    def __init__(
+        self, quantizer: Quantizer, batch: int, heads: int, device: torch.device, block_size: int
+    ) -> None:
         self.quantizer = quantizer
+        self.block_size = block_size
         self.batch, self.heads, self.device = batch, heads, device
         self.state: dict[str, torch.Tensor] = {}
+        self.specs = quantizer.parts()
         self.parts: dict[str, torch.Tensor] = {
             name: torch.empty((batch, heads, 0, *spec.shape), dtype=spec.dtype, device=device)
-            for name, spec in quantizer.parts().items()
+            for name, spec in self.specs.items()
         }
         self.clipped = torch.zeros((), dtype=torch.int64, device=device)
 
+    def _rows(self, name: str, tokens: int) -> int:
+        """Rows of part ``name`` that cover ``tokens`` tokens."""
+        return -(-tokens // self.block_size) if self.specs[name].per_block else tokens
+
     @property
     def capacity(self) -> int:
-        return next(iter(self.parts.values())).shape[2]
+        name, t = next((n, t) for n, t in self.parts.items() if not self.specs[n].per_block)
+        return t.shape[2]
 
     def grow(self, capacity: int, used: int) -> None:
-        """Reallocate every part to ``capacity`` tokens, keeping the first ``used``."""
+        """Reallocate every part to ``capacity`` tokens (whole blocks), keeping the first ``used``."""
         for name, old in self.parts.items():
-            new = torch.empty((*old.shape[:2], capacity, *old.shape[3:]), dtype=old.dtype, device=old.device)
-            if used:
-                new[:, :, :used].copy_(old[:, :, :used])
+            rows, keep = self._rows(name, capacity), self._rows(name, used)
+            new = torch.empty((*old.shape[:2], rows, *old.shape[3:]), dtype=old.dtype, device=old.device)
+            if keep:
+                new[:, :, :keep].copy_(old[:, :, :keep])
             self.parts[name] = new
 
     def write(self, x: torch.Tensor, pos: int) -> None:
         """Quantize ``x[B, H, T, D]`` and write it at token positions ``pos .. pos+T``."""
+        if self.quantizer.per_block and (pos % self.block_size or x.shape[2] % self.block_size):
+            raise AssertionError("per-channel quantizers write whole, aligned blocks")
         if self.quantizer.static:
             self.clipped += self.quantizer.clipped(x, self.state)
         q = self.quantizer.quantize(x, self.state)
-        end = pos + x.shape[2]
         for name, t in q.items():
-            self.parts[name][:, :, pos:end].copy_(t)
+            start = self._rows(name, pos) if self.specs[name].per_block else pos
+            self.parts[name][:, :, start:start + t.shape[2]].copy_(t)
 
     def read(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantize tokens ``start .. end`` -> ``[B, H, end-start, D]``."""
-        parts = {n: t[:, :, start:end] for n, t in self.parts.items()}
+        """Dequantize tokens ``start .. end`` -> ``[B, H, end-start, D]`` (block-aligned for per-block parts)."""
+        parts = {}
+        for n, t in self.parts.items():
+            if self.specs[n].per_block:
+                parts[n] = t[:, :, start // self.block_size:self._rows(n, end)]
+            else:
+                parts[n] = t[:, :, start:end]
         return self.quantizer.dequantize(parts, self.state, dtype)
 
     def index_batch(self, idx: torch.Tensor) -> None:
@@ -71,9 +101,10 @@ class QuantizedTensorStore:
 
     def nbytes(self, tokens: int) -> int:
         """Bytes held by ``tokens`` tokens of every part (no static state)."""
-        if not self.parts:
-            return 0
-        return sum(t[:, :, :tokens].numel() * t.element_size() for t in self.parts.values())
+        return sum(t[:, :, :self._rows(n, tokens)].numel() * t.element_size() for n, t in self.parts.items())
+
+    def part_nbytes(self, tokens: int) -> dict[str, int]:
+        return {n: t[:, :, :self._rows(n, tokens)].numel() * t.element_size() for n, t in self.parts.items()}
 
     def state_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state.values())
@@ -111,28 +142,43 @@ class LayerStore:
         self.batch = batch
         self.device = device
         self.cache_pos = 0
+        self.q_end = 0  # tokens [0, q_end) are in the quantized pool
         self.calibrated = False
         self._static_amax = static_amax
+        self.rotate_keys = config.rotate in ("keys", "kv")
+        self.rotate_values = config.rotate == "kv"
+        self.sink_tokens = config.sink_tokens
         gs = config.effective_group_size(head_dim)
         by_pair: dict[KVPrecision, list[int]] = {}
         for h, p in enumerate(row):
             by_pair.setdefault(p, []).append(h)
         self.groups: list[HeadGroup] = []
         for pair, heads in by_pair.items():
-            kq = make_quantizer(pair.key, head_dim, gs, config.headroom)
-            vq = make_quantizer(pair.value, head_dim, gs, config.headroom)
+            kq = make_quantizer(pair.key, head_dim, gs, config.headroom, self.block_size)
+            vq = make_quantizer(pair.value, head_dim, gs, config.headroom, self.block_size)
             self.groups.append(
                 HeadGroup(
                     precision=pair,
                     heads=heads,
-                    key=QuantizedTensorStore(kq, batch, len(heads), device),
-                    value=QuantizedTensorStore(vq, batch, len(heads), device),
+                    key=QuantizedTensorStore(kq, batch, len(heads), device, self.block_size),
+                    value=QuantizedTensorStore(vq, batch, len(heads), device, self.block_size),
                     head_index=torch.tensor(heads, dtype=torch.long, device=device),
                     all_heads=heads == list(range(self.num_heads)),
                 )
             )
+        per_block = any(g.key.quantizer.per_block or g.value.quantizer.per_block for g in self.groups)
+        # residual mode: newest tokens in full precision, quantized a whole block at a time
+        self.residual_tokens = config.residual_tokens
+        self.residual_mode = config.residual_tokens > 0 or per_block
+        self.dense_dtype: torch.dtype | None = None
+        self.sink_k = self.sink_v = self.res_k = self.res_v = None
         if capacity:
             self.reserve(capacity)
+
+    @property
+    def has_dense_segments(self) -> bool:
+        """True when some history is read from full-precision buffers (sinks or residual)."""
+        return self.sink_tokens > 0 or self.residual_mode
 
     # ---------------------------------------------------------------- capacity
     @property
@@ -143,11 +189,10 @@ class LayerStore:
         """Make room for ``tokens`` tokens in total (whole blocks)."""
         if tokens <= self.capacity:
             return
-        blocks = math.ceil(tokens / self.block_size)
-        new_cap = blocks * self.block_size
+        new_cap = math.ceil(tokens / self.block_size) * self.block_size
         for g in self.groups:
-            g.key.grow(new_cap, self.cache_pos)
-            g.value.grow(new_cap, self.cache_pos)
+            g.key.grow(new_cap, self.q_end)
+            g.value.grow(new_cap, self.q_end)
 
     def _ensure(self, tokens: int) -> None:
         if tokens > self.capacity:
@@ -155,42 +200,102 @@ class LayerStore:
             self.reserve(max(tokens, grown))
 
     # ---------------------------------------------------------------- writing
+    def to_storage_space(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Apply the configured Hadamard rotation (identity when ``rotate: none``)."""
+        return (fwht(keys) if self.rotate_keys else keys), (fwht(values) if self.rotate_values else values)
+
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Quantize and write ``keys/values[B, H, T, D]`` at the cursor; returns the past length."""
         if self.config.check_finite and not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
             raise ValueError("key_states/value_states: NaN or Inf values cannot be quantized")
-        if not self.calibrated:
-            self._calibrate(keys, values)
+        keys, values = self.to_storage_space(keys, values)
         past = self.cache_pos
-        self._ensure(past + keys.shape[2])
+        T = keys.shape[2]
+        if self.dense_dtype is None:
+            self.dense_dtype = torch.float16 if keys.dtype == torch.float32 else keys.dtype
+        if past < self.sink_tokens:
+            self._keep_sinks(keys, values, past)
+        if not self.calibrated:
+            self._calibrate(keys, values, past)
+        if self.residual_mode:
+            self._append_residual(keys, values)
+        else:
+            self._write_pool(keys, values, past)
+        self.cache_pos = past + T
+        return past
+
+    def _keep_sinks(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
+        n = min(self.sink_tokens - past, keys.shape[2])
+        if self.sink_k is None:
+            shape = (self.batch, self.num_heads, self.sink_tokens, self.head_dim)
+            self.sink_k = torch.zeros(shape, dtype=self.dense_dtype, device=self.device)
+            self.sink_v = torch.zeros_like(self.sink_k)
+        self.sink_k[:, :, past:past + n] = keys[:, :, :n]
+        self.sink_v[:, :, past:past + n] = values[:, :, :n]
+
+    def _write_pool(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> None:
+        """Quantize a chunk into the pool at ``pos`` (sink rows zeroed: they are read from the sink buffer)."""
+        if pos < self.sink_tokens:
+            n = min(self.sink_tokens - pos, keys.shape[2])
+            keys, values = keys.clone(), values.clone()
+            keys[:, :, :n] = 0
+            values[:, :, :n] = 0
+        self._ensure(pos + keys.shape[2])
         for g in self.groups:
             k = keys if g.all_heads else keys.index_select(1, g.head_index)
             v = values if g.all_heads else values.index_select(1, g.head_index)
-            g.key.write(k, past)
-            g.value.write(v, past)
-        self.cache_pos = past + keys.shape[2]
-        return past
+            g.key.write(k, pos)
+            g.value.write(v, pos)
+        self.q_end = pos + keys.shape[2]
+
+    def _append_residual(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Residual mode: keep the newest tokens dense; quantize whole blocks beyond ``residual_tokens``."""
+        dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
+        if self.res_k is not None and self.res_k.shape[2]:
+            dk = torch.cat([self.res_k, dk], dim=2)  # bounded: the residual holds < R + block tokens
+            dv = torch.cat([self.res_v, dv], dim=2)
+        pending = dk.shape[2]
+        flush = (pending - self.residual_tokens) // self.block_size * self.block_size
+        if flush > 0:
+            # tokens reach the pool through the residual buffer's dtype (exact for 16-bit models)
+            self._write_pool(dk[:, :, :flush].to(keys.dtype), dv[:, :, :flush].to(values.dtype), self.q_end)
+        self.res_k, self.res_v = dk[:, :, max(flush, 0):].contiguous(), dv[:, :, max(flush, 0):].contiguous()
 
     def fake_quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize-then-dequantize ``keys/values[B, H, T, D]`` without storing them (``simulated`` protocol)."""
+        """Quantize-then-dequantize ``keys/values[B, H, T, D]`` without storing them (``simulated`` protocol).
+
+        Rotation and sink tokens apply; the residual window does not (it is a property of decoding).
+        """
+        ks, vs = self.to_storage_space(keys, values)
         if not self.calibrated:
-            self._calibrate(keys, values)
-        k_out, v_out = torch.empty_like(keys), torch.empty_like(values)
+            self._calibrate(ks, vs, self.cache_pos)
+        k_out, v_out = torch.empty_like(ks), torch.empty_like(vs)
         for g in self.groups:
-            for src, dst, s in ((keys, k_out, g.key), (values, v_out, g.value)):
+            for src, dst, s in ((ks, k_out, g.key), (vs, v_out, g.value)):
                 x = src if g.all_heads else src.index_select(1, g.head_index)
                 y = s.quantizer.dequantize(s.quantizer.quantize(x, s.state), s.state, src.dtype)
                 dst[:, g.head_index] = y
+        n = max(0, min(self.sink_tokens - self.cache_pos, ks.shape[2]))
+        k_out[:, :, :n], v_out[:, :, :n] = ks[:, :, :n], vs[:, :, :n]
+        self.cache_pos += ks.shape[2]
+        k_out = fwht(k_out) if self.rotate_keys else k_out
+        v_out = fwht(v_out) if self.rotate_values else v_out
         return k_out, v_out
 
-    def _calibrate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Set the static per-(layer, head) scales, from a scales file or from this first chunk."""
+    def _calibrate(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
+        """Set the static per-(layer, head) scales, from a scales file or from this first chunk.
+
+        Sink tokens (read in full precision) are left out of the max when the chunk has other tokens.
+        """
         if self._static_amax is not None:
             k_amax = self._static_amax["key"].to(self.device)
             v_amax = self._static_amax["value"].to(self.device)
         else:
-            k_amax = keys.detach().float().abs().amax(dim=(0, 2, 3))
-            v_amax = values.detach().float().abs().amax(dim=(0, 2, 3))
+            skip = max(0, self.sink_tokens - past)
+            if skip >= keys.shape[2]:
+                skip = 0
+            k_amax = keys[:, :, skip:].detach().float().abs().amax(dim=(0, 2, 3))
+            v_amax = values[:, :, skip:].detach().float().abs().amax(dim=(0, 2, 3))
         for g in self.groups:
             ka, va = k_amax[g.head_index], v_amax[g.head_index]
             both_int8 = g.key.quantizer.name == g.value.quantizer.name == "int8"
@@ -200,15 +305,57 @@ class LayerStore:
             g.value.state = g.value.quantizer.calibrate(va)
         self.calibrated = True
 
+    # ---------------------------------------------------------------- reading (storage space)
+    def tiles(self, past_len: int, size: int) -> list[tuple[int, int]]:
+        """Key ranges covering ``[0, past_len)`` that never straddle the pool / residual boundary."""
+        q_end = min(self.q_end, past_len)
+        out = [(s, min(q_end, s + size)) for s in range(0, q_end, size)]
+        out += [(s, min(past_len, s + size)) for s in range(q_end, past_len, size)]
+        return out
+
+    def read(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``group`` for tokens ``[start, end)`` as float32 ``[B, Hg, t, D]`` (storage space)."""
+        if start < self.q_end < end:
+            k1, v1 = self.read(group, start, self.q_end)
+            k2, v2 = self.read(group, self.q_end, end)
+            return torch.cat([k1, k2], dim=2), torch.cat([v1, v2], dim=2)
+        if start >= self.q_end:  # residual buffer (dense)
+            a, b = start - self.q_end, end - self.q_end
+            k, v = self.res_k[:, :, a:b], self.res_v[:, :, a:b]
+            if not group.all_heads:
+                k, v = k.index_select(1, group.head_index), v.index_select(1, group.head_index)
+            return k.float(), v.float()
+        k, v = group.key.read(start, end), group.value.read(start, end)
+        if start < self.sink_tokens and self.sink_k is not None:
+            n = min(self.sink_tokens, end) - start
+            sk, sv = self.sink_k[:, :, start:start + n], self.sink_v[:, :, start:start + n]
+            if not group.all_heads:
+                sk, sv = sk.index_select(1, group.head_index), sv.index_select(1, group.head_index)
+            k[:, :, :n], v[:, :, :n] = sk.float(), sv.float()
+        return k, v
+
     # ---------------------------------------------------------------- cache operations
     def crop(self, tokens: int) -> None:
         """Keep the first ``tokens`` tokens (blocks stay allocated)."""
-        self.cache_pos = max(0, min(tokens, self.cache_pos))
+        tokens = max(0, min(tokens, self.cache_pos))
+        if self.residual_mode and tokens < self.q_end:
+            raise ValueError(
+                f"crop: cannot drop tokens that were already quantized by whole blocks in residual mode "
+                f"(keep >= {self.q_end}, asked {tokens})"
+            )
+        if self.residual_mode:
+            keep = tokens - self.q_end
+            self.res_k, self.res_v = self.res_k[:, :, :keep], self.res_v[:, :, :keep]
+        else:
+            self.q_end = tokens
+        self.cache_pos = tokens
 
     def reset(self) -> None:
         """Forget all tokens and static scales (allocations are kept for reuse)."""
-        self.cache_pos = 0
+        self.cache_pos = self.q_end = 0
         self.calibrated = False
+        self.res_k = self.res_v = None
+        self.sink_k = self.sink_v = None
         for g in self.groups:
             for s in (g.key, g.value):
                 s.clipped.zero_()
@@ -220,24 +367,37 @@ class LayerStore:
         for g in self.groups:
             g.key.index_batch(idx)
             g.value.index_batch(idx)
+        for name in ("sink_k", "sink_v", "res_k", "res_v"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, idx))
         self.batch = int(idx.numel())
 
     # ---------------------------------------------------------------- accounting
     def used_tokens(self) -> int:
-        """Tokens held, rounded up to whole blocks."""
-        return math.ceil(self.cache_pos / self.block_size) * self.block_size
+        """Tokens held in the pool, rounded up to whole blocks."""
+        return math.ceil(self.q_end / self.block_size) * self.block_size
+
+    def dense_buffers(self) -> dict[str, torch.Tensor]:
+        out = {}
+        if self.sink_k is not None:
+            out["sinks"] = (self.sink_k, self.sink_v)
+        if self.res_k is not None:
+            out["residual"] = (self.res_k, self.res_v)
+        return out
 
     def memory(self) -> dict[str, int]:
-        """Bytes held for keys, values and scales in the used blocks, and bytes reserved."""
+        """Bytes held for keys, values and scales (used blocks + full-precision buffers), and reserved."""
         used = self.used_tokens()
-        out = {"keys": 0, "values": 0, "scales": 0, "reserved": 0}
+        out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "reserved": 0}
         for g in self.groups:
             for kind, s in (("keys", g.key), ("values", g.value)):
-                for name, t in s.parts.items():
-                    b = t[:, :, :used].numel() * t.element_size()
+                for name, b in s.part_nbytes(used).items():
                     out["scales" if name in ("scale", "zero") else kind] += b
-                    out["reserved"] += t.numel() * t.element_size()
+                out["reserved"] += sum(t.numel() * t.element_size() for t in s.parts.values())
                 out["scales"] += s.state_nbytes()
+        for k, v in self.dense_buffers().values():
+            out["dense"] += k.numel() * k.element_size() + v.numel() * v.element_size()
         return out
 
     def clipped(self) -> int:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
 from transformers import DynamicCache
 
 import kvquant
 from kvquant import QuantizedKVCache
+
+from conftest import tiny_model
 
 ARCHS = [
     ("llama", dict(heads=4, kv_heads=2, head_dim=64)),   # GQA
@@ -27,7 +28,10 @@ def greedy(model, ids, cache=None, n=24, **kw):
         return model.generate(ids, **kwargs)
 
 
-@pytest.mark.parametrize("arch,dims", ARCHS, ids=[f"{a}-{d['heads']}q{d['kv_heads']}kv-d{d['head_dim']}" for a, d in ARCHS])
+ARCH_IDS = [f"{a}-{d['heads']}q{d['kv_heads']}kv-d{d['head_dim']}" for a, d in ARCHS]
+
+
+@pytest.mark.parametrize("arch,dims", ARCHS, ids=ARCH_IDS)
 @pytest.mark.parametrize("preset", ["fp32", "fp16"])
 def test_passthrough_equals_dynamic_cache(arch, dims, preset):
     model = tiny_model(arch, **dims)

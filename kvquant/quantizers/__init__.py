@@ -8,7 +8,7 @@ from __future__ import annotations
 from .base import Parts, PartSpec, Quantizer
 from .fp8 import FP8_DTYPES, Fp8
 from .int8 import Int8PerToken, Int8SharedScale
-from .intn import IntNGrouped, pack_codes, unpack_codes
+from .intn import Int3Grouped, IntNChannel, IntNGrouped, pack_codes, unpack_codes
 from .passthrough import FLOAT_DTYPES, Passthrough
 
 #: Every precision a config may name, with a one-line description.
@@ -19,15 +19,22 @@ PRECISIONS: dict[str, str] = {
     "int8": "symmetric INT8, one scale per (layer, KV head) shared by K and V",
     "int8-token": "symmetric INT8, one fp16 scale per token and KV head",
     "int4": "asymmetric INT4 packed 2 per byte, fp16 scale+zero per token and group along head_dim",
+    "int3": "asymmetric INT3 packed 8 per 3 bytes, fp16 scale+zero per token and group along head_dim",
     "int2": "asymmetric INT2 packed 4 per byte, fp16 scale+zero per token and group along head_dim",
+    "int4-channel": "asymmetric INT4 per channel over each block of tokens (KIVI keys), newest tokens fp16",
+    "int3-channel": "asymmetric INT3 per channel over each block of tokens (KIVI keys), newest tokens fp16",
+    "int2-channel": "asymmetric INT2 per channel over each block of tokens (KIVI keys), newest tokens fp16",
     "fp8-e4m3": "FP8 e4m3 storage, one scale per (layer, KV head)",
     "fp8-e5m2": "FP8 e5m2 storage, one scale per (layer, KV head)",
 }
 
-GROUPED = {"int4": 4, "int2": 2}
+GROUPED = {"int4": 4, "int3": 3, "int2": 2}
+CHANNEL = {"int4-channel": 4, "int3-channel": 3, "int2-channel": 2}
 
 
-def make_quantizer(precision: str, head_dim: int, group_size: int = 32, headroom: float = 1.0) -> Quantizer:
+def make_quantizer(
+    precision: str, head_dim: int, group_size: int = 32, headroom: float = 1.0, block_size: int = 128
+) -> Quantizer:
     """Build the quantizer for one config ``precision`` (see :data:`PRECISIONS`)."""
     if precision in FLOAT_DTYPES:
         return Passthrough(head_dim, precision)
@@ -35,8 +42,12 @@ def make_quantizer(precision: str, head_dim: int, group_size: int = 32, headroom
         return Int8SharedScale(head_dim, headroom=headroom)
     if precision == "int8-token":
         return Int8PerToken(head_dim)
+    if precision == "int3":
+        return Int3Grouped(head_dim, group_size=group_size)
     if precision in GROUPED:
         return IntNGrouped(head_dim, bits=GROUPED[precision], group_size=group_size)
+    if precision in CHANNEL:
+        return IntNChannel(head_dim, bits=CHANNEL[precision], token_group=block_size)
     if precision in FP8_DTYPES:
         return Fp8(head_dim, precision, headroom=headroom)
     raise ValueError(f"precision: unknown {precision!r} (known: {', '.join(PRECISIONS)})")
@@ -47,6 +58,8 @@ __all__ = [
     "Fp8",
     "Int8PerToken",
     "Int8SharedScale",
+    "Int3Grouped",
+    "IntNChannel",
     "IntNGrouped",
     "PartSpec",
     "Parts",

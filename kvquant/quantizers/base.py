@@ -21,6 +21,7 @@ class PartSpec:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    per_block: bool = False  # one row per block of tokens (per-channel scales), not per token
 
 
 class Quantizer(ABC):
@@ -37,6 +38,7 @@ class Quantizer(ABC):
     name: str = "?"
     granularity: str = "?"
     static: bool = False
+    per_block = False  # True: quantizes whole blocks of tokens at once (per-channel granularity)
 
     def __init__(self, head_dim: int) -> None:
         self.head_dim = head_dim
@@ -48,7 +50,7 @@ class Quantizer(ABC):
 
     def bits_per_element(self) -> float:
         """Average stored bits per K/V element, scale and zero-point overhead included."""
-        total = 0
+        total = 0.0
         for spec in self.parts().values():
             n = 1
             for s in spec.shape:

@@ -22,6 +22,8 @@ from .int8 import FP16_TINY
 
 def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     """``q[..., D]`` integer codes in ``[0, 2^bits)`` -> ``uint8[..., D * bits / 8]`` (split layout)."""
+    if bits == 3:
+        return _pack3(q)
     per_byte = 8 // bits
     chunks = q.to(torch.uint8).chunk(per_byte, dim=-1)
     packed = chunks[0].clone()
@@ -32,9 +34,37 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: ``uint8[..., D*bits/8]`` -> ``uint8[..., D]``."""
+    if bits == 3:
+        return _unpack3(packed)
     per_byte = 8 // bits
     mask = (1 << bits) - 1
     return torch.cat([(packed >> (k * bits)) & mask for k in range(per_byte)], dim=-1)
+
+
+def _pack3(q: torch.Tensor) -> torch.Tensor:
+    """3-bit codes, 8 per 3 bytes: channels ``j + k*D/8`` (k = 0..7) form one 24-bit word, stored
+    as three byte planes ``[low | mid | high]`` of ``D/8`` bytes each."""
+    chunks = q.to(torch.int32).chunk(8, dim=-1)
+    word = chunks[0].clone()
+    for k in range(1, 8):
+        word |= chunks[k] << (3 * k)
+    return torch.cat([(word >> s) & 0xFF for s in (0, 8, 16)], dim=-1).to(torch.uint8)
+
+
+def _unpack3(packed: torch.Tensor) -> torch.Tensor:
+    lo, mid, hi = packed.to(torch.int32).chunk(3, dim=-1)
+    word = lo | (mid << 8) | (hi << 16)
+    return torch.cat([(word >> (3 * k)) & 7 for k in range(8)], dim=-1).to(torch.uint8)
+
+
+def _minmax_codes(g: torch.Tensor, levels: float, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric codes of ``g`` with one (scale, zero) per slice along ``dim`` (fp16-rounded first)."""
+    lo = g.amin(dim=dim, keepdim=True)
+    hi = g.amax(dim=dim, keepdim=True)
+    scale = ((hi - lo) / levels).clamp_min(FP16_TINY).to(torch.float16)
+    zero = lo.to(torch.float16)
+    q = torch.round((g - zero.float()) / scale.float()).clamp_(0, levels)
+    return q, scale, zero
 
 
 class IntNGrouped(Quantizer):
@@ -61,13 +91,7 @@ class IntNGrouped(Quantizer):
     def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
         *lead, d = x.shape
         g = x.float().reshape(*lead, d // self.group_size, self.group_size)
-        lo = g.amin(dim=-1, keepdim=True)
-        hi = g.amax(dim=-1, keepdim=True)
-        # scale and zero are rounded to fp16 *before* the codes are chosen, so that the
-        # stored (fp16) values are exactly the ones the codes were computed against.
-        scale = ((hi - lo) / self.levels).clamp_min(FP16_TINY).to(torch.float16)
-        zero = lo.to(torch.float16)
-        q = torch.round((g - zero.float()) / scale.float()).clamp_(0, self.levels)
+        q, scale, zero = _minmax_codes(g, self.levels, dim=-1)
         return {
             "q": pack_codes(q.reshape(*lead, d), self.bits),
             "scale": scale.squeeze(-1),
@@ -80,3 +104,69 @@ class IntNGrouped(Quantizer):
         g = q.reshape(*lead, d // self.group_size, self.group_size)
         x = g * parts["scale"].float().unsqueeze(-1) + parts["zero"].float().unsqueeze(-1)
         return x.reshape(*lead, d).to(dtype)
+
+
+class Int3Grouped(IntNGrouped):
+    """INT3, 8 codes per 3 bytes (see :func:`_pack3`); same grouping and math as :class:`IntNGrouped`."""
+
+    def __init__(self, head_dim: int, group_size: int = 32) -> None:
+        Quantizer.__init__(self, head_dim)
+        self.bits, self.group_size, self.levels, self.name = 3, group_size, 7.0, "int3"
+        self.granularity = f"per token and KV head, groups of {group_size} along head_dim (fp16 scale+zero)"
+
+
+class IntNChannel(Quantizer):
+    """Asymmetric INT4/INT3/INT2 keys quantized *per channel* over a block of tokens (KIVI's keys).
+
+    Granularity: per KV head and channel of head_dim, one (scale, zero) pair per block of
+    ``token_group`` tokens (the store's block size), stored once per block in fp16::
+
+        lo[c], hi[c] = min/max over the block's tokens of x[:, c]
+        q = round((x - lo) / scale)        scale = (hi - lo) / (2^bits - 1)
+
+    Key outliers live in a few channels; per-channel ranges keep them from flattening every other
+    channel of the token. Needs whole blocks: the store keeps the newest tokens in full precision
+    until a block fills (``residual`` mode), then quantizes the block once.
+    """
+
+    per_block = True
+
+    def __init__(self, head_dim: int, bits: int = 4, token_group: int = 128) -> None:
+        super().__init__(head_dim)
+        if bits not in (2, 3, 4):
+            raise ValueError(f"bits: {bits} is not supported by the per-channel quantizer (2, 3 or 4)")
+        self.bits, self.token_group, self.levels = bits, token_group, float(2**bits - 1)
+        self.name = f"int{bits}-channel"
+        self.granularity = f"per channel and KV head, over blocks of {token_group} tokens (fp16 scale+zero)"
+
+    def parts(self) -> dict[str, PartSpec]:
+        return {
+            "q": PartSpec((self.head_dim * self.bits // 8,), torch.uint8),
+            "scale": PartSpec((self.head_dim,), torch.float16, per_block=True),
+            "zero": PartSpec((self.head_dim,), torch.float16, per_block=True),
+        }
+
+    def bits_per_element(self) -> float:
+        return self.bits + 32 / self.token_group
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        B, H, T, D = x.shape
+        n = -(-T // self.token_group)
+        if T % self.token_group:  # a ragged last block (simulated protocol only): pad by repeating its last token
+            pad = x[:, :, -1:].expand(B, H, n * self.token_group - T, D)
+            x = torch.cat([x, pad], dim=2)
+        return x.float().reshape(B, H, n, self.token_group, D)
+
+    def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
+        B, H, T, D = x.shape
+        q, scale, zero = _minmax_codes(self._blocks(x), self.levels, dim=3)
+        codes = q.reshape(B, H, -1, D)[:, :, :T]
+        return {"q": pack_codes(codes, self.bits), "scale": scale.squeeze(3), "zero": zero.squeeze(3)}
+
+    def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        q = unpack_codes(parts["q"], self.bits).float()
+        B, H, T, D = q.shape
+        idx = torch.arange(T, device=q.device) // self.token_group
+        scale = parts["scale"].float().index_select(2, idx)
+        zero = parts["zero"].float().index_select(2, idx)
+        return (q * scale + zero).to(dtype)
