@@ -141,7 +141,8 @@ def attend_torch(
             tiles = [
                 (lambda a=k0, b=k1, grp=g: layer.read(grp, a, b), (k0, k1)) for k0, k1 in layer.tiles(past_len, tk)
             ] + [
-                (lambda a=f0, b=f1, k=fk, v=fv: (k[:, :, a:b].float(), v[:, :, a:b].float()), (past_len + f0, past_len + f1))
+                (lambda a=f0, b=f1, k=fk, v=fv: (k[:, :, a:b].float(), v[:, :, a:b].float()),
+                 (past_len + f0, past_len + f1))
                 for f0, f1 in _tiles(q1, tk)
             ]
             if len(tiles) <= 2:

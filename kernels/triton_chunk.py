@@ -140,6 +140,10 @@ def _chunk_attn(
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=mask_r[:, None])
 
 
+def block_n_for(head_dim: int) -> int:
+    return 64 if head_dim <= 128 else 32
+
+
 def chunk(
     query: torch.Tensor,
     fresh_k: torch.Tensor,
@@ -160,7 +164,7 @@ def chunk(
     if fresh_k.shape[2] != Tq:
         raise Unsupported(f"chunk kernel: fresh K has {fresh_k.shape[2]} tokens, the query {Tq}")
     rep = Hq // num_kv
-    block_n = block_n or (64 if D <= 128 else 32)
+    block_n = block_n or block_n_for(D)
     lo, hi = ranges if ranges is not None else (query, query)
     lo_sb, lo_st = (lo.stride(0), lo.stride(1)) if ranges is not None else (0, 0)
     for head_index, kop, vop in groups:
