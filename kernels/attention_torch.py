@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from kvquant.store import HeadGroup, LayerStore
 
-WORKSPACE_BYTES = 32 * 2**20  # fp32 scratch per tile: scores and a dequantized K or V tile
+WORKSPACE_BYTES = 8 * 2**20  # fp32 scratch per tile: scores and a dequantized K or V tile
 QUERY_TILE = 128  # queries per tile when a chunk (prefill) is long
 
 
