@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from kvquant.kernels.attention_torch import attend_torch
 
 from kvquant.config import KVPrecision, KVQuantConfig
+from kvquant.kernels.attention_torch import attend_torch
 from kvquant.store import LayerStore
 
 # peak HBM bandwidth, GB/s (vendor datasheets)

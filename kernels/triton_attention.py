@@ -9,7 +9,10 @@
 Raises :class:`~kvquant.kernels.dispatch.Unsupported` (the dispatcher then runs the torch path and
 logs the reason once) for: head_dim not a power of two in [16, 256]; a device Triton cannot run on
 (CPU without ``TRITON_INTERPRET=1``); masks that are not one contiguous key range per query row,
-or that differ between heads; unknown quantizers.
+or that differ between heads; quantizers without a kernel path (per-channel key blocks); stores
+with full-precision history segments (sink tokens, residual window). Hadamard rotation is handled
+by the caller (:func:`kvquant.kernels.dispatch.attend` rotates queries / fresh K/V into the store's
+space and the output back), so the kernels never see it.
 
 Mixed per-head precision: one launch per head group (a group = the KV heads sharing a (K, V)
 precision pair, stored in their own part tensors). Chosen over a per-head dtype table because
@@ -31,7 +34,7 @@ import torch
 from kvquant.store import LayerStore
 
 from .dispatch import Unsupported
-from .triton_chunk import _chunk_attn, chunk
+from .triton_chunk import BLOCK_M, _chunk_attn, chunk
 from .triton_decode import decode
 from .triton_dequant import dot_kind, native_fp8, operand
 
@@ -63,6 +66,8 @@ def check_shapes(query: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tens
         raise Unsupported(f"fresh K/V shape {tuple(fresh_k.shape)}, expected {(B, Hkv, Tq, D)}")
     if layer.batch != B:
         raise Unsupported(f"store batch {layer.batch}, query batch {B}")
+    if getattr(layer, "has_dense_segments", False):
+        raise Unsupported("sink / residual tokens (full-precision history segments) are read by the torch path")
     for t in (query, fresh_k, fresh_v):
         if t.stride(-1) != 1 or t.device != query.device:
             raise Unsupported("query/K/V must share a device and have unit stride along head_dim")
@@ -126,7 +131,7 @@ def attend_triton(
     scaling: float,
     *,
     splits: int | None = None,
-    block_m: int = 64,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``query[B, Hq, Tq, D]`` over ``layer``'s first ``past_len`` tokens plus the fresh chunk.
 
@@ -141,6 +146,8 @@ def attend_triton(
     groups = [
         (g.head_index, operand(g.key, D, fp8_native), operand(g.value, D, fp8_native)) for g in layer.groups
     ]
+    if getattr(layer, "q_end", past_len) < past_len:
+        raise Unsupported(f"the quantized pool holds {layer.q_end} tokens, the history {past_len}")
     for _, k, v in groups:
         for op in (k, v):
             if op.data.device != query.device or op.data.shape[2] < past_len:
@@ -154,7 +161,8 @@ def attend_triton(
     if Tq == 1:
         decode(query, fresh_k, fresh_v, groups, layer.num_heads, past_len, ranges, scaling, res, dk, splits=splits)
     else:
-        chunk(query, fresh_k, fresh_v, groups, layer.num_heads, past_len, ranges, scaling, res, dk, block_m=block_m)
+        chunk(query, fresh_k, fresh_v, groups, layer.num_heads, past_len, ranges, scaling, res, dk,
+              block_m=block_m or BLOCK_M)  # fmt: skip
     if res is not out:
         out.copy_(res)
     return out

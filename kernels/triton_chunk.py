@@ -140,6 +140,13 @@ def _chunk_attn(
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=mask_r[:, None])
 
 
+# Defaults chosen from ptxas register / spill counts (sm_90, head_dim 128, fp16 MMAs; see
+# triton_compile_check): BLOCK_M 32 x BLOCK_N 64 with 8 warps is the largest tile without spills for
+# int8 and int4 (BLOCK_M 64 with 4 warps spilled 0.7-2 KB). Not timed: no GPU was available.
+BLOCK_M = 32
+NUM_WARPS = 8
+
+
 def block_n_for(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
@@ -155,9 +162,9 @@ def chunk(
     scaling: float,
     out: torch.Tensor,
     dot_kind: int,
-    block_m: int = 64,
+    block_m: int = BLOCK_M,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """Chunk attention (any ``Tq``) into ``out[B, Hq, Tq, D]``; ``groups`` = (head_index int32, K, V)."""
     B, Hq, Tq, D = query.shape

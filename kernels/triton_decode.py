@@ -180,6 +180,12 @@ def _decode_reduce(
 
 
 # ------------------------------------------------------------------------------------------- launcher
+# BLOCK_N 64 with 4 warps: no register spills for any precision at head_dim 128 (ptxas, sm_90, fp16
+# MMAs: 128-255 registers; see triton_compile_check). 8 warps x BLOCK_N 32 needs fewer registers
+# (94-201) and may hide latency better: to be decided by timing on a GPU, which was not available.
+NUM_WARPS = 4
+
+
 def block_n_for(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
@@ -204,7 +210,7 @@ def decode(
     out: torch.Tensor,
     dot_kind: int,
     splits: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """Decode attention (``Tq == 1``) into ``out[B, Hq, 1, D]``; ``groups`` = (head_index int32, K, V)."""
     B, Hq, Tq, D = query.shape

@@ -9,7 +9,7 @@ applies the scales there. Which scale goes where (scale folding)::
     HEAD        q  int8   (int8 shared)        state["scale"][h]     -
     TOKEN       q  int8 + scale fp16[1]        -                     scale[t]: on the score column (K)
                                                                      or on the probability column (V)
-    INTN        q  uint8 split-packed          -                     scale/zero[t, group] on load
+    INTN        q  uint8 packed (int4/3/2)     -                     scale/zero[t, group] on load
                    + scale, zero fp16[G]
     FP8         q  float8 e4m3 / e5m2          state["scale"][h]     -
 
@@ -76,13 +76,25 @@ def load_tile(
     """
     m2 = mask_n[:, None]
     if KIND == 3:
-        # split packing: byte j holds channels j, j + D/n, ... (n = 8 / BITS) at bit offsets 0, BITS, ...
-        PER_BYTE: tl.constexpr = 8 // BITS
-        DP: tl.constexpr = D // PER_BYTE
-        col = offs_d % DP
-        shift = (offs_d // DP) * BITS
-        byte = tl.load(ptr + offs_n[:, None] * stride_t + col[None, :], mask=m2, other=0)
-        code = (byte.to(tl.int32) >> shift[None, :]) & ((1 << BITS) - 1)
+        if BITS == 3:
+            # 8 codes per 3 bytes: channels j + k*D/8 (k = 0..7) form the 24-bit word
+            # lo[j] | mid[j] << 8 | hi[j] << 16 of three byte planes of D/8 bytes; code k at bit 3k
+            D8: tl.constexpr = D // 8
+            col = offs_d % D8
+            row = ptr + offs_n[:, None] * stride_t + col[None, :]
+            b0 = tl.load(row, mask=m2, other=0).to(tl.int32)
+            b1 = tl.load(row + D8, mask=m2, other=0).to(tl.int32)
+            b2 = tl.load(row + 2 * D8, mask=m2, other=0).to(tl.int32)
+            word = b0 | (b1 << 8) | (b2 << 16)
+            code = (word >> ((offs_d // D8) * 3)[None, :]) & 7
+        else:
+            # split packing: byte j holds channels j, j + D/n, ... (n = 8 / BITS) at bit offsets 0, BITS, ...
+            PER_BYTE: tl.constexpr = 8 // BITS
+            DP: tl.constexpr = D // PER_BYTE
+            col = offs_d % DP
+            shift = (offs_d // DP) * BITS
+            byte = tl.load(ptr + offs_n[:, None] * stride_t + col[None, :], mask=m2, other=0)
+            code = (byte.to(tl.int32) >> shift[None, :]) & ((1 << BITS) - 1)
         grp = offs_d // GROUP
         s_off = offs_n[:, None] * sc_stride_t + grp[None, :]
         s = tl.load(sc_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
@@ -237,8 +249,10 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
         return Operand(main, main, main, _head_scale(store), KIND_HEAD)
     if isinstance(qz, Int8PerToken):
         return Operand(main, parts["scale"], main, main, KIND_TOKEN)
-    if isinstance(qz, IntNGrouped):
-        if head_dim % qz.group_size or head_dim % (8 // qz.bits):
+    if isinstance(qz, IntNGrouped):  # int4 / int2 (split packing) and int3 (three byte planes)
+        if qz.bits not in (2, 3, 4):
+            raise Unsupported(f"{qz.describe()}: {qz.bits}-bit codes have no Triton path")
+        if head_dim % qz.group_size or head_dim % 8:
             raise Unsupported(f"{qz.describe()}: head_dim {head_dim} not a multiple of the group / packing")
         sc, zp = parts["scale"], parts["zero"]
         if sc.stride(-1) != 1 or zp.stride() != sc.stride():

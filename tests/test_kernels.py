@@ -17,17 +17,16 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from kvquant.config import KVPrecision, KVQuantConfig  # noqa: E402
 from kvquant.kernels import dispatch  # noqa: E402
 from kvquant.kernels.attention_torch import attend_naive, attend_torch  # noqa: E402
 from kvquant.kernels.dispatch import Unsupported  # noqa: E402
 from kvquant.kernels.triton_attention import attend_triton, interpreted, key_ranges  # noqa: E402
-
-from kvquant.config import KVPrecision, KVQuantConfig  # noqa: E402
 from kvquant.store import LayerStore  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = 2e-3
-ALL = ["fp16", "bf16", "fp32", "int8", "int8-token", "int4", "int2", "fp8-e4m3", "fp8-e5m2"]
+ALL = ["fp16", "bf16", "fp32", "int8", "int8-token", "int4", "int3", "int2", "fp8-e4m3", "fp8-e5m2"]
 
 
 def test_interpreter_on_cpu():
@@ -122,11 +121,11 @@ def test_decode_splits(splits):
 
 @pytest.mark.parametrize("D", [16, 32, 128])
 def test_head_dims(D):
-    row = ["int2", "int4", "int8-token", "fp8-e5m2"]
+    row = ["int2", "int4", "int8-token", "fp8-e5m2", "int3"]
     layer, fk, fv = make_layer(row, B=1, D=D, past=50)
-    check(query(1, 8, 1, D), fk, fv, layer, 50, splits=2)
+    check(query(1, 10, 1, D), fk, fv, layer, 50, splits=2)
     layer, fk, fv = make_layer(row, B=1, D=D, past=30, Tq=4)
-    check(query(1, 8, 4, D), fk, fv, layer, 30, block_m=16)
+    check(query(1, 10, 4, D), fk, fv, layer, 30, block_m=16)
 
 
 @pytest.mark.parametrize("D", [8, 48, 96])
@@ -262,3 +261,39 @@ def test_dispatch_forced_triton(monkeypatch):
     out = dispatch.attend(q, fk, fv, layer, 20, None, 0.125)
     assert calls == [1]
     assert (out - attend_naive(q, fk, fv, layer, 20, None, 0.125)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("option", [{"sink_tokens": 4}, {"residual_tokens": 16}, "int4-channel"])
+def test_dense_segments_and_channel_keys_fall_back(option):
+    """Sink tokens, a residual window and per-channel key blocks are served by the torch path."""
+    if option == "int4-channel":
+        cfg, row = KVQuantConfig(block_size=16), [KVPrecision("int4-channel", "int4")]
+    else:
+        cfg, row = KVQuantConfig(block_size=16, **option), [KVPrecision("int8", "int8")]
+    layer = LayerStore(row, cfg, 64, 1, DEV)
+    k, v = torch.randn(1, 1, 41, 64, device=DEV), torch.randn(1, 1, 41, 64, device=DEV)
+    layer.append(k[:, :, :40], v[:, :, :40])
+    layer.append(k[:, :, 40:], v[:, :, 40:])
+    with pytest.raises(Unsupported):
+        attend_triton(query(1, 2, 1, 64), k[:, :, 40:], v[:, :, 40:], layer, 40, None, 0.125)
+
+
+def test_rotated_store_through_dispatch(monkeypatch):
+    """``rotate: kv``: dispatch rotates queries / fresh K/V into storage space and the output back;
+    the Triton path then gives the torch path's result."""
+    layer = LayerStore([KVPrecision("int4", "int8")] * 2, KVQuantConfig(block_size=16, rotate="kv"), 64, 2, DEV)
+    k, v = torch.randn(2, 2, 60, 64, device=DEV), torch.randn(2, 2, 60, 64, device=DEV)
+    layer.append(k[:, :, :59], v[:, :, :59])
+    layer.append(k[:, :, 59:], v[:, :, 59:])
+    q = query(2, 4, 1, 64)
+    monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
+    ref = dispatch.attend(q, k[:, :, 59:], v[:, :, 59:], layer, 59, None, 0.125)
+    monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
+    from kvquant.kernels import triton_attention
+
+    calls = []
+    real = triton_attention.attend_triton
+    monkeypatch.setattr(triton_attention, "attend_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out = dispatch.attend(q, k[:, :, 59:], v[:, :, 59:], layer, 59, None, 0.125)
+    assert calls == [1]
+    assert (out - ref).abs().max() <= TOL
