@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 #: A path ``evaluate.load`` accepts: the drift metric as an ``evaluate`` module.
-EVALUATE_MODULE = str(Path(__file__).with_name("kv_drift"))
+EVALUATE_MODULE = str(Path(__file__).with_name("kv_drift.py"))
 
 ROWS_PER_CHUNK = 128
 

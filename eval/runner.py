@@ -98,10 +98,18 @@ def build_methods(recipe: Recipe) -> tuple[list[Method], list[dict[str, Any]]]:
 
 def run_recipe(recipe: Recipe, command: str = "", quiet: bool = False, progress: bool = True) -> RunResult:
     """Run ``recipe``; returns the rows (one per method and protocol) and the run's metadata."""
-    t_start = time.perf_counter()
-    torch.manual_seed(recipe.seed)
+    old_threads = torch.get_num_threads()
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
+    try:
+        return _run(recipe, command, quiet, progress)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult:
+    t_start = time.perf_counter()
+    torch.manual_seed(recipe.seed)
     _log(f"loading model {recipe.model} ...", quiet)
     lm = load_model(recipe.model, dtype=recipe.dtype, device=recipe.device, progress=not quiet)
     model, tok = lm.model, lm.tokenizer

@@ -1,0 +1,103 @@
+"""``kvquant eval`` end to end on stories260K + TinyStories (tiny settings), and its help text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvquant.eval import cli
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one thread; more only contend on a shared 2-core machine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "recipes" / "tinystories-stories260k.yaml"
+
+
+def test_help_teaches():
+    parser = argparse.ArgumentParser(prog="kvquant")
+    sub = parser.add_subparsers(dest="command")
+    cli.register(sub)
+    text = sub.choices["eval"].format_help()
+    for word in ("decode", "simulated", "--configs", "--max-windows", "--out", "examples:", "hf-hqq-int4", "KL"):
+        assert word in text
+    args = parser.parse_args(["eval", "r.yaml", "--configs", "int8,int4", "--window", "64"])
+    assert args.func is cli.run and args.window == 64
+
+
+def test_main_cli_has_eval():
+    kcli = pytest.importorskip("kvquant.cli")
+    parser = kcli.build_parser()
+    args = parser.parse_args(["eval", "r.yaml"])
+    assert args.func is cli.run
+
+
+def test_bad_override_is_one_line_error(capsys):
+    rc = cli.main([str(RECIPE), "--protocol", "sideways"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("kvquant eval: error: protocol:") and "\n" not in err
+
+
+def _small_recipe(tmp_path):
+    import yaml
+
+    data = yaml.safe_load(RECIPE.read_text())
+    data["generation"] = {"prompts": 2, "prompt_tokens": 8, "new_tokens": 6}
+    p = tmp_path / "small.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_eval_end_to_end(shared, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = [
+        str(_small_recipe(tmp_path)), "--configs", "fp16,int8,int4,hf-hqq-int4,hf-quanto-int8",
+        "--protocol", "simulated,decode",
+        "--window", "48", "--prefill", "16", "--decode-chunk", "16", "--max-windows", "1", "--out", str(out),
+        "--quiet",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "protocol simulated" in printed and "protocol decode" in printed
+    data = json.loads((out / "results.json").read_text())
+    rows = data["results"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert {(r["config"], r["protocol"]) for r in ok} == {
+        (c, p) for c in ("reference", "fp16", "int8", "int4", "hf-hqq-int4") for p in ("simulated", "decode")
+    }
+    for r in ok:
+        for key in ("config", "avg_bits", "ppl", "delta_ppl", "kl_mean", "kl_p99", "top1", "kv_vs_fp16", "tok_per_s"):
+            assert r[key] is not None, key
+    ref = [r for r in ok if r["config"] == "reference"]
+    assert all(r["kl_mean"] == 0 and r["top1"] == 1 and r["delta_ppl"] == 0 for r in ref)
+    skipped = [r for r in rows if r["status"] == "skipped"]
+    assert skipped and all(r["config"] == "hf-quanto-int8" and "2, 4" in r["reason"] for r in skipped)
+    assert "gen" in ok[0]
+    md = (out / "report.md").read_text()
+    assert "kvquant eval" in md and "--configs fp16,int8,int4" in md
+    assert "## simulated" in md and "## decode" in md and "hf-quanto-int8: skipped" in md
+    assert (out / "bits_vs_quality.png").stat().st_size > 1000
+
+
+def test_runs_are_deterministic(shared, tmp_path):
+    from kvquant.eval.recipe import load_recipe
+    from kvquant.eval.runner import run_recipe
+
+    over = {"configs": ["int4"], "protocol": "decode", "window": 40, "prefill": 8, "decode_chunk": 8,
+            "max_windows": 1, "generation": {"prompts": 2, "prompt_tokens": 8, "new_tokens": 6}}  # fmt: skip
+    a = run_recipe(load_recipe(RECIPE, over), quiet=True, progress=False)
+    b = run_recipe(load_recipe(RECIPE, over), quiet=True, progress=False)
+    assert a.meta["generation"]["prompt_offsets"] == b.meta["generation"]["prompt_offsets"]
+    keys = ("ppl", "kl_mean", "kl_p99", "top1", "mean_abs_dp", "gen")
+    assert [{k: r.get(k) for k in keys} for r in a.rows] == [{k: r.get(k) for k in keys} for r in b.rows]
