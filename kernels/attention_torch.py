@@ -87,9 +87,9 @@ def _direct(qt, tiles, mask, group, num_kv, rep, q_range, past_len) -> torch.Ten
     loaded = [(load(), k_range) for load, k_range in tiles]
     parts = []
     for (keys, _), k_range in loaded:
-        scores = qt @ keys.unsqueeze(2).transpose(-1, -2)
+        scores = qt @ keys.transpose(-1, -2)
         keep = _mask_tile(mask, group, num_kv, rep, q_range, k_range, past_len)
-        parts.append(scores if keep is None else scores.masked_fill(~keep, -math.inf))
+        parts.append(scores if keep is None else _apply(scores, keep, rep))
     scores = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
     m = scores.amax(dim=-1, keepdim=True)
     p = torch.exp(scores - torch.where(torch.isinf(m), torch.zeros_like(m), m))
@@ -97,10 +97,17 @@ def _direct(qt, tiles, mask, group, num_kv, rep, q_range, past_len) -> torch.Ten
     out = None
     start = 0
     for (_, values), (k0, k1) in loaded:
-        term = p[..., start:start + k1 - k0] @ values.unsqueeze(2)
+        term = p[..., start:start + k1 - k0] @ values
         out = term if out is None else out + term
         start += k1 - k0
     return torch.where(denom > 0, out / denom.clamp_min(1e-30), torch.zeros_like(out))
+
+
+def _apply(scores: torch.Tensor, keep: torch.Tensor, rep: int) -> torch.Tensor:
+    """Mask ``scores[B, Hg, rep*tq, tk]`` with ``keep[B, Hg|1, rep|1, tq, tk]`` (False -> -inf)."""
+    B, Hg, rows, tk = scores.shape
+    s5 = scores.view(B, Hg, rep, rows // rep, tk).masked_fill(~keep, -math.inf)
+    return s5.view(B, Hg, rows, tk)
 
 
 def _tiles(total: int, size: int) -> list[tuple[int, int]]:
@@ -135,7 +142,8 @@ def attend_torch(
         fk = fresh_k if g.all_heads else fresh_k.index_select(1, g.head_index)
         fv = fresh_v if g.all_heads else fresh_v.index_select(1, g.head_index)
         for q0, q1 in _tiles(Tq, tq):
-            qt = q[:, :, :, q0:q1]  # [B, Hg, rep, tq, D]
+            # all query heads of a KV head share its keys: one [rep*tq, D] x [D, tk] product, no broadcast copy
+            qt = q[:, :, :, q0:q1].reshape(B, Hg, rep * (q1 - q0), D)
             # (keys, values, keep-mask) tiles: the quantized history (dequantized one tile at a time),
             # then the fresh chunk in full precision (causal: keys up to the tile's last query)
             tiles = [
@@ -148,15 +156,16 @@ def attend_torch(
             if len(tiles) <= 2:
                 res = _direct(qt, tiles, mask, g, Hkv, rep, (q0, q1), past_len)
             else:
-                acc = _OnlineSoftmax((B, Hg, rep, q1 - q0), D, device)
+                acc = _OnlineSoftmax((B, Hg, rep * (q1 - q0)), D, device)
                 for load, k_range in tiles:
                     keys, values = load()
-                    scores = qt @ keys.unsqueeze(2).transpose(-1, -2)
+                    scores = qt @ keys.transpose(-1, -2)
                     keep = _mask_tile(mask, g, Hkv, rep, (q0, q1), k_range, past_len)
                     if keep is not None:
-                        scores = scores.masked_fill(~keep, -math.inf)
-                    acc.update(scores, values.unsqueeze(2))
+                        scores = _apply(scores, keep, rep)
+                    acc.update(scores, values)
                 res = acc.result()
+            res = res.view(B, Hg, rep, q1 - q0, D)
             if g.all_heads:
                 out[:, :, :, q0:q1] = res
             else:
