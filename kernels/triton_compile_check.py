@@ -67,12 +67,12 @@ def compile_one(kernel: str, k: str, v: str, dot: int, D: int, rep: int, has_ran
             **_kv_ptrs("K", k), **_kv_ptrs("V", v)}  # fmt: skip
     block_h = max(16, triton.next_power_of_2(rep))
     if kernel == "decode":
-        num_warps = num_warps or triton_decode.NUM_WARPS
+        bn, nw = triton_decode.launch_config(kk, vk, dot, D)
+        num_warps, block_n = num_warps or nw, block_n or bn
         fn = triton_decode._decode_partial
-        block_n = block_n or triton_decode.block_n_for(D)
         consts = dict(REP=rep, BLOCK_H=block_h, D=D, BLOCK_N=block_n, HAS_RANGE=has_range, DOT=dot, **kv)
     elif kernel == "reduce":
-        num_warps = num_warps or triton_decode.NUM_WARPS
+        num_warps = num_warps or 4
         fn = triton_decode._decode_reduce
         consts = dict(REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=has_range)
     else:

@@ -180,13 +180,29 @@ def _decode_reduce(
 
 
 # ------------------------------------------------------------------------------------------- launcher
-# BLOCK_N 64 with 4 warps: no register spills for any precision at head_dim 128 (ptxas, sm_90, fp16
-# MMAs: 128-255 registers; see triton_compile_check). 8 warps x BLOCK_N 32 needs fewer registers
-# (94-201) and may hide latency better: to be decided by timing on a GPU, which was not available.
-NUM_WARPS = 4
+def launch_config(k_kind: int, v_kind: int, dot: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of one group's partial kernel.
+
+    Chosen from ptxas register / spill counts (sm_90, head_dim 128; ``python -m
+    kvquant.kernels.triton_compile_check``), not from timings: no GPU was available. With 4 warps and
+    BLOCK_N 64, int8 / fp8 / fp16 with half-precision MMAs use 128-168 registers and no spills, but
+    packed int4/3/2 (extra MMAs for the high/low splits) hit 255 registers and spill 0.3-1 KB, and
+    fp32 MMAs spill 0.4-1.1 KB; 8 warps with BLOCK_N 32 (packed ints: 201-230 registers) or 64 (fp32:
+    127 registers) have no spills.
+    """
+    if 3 in (k_kind, v_kind):
+        block_n, warps = 32, 8
+    elif dot == 0:
+        block_n, warps = 64, 8
+    else:
+        block_n, warps = 64, 4
+    if head_dim > 128:
+        block_n //= 2
+    return block_n, warps
 
 
 def block_n_for(head_dim: int) -> int:
+    """Partition granularity: a multiple of every group's BLOCK_N."""
     return 64 if head_dim <= 128 else 32
 
 
@@ -210,7 +226,6 @@ def decode(
     out: torch.Tensor,
     dot_kind: int,
     splits: int | None = None,
-    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """Decode attention (``Tq == 1``) into ``out[B, Hq, 1, D]``; ``groups`` = (head_index int32, K, V)."""
     B, Hq, Tq, D = query.shape
@@ -230,12 +245,13 @@ def decode(
     lo_sb = lo.stride(0) if ranges is not None else 0
     for head_index, kop, vop in groups:
         Hg = head_index.numel()
+        group_block_n, num_warps = launch_config(kop.kind, vop.kind, dot_kind, D)
         _decode_partial[(B * Hg, S)](
             query, query.stride(0), query.stride(1),
             *kop.args(), *vop.args(),
             head_index, lo, hi, lo_sb, o_part, lse_part,
             qk_scale, past_len, part_len, Hg, S, Hq,
-            REP=rep, BLOCK_H=block_h, D=D, BLOCK_N=block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
+            REP=rep, BLOCK_H=block_h, D=D, BLOCK_N=group_block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
             K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group,
             V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group,
             num_warps=num_warps,
@@ -245,6 +261,6 @@ def decode(
         fresh_k, fresh_k.stride(0), fresh_k.stride(1), fresh_v, fresh_v.stride(0), fresh_v.stride(1),
         out, out.stride(0), out.stride(1), lo, hi, lo_sb, qk_scale, past_len, num_kv, S,
         REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=ranges is not None,
-        num_warps=num_warps,
+        num_warps=4,
     )  # fmt: skip
     return out
