@@ -44,8 +44,16 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
     if args.model:
         from transformers import AutoConfig
 
+        source = args.model
         try:
-            config = AutoConfig.from_pretrained(args.model)
+            from kvquant.eval.models import NAMED_MODELS, resolve_named
+
+            if source in NAMED_MODELS:  # e.g. smollm2-135m, converted once from its wheel
+                source = str(resolve_named(source)[0])
+        except ImportError:
+            pass
+        try:
+            config = AutoConfig.from_pretrained(source)
         except Exception as e:  # noqa: BLE001 - any loading failure is reported the same way
             raise SystemExit(f"kvquant estimate: --model {args.model!r}: cannot read its config ({e})") from None
         return ModelShape.from_config(config)
@@ -115,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=ESTIMATE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", help="hub id or local directory whose config.json gives the shape")
+    p.add_argument("--model", help="hub id, local directory (its config.json gives the shape) or smollm2-135m")
     p.add_argument("--layers", type=int, help="number of layers (instead of --model)")
     p.add_argument("--kv-heads", dest="kv_heads", type=int, help="KV heads per layer (instead of --model)")
     p.add_argument("--head-dim", dest="head_dim", type=int, help="head dimension (instead of --model)")
