@@ -29,12 +29,12 @@ fi
 } 2>&1 | tee "$OUT/gpu_check_env.txt"
 
 echo "== kernel tests (compiled) =="
-timeout 270 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_e2e.py \
+timeout 300 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_e2e.py \
   --durations=5 2>&1 | tee "$OUT/gpu_check_tests.log" | tail -40
 tests_rc=${PIPESTATUS[0]}
 
 echo "== decode attention benchmark =="
-timeout 180 python benchmarks/attention_decode.py --contexts 1024,8192,32768,131072 --batches 1,8,16 \
+timeout 150 python benchmarks/attention_decode.py --contexts 1024,8192,32768,131072 --batches 1,8,16 \
   --precisions fp16,int8,int4,fp8-e4m3 --out "$OUT" 2>&1 | tee "$OUT/gpu_check_bench.log"
 bench_rc=${PIPESTATUS[0]}
 
