@@ -205,12 +205,16 @@ def _print(rec, peak, t_sdpa, err) -> None:
 
 
 def markdown(meta, rows) -> str:
+    gpu = meta["impl"] == "triton"
+    kv = "FP16" if gpu else "fp32"
+    timing = "median of triton.testing.do_bench (L2 flushed)" if gpu else (
+        "median of 5 wall-clock runs on CPU (the torch path; Triton figures need a GPU)")
     lines = [
-        f"# Decode attention: kvquant ({meta['impl']}) vs SDPA on FP16 K/V",
+        f"# Decode attention: kvquant ({meta['impl']}) vs SDPA on {kv} K/V",
         "",
         f"Device: {meta['device']} (peak {meta['peak_gbs'] or '?'} GB/s); q_heads {meta['q_heads']}, "
-        f"kv_heads {meta['kv_heads']}, head_dim {meta['head_dim']}; torch {meta['torch']}. "
-        "Median of triton.testing.do_bench; GB/s = K/V bytes read (codes + scales) / latency.",
+        f"kv_heads {meta['kv_heads']}, head_dim {meta['head_dim']}; torch {meta['torch']}; {timing}. "
+        "GB/s = K/V bytes read (codes + scales) / latency.",
         "",
         "| context | batch | impl | ms | GB/s | % peak | speed-up vs SDPA |",
         "|---:|---:|---|---:|---:|---:|---:|",
