@@ -136,7 +136,13 @@ class KVQuantMethod(Method):
         self.spec = spec
         self.config = KVQuantConfig.load(spec)
         self.name = spec if spec in _presets() else (self.config.name or Path(spec).stem)
-        self.description = f"kvquant {self.config.name or spec}"
+        from kvquant import PRESETS
+
+        if spec in PRESETS:
+            self.description = f"kvquant preset {spec}: {PRESETS[spec][1]}"
+        else:
+            desc = getattr(self.config, "description", "") or ""
+            self.description = f"kvquant config {spec}" + (f": {' '.join(desc.split())}" if desc else "")
 
     def decode_cache(self, model: Any) -> Cache:
         from kvquant import QuantizedKVCache

@@ -170,7 +170,9 @@ def plot(result: Any, path: Path) -> bool:
     handles += [Line2D([], [], marker="o", linestyle="", color=c, label=k) for k, c in colors.items()]
     axes[1].legend(handles=handles, fontsize=8, loc="best")
     rc = result.recipe
-    fig.suptitle(f"{rc.name}: {Path(str(rc.model)).name} on {rc.data} (lower is better)", fontsize=10)
+    model = "/".join(Path(str(rc.model)).parts[-2:]) if "/" in str(rc.model) else str(rc.model)
+    data = Path(rc.data).name if "/" in rc.data else rc.data
+    fig.suptitle(f"{rc.name}: {model} on {data} (lower is better)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
