@@ -184,7 +184,10 @@ def calibrate(
         "storage": {"group_size": template.effective_group_size(shape.head_dim), "headroom": template.headroom,
                     "share_kv_scale": template.share_kv_scale},
     }
-    key = cache_key(key_parts)
+    # labels (how the model and the text were named) are recorded, not hashed: the same weights and text
+    # reached by another path or name reuse the measurement
+    key = cache_key({**key_parts, "model": {k: v for k, v in key_parts["model"].items() if k != "name"},
+                     "data": {k: v for k, v in key_parts["data"].items() if k != "name"}})
     out_path = Path(output) if output else None
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -86,8 +86,8 @@ def test_baseline_policies_fit_the_budget():
 
 
 def test_candidate_errors_name_the_option():
-    with pytest.raises(ValueError, match=r"^--candidates: unknown precision 'int3'"):
-        parse_candidates("int4,int3")
+    with pytest.raises(ValueError, match=r"^--candidates: unknown precision 'int5'"):
+        parse_candidates("int4,int5")
     with pytest.raises(ValueError, match="--candidates"):
         parse_candidates("int4,int4")
 
@@ -242,3 +242,16 @@ def test_cli_end_to_end(stories_path, tmp_path, capsys):
                  "-o", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--candidates: unknown precision 'int9'" in err
+
+
+def test_cache_is_keyed_by_content_not_labels(first_run, stories, stories_text, tmp_path, monkeypatch):
+    model, tok = stories
+    monkeypatch.setattr("kvquant.calibrate.estimate_fisher", lambda *a, **k: pytest.fail("measured again"))
+    res = calibrate(model, tok, stories_text, 7.0, candidates=CANDS, output=tmp_path / "c.yaml",
+                    cache_path=first_run.cache_path, heatmap=False, model_name="another name", data_name="x", **KW)
+    assert res.cache_hit
+    # other text is another measurement
+    monkeypatch.undo()
+    res = calibrate(model, tok, stories_text[:-200], 7.0, candidates=CANDS, output=tmp_path / "d.yaml",
+                    cache_path=first_run.cache_path, heatmap=False, **KW)
+    assert not res.cache_hit
