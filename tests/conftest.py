@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # Triton kernels run under the interpreter on CPU (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from kvquant.paths import shared_dir
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
