@@ -386,6 +386,20 @@ def cmd_show_config(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------ calibrate CLI
+def _early_shape(model: str) -> ModelShape | None:
+    """The model's shape from its config alone, when that is cheap to read; raises for a model without KV heads."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(_model_dir(model))
+    except Exception:  # noqa: BLE001 - a GGUF file, a hub id offline...: the full load reports it
+        return None
+    try:
+        return ModelShape.from_config(config)
+    except ValueError as e:
+        raise ValueError(f"--model: {e}") from None
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     # cheap checks first: a bad option must not wait for the model to load
     cands = parse_candidates(args.candidates)
@@ -393,6 +407,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise ValueError("--budget-bits: required, e.g. --budget-bits 6.0")
     template = KVQuantConfig(group_size=args.group_size) if args.group_size else KVQuantConfig()
     template._check_options()
+    early = _early_shape(args.model)
+    if early is not None:  # the budget error without waiting for the weights
+        check_budget(args.budget_bits, candidate_bits(cands, template, early.head_dim))
     model, tokenizer, text, model_label, data_label = _load_model_and_text(args.model, args.data, args.dtype)
     try:
         ModelShape.of(model)
@@ -453,7 +470,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--candidates", default=DEFAULT_CANDIDATES,
                    help=f"precisions to choose from, comma-separated (default: {DEFAULT_CANDIDATES})")
     p.add_argument("--kv-separate", dest="kv_separate", action="store_true",
-                   help="choose K and V of a head separately (default: one precision per head)")
+                   help="choose K and V of a head separately (default: one precision per head); usually "
+                   "better, keys are more sensitive than values")
     p.add_argument("--method", default="fisher", choices=list(METHODS),
                    help="fisher: estimated from gradients, fast (default); kl: measured, one forward per unit")
     p.add_argument("--calib-window", dest="calib_window", type=int, default=512, help="tokens per window (512)")
