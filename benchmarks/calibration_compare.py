@@ -25,14 +25,14 @@ import time
 from pathlib import Path
 
 import torch
-from kvquant.eval.data import load_text, token_windows, tokenize
-from kvquant.eval.metrics import DriftAccumulator, token_drift
-from kvquant.eval.models import load_model
-from kvquant.eval.protocols import simulated_logits
 
 from kvquant import KVQuantConfig, ModelShape, SimulatedQuantCache
 from kvquant.allocate import candidate_bits, layer_upgrade, plan_to_config, random_allocation
 from kvquant.calibrate import calibrate
+from kvquant.eval.data import load_text, token_windows, tokenize
+from kvquant.eval.metrics import DriftAccumulator, token_drift
+from kvquant.eval.models import load_model
+from kvquant.eval.protocols import simulated_logits
 
 
 def evaluate(model, windows, ref, cfg) -> dict[str, float]:

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import torch
+
 from kvquant.eval.data import load_text, tokenize
 from kvquant.eval.models import load_model
-
 from kvquant.sensitivity import calibration_windows, estimate_fisher, measure_kl, spearman
 
 
