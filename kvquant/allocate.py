@@ -137,9 +137,8 @@ def plan_to_config(plan: Plan, template: KVQuantConfig | None = None, shape: Mod
         if len(set(row)) == 1 and row[0] != default:
             cfg.layers[li] = row[0]
             continue
-        layer_default = default
         for h, p in enumerate(row):
-            if p != layer_default:
+            if p != default:
                 cfg.heads[(li, h)] = p
     cfg.model_shape = shape.as_dict() if shape is not None else None
     cfg.name, cfg.description = name, description

@@ -255,3 +255,16 @@ def test_cache_is_keyed_by_content_not_labels(first_run, stories, stories_text, 
     res = calibrate(model, tok, stories_text[:-200], 7.0, candidates=CANDS, output=tmp_path / "d.yaml",
                     cache_path=first_run.cache_path, heatmap=False, **KW)
     assert not res.cache_hit
+
+
+def test_measured_method_end_to_end(stories, stories_text, tmp_path):
+    model, tok = stories
+    res = calibrate(model, tok, stories_text, 7.0, candidates=CANDS, method="kl", calib_window=32, calib_windows=1,
+                    output=tmp_path / "kl.yaml", heatmap=False)
+    assert res.sensitivity.method == "kl" and "sensitivity: kl -- measured" in res.header
+    assert res.config.avg_bits(model) <= 7.0
+    # int2 costs more KL than int8 for every unit: measured, not estimated, so this holds exactly
+    assert (res.sensitivity.values["int2"] > res.sensitivity.values["int8"]).all()
+    part = measure_kl(model, res.tokens.ids, ["int2", "fp16"], "fp16", layers_subset=[1])
+    assert torch.isnan(part.values["int2"][0]).all() and not torch.isnan(part.values["int2"][1]).any()
+    assert torch.allclose(part.values["int2"][1], res.sensitivity.values["int2"][1])
