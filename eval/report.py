@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,8 @@ def text_table(head: list[str], body: list[list[str]]) -> str:
 
 
 def md_table(head: list[str], body: list[list[str]]) -> str:
+    head = [h.replace("|", "\\|") for h in head]
+    body = [[c.replace("|", "\\|") for c in b] for b in body]
     out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
     out += ["| " + " | ".join(b) + " |" for b in body]
     return "\n".join(out)
@@ -247,4 +250,26 @@ def write_all(result: Any, out_dir: str | Path) -> dict[str, Path]:
     if not has_plot:
         paths.pop("png")
     paths["md"].write_text(markdown(result, paths["png"].name if has_plot else None), encoding="utf-8")
+    return paths
+
+
+def rerender(out_dir: str | Path) -> dict[str, Path]:
+    """Rewrite ``report.md`` and the plot of a finished run from its ``results.json`` (no model is run)."""
+    from types import SimpleNamespace
+
+    out = Path(out_dir)
+    payload = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    meta, rows = payload["meta"], payload["results"]
+    rc = dict(meta["recipe"])
+    recipe = SimpleNamespace(**rc)
+    result = SimpleNamespace(
+        recipe=recipe, meta=meta, rows=rows, ok_rows=lambda: [r for r in rows if r["status"] == "ok"]
+    )
+    paths = {"md": out / "report.md", "png": out / "bits_vs_quality.png"}
+    has_plot = plot(result, paths["png"])
+    note = (
+        f"\n_Re-rendered from results.json on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
+        "(kvquant.eval.report.rerender): the run's numbers, the report layout of the current version._\n"
+    )
+    paths["md"].write_text(markdown(result, paths["png"].name if has_plot else None) + note, encoding="utf-8")
     return paths

@@ -88,6 +88,14 @@ def test_eval_end_to_end(shared, tmp_path, capsys):
     assert "kvquant eval" in md and "--configs fp16,int8,int4" in md
     assert "## simulated" in md and "## decode" in md and "hf-quanto-int8: skipped" in md
     assert (out / "bits_vs_quality.png").stat().st_size > 1000
+    header = next(line for line in md.splitlines() if line.startswith("| config"))
+    assert header.count(" | ") == 11  # 12 columns: the "|" of "mean |Δp|" is escaped
+
+    from kvquant.eval.report import rerender
+
+    rerender(out)
+    md2 = (out / "report.md").read_text()
+    assert md2.startswith(md.rstrip("\n")) and "Re-rendered from results.json" in md2
 
 
 def test_runs_are_deterministic(shared, tmp_path):

@@ -58,3 +58,16 @@ def test_decode_drift_on_smollm2(smollm2):
     assert kl["fp16"] < 1e-4 < kl["int8-token"] < kl["int4"]
     assert kl["int8"] > 1e-4
     assert torch.isfinite(torch.tensor(list(kl.values()))).all()
+
+
+def test_cached_conversion_matches_direct_gguf_load(smollm2):
+    """The cached safetensors copy gives the same logits as transformers' GGUF loader on the wheel's file."""
+    from kvquant.eval.models import NAMED_MODELS, find_packaged_file, load_model
+
+    nm = NAMED_MODELS["smollm2-135m"]
+    direct = load_model(str(find_packaged_file(nm.package, nm.filename)), progress=False)
+    ids = torch.tensor([[504, 2365, 282, 260, 1345, 3805, 355, 253]])
+    with torch.no_grad():
+        a = smollm2.model(ids).logits
+        b = direct.model(ids).logits
+    assert torch.allclose(a, b, atol=1e-4, rtol=0)
