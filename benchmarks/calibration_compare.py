@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--eval-window", type=int, default=512)
     ap.add_argument("--eval-windows", type=int, default=4)
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=int, default=3, help="random baselines per budget (0: none)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy 2-core machine)")
     ap.add_argument("--out", default="docs/results/calibration")
     args = ap.parse_args(argv)
@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             plan_to_config(layer_upgrade(shape, bits, budget, low, high), shape=shape))
         rand = [add(budget, f"random seed {s}", plan_to_config(random_allocation(shape, bits, budget, s), shape=shape))
                 for s in range(args.seeds)]
+        if not rand:
+            continue
         keys = ("avg_bits", "kl_mean", "kl_p99", "delta_ppl", "top1")
         mean = {k: statistics.fmean(r[k] for r in rand) for k in keys}
         mean["delta_ppl_se"] = statistics.fmean(r["delta_ppl_se"] for r in rand) / len(rand) ** 0.5
@@ -144,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         for cal in ("calibrated", "calibrated --kv-separate"):
             c = dnll[(budget, cal)]
             parts = []
-            for label, names in (("layers in order", base_names), ("random (3 seeds)", rand_names)):
+            for label, names in (("layers in order", base_names), (f"random ({len(rand_names)} seeds)", rand_names)):
+                if not names:
+                    continue
                 other = torch.stack([dnll[(budget, n)] for n in names]).mean(0)
                 diff = c - other
                 parts.append(f"vs {label} {float(diff.mean()):+.4f} ± {float(diff.std() / diff.numel() ** 0.5):.4f}")
