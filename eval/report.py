@@ -192,7 +192,7 @@ def markdown(result: Any, plot_name: str | None) -> str:
         lines += ["Produced by:", "", "```", meta["command"], "```", ""]
     lines += [
         f"- model: {meta['model']} ({meta['dtype']}, {meta['device']})",
-        f"- data: {meta['data']} ({meta['corpus_tokens']} tokens read; windows and generation prompts come from them)",
+        f"- data: {meta['data']} ({meta['corpus_tokens']} tokens)",
         f"- reference: unquantized `DynamicCache` in {meta['dtype']}; every delta, KL and top-1 is against it, "
         "on the same tokens under the same protocol",
         f"- machine: {meta['machine']}; versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),

@@ -79,15 +79,6 @@ def _versions() -> dict[str, str]:
     return v
 
 
-def _tokens_needed(recipe: Recipe) -> int | None:
-    """Tokens the windows need (None: all, when the number of windows is not limited)."""
-    if recipe.max_windows is None:
-        return None
-    body = recipe.window - (1 if recipe.bos else 0)
-    stride = recipe.stride or body
-    return (recipe.max_windows - 1) * stride + body + 1
-
-
 def build_methods(recipe: Recipe) -> tuple[list[Method], list[dict[str, Any]]]:
     """The reference plus one method per config entry; unavailable ones become skipped rows."""
     methods: list[Method] = [ReferenceMethod()]
@@ -124,7 +115,9 @@ def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult
     model, tok = lm.model, lm.tokenizer
     _log(f"model ready in {lm.load_seconds:.1f} s{' (converted from GGUF)' if lm.converted else ''}", quiet)
     text = load_text(recipe.data)
-    ids = tokenize(text.text, tok, _tokens_needed(recipe))
+    # the whole corpus is tokenized (not only the windows' prefix): generation prompts are drawn from all of it,
+    # so a run's prompts do not depend on how many windows it scores
+    ids = tokenize(text.text, tok)
     bos_id = tok.bos_token_id if recipe.bos else None
     if recipe.bos and bos_id is None:
         raise ValueError("bos: the tokenizer has no BOS token; set bos: false")
@@ -139,7 +132,7 @@ def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult
         "dtype": str(model.dtype).replace("torch.", ""),
         "device": str(next(model.parameters()).device),
         "data": text.source,
-        "corpus_tokens": int(ids.numel()),  # tokens read: a prefix of a large corpus, enough for the windows
+        "corpus_tokens": int(ids.numel()),
         "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
         "versions": _versions(),
