@@ -324,7 +324,12 @@ class KVQuantConfig:
         ).bits_per_element()
 
     def avg_bits(self, shape: ModelShape | Any) -> float:
-        """Average stored bits per K/V element over the whole model, scale and zero overhead included."""
+        """Average stored bits per K/V element over the whole model, scale and zero overhead included.
+
+        Full-precision sink and residual tokens (``sink_tokens``, ``residual_tokens``) are a fixed
+        number of tokens, not a per-token cost, and are not in this figure; ``memory_report()``
+        counts them in the bytes a cache actually holds.
+        """
         shape = ModelShape.of(shape)
         plan = self.resolve(shape)
         total = sum(
