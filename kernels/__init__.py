@@ -2,9 +2,29 @@
 
 ``attend(...)`` picks the implementation: Triton on CUDA when the shapes are supported, torch
 otherwise; ``KVQUANT_ATTENTION=torch|triton`` forces one.
+
+Installed as ``kvquant.kernels``. The names below load lazily, so that importing this folder by
+accident as a top-level ``kernels`` (Python started in the repository root, where transformers
+probes for the unrelated ``kernels`` package) costs nothing and imports nothing.
 """
 
-from .attention_torch import attend_naive, attend_torch, dequantize_history
-from .dispatch import attend, backend_for
+from __future__ import annotations
 
-__all__ = ["attend", "attend_naive", "attend_torch", "backend_for", "dequantize_history"]
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "attend": ".dispatch",
+    "backend_for": ".dispatch",
+    "attend_torch": ".attention_torch",
+    "attend_naive": ".attention_torch",
+    "dequantize_history": ".attention_torch",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -338,7 +338,7 @@ class KVQuantConfig:
         return total / (2 * shape.num_layers * shape.num_kv_heads)
 
     def with_updates(self, **changes: Any) -> KVQuantConfig:
-        cfg = replace(self, layers=dict(self.layers), heads=dict(self.heads), **changes)
+        cfg = replace(self, **{"layers": dict(self.layers), "heads": dict(self.heads), **changes})
         cfg._check_options()
         return cfg
 
