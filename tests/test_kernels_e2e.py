@@ -68,7 +68,7 @@ def generate(model, ids, mask, backend, monkeypatch, new_tokens=6):
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-            past_key_values=cache,
+            cache=cache,
         )  # fmt: skip
     monkeypatch.setattr(triton_attention, "attend_triton", real)
     return out.sequences, torch.stack(out.logits, 1), calls, cache
