@@ -16,6 +16,15 @@ from kvquant.paths import shared_dir
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny models run fastest on one thread; a second one mostly contends on a shared 2-core machine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 def _shared_path(*parts: str) -> Path:
     p = shared_dir().joinpath(*parts)
     if not p.exists():

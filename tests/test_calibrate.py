@@ -27,14 +27,6 @@ CANDS = "int2,int8,fp16"
 KW = dict(calib_window=64, calib_windows=2, samples=2, method="fisher")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's matmuls are far faster on one thread (and do not fight other processes for cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def stories_text(tinystories_text):

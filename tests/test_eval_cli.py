@@ -7,19 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvquant.eval import cli
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread; more only contend on a shared 2-core machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "tinystories-stories260k.yaml"

@@ -10,16 +10,6 @@ from kvquant.eval.data import token_windows, tokenize
 from kvquant.eval.metrics import summarize
 from kvquant.eval.protocols import decode_logits, simulated_logits
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread; more only contend on a shared 2-core machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 WINDOW, PREFILL, CHUNK = 96, 32, 8
 
 
