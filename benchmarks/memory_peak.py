@@ -24,9 +24,10 @@ import torch
 
 
 def rss_kib(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
@@ -119,10 +120,11 @@ def main() -> None:
               f"{r['peak_rss_decode'] / mib:8.1f}M "
               f"{r['peak_rss_decode'] / expected:8.3f}")
     q, d = rows
+    met = q["peak_rss_decode"] <= 1.1 * (q["baseline_rss"] + q["cache_bytes"] + q["workspace"])
     print(f"peak during decode: {q['cache']} {q['peak_rss_decode'] / mib:.1f} MiB vs DynamicCache "
           f"{d['peak_rss_decode'] / mib:.1f} MiB ({q['peak_rss_decode'] / d['peak_rss_decode']:.2f}x); "
           f"target: {q['cache']} peak within 10% of expected -> "
-          f"{'MET' if q['peak_rss_decode'] <= 1.1 * (q['baseline_rss'] + q['cache_bytes'] + q['workspace']) else 'MISSED'}")
+          f"{'MET' if met else 'MISSED'}")
 
 
 if __name__ == "__main__":
