@@ -39,13 +39,19 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class KVPrecision:
-    """The precisions of the keys and the values of one KV head."""
+    """The precisions of the keys and the values of one KV head (``None`` in an override: inherit)."""
 
-    key: str
-    value: str
+    key: str | None
+    value: str | None
 
     def as_yaml(self) -> str | dict[str, str]:
-        return self.key if self.key == self.value else {"key": self.key, "value": self.value}
+        if self.key == self.value:
+            return self.key
+        return {k: v for k, v in (("key", self.key), ("value", self.value)) if v}
+
+    def over(self, base: KVPrecision) -> KVPrecision:
+        """This override applied on top of ``base``."""
+        return KVPrecision(self.key or base.key, self.value or base.value)
 
 
 # Presets: name -> (default precision(s), description, extra fields).
@@ -167,10 +173,10 @@ class KVQuantConfig:
             raise ConfigError(f"{unknown[0]}: unknown field (known: {', '.join(sorted(_TOP_LEVEL))})")
         cfg = cls()
         if "default" in data:
-            cfg.default = _parse_pair(data["default"], "default", base=None)
+            cfg.default = _parse_pair(data["default"], "default")
         for k, v in (data.get("layers") or {}).items():
             layer = _parse_index(k, f"layers.{k}")
-            cfg.layers[layer] = _parse_pair(v, f"layers.{k}", base=None, partial=True)
+            cfg.layers[layer] = _parse_pair(v, f"layers.{k}", partial=True)
         heads = data.get("heads") or {}
         if not isinstance(heads, Mapping):
             raise ConfigError("heads: expected a mapping like {\"3.1\": int8}")
@@ -180,14 +186,14 @@ class KVQuantConfig:
                 layer = _parse_index(k, f"heads.{k}")
                 for hk, hv in v.items():
                     head = _parse_index(hk, f"heads.{k}.{hk}")
-                    cfg.heads[(layer, head)] = _parse_pair(hv, f"heads.{k}.{hk}", base=None, partial=True)
+                    cfg.heads[(layer, head)] = _parse_pair(hv, f"heads.{k}.{hk}", partial=True)
                 continue
             parts = str(k).split(".")
             if len(parts) != 2:
                 raise ConfigError(f'heads."{k}": expected "layer.head", e.g. "3.1"')
             layer = _parse_index(parts[0], f'heads."{k}"')
             head = _parse_index(parts[1], f'heads."{k}"')
-            cfg.heads[(layer, head)] = _parse_pair(v, f'heads."{k}"', base=None, partial=True)
+            cfg.heads[(layer, head)] = _parse_pair(v, f'heads."{k}"', partial=True)
         for name in _OPTION_FIELDS:
             if name in data:
                 setattr(cfg, name, data[name])
@@ -269,9 +275,9 @@ class KVQuantConfig:
         self.validate(shape)
         plan = [[self.default] * shape.num_kv_heads for _ in range(shape.num_layers)]
         for layer, p in self.layers.items():
-            plan[layer] = [_merge(p, x) for x in plan[layer]]
+            plan[layer] = [p.over(x) for x in plan[layer]]
         for (layer, head), p in self.heads.items():
-            plan[layer][head] = _merge(p, plan[layer][head])
+            plan[layer][head] = p.over(plan[layer][head])
         return plan
 
     def validate(self, shape: ModelShape | Any) -> None:
@@ -312,7 +318,7 @@ class KVQuantConfig:
         out = {self.default.key, self.default.value}
         for p in [*self.layers.values(), *self.heads.values()]:
             out |= {p.key, p.value}
-        return out
+        return out - {None}
 
     def uses_grouped(self) -> bool:
         return bool(self.precisions() & set(GROUPED))
@@ -392,13 +398,8 @@ def _parse_precision(value: Any, where: str) -> str:
     return value
 
 
-@dataclass(frozen=True)
-class _Partial:
-    key: str | None
-    value: str | None
-
-
-def _parse_pair(value: Any, where: str, base: KVPrecision | None, partial: bool = False) -> Any:
+def _parse_pair(value: Any, where: str, partial: bool = False) -> KVPrecision:
+    """A precision for K and V together, or ``{key: ..., value: ...}`` (one of them if ``partial``)."""
     if isinstance(value, Mapping) and set(map(str, value)) & {"key", "value"}:
         extra = set(map(str, value)) - {"key", "value"}
         if extra:
@@ -407,20 +408,6 @@ def _parse_pair(value: Any, where: str, base: KVPrecision | None, partial: bool 
         v = _parse_precision(value["value"], f"{where}.value") if "value" in value else None
         if not partial and (k is None or v is None):
             raise ConfigError(f"{where}: needs both key and value")
-        return KVPrecision(k, v) if (k and v) else _Partial(k, v)
+        return KVPrecision(k, v)
     p = _parse_precision(value, where)
     return KVPrecision(p, p)
-
-
-def _merge(override: KVPrecision | _Partial, current: KVPrecision) -> KVPrecision:
-    return KVPrecision(override.key or current.key, override.value or current.value)
-
-
-def config_to_partial_yaml(p: KVPrecision | _Partial) -> Any:
-    if isinstance(p, KVPrecision):
-        return p.as_yaml()
-    return {k: v for k, v in (("key", p.key), ("value", p.value)) if v}
-
-
-# _Partial objects must also serialise
-_Partial.as_yaml = config_to_partial_yaml  # type: ignore[attr-defined]

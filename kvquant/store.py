@@ -62,8 +62,7 @@ class QuantizedTensorStore:
 
     @property
     def capacity(self) -> int:
-        name, t = next((n, t) for n, t in self.parts.items() if not self.specs[n].per_block)
-        return t.shape[2]
+        return next(t.shape[2] for n, t in self.parts.items() if not self.specs[n].per_block)
 
     def grow(self, capacity: int, used: int) -> None:
         """Reallocate every part to ``capacity`` tokens (whole blocks), keeping the first ``used``."""

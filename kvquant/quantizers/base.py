@@ -90,7 +90,3 @@ def _dtype_bits(dtype: torch.dtype) -> int:
         return torch.finfo(dtype).bits
     return torch.iinfo(dtype).bits
 
-
-def static_state_shape(state: dict[str, torch.Tensor]) -> int:
-    """Bytes held by a static state (a few scales per head)."""
-    return sum(t.numel() * t.element_size() for t in state.values())
