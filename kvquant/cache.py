@@ -43,8 +43,12 @@ class QuantizedLayer(CacheLayerMixin):
     """One layer of a :class:`QuantizedKVCache`: a :class:`LayerStore` created on the first update."""
 
     is_compileable = False
-    is_croppable = True
     is_sliding = False
+
+    @property
+    def is_croppable(self) -> bool:
+        """Crop can undo any token, except in residual mode (tokens already quantized by whole blocks)."""
+        return self.store is None or not self.store.residual_mode
 
     def __init__(
         self,
