@@ -54,8 +54,6 @@ def attend(
     out = None
     if backend_for(query.device) == "triton":
         try:
-            if layer.has_dense_segments:
-                raise Unsupported("sink / residual tokens are read by the torch path")
             from .triton_attention import attend_triton
 
             out = attend_triton(query, fresh_k, fresh_v, layer, past_len, mask, scaling)

@@ -5,12 +5,18 @@
 * ``Tq == 1`` (decode): split-K flash-decoding (:mod:`triton_decode`), the fresh token merged in the
   reduction kernel.
 * ``Tq > 1`` (chunk / prefill): :mod:`triton_chunk`, causal inside the chunk.
+* Stores with full-precision history segments (sink tokens, residual window): the kernels attend
+  over the quantized pool without the sink rows, ``[sinks, q_end)``, plus the chunk (their history
+  length is ``q_end``, the mask's key ranges are mapped onto that axis) and also write each row's
+  log-sum-exp; the dense keys (sink rows ``[0, sinks)``, residual ``[q_end, past_len)``, at most
+  ``sink_tokens + residual_tokens + block_size`` of them) are attended in torch
+  (:func:`attend_dense`), and the two partials merged by log-sum-exp (:func:`merge_lse`).
 
 Raises :class:`~kvquant.kernels.dispatch.Unsupported` (the dispatcher then runs the torch path and
 logs the reason once) for: head_dim not a power of two in [16, 256]; a device Triton cannot run on
 (CPU without ``TRITON_INTERPRET=1``); masks that are not one contiguous key range per query row,
-or that differ between heads; quantizers without a kernel path (per-channel key blocks); stores
-with full-precision history segments (sink tokens, residual window). Hadamard rotation is handled
+or that differ between heads; quantizers without a kernel path (per-channel key blocks, e.g.
+``int4-channel``). Hadamard rotation is handled
 by the caller (:func:`kvquant.kernels.dispatch.attend` rotates queries / fresh K/V into the store's
 space and the output back), so the kernels never see it.
 
@@ -39,6 +45,7 @@ from .triton_decode import decode
 from .triton_dequant import dot_kind, native_fp8, operand
 
 MAX_REP = 128  # query heads per KV head held in one program
+LN2 = 0.6931471805599453  # the kernels' log-sum-exp is base 2
 
 
 def interpreted() -> bool:
@@ -66,8 +73,6 @@ def check_shapes(query: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tens
         raise Unsupported(f"fresh K/V shape {tuple(fresh_k.shape)}, expected {(B, Hkv, Tq, D)}")
     if layer.batch != B:
         raise Unsupported(f"store batch {layer.batch}, query batch {B}")
-    if getattr(layer, "has_dense_segments", False):
-        raise Unsupported("sink / residual tokens (full-precision history segments) are read by the torch path")
     for t in (query, fresh_k, fresh_v):
         if t.stride(-1) != 1 or t.device != query.device:
             raise Unsupported("query/K/V must share a device and have unit stride along head_dim")
@@ -121,6 +126,103 @@ def key_ranges(
     return lo, hi
 
 
+def split_ranges(
+    ranges: tuple[torch.Tensor, torch.Tensor] | None, batch: int, q_len: int, past_len: int, q_end: int, sinks: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key ranges of the quantized side: ``ranges`` (on the history + chunk axis, ``None`` = causal)
+    mapped onto the axis (pool ``[0, q_end)`` + chunk) the kernels see, with the sink rows
+    ``[0, sinks)`` and the residual ``[q_end, past_len)`` removed (they are the dense side's).
+
+    A contiguous range stays contiguous: removing a middle segment of the axis joins its two sides.
+    """
+    if ranges is None:
+        lo = torch.zeros((batch, q_len), dtype=torch.int32, device=device)
+        hi = (past_len + 1 + torch.arange(q_len, dtype=torch.int32, device=device)).expand(batch, q_len)
+    else:
+        lo, hi = ranges
+    lo = lo.clamp_min(sinks)
+    R = past_len - q_end
+
+    def to_pool_axis(p: torch.Tensor) -> torch.Tensor:
+        # positions in the residual map to its end (= the chunk's start, q_end on the new axis)
+        return torch.where(p < q_end, p, torch.where(p < past_len, q_end, p - R))
+
+    lo, hi = to_pool_axis(lo), to_pool_axis(hi)
+    empty = lo >= hi
+    lo = torch.where(empty, 0, lo).to(torch.int32).contiguous()
+    hi = torch.where(empty, 0, hi).to(torch.int32).contiguous()
+    return lo, hi
+
+
+def dense_segments(layer: LayerStore, past_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The full-precision history of ``layer``: (K, V ``[B, Hkv, n, D]``, positions ``[n]``), or None.
+
+    Sink rows ``[0, min(sink_tokens, q_end))`` from ``sink_k/sink_v`` (below ``q_end`` only: tokens
+    still in the residual are read from there) and the residual ``[q_end, past_len)``.
+    """
+    q_end = min(layer.q_end, past_len)
+    ks, vs, pos = [], [], []
+    device = layer.device
+    n_sink = min(layer.sink_tokens, q_end) if layer.sink_k is not None else 0
+    if n_sink > 0:
+        ks.append(layer.sink_k[:, :, :n_sink])
+        vs.append(layer.sink_v[:, :, :n_sink])
+        pos.append(torch.arange(n_sink, device=device))
+    if past_len > q_end:
+        if layer.res_k is None or layer.res_k.shape[2] < past_len - q_end:
+            raise Unsupported(f"the residual buffer does not hold tokens [{q_end}, {past_len})")
+        ks.append(layer.res_k[:, :, : past_len - q_end])
+        vs.append(layer.res_v[:, :, : past_len - q_end])
+        pos.append(torch.arange(q_end, past_len, device=device))
+    if not ks:
+        return None
+    return torch.cat(ks, dim=2).float(), torch.cat(vs, dim=2).float(), torch.cat(pos).to(ks[0].device)
+
+
+def attend_dense(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    ranges: tuple[torch.Tensor, torch.Tensor] | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``query[B, Hq, Tq, D]`` over a few dense keys ``[B, Hkv, n, D]`` (at history
+    ``positions``), visible where ``lo <= position < hi`` (``ranges=None``: all, as causal).
+
+    Returns fp32 ``(out[B, Hq, Tq, D], lse[B, Hq, Tq])``, natural log; rows with no visible key get
+    ``out = 0`` and ``lse = -inf``.
+    """
+    B, Hq, Tq, D = query.shape
+    Hkv, n = keys.shape[1], keys.shape[2]
+    rep = Hq // Hkv
+    q = query.float().reshape(B, Hkv, rep * Tq, D) * scaling
+    s = (q @ keys.transpose(-1, -2)).view(B, Hkv, rep, Tq, n)
+    if ranges is not None:
+        lo, hi = ranges
+        vis = (positions.view(1, 1, n) >= lo[..., None]) & (positions.view(1, 1, n) < hi[..., None])
+        s = s.masked_fill(~vis[:, None, None], float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    out = (p.view(B, Hkv, rep * Tq, n) @ values).view(B, Hkv, rep, Tq, D) / denom.clamp_min(1e-30)
+    lse = torch.where(denom > 0, m + torch.log(denom.clamp_min(1e-30)), float("-inf"))
+    return out.reshape(B, Hq, Tq, D), lse.reshape(B, Hq, Tq)
+
+
+def merge_lse(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Softmax-merge two attention partials ``out[..., D]`` by their (natural) log-sum-exp ``lse[...]``."""
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    wa, wb = torch.exp(lse_a - m)[..., None], torch.exp(lse_b - m)[..., None]
+    den = wa + wb
+    return torch.where(den > 0, (wa * out_a + wb * out_b) / den.clamp_min(1e-30), torch.zeros_like(out_a))
+
+
 def attend_triton(
     query: torch.Tensor,
     fresh_k: torch.Tensor,
@@ -137,6 +239,11 @@ def attend_triton(
 
     Same arguments and result as :func:`~kvquant.kernels.attention_torch.attend_torch`. ``splits``
     (decode partitions) and ``block_m`` (chunk query rows per program) are for tests and tuning.
+
+    Stores with dense segments (sink tokens, residual window): the kernels attend over the quantized
+    pool ``[sinks, q_end)`` plus the chunk (history length ``q_end``) and also return each row's
+    log-sum-exp; the dense keys (sink rows, residual ``[q_end, past_len)``) are attended in torch
+    (:func:`attend_dense`) and the two merged by log-sum-exp (:func:`merge_lse`).
     """
     B, Hq, Tq, D = query.shape
     check_shapes(query, fresh_k, fresh_v, layer)
@@ -146,26 +253,46 @@ def attend_triton(
     groups = [
         (g.head_index, operand(g.key, D, fp8_native), operand(g.value, D, fp8_native)) for g in layer.groups
     ]
-    if getattr(layer, "q_end", past_len) < past_len:
-        raise Unsupported(f"the quantized pool holds {layer.q_end} tokens, the history {past_len}")
+    dense = getattr(layer, "has_dense_segments", False)
+    if dense:
+        hist = min(layer.q_end, past_len)  # history length the kernels see: the quantized pool
+        sinks = min(layer.sink_tokens, hist) if layer.sink_k is not None else 0
+        segments = dense_segments(layer, past_len)
+        kernel_ranges = split_ranges(ranges, B, Tq, past_len, hist, sinks, query.device)
+    else:
+        if getattr(layer, "q_end", past_len) < past_len:
+            raise Unsupported(f"the quantized pool holds {layer.q_end} tokens, the history {past_len}")
+        hist, segments, kernel_ranges = past_len, None, ranges
     for _, k, v in groups:
         for op in (k, v):
-            if op.data.device != query.device or op.data.shape[2] < past_len:
+            if op.data.device != query.device or op.data.shape[2] < hist:
                 raise Unsupported("store parts on another device or shorter than past_len")
+    if segments is not None and segments[0].device != query.device:
+        raise Unsupported("dense segments on another device")
     # written as [B, Tq, Hq, D] and returned as its [B, Hq, Tq, D] view: the caller's
     # ``out.transpose(1, 2).contiguous()`` is then free
     out = torch.empty((B, Tq, Hq, D), dtype=query.dtype, device=query.device).transpose(1, 2)
     # Triton's interpreter converts fp32 -> bf16 by truncation (compiled code rounds to nearest even):
-    # under the interpreter a bf16 result is written in fp32 and rounded by torch
-    res = torch.empty(out.shape, device=out.device) if interpreted() and out.dtype == torch.bfloat16 else out
+    # under the interpreter a bf16 result is written in fp32 and rounded by torch. With dense segments
+    # the kernels' result is a partial, kept in fp32 for the merge.
+    fp32_res = segments is not None or (interpreted() and out.dtype == torch.bfloat16)
+    res = torch.empty(out.shape, device=out.device) if fp32_res else out
+    lse = torch.empty((B, Hq, Tq), dtype=torch.float32, device=query.device) if segments is not None else None
     if Tq == 1:
-        decode(query, fresh_k, fresh_v, groups, layer.num_heads, past_len, ranges, scaling, res, dk, splits=splits)
+        decode(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling, res, dk,
+               splits=splits, lse=lse)  # fmt: skip
     else:
-        chunk(query, fresh_k, fresh_v, groups, layer.num_heads, past_len, ranges, scaling, res, dk,
-              block_m=block_m or BLOCK_M)  # fmt: skip
+        chunk(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling, res, dk,
+              block_m=block_m or BLOCK_M, lse=lse)  # fmt: skip
+    if segments is not None:
+        d_out, d_lse = attend_dense(query, *segments, ranges, scaling)
+        res = merge_lse(res, lse * LN2, d_out, d_lse)
     if res is not out:
         out.copy_(res)
     return out
 
 
-__all__ = ["attend_triton", "check_shapes", "interpreted", "key_ranges"]
+__all__ = [
+    "attend_dense", "attend_triton", "check_shapes", "dense_segments", "interpreted", "key_ranges", "merge_lse",
+    "split_ranges",
+]

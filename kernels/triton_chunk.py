@@ -42,10 +42,10 @@ def _chunk_attn(
     K, KS, KZ, KH, k_sb, k_sh, k_st, ks_sb, ks_sh, ks_st,
     V, VS, VZ, VH, v_sb, v_sh, v_st, vs_sb, vs_sh, vs_st,
     FK, fk_sb, fk_sh, fk_st, FV, fv_sb, fv_sh, fv_st,
-    HEAD_IDX, LO, HI, lo_sb, lo_st, OUT, o_sb, o_sh, o_st,
-    qk_scale, past_len, Tq, Hg,
+    HEAD_IDX, LO, HI, lo_sb, lo_st, OUT, o_sb, o_sh, o_st, LSE_OUT,
+    qk_scale, past_len, Tq, Hg, n_qheads,
     REP: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
+    HAS_RANGE: tl.constexpr, DOT: tl.constexpr, HAS_LSE: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
 ):  # fmt: skip
@@ -138,6 +138,10 @@ def _chunk_attn(
     out = tl.where((l_i > 0)[:, None], out, 0.0)  # rows with no visible key give 0
     o_ptr = OUT + b64 * o_sb + qh[:, None] * o_sh + t[:, None] * o_st + offs_d[None, :]
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=mask_r[:, None])
+    if HAS_LSE:
+        # base-2 log-sum-exp of the scaled scores, [B, Hq, Tq] contiguous (-inf: no visible key)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(LSE_OUT + (b64 * n_qheads + qh) * Tq + t, lse, mask=mask_r)
 
 
 # Defaults chosen from ptxas register / spill counts (sm_90, head_dim 128, fp16 MMAs; see
@@ -165,8 +169,13 @@ def chunk(
     block_m: int = BLOCK_M,
     block_n: int | None = None,
     num_warps: int = NUM_WARPS,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Chunk attention (any ``Tq``) into ``out[B, Hq, Tq, D]``; ``groups`` = (head_index int32, K, V)."""
+    """Chunk attention (any ``Tq``) into ``out[B, Hq, Tq, D]``; ``groups`` = (head_index int32, K, V).
+
+    ``lse`` (optional, fp32 contiguous ``[B, Hq, Tq]``) receives each row's base-2 log-sum-exp of the
+    scores times ``scaling * log2(e)`` (``-inf`` for rows with no visible key).
+    """
     B, Hq, Tq, D = query.shape
     if fresh_k.shape[2] != Tq:
         raise Unsupported(f"chunk kernel: fresh K has {fresh_k.shape[2]} tokens, the query {Tq}")
@@ -183,8 +192,9 @@ def chunk(
             fresh_k, fresh_k.stride(0), fresh_k.stride(1), fresh_k.stride(2),
             fresh_v, fresh_v.stride(0), fresh_v.stride(1), fresh_v.stride(2),
             head_index, lo, hi, lo_sb, lo_st, out, out.stride(0), out.stride(1), out.stride(2),
-            scaling * LOG2E, past_len, Tq, Hg,
+            lse if lse is not None else out, scaling * LOG2E, past_len, Tq, Hg, Hq,
             REP=rep, BLOCK_M=block_m, D=D, BLOCK_N=block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
+            HAS_LSE=lse is not None,
             K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group,
             V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group,
             num_warps=num_warps,

@@ -64,7 +64,7 @@ def compile_one(kernel: str, k: str, v: str, dot: int, D: int, rep: int, has_ran
     kv = dict(K_KIND=kk, K_BITS=kb, K_GROUP=kg, V_KIND=vk, V_BITS=vb, V_GROUP=vg)
     ptrs = {"Q": QTYPE[min(dot, 2)], "HEAD_IDX": "*i64", "LO": "*i32", "HI": "*i32", "OUT": QTYPE[min(dot, 2)],
             "FK": QTYPE[min(dot, 2)], "FV": QTYPE[min(dot, 2)], "O_PART": "*fp32", "LSE_PART": "*fp32",
-            **_kv_ptrs("K", k), **_kv_ptrs("V", v)}  # fmt: skip
+            "LSE_OUT": "*fp32", **_kv_ptrs("K", k), **_kv_ptrs("V", v)}  # fmt: skip
     block_h = max(16, triton.next_power_of_2(rep))
     if kernel == "decode":
         bn, nw = triton_decode.launch_config(kk, vk, dot, D)
@@ -74,13 +74,14 @@ def compile_one(kernel: str, k: str, v: str, dot: int, D: int, rep: int, has_ran
     elif kernel == "reduce":
         num_warps = num_warps or 4
         fn = triton_decode._decode_reduce
-        consts = dict(REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=has_range)
+        consts = dict(REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=has_range, HAS_LSE=False)
     else:
         num_warps = num_warps or triton_chunk.NUM_WARPS
         block_m = block_m or triton_chunk.BLOCK_M
         fn = triton_chunk._chunk_attn
         block_n = block_n or triton_chunk.block_n_for(D)
-        consts = dict(REP=rep, BLOCK_M=block_m, D=D, BLOCK_N=block_n, HAS_RANGE=has_range, DOT=dot, **kv)
+        consts = dict(REP=rep, BLOCK_M=block_m, D=D, BLOCK_N=block_n, HAS_RANGE=has_range, DOT=dot, HAS_LSE=False,
+                      **kv)
     src = ASTSource(fn, _signature(fn, ptrs, consts), consts)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 

@@ -127,9 +127,9 @@ def _decode_partial(
 
 @triton.jit
 def _decode_reduce(
-    O_PART, LSE_PART, Q, q_sb, q_sh, FK, fk_sb, fk_sh, FV, fv_sb, fv_sh, OUT, o_sb, o_sh,
+    O_PART, LSE_PART, Q, q_sb, q_sh, FK, fk_sb, fk_sh, FV, fv_sb, fv_sh, OUT, o_sb, o_sh, LSE_OUT,
     LO, HI, lo_sb, qk_scale, past_len, Hkv, S,
-    REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, HAS_RANGE: tl.constexpr,
+    REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, HAS_RANGE: tl.constexpr, HAS_LSE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     b = pid // Hkv
@@ -171,12 +171,17 @@ def _decode_reduce(
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + w
     acc = acc * alpha[:, None] + w[:, None] * fv[None, :]
+    m_i = m_new
 
     # rows with no visible key give 0 (as the torch path)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out = tl.where((l_i > 0)[:, None], out, 0.0)
     o_ptr = OUT + b64 * o_sb + qh[:, None] * o_sh + offs_d[None, :]
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=mask_h[:, None])
+    if HAS_LSE:
+        # base-2 log-sum-exp of the scaled scores, [B, Hq] contiguous (-inf: no visible key)
+        lse_o = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(LSE_OUT + b64 * n_qheads + qh, lse_o, mask=mask_h)
 
 
 # ------------------------------------------------------------------------------------------- launcher
@@ -226,8 +231,13 @@ def decode(
     out: torch.Tensor,
     dot_kind: int,
     splits: int | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention (``Tq == 1``) into ``out[B, Hq, 1, D]``; ``groups`` = (head_index int32, K, V)."""
+    """Decode attention (``Tq == 1``) into ``out[B, Hq, 1, D]``; ``groups`` = (head_index int32, K, V).
+
+    ``lse`` (optional, fp32 contiguous ``[B, Hq, 1]``) receives each row's base-2 log-sum-exp of the
+    scores times ``scaling * log2(e)`` (``-inf`` for rows with no visible key).
+    """
     B, Hq, Tq, D = query.shape
     if Tq != 1:
         raise Unsupported(f"decode kernel: Tq={Tq}, expected 1")
@@ -259,8 +269,9 @@ def decode(
     _decode_reduce[(B * num_kv,)](
         o_part, lse_part, query, query.stride(0), query.stride(1),
         fresh_k, fresh_k.stride(0), fresh_k.stride(1), fresh_v, fresh_v.stride(0), fresh_v.stride(1),
-        out, out.stride(0), out.stride(1), lo, hi, lo_sb, qk_scale, past_len, num_kv, S,
-        REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=ranges is not None,
+        out, out.stride(0), out.stride(1), lse if lse is not None else lse_part,
+        lo, hi, lo_sb, qk_scale, past_len, num_kv, S,
+        REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=ranges is not None, HAS_LSE=lse is not None,
         num_warps=4,
     )  # fmt: skip
     return out

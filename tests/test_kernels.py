@@ -263,19 +263,89 @@ def test_dispatch_forced_triton(monkeypatch):
     assert (out - attend_naive(q, fk, fv, layer, 20, None, 0.125)).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("option", [{"sink_tokens": 4}, {"residual_tokens": 16}, "int4-channel"])
-def test_dense_segments_and_channel_keys_fall_back(option):
-    """Sink tokens, a residual window and per-channel key blocks are served by the torch path."""
-    if option == "int4-channel":
-        cfg, row = KVQuantConfig(block_size=16), [KVPrecision("int4-channel", "int4")]
-    else:
-        cfg, row = KVQuantConfig(block_size=16, **option), [KVPrecision("int8", "int8")]
+def dense_layer(option, B=2, H=2, past=41, Tq=1, steps=(), seed=0):
+    """A LayerStore with sink tokens and/or a residual window, ``past`` tokens (a prefill, then
+    ``steps`` appends), the fresh chunk appended after it; returns (layer, fresh_k, fresh_v)."""
+    g = torch.Generator().manual_seed(seed)
+    row = [KVPrecision("int8", "int4"), KVPrecision("int4", "int8-token")][:H]
+    layer = LayerStore(row, KVQuantConfig(block_size=16, **option), 64, B, DEV)
+    mag = torch.rand(1, H, 1, 64, generator=g) * 2 + 0.25
+    k = (torch.randn(B, H, past + Tq, 64, generator=g) * mag).to(DEV)
+    v = (torch.randn(B, H, past + Tq, 64, generator=g) * mag).to(DEV)
+    cuts = [0, *[c for c in steps if 0 < c < past], past]
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        if b > a:
+            layer.append(k[:, :, a:b], v[:, :, a:b])
+    fk, fv = k[:, :, past:], v[:, :, past:]
+    layer.append(fk, fv)
+    return layer, fk, fv
+
+
+DENSE = {
+    "sinks": {"sink_tokens": 4},
+    "residual": {"residual_tokens": 16},
+    "sinks+residual": {"sink_tokens": 5, "residual_tokens": 20},
+}
+
+
+@pytest.mark.parametrize("option", list(DENSE), ids=str)
+@pytest.mark.parametrize("padded", [False, True], ids=["causal", "left-pad"])
+def test_dense_segments_triton(option, padded):
+    """Sink tokens and a residual window: the kernels over the quantized pool, the dense keys in
+    torch, merged by log-sum-exp; same result as the fp32 reference."""
+    errs = []
+    for past, Tq, steps in ((77, 1, (40, 41, 60)), (45, 8, (20,))):
+        layer, fk, fv = dense_layer(DENSE[option], B=3, past=past, Tq=Tq, steps=steps)
+        if "residual_tokens" in DENSE[option]:
+            assert 0 < min(layer.q_end, past) < past  # both a pool and a residual part
+        # pads: none; one inside the sinks (or pool); one in the residual / reaching the chunk
+        mask = padded_mask([0, 2, past - 3 if Tq == 1 else past + 2], past, Tq) if padded else None
+        q = query(3, 4, Tq, 64)
+        errs.append(check(q, fk, fv, layer, past, mask=mask, splits=3, block_m=16))
+    assert max(errs) <= TOL
+
+
+@pytest.mark.parametrize("Tq", [1, 6])
+def test_dense_segments_all_in_residual(Tq):
+    """An empty pool (everything still in the residual window), with sinks; causal and padded."""
+    layer, fk, fv = dense_layer({"sink_tokens": 3, "residual_tokens": 64}, B=2, past=30, Tq=Tq, steps=(12,))
+    assert layer.q_end == 0
+    q = query(2, 4, Tq, 64)
+    check(q, fk, fv, layer, 30, splits=2, block_m=16)
+    mask = padded_mask([0, 7], 30, Tq)
+    mask[1, :, :, :] = False  # a fully masked row: output 0
+    check(q, fk, fv, layer, 30, mask=mask, splits=2, block_m=16)
+    out = attend_triton(q, fk, fv, layer, 30, mask, 0.125)
+    assert out[1].abs().max() == 0
+
+
+def test_dense_segments_through_dispatch(monkeypatch):
+    """``KVQUANT_ATTENTION=triton``: a store with sinks and a residual is served by the Triton path."""
+    from kvquant.kernels import triton_attention
+
+    calls = []
+    real = triton_attention.attend_triton
+    monkeypatch.setattr(triton_attention, "attend_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
+    layer, fk, fv = dense_layer(DENSE["sinks+residual"], B=1, past=50)
+    q = query(1, 4, 1, 64)
+    out = dispatch.attend(q, fk, fv, layer, 50, None, 0.125)
+    assert calls == [1]
+    assert (out - attend_naive(q, fk, fv, layer, 50, None, 0.125)).abs().max() <= TOL
+
+
+def test_channel_keys_fall_back():
+    """Per-channel key blocks (``int4-channel``) have no kernel path: the torch path serves them."""
+    cfg, row = KVQuantConfig(block_size=16), [KVPrecision("int4-channel", "int4")]
     layer = LayerStore(row, cfg, 64, 1, DEV)
     k, v = torch.randn(1, 1, 41, 64, device=DEV), torch.randn(1, 1, 41, 64, device=DEV)
     layer.append(k[:, :, :40], v[:, :, :40])
     layer.append(k[:, :, 40:], v[:, :, 40:])
+    q = query(1, 2, 1, 64)
     with pytest.raises(Unsupported):
-        attend_triton(query(1, 2, 1, 64), k[:, :, 40:], v[:, :, 40:], layer, 40, None, 0.125)
+        attend_triton(q, k[:, :, 40:], v[:, :, 40:], layer, 40, None, 0.125)
+    out = dispatch.attend(q, k[:, :, 40:], v[:, :, 40:], layer, 40, None, 0.125)
+    assert torch.allclose(out, attend_torch(q, k[:, :, 40:], v[:, :, 40:], layer, 40, None, 0.125))
 
 
 def test_rotated_store_through_dispatch(monkeypatch):
