@@ -15,8 +15,9 @@
 Raises :class:`~kvquant.kernels.dispatch.Unsupported` (the dispatcher then runs the torch path and
 logs the reason once) for: head_dim not a power of two in [16, 256]; a device Triton cannot run on
 (CPU without ``TRITON_INTERPRET=1``); masks that are not one contiguous key range per query row,
-or that differ between heads; quantizers without a kernel path (per-channel key blocks, e.g.
-``int4-channel``). Hadamard rotation is handled
+or that differ between heads; quantizers without a kernel path (none of the built-in ones:
+per-channel key blocks, ``int4/3/2-channel``, are read with per-block scales, see
+:mod:`triton_dequant`). Hadamard rotation is handled
 by the caller (:func:`kvquant.kernels.dispatch.attend` rotates queries / fresh K/V into the store's
 space and the output back), so the kernels never see it.
 

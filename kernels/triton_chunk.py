@@ -95,7 +95,7 @@ def _chunk_attn(
         mask_n = (offs_n >= h_start) & (offs_n < h_end)
         vis = (offs_n[None, :] >= lo_r[:, None]) & (offs_n[None, :] < hi_r[:, None]) & mask_n[None, :]
         k = load_tile(k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D)
-        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3) * scale
+        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
         if K_KIND == 2:
             s = s * load_token_scale(ks_base, ks_st, offs_n, mask_n)[None, :]
         s = tl.where(vis, s, float("-inf"))
@@ -107,7 +107,7 @@ def _chunk_attn(
         v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D)
         if V_KIND == 2:
             p = p * load_token_scale(vs_base, vs_st, offs_n, mask_n)[None, :]
-        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3)
+        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
         m_i = m_new
     # per-head V scale, once, before the (unscaled) fresh values join the accumulator
     acc = acc * load_head_scale(VH, hg, V_KIND)

@@ -30,6 +30,9 @@ KINDS = {  # name -> (kind, bits, group, part pointer type, scale pointer type)
     "int4": (3, 4, 32, "*u8", "*fp16"),
     "int3": (3, 3, 32, "*u8", "*fp16"),
     "int2": (3, 2, 32, "*u8", "*fp16"),
+    "int4-channel": (7, 4, 128, "*u8", "*fp16"),  # group = tokens per block (the store's block size)
+    "int3-channel": (7, 3, 128, "*u8", "*fp16"),
+    "int2-channel": (7, 2, 128, "*u8", "*fp16"),
     "fp8-e4m3": (4, 8, 1, "*fp8e4nv", "*u8"),
     "fp8-e5m2": (4, 8, 1, "*fp8e5", "*u8"),
     "fp8-e4m3-bits": (5, 8, 1, "*u8", "*u8"),
@@ -114,10 +117,12 @@ def matrix(full: bool):
         yield ("reduce", "fp16", "fp16", 1, 128, 4, True, 90)
         yield ("chunk", "int8-token", "int4", 1, 128, 4, True, 90)
         yield ("chunk", "bf16", "fp8-e5m2", 2, 64, 3, False, 90)
+        yield ("decode", "int4-channel", "int4", 1, 128, 4, True, 90)
+        yield ("chunk", "int3-channel", "int2-channel", 2, 64, 2, True, 90)
         return
     for k, dot in itertools.product(KINDS, (0, 1, 2)):
         yield ("decode", k, k, dot, 128, 4, True, 90)
-    for k in ("int8", "int4", "fp8-e4m3"):
+    for k in ("int8", "int4", "fp8-e4m3", "int4-channel"):
         yield ("chunk", k, k, 1, 128, 4, True, 90)
     yield ("reduce", "fp16", "fp16", 1, 128, 4, True, 90)
 

@@ -99,7 +99,7 @@ def _decode_partial(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= start) & (offs_n < end)
         k = load_tile(k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D)
-        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3) * scale
+        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
         if K_KIND == 2:
             s = s * load_token_scale(ks_base, ks_st, offs_n, mask_n)[None, :]
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -111,7 +111,7 @@ def _decode_partial(
         v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D)
         if V_KIND == 2:
             p = p * load_token_scale(vs_base, vs_st, offs_n, mask_n)[None, :]
-        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3)
+        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
         m_i = m_new
 
     # per-head V scale, once after the loop
@@ -195,7 +195,7 @@ def launch_config(k_kind: int, v_kind: int, dot: int, head_dim: int) -> tuple[in
     fp32 MMAs spill 0.4-1.1 KB; 8 warps with BLOCK_N 32 (packed ints: 201-230 registers) or 64 (fp32:
     127 registers) have no spills.
     """
-    if 3 in (k_kind, v_kind):
+    if {3, 7} & {k_kind, v_kind}:  # packed int codes (grouped or per-channel)
         block_n, warps = 32, 8
     elif dot == 0:
         block_n, warps = 64, 8

@@ -11,12 +11,20 @@ applies the scales there. Which scale goes where (scale folding)::
                                                                      or on the probability column (V)
     INTN        q  uint8 packed (int4/3/2)     -                     scale/zero[t, group] on load
                    + scale, zero fp16[G]
+    CHANNEL     q  uint8 packed (int4/3/2)     -                     scale/zero[t // block, channel] on load
+                   + scale, zero fp16[D]
+                   per block of tokens
     FP8         q  float8 e4m3 / e5m2          state["scale"][h]     -
 
 A per-head K scale is folded into the softmax scale (``scores = (q . k_codes) * scaling * s_k[h]``);
 a per-head V scale multiplies the accumulator once, after the history loop; a per-token scale is
 one multiply per score (K) or per probability (V) instead of one per element. All are exact in
-fp32 up to rounding order.
+fp32 up to rounding order. Per-group (INTN) and per-channel-per-block (CHANNEL, ``int*-channel``:
+KIVI's keys) scales and zeros vary along head_dim, so they cannot be folded out of the dot: they
+are applied to the tile on load (``code * scale + zero`` in fp32, exactly the dequantizer's math).
+CHANNEL codes use the same packing as INTN (split layout for 4/2 bits, three byte planes for 3
+bits); their scale/zero row is ``token // block_size`` (``GROUP`` holds the block size), the column
+the channel.
 
 FP8: on GPUs with native fp8 conversions (compute capability >= 8.9: Ada, Hopper) the part is loaded
 as ``tl.float8e4nv`` / ``tl.float8e5``. Elsewhere (Ampere, and the CPU interpreter tests of this
@@ -35,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvquant.quantizers import Fp8, Int8PerToken, Int8SharedScale, IntNGrouped, Passthrough
+from kvquant.quantizers import Fp8, Int8PerToken, Int8SharedScale, IntNChannel, IntNGrouped, Passthrough
 
 from .dispatch import Unsupported
 
@@ -46,6 +54,7 @@ KIND_INTN = 3
 KIND_FP8 = 4  # native: loaded as tl.float8e4nv / tl.float8e5
 KIND_FP8_E4M3_BITS = 5  # uint8 view, integer decode (value / 256; the 256 folded into the head scale)
 KIND_FP8_E5M2_BITS = 6  # uint8 view, integer decode (exact)
+KIND_CHANNEL = 7  # int4/3/2 codes as INTN; scale/zero per (block of GROUP tokens, channel): int*-channel
 
 DOT_IEEE = 0  # fp32 operands, exact fp32 products (fp32 queries: the 2e-3 contract vs the fp32 reference)
 DOT_FP16 = 1  # fp16 operands, fp32 accumulation (tensor cores)
@@ -70,12 +79,13 @@ def load_tile(
 ):
     """Float32 ``[BLOCK_N, D]`` tile of tokens ``offs_n`` (rows outside ``mask_n`` read as 0).
 
-    Per-group scale/zero (INTN) are applied here; per-head and per-token scales are not (the
-    kernels fold them, see the module doc). ``ptr``/``sc_ptr``/``zp_ptr`` point at token 0 of one
+    Per-group (INTN) and per-channel-per-block (CHANNEL: ``GROUP`` = tokens per block, ``sc_stride_t``
+    = the stride between blocks) scale/zero are applied here; per-head and per-token scales are not
+    (the kernels fold them, see the module doc). ``ptr``/``sc_ptr``/``zp_ptr`` point at token 0 of one
     (batch, head) of the part tensors.
     """
     m2 = mask_n[:, None]
-    if KIND == 3:
+    if KIND == 3 or KIND == 7:
         if BITS == 3:
             # 8 codes per 3 bytes: channels j + k*D/8 (k = 0..7) form the 24-bit word
             # lo[j] | mid[j] << 8 | hi[j] << 16 of three byte planes of D/8 bytes; code k at bit 3k
@@ -95,8 +105,10 @@ def load_tile(
             shift = (offs_d // DP) * BITS
             byte = tl.load(ptr + offs_n[:, None] * stride_t + col[None, :], mask=m2, other=0)
             code = (byte.to(tl.int32) >> shift[None, :]) & ((1 << BITS) - 1)
-        grp = offs_d // GROUP
-        s_off = offs_n[:, None] * sc_stride_t + grp[None, :]
+        if KIND == 7:
+            s_off = (offs_n // GROUP)[:, None] * sc_stride_t + offs_d[None, :]
+        else:
+            s_off = offs_n[:, None] * sc_stride_t + (offs_d // GROUP)[None, :]
         s = tl.load(sc_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
         z = tl.load(zp_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
         x = code.to(tl.float32) * s + z
@@ -157,7 +169,7 @@ def _mma(a, b, DOT: tl.constexpr):
 def dot_qk(q, kt, DOT: tl.constexpr, SPLIT: tl.constexpr):
     """Scores ``q @ kt`` (fp32 accumulation). ``q`` is in the query dtype (exact as an operand); ``kt`` is
     a dequantized fp32 tile: int8 / fp8 codes and stored half values are exact in the half type; with
-    ``SPLIT`` (int4/int2: code * scale + zero) it is split into high + low halves (two MMAs)."""
+    ``SPLIT`` (packed ints, INTN / CHANNEL: code * scale + zero) it is split into high + low halves (two MMAs)."""
     if DOT == 0:
         r = tl.dot(q.to(tl.float32), kt, input_precision="ieee")
     else:
@@ -173,7 +185,7 @@ def dot_qk(q, kt, DOT: tl.constexpr, SPLIT: tl.constexpr):
 def dot_pv(p, v, DOT: tl.constexpr, SPLIT: tl.constexpr):
     """``p @ v`` for fp32 probabilities ``p``. In half precision ``p`` is split into high + low halves
     (two MMAs: rounding ``p`` then costs ~2^-22 instead of 2^-11 (fp16) / 2^-8 (bf16) relative), and so
-    is ``v`` with ``SPLIT`` (int4/int2; one more MMA, the low x low term is dropped)."""
+    is ``v`` with ``SPLIT`` (packed ints; one more MMA, the low x low term is dropped)."""
     if DOT == 0:
         r = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
@@ -258,6 +270,17 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
         if sc.stride(-1) != 1 or zp.stride() != sc.stride():
             raise Unsupported(f"{qz.describe()}: scale/zero parts not laid out alike")
         return Operand(main, sc, zp, main, KIND_INTN, bits=qz.bits, group=qz.group_size)
+    if isinstance(qz, IntNChannel):  # per channel over blocks of tokens (KIVI keys); codes packed as INTN
+        if qz.bits not in (2, 3, 4):
+            raise Unsupported(f"{qz.describe()}: {qz.bits}-bit codes have no Triton path")
+        if head_dim % 8:
+            raise Unsupported(f"{qz.describe()}: head_dim {head_dim} not a multiple of the packing")
+        if qz.token_group != store.block_size:
+            raise Unsupported(f"{qz.describe()}: token group {qz.token_group} != store block {store.block_size}")
+        sc, zp = parts["scale"], parts["zero"]
+        if sc.dim() != 4 or sc.shape[-1] != head_dim or sc.stride(-1) != 1 or zp.stride() != sc.stride():
+            raise Unsupported(f"{qz.describe()}: scale/zero parts not [B, H, blocks, D] laid out alike")
+        return Operand(main, sc, zp, main, KIND_CHANNEL, bits=qz.bits, group=qz.token_group)
     if isinstance(qz, Fp8):
         if fp8_native:
             kind, data = KIND_FP8, main

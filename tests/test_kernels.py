@@ -334,18 +334,76 @@ def test_dense_segments_through_dispatch(monkeypatch):
     assert (out - attend_naive(q, fk, fv, layer, 50, None, 0.125)).abs().max() <= TOL
 
 
-def test_channel_keys_fall_back():
-    """Per-channel key blocks (``int4-channel``) have no kernel path: the torch path serves them."""
-    cfg, row = KVQuantConfig(block_size=16), [KVPrecision("int4-channel", "int4")]
-    layer = LayerStore(row, cfg, 64, 1, DEV)
-    k, v = torch.randn(1, 1, 41, 64, device=DEV), torch.randn(1, 1, 41, 64, device=DEV)
-    layer.append(k[:, :, :40], v[:, :, :40])
-    layer.append(k[:, :, 40:], v[:, :, 40:])
-    q = query(1, 2, 1, 64)
-    with pytest.raises(Unsupported):
-        attend_triton(q, k[:, :, 40:], v[:, :, 40:], layer, 40, None, 0.125)
-    out = dispatch.attend(q, k[:, :, 40:], v[:, :, 40:], layer, 40, None, 0.125)
-    assert torch.allclose(out, attend_torch(q, k[:, :, 40:], v[:, :, 40:], layer, 40, None, 0.125))
+CHANNEL_KEYS = ["int4-channel", "int3-channel", "int2-channel"]
+CHANNEL_VALUES = [("int4-channel", "int2-channel"), ("int3-channel", "int4-channel"), ("int2-channel", "int3-channel")]
+CHANNEL_PAIRS = [(k, v) for k in CHANNEL_KEYS for v in ("int4", "int8-token", "fp16")] + CHANNEL_VALUES
+CHANNEL_OPTIONS = {"blocks": {}, "sinks+residual": {"sink_tokens": 5, "residual_tokens": 20}}
+
+
+def channel_layer(pair, option, B=3, past=77, Tq=1, steps=(), seed=0):
+    """A LayerStore whose first KV head (of two) is ``pair`` with per-channel keys (``int*-channel``,
+    blocks of 16 tokens, so the store is in residual mode: the pool holds whole blocks), the second
+    head int8/int4 (a second head group); returns (layer, fresh_k, fresh_v)."""
+    g = torch.Generator().manual_seed(seed)
+    row = [KVPrecision(*pair), KVPrecision("int8", "int4")]
+    layer = LayerStore(row, KVQuantConfig(block_size=16, **option), 64, B, DEV)
+    mag = torch.rand(1, 2, 1, 64, generator=g) * 2 + 0.25
+    k = (torch.randn(B, 2, past + Tq, 64, generator=g) * mag).to(DEV)
+    v = (torch.randn(B, 2, past + Tq, 64, generator=g) * mag).to(DEV)
+    cuts = [0, *[c for c in steps if 0 < c < past], past]
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        if b > a:
+            layer.append(k[:, :, a:b], v[:, :, a:b])
+    fk, fv = k[:, :, past:], v[:, :, past:]
+    layer.append(fk, fv)
+    return layer, fk, fv
+
+
+@pytest.mark.parametrize("pair", CHANNEL_PAIRS, ids=lambda p: f"{p[0]}/{p[1]}")
+def test_channel_keys_triton(pair, monkeypatch):
+    """Per-channel key blocks (KIVI keys; and per-channel values) are served by the Triton kernels
+    through the dispatcher: decode and chunk, GQA 3, whole blocks in the pool + a residual (and sink
+    tokens), causal and left-padded; same result as the fp32 reference."""
+    from kvquant.kernels import triton_attention
+
+    calls = []
+    real = triton_attention.attend_triton
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        calls.append(1)
+        return out
+
+    monkeypatch.setattr(triton_attention, "attend_triton", spy)
+    monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
+    errs = []
+    for option in CHANNEL_OPTIONS.values():
+        for past, Tq, steps in ((77, 1, (40, 41, 60)), (45, 8, (20,))):
+            layer, fk, fv = channel_layer(pair, option, past=past, Tq=Tq, steps=steps)
+            assert layer.q_end % 16 == 0 and layer.q_end >= 16  # whole blocks (decode: + a residual)
+            assert Tq > 1 or layer.q_end < past
+            q = query(3, 6, Tq, 64)
+            for mask in (None, padded_mask([0, 2, past - 3 if Tq == 1 else past + 2], past, Tq)):
+                n = len(calls)
+                out = dispatch.attend(q, fk, fv, layer, past, mask, 0.125)
+                assert len(calls) == n + 1, "the Triton path did not serve the call"
+                ref = attend_naive(q, fk, fv, layer, past, mask, 0.125)
+                assert torch.isfinite(out).all()
+                errs.append((out - ref).abs().max().item())
+                errs.append(check(q, fk, fv, layer, past, mask=mask, splits=3, block_m=16))
+    assert max(errs) <= TOL, f"max abs error vs fp32 reference {max(errs):.2e}"
+
+
+def test_channel_operand():
+    """The part description of a per-channel store: kind CHANNEL, group = the block size."""
+    from kvquant.kernels.triton_dequant import KIND_CHANNEL, operand
+
+    layer, _, _ = channel_layer(("int3-channel", "int2-channel"), {}, B=1, past=40)
+    g = layer.groups[0]
+    for store, bits in ((g.key, 3), (g.value, 2)):
+        op = operand(store, 64, False)
+        assert (op.kind, op.bits, op.group) == (KIND_CHANNEL, bits, 16)
+        assert op.scale.shape[2] == op.data.shape[2] // 16 and op.scale.shape[-1] == 64
 
 
 def test_rotated_store_through_dispatch(monkeypatch):
