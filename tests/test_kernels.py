@@ -242,20 +242,27 @@ def test_key_ranges():
     assert key_ranges(None, 2, 1, 2, 5) is None
 
 
-def test_dispatch_forced_triton(monkeypatch):
-    """``KVQUANT_ATTENTION=triton`` runs the Triton kernels (not the fallback)."""
+@pytest.fixture
+def triton_calls(monkeypatch):
+    """Force ``KVQUANT_ATTENTION=triton`` and record each ``attend_triton`` call (1 per call)."""
     from kvquant.kernels import triton_attention
 
     calls = []
     real = triton_attention.attend_triton
 
-    def spy(*a, **k):
-        out = real(*a, **k)
+    def spy(*a, **kw):
+        out = real(*a, **kw)
         calls.append(1)
         return out
 
     monkeypatch.setattr(triton_attention, "attend_triton", spy)
     monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
+    return calls
+
+
+def test_dispatch_forced_triton(triton_calls):
+    """``KVQUANT_ATTENTION=triton`` runs the Triton kernels (not the fallback)."""
+    calls = triton_calls
     layer, fk, fv = make_layer(["int4"], B=1, past=20)
     q = query(1, 2, 1, 64)
     out = dispatch.attend(q, fk, fv, layer, 20, None, 0.125)
@@ -319,14 +326,9 @@ def test_dense_segments_all_in_residual(Tq):
     assert out[1].abs().max() == 0
 
 
-def test_dense_segments_through_dispatch(monkeypatch):
+def test_dense_segments_through_dispatch(triton_calls):
     """``KVQUANT_ATTENTION=triton``: a store with sinks and a residual is served by the Triton path."""
-    from kvquant.kernels import triton_attention
-
-    calls = []
-    real = triton_attention.attend_triton
-    monkeypatch.setattr(triton_attention, "attend_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
+    calls = triton_calls
     layer, fk, fv = dense_layer(DENSE["sinks+residual"], B=1, past=50)
     q = query(1, 4, 1, 64)
     out = dispatch.attend(q, fk, fv, layer, 50, None, 0.125)
@@ -360,22 +362,11 @@ def channel_layer(pair, option, B=3, past=77, Tq=1, steps=(), seed=0):
 
 
 @pytest.mark.parametrize("pair", CHANNEL_PAIRS, ids=lambda p: f"{p[0]}/{p[1]}")
-def test_channel_keys_triton(pair, monkeypatch):
+def test_channel_keys_triton(pair, triton_calls):
     """Per-channel key blocks (KIVI keys; and per-channel values) are served by the Triton kernels
     through the dispatcher: decode and chunk, GQA 3, whole blocks in the pool + a residual (and sink
     tokens), causal and left-padded; same result as the fp32 reference."""
-    from kvquant.kernels import triton_attention
-
-    calls = []
-    real = triton_attention.attend_triton
-
-    def spy(*a, **kw):
-        out = real(*a, **kw)
-        calls.append(1)
-        return out
-
-    monkeypatch.setattr(triton_attention, "attend_triton", spy)
-    monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
+    calls = triton_calls
     errs = []
     for option in CHANNEL_OPTIONS.values():
         for past, Tq, steps in ((77, 1, (40, 41, 60)), (45, 8, (20,))):
@@ -406,7 +397,7 @@ def test_channel_operand():
         assert op.scale.shape[2] == op.data.shape[2] // 16 and op.scale.shape[-1] == 64
 
 
-def test_rotated_store_through_dispatch(monkeypatch):
+def test_rotated_store_through_dispatch(monkeypatch, triton_calls):
     """``rotate: kv``: dispatch rotates queries / fresh K/V into storage space and the output back;
     the Triton path then gives the torch path's result."""
     layer = LayerStore([KVPrecision("int4", "int8")] * 2, KVQuantConfig(block_size=16, rotate="kv"), 64, 2, DEV)
@@ -417,11 +408,6 @@ def test_rotated_store_through_dispatch(monkeypatch):
     monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
     ref = dispatch.attend(q, k[:, :, 59:], v[:, :, 59:], layer, 59, None, 0.125)
     monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
-    from kvquant.kernels import triton_attention
-
-    calls = []
-    real = triton_attention.attend_triton
-    monkeypatch.setattr(triton_attention, "attend_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     out = dispatch.attend(q, k[:, :, 59:], v[:, :, 59:], layer, 59, None, 0.125)
-    assert calls == [1]
+    assert triton_calls == [1]
     assert (out - ref).abs().max() <= TOL
