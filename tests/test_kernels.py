@@ -35,11 +35,12 @@ def test_interpreter_on_cpu():
     assert DEV.type == "cuda" or interpreted(), "TRITON_INTERPRET=1 was not set before the kernels were imported"
 
 
-def make_layer(row, B=2, D=64, past=77, Tq=1, block=16, steps=(), seed=0, dtype=torch.float32):
+def make_layer(row, B=2, D=64, past=77, Tq=1, block=16, steps=(), seed=0, dtype=torch.float32, **options):
     """A LayerStore holding ``past`` tokens (written as a prefill, then ``steps`` more appends), the
-    fresh chunk of ``Tq`` tokens appended after it, and ``(fresh_k, fresh_v)``."""
+    fresh chunk of ``Tq`` tokens appended after it, and ``(fresh_k, fresh_v)``. ``options``: extra
+    config fields (``sink_tokens``, ``residual_tokens``, ...)."""
     g = torch.Generator().manual_seed(seed)
-    cfg = KVQuantConfig(block_size=block)
+    cfg = KVQuantConfig(block_size=block, **options)
     row = [r if isinstance(r, KVPrecision) else KVPrecision(r, r) for r in row]
     layer = LayerStore(row, cfg, D, B, DEV)
     H = len(row)
@@ -271,21 +272,9 @@ def test_dispatch_forced_triton(triton_calls):
 
 
 def dense_layer(option, B=2, H=2, past=41, Tq=1, steps=(), seed=0):
-    """A LayerStore with sink tokens and/or a residual window, ``past`` tokens (a prefill, then
-    ``steps`` appends), the fresh chunk appended after it; returns (layer, fresh_k, fresh_v)."""
-    g = torch.Generator().manual_seed(seed)
+    """A LayerStore with sink tokens and/or a residual window (see :func:`make_layer`)."""
     row = [KVPrecision("int8", "int4"), KVPrecision("int4", "int8-token")][:H]
-    layer = LayerStore(row, KVQuantConfig(block_size=16, **option), 64, B, DEV)
-    mag = torch.rand(1, H, 1, 64, generator=g) * 2 + 0.25
-    k = (torch.randn(B, H, past + Tq, 64, generator=g) * mag).to(DEV)
-    v = (torch.randn(B, H, past + Tq, 64, generator=g) * mag).to(DEV)
-    cuts = [0, *[c for c in steps if 0 < c < past], past]
-    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
-        if b > a:
-            layer.append(k[:, :, a:b], v[:, :, a:b])
-    fk, fv = k[:, :, past:], v[:, :, past:]
-    layer.append(fk, fv)
-    return layer, fk, fv
+    return make_layer(row, B=B, past=past, Tq=Tq, steps=steps, seed=seed, **option)
 
 
 DENSE = {
@@ -346,19 +335,8 @@ def channel_layer(pair, option, B=3, past=77, Tq=1, steps=(), seed=0):
     """A LayerStore whose first KV head (of two) is ``pair`` with per-channel keys (``int*-channel``,
     blocks of 16 tokens, so the store is in residual mode: the pool holds whole blocks), the second
     head int8/int4 (a second head group); returns (layer, fresh_k, fresh_v)."""
-    g = torch.Generator().manual_seed(seed)
     row = [KVPrecision(*pair), KVPrecision("int8", "int4")]
-    layer = LayerStore(row, KVQuantConfig(block_size=16, **option), 64, B, DEV)
-    mag = torch.rand(1, 2, 1, 64, generator=g) * 2 + 0.25
-    k = (torch.randn(B, 2, past + Tq, 64, generator=g) * mag).to(DEV)
-    v = (torch.randn(B, 2, past + Tq, 64, generator=g) * mag).to(DEV)
-    cuts = [0, *[c for c in steps if 0 < c < past], past]
-    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
-        if b > a:
-            layer.append(k[:, :, a:b], v[:, :, a:b])
-    fk, fv = k[:, :, past:], v[:, :, past:]
-    layer.append(fk, fv)
-    return layer, fk, fv
+    return make_layer(row, B=B, past=past, Tq=Tq, steps=steps, seed=seed, **option)
 
 
 @pytest.mark.parametrize("pair", CHANNEL_PAIRS, ids=lambda p: f"{p[0]}/{p[1]}")
