@@ -30,6 +30,7 @@ from .triton_dequant import (
     load_head_scale,
     load_tile,
     load_token_scale,
+    online_rescale,
     reduce_max,
     reduce_min,
     reduce_sum,
@@ -99,10 +100,8 @@ def _chunk_attn(
         if K_KIND == 2:
             s = s * load_token_scale(ks_base, ks_st, offs_n, mask_n)[None, :]
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, reduce_max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
         p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + reduce_sum(p, 1)
         v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D)
         if V_KIND == 2:
@@ -125,10 +124,8 @@ def _chunk_attn(
         fk = tl.load(fk_base + offs_j[:, None] * fk_st + offs_d[None, :], mask=mask_j[:, None], other=0.0)
         s = dot_qk(q, tl.trans(fk), DOT, False) * qk_scale
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, reduce_max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
         p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + reduce_sum(p, 1)
         fv = tl.load(fv_base + offs_j[:, None] * fv_st + offs_d[None, :], mask=mask_j[:, None], other=0.0)
         acc = acc * alpha[:, None] + dot_pv(p, fv, DOT, False)

@@ -41,6 +41,7 @@ from .triton_dequant import (
     load_head_scale,
     load_tile,
     load_token_scale,
+    online_rescale,
     reduce_max,
     reduce_sum,
 )
@@ -103,10 +104,8 @@ def _decode_partial(
         if K_KIND == 2:
             s = s * load_token_scale(ks_base, ks_st, offs_n, mask_n)[None, :]
         s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, reduce_max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
         p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + reduce_sum(p, 1)
         v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D)
         if V_KIND == 2:
@@ -148,10 +147,8 @@ def _decode_reduce(
     for split in range(0, S):
         lse = tl.load(LSE_PART + prow + split, mask=mask_h, other=float("-inf"))
         o = tl.load(O_PART + (prow + split)[:, None] * D + offs_d[None, :], mask=mask_h[:, None], other=0.0)
-        m_new = tl.maximum(m_i, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        m_new, m_safe, alpha = online_rescale(m_i, lse)
         w = tl.exp2(lse - m_safe)
-        alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + w
         acc = acc * alpha[:, None] + o * w[:, None]
         m_i = m_new
@@ -165,10 +162,8 @@ def _decode_reduce(
         lo = tl.load(LO + b * lo_sb)
         hi = tl.load(HI + b * lo_sb)
         s = tl.where((lo <= past_len) & (past_len < hi), s, float("-inf"))
-    m_new = tl.maximum(m_i, s)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    m_new, m_safe, alpha = online_rescale(m_i, s)
     w = tl.exp2(s - m_safe)
-    alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + w
     acc = acc * alpha[:, None] + w[:, None] * fv[None, :]
     m_i = m_new

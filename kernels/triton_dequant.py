@@ -218,6 +218,16 @@ def reduce_sum(x, axis: tl.constexpr):
     return tl.reduce(x, axis, tl.standard._sum_combine)
 
 
+@triton.jit
+def online_rescale(m_i, m_blk):
+    """Online-softmax bookkeeping for one more block of scores whose row max is ``m_blk``: the new
+    running max, the exp2 base to subtract (0 while a row has seen no key, so no inf - inf) and
+    ``alpha = exp2(m_i - base)``, the factor that rescales what was accumulated so far."""
+    m_new = tl.maximum(m_i, m_blk)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, m_safe, tl.exp2(m_i - m_safe)
+
+
 # ------------------------------------------------------------------------------------------- host side
 @dataclass
 class Operand:
