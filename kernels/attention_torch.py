@@ -110,6 +110,17 @@ def _apply(scores: torch.Tensor, keep: torch.Tensor, rep: int) -> torch.Tensor:
     return s5.view(B, Hg, rows, tk)
 
 
+def _fresh_extent(mask: torch.Tensor | None, q_range: tuple[int, int], past_len: int, tq: int) -> int:
+    """Chunk keys ``[0, n)`` that queries ``q_range`` may see: causal without a mask, else from the mask
+    (a non-causal mask lets a query see chunk keys after it, beyond the query tile)."""
+    q0, q1 = q_range
+    if mask is None:
+        return q1
+    cols = mask[:, :, q0:q1, past_len:past_len + tq].any(dim=2).any(dim=1).any(dim=0)
+    idx = cols.nonzero()
+    return int(idx[-1]) + 1 if idx.numel() else 1  # >= 1 key: a fully masked tile still has a (masked) tile
+
+
 def _tiles(total: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(total, s + size)) for s in range(0, total, size)]
 
@@ -145,13 +156,14 @@ def attend_torch(
             # all query heads of a KV head share its keys: one [rep*tq, D] x [D, tk] product, no broadcast copy
             qt = q[:, :, :, q0:q1].reshape(B, Hg, rep * (q1 - q0), D)
             # (keys, values, keep-mask) tiles: the quantized history (dequantized one tile at a time),
-            # then the fresh chunk in full precision (causal: keys up to the tile's last query)
+            # then the fresh chunk in full precision, up to the last chunk key that a query of the tile sees
+            f_end = _fresh_extent(mask, (q0, q1), past_len, Tq)
             tiles = [
                 (lambda a=k0, b=k1, grp=g: layer.read(grp, a, b), (k0, k1)) for k0, k1 in layer.tiles(past_len, tk)
             ] + [
                 (lambda a=f0, b=f1, k=fk, v=fv: (k[:, :, a:b].float(), v[:, :, a:b].float()),
                  (past_len + f0, past_len + f1))
-                for f0, f1 in _tiles(q1, tk)
+                for f0, f1 in _tiles(f_end, tk)
             ]
             if len(tiles) <= 2:
                 res = _direct(qt, tiles, mask, g, Hkv, rep, (q0, q1), past_len)
