@@ -40,6 +40,7 @@ import torch
 
 from kvquant.store import LayerStore
 
+from .attention_torch import cap_scores
 from .dispatch import Unsupported
 from .triton_chunk import BLOCK_M, _chunk_attn, chunk
 from .triton_decode import decode
@@ -188,6 +189,7 @@ def attend_dense(
     positions: torch.Tensor,
     ranges: tuple[torch.Tensor, torch.Tensor] | None,
     scaling: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``query[B, Hq, Tq, D]`` over a few dense keys ``[B, Hkv, n, D]`` (at history
     ``positions``), visible where ``lo <= position < hi`` (``ranges=None``: all, as causal).
@@ -199,7 +201,7 @@ def attend_dense(
     Hkv, n = keys.shape[1], keys.shape[2]
     rep = Hq // Hkv
     q = query.float().reshape(B, Hkv, rep * Tq, D) * scaling
-    s = (q @ keys.transpose(-1, -2)).view(B, Hkv, rep, Tq, n)
+    s = cap_scores(q @ keys.transpose(-1, -2), softcap).view(B, Hkv, rep, Tq, n)
     if ranges is not None:
         lo, hi = ranges
         vis = (positions.view(1, 1, n) >= lo[..., None]) & (positions.view(1, 1, n) < hi[..., None])
@@ -209,7 +211,7 @@ def attend_dense(
     p = torch.exp(s - m)
     denom = p.sum(dim=-1, keepdim=True)
     out = (p.view(B, Hkv, rep * Tq, n) @ values).view(B, Hkv, rep, Tq, D) / denom.clamp_min(1e-30)
-    lse = torch.where(denom > 0, m + torch.log(denom.clamp_min(1e-30)), float("-inf"))
+    lse = torch.where(denom == 0, float("-inf"), m + torch.log(denom))  # NaN (corrupt keys) stays NaN
     return out.reshape(B, Hq, Tq, D), lse.reshape(B, Hq, Tq)
 
 
@@ -221,7 +223,8 @@ def merge_lse(
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     wa, wb = torch.exp(lse_a - m)[..., None], torch.exp(lse_b - m)[..., None]
     den = wa + wb
-    return torch.where(den > 0, (wa * out_a + wb * out_b) / den.clamp_min(1e-30), torch.zeros_like(out_a))
+    # rows with no visible key give 0; a NaN partial stays NaN
+    return torch.where(den == 0, torch.zeros_like(out_a), (wa * out_a + wb * out_b) / torch.where(den == 0, 1.0, den))
 
 
 def attend_triton(
@@ -233,6 +236,7 @@ def attend_triton(
     mask: torch.Tensor | None,
     scaling: float,
     *,
+    softcap: float | None = None,
     splits: int | None = None,
     block_m: int | None = None,
 ) -> torch.Tensor:
@@ -281,12 +285,12 @@ def attend_triton(
     lse = torch.empty((B, Hq, Tq), dtype=torch.float32, device=query.device) if segments is not None else None
     if Tq == 1:
         decode(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling, res, dk,
-               splits=splits, lse=lse)  # fmt: skip
+               splits=splits, lse=lse, softcap=softcap)  # fmt: skip
     else:
         chunk(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling, res, dk,
-              block_m=block_m or BLOCK_M, lse=lse)  # fmt: skip
+              block_m=block_m or BLOCK_M, lse=lse, softcap=softcap)  # fmt: skip
     if segments is not None:
-        d_out, d_lse = attend_dense(query, *segments, ranges, scaling)
+        d_out, d_lse = attend_dense(query, *segments, ranges, scaling, softcap)
         res = merge_lse(res, lse * LN2, d_out, d_lse)
     if res is not out:
         out.copy_(res)

@@ -219,6 +219,17 @@ def reduce_sum(x, axis: tl.constexpr):
 
 
 @triton.jit
+def cap_scores(s, SOFTCAP: tl.constexpr):
+    """Attention logit softcapping (Gemma 2) on base-2 scores: ``SOFTCAP * tanh(s / SOFTCAP)`` with
+    ``SOFTCAP = softcap * log2(e)`` (the kernels' scores are natural scores times log2(e)); 0 = off.
+    tanh as ``1 - 2 / (exp(2y) + 1)``: exact limits at +-inf, no libdevice call (runs interpreted)."""
+    if SOFTCAP > 0:
+        e = tl.exp(s * (2.0 / SOFTCAP))
+        s = SOFTCAP * (1.0 - 2.0 / (e + 1.0))
+    return s
+
+
+@triton.jit
 def online_rescale(m_i, m_blk):
     """Online-softmax bookkeeping for one more block of scores whose row max is ``m_blk``: the new
     running max, the exp2 base to subtract (0 while a row has seen no key, so no inf - inf) and
