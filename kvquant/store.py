@@ -39,6 +39,17 @@ from .rotation import fwht
 GROWTH = 1.25
 
 
+class StoredOverflow(ValueError):
+    """K/V values that the configured storage cannot hold (e.g. |x| > 65504 in fp16 passthrough)."""
+
+
+def stored_finite(parts: dict[str, torch.Tensor]) -> bool:
+    """True when every 16/32-bit float part is finite (fp8 parts saturate and integer codes cannot overflow)."""
+    wide = (torch.float16, torch.bfloat16, torch.float32)
+    checks = [torch.isfinite(t).all() for t in parts.values() if t.dtype in wide]
+    return bool(torch.stack(checks).all()) if checks else True
+
+
 class QuantizedTensorStore:
     """The K (or V) of one head group: quantizer, static state and preallocated part tensors."""
 
@@ -73,16 +84,37 @@ class QuantizedTensorStore:
                 new[:, :, :keep].copy_(old[:, :, :keep])
             self.parts[name] = new
 
-    def write(self, x: torch.Tensor, pos: int) -> None:
-        """Quantize ``x[B, H, T, D]`` and write it at token positions ``pos .. pos+T``."""
+    def write(self, x: torch.Tensor, pos: int, check: bool = True) -> None:
+        """Quantize ``x[B, H, T, D]`` and write it at token positions ``pos .. pos+T``.
+
+        ``check``: verify that what is *stored* is finite (one reduction). fp16 scales / zeros that
+        overflow (|x| > 65504) are widened to fp32 for this store (exact, bytes counted) and the chunk
+        quantized again; anything else non-finite (fp16 passthrough storage) raises :class:`StoredOverflow`.
+        """
         if self.quantizer.per_block and (pos % self.block_size or x.shape[2] % self.block_size):
             raise AssertionError("per-channel quantizers write whole, aligned blocks")
         if self.quantizer.static:
             self.clipped += self.quantizer.clipped(x, self.state)
         q = self.quantizer.quantize(x, self.state)
+        if check and not stored_finite(q):
+            if self.quantizer.widen_scales():
+                self._widen_parts()
+                q = self.quantizer.quantize(x, self.state)
+            if not stored_finite(q):
+                raise StoredOverflow(
+                    f"precision: {self.quantizer.name} cannot store |K/V| up to {x.abs().max().item():.3g} "
+                    "(the stored values overflow); use bf16 or fp32 storage for this layer / head"
+                )
         for name, t in q.items():
             start = self._rows(name, pos) if self.specs[name].per_block else pos
             self.parts[name][:, :, start:start + t.shape[2]].copy_(t)
+
+    def _widen_parts(self) -> None:
+        """Re-type the parts whose dtype the quantizer changed (fp16 scales -> fp32; values kept exactly)."""
+        self.specs = self.quantizer.parts()
+        for name, t in self.parts.items():
+            if t.dtype != self.specs[name].dtype:
+                self.parts[name] = t.to(self.specs[name].dtype)
 
     def read(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantize tokens ``start .. end`` -> ``[B, H, end-start, D]`` (block-aligned for per-block parts)."""
@@ -212,6 +244,8 @@ class LayerStore:
         T = keys.shape[2]
         if self.dense_dtype is None:
             self.dense_dtype = torch.float16 if keys.dtype == torch.float32 else keys.dtype
+        if self.config.check_finite and self.has_dense_segments:
+            self._fit_dense(keys, values)
         if past < self.sink_tokens:
             self._keep_sinks(keys, values, past)
         if not self.calibrated:
@@ -222,6 +256,18 @@ class LayerStore:
             self._write_pool(keys, values, past)
         self.cache_pos = past + T
         return past
+
+    def _fit_dense(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """fp16 sink / residual buffers (fp32 models) become fp32 when a value would overflow fp16."""
+        if self.dense_dtype != torch.float16:
+            return
+        if float(torch.maximum(keys.abs().amax(), values.abs().amax())) <= torch.finfo(torch.float16).max:
+            return
+        self.dense_dtype = torch.float32
+        for name in ("sink_k", "sink_v", "res_k", "res_v"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.float())
 
     def _keep_sinks(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
         n = min(self.sink_tokens - past, keys.shape[2])
@@ -243,8 +289,8 @@ class LayerStore:
         for g in self.groups:
             k = keys if g.all_heads else keys.index_select(1, g.head_index)
             v = values if g.all_heads else values.index_select(1, g.head_index)
-            g.key.write(k, pos)
-            g.value.write(v, pos)
+            g.key.write(k, pos, self.config.check_finite)
+            g.value.write(v, pos, self.config.check_finite)
         self.q_end = pos + keys.shape[2]
 
     def _append_residual(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -302,6 +348,12 @@ class LayerStore:
                 ka = va = torch.maximum(ka, va)
             g.key.state = g.key.quantizer.calibrate(ka)
             g.value.state = g.value.quantizer.calibrate(va)
+            for st in (g.key, g.value):
+                if not stored_finite(st.state):
+                    raise StoredOverflow(
+                        f"headroom: {self.config.headroom!r} times the calibrated max overflows the static "
+                        f"{st.quantizer.name} scale (float32)"
+                    )
         self.calibrated = True
 
     # ---------------------------------------------------------------- reading (storage space)

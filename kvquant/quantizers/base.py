@@ -72,6 +72,12 @@ class Quantizer(ABC):
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Parts ``{name: [B, H, T, *shape]}`` -> ``[B, H, T, D]`` in ``dtype``."""
 
+    def widen_scales(self) -> bool:
+        """Store per-token / per-block scales and zeros in fp32 from now on (they overflowed fp16).
+
+        Returns False when there is nothing to widen (no fp16 scale parts, or already fp32)."""
+        return False
+
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """How many elements of ``x`` exceed the representable range (static scales only)."""
         return torch.zeros((), dtype=torch.int64, device=x.device)
@@ -81,6 +87,19 @@ class Quantizer(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(head_dim={self.head_dim}, granularity={self.granularity!r})"
+
+
+class WidenableScales:
+    """Mixin for quantizers whose scale (and zero) parts are fp16 by default: ``scale_dtype`` becomes
+    fp32 when a value overflows fp16 (|x| > 65504), see :meth:`Quantizer.widen_scales`."""
+
+    scale_dtype: torch.dtype = torch.float16
+
+    def widen_scales(self) -> bool:
+        if self.scale_dtype == torch.float32:
+            return False
+        self.scale_dtype = torch.float32
+        return True
 
 
 def _dtype_bits(dtype: torch.dtype) -> int:
