@@ -83,7 +83,7 @@ def _chunk_attn(
     v_base = V + b64 * v_sb + hg * v_sh
     vs_base = VS + b64 * vs_sb + hg * vs_sh
     vz_base = VZ + b64 * vs_sb + hg * vs_sh
-    scale = qk_scale * load_head_scale(KH, hg, K_KIND)
+    scale = qk_scale * load_head_scale(KH, pid, K_KIND)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0, tl.float32)
@@ -111,7 +111,7 @@ def _chunk_attn(
         acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
         m_i = m_new
     # per-head V scale, once, before the (unscaled) fresh values join the accumulator
-    acc = acc * load_head_scale(VH, hg, V_KIND)
+    acc = acc * load_head_scale(VH, pid, V_KIND)
 
     # 2) the fresh chunk, full precision; chunk key j sits at position past_len + j
     f_start = tl.maximum(k_lo - past_len, 0)

@@ -90,7 +90,7 @@ def _decode_partial(
     vs_base = VS + b64 * vs_sb + hg * vs_sh
     vz_base = VZ + b64 * vs_sb + hg * vs_sh
     # per-head K scale folded into the softmax scale
-    scale = qk_scale * load_head_scale(KH, hg, K_KIND)
+    scale = qk_scale * load_head_scale(KH, pid, K_KIND)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_H], 0, tl.float32)
@@ -116,7 +116,7 @@ def _decode_partial(
         m_i = m_new
 
     # per-head V scale, once after the loop
-    acc = acc * load_head_scale(VH, hg, V_KIND)
+    acc = acc * load_head_scale(VH, pid, V_KIND)
     has = l_i != 0  # rows with no visible key; a NaN sum (corrupt history) stays NaN
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))

@@ -136,7 +136,8 @@ def load_token_scale(sc_ptr, sc_stride_t, offs_n, mask_n):
 
 @triton.jit
 def load_head_scale(hs_ptr, hg, KIND: tl.constexpr):
-    """The per-head factor of head ``hg`` of the group: the static scale (x256 for e4m3 bit decode), or 1."""
+    """The per-head factor at index ``hg`` (``b * Hg + head``: scales are per sequence and head) of the
+    group: the static scale (x256 for e4m3 bit decode), or 1."""
     if KIND == 1 or KIND == 4:
         s = tl.load(hs_ptr + hg).to(tl.float32)
     elif KIND == 5:
@@ -247,7 +248,7 @@ class Operand:
     data: torch.Tensor  # [B, Hg, cap, D or D*bits/8]
     scale: torch.Tensor  # per-token/per-group scale part, or a dummy
     zero: torch.Tensor  # per-group zero part, or a dummy
-    head_scale: torch.Tensor  # state["scale"][Hg] fp32, or a dummy
+    head_scale: torch.Tensor  # state["scale"] as fp32 [B, Hg], or a dummy
     kind: int
     bits: int = 8
     group: int = 1
@@ -313,12 +314,13 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
 
 
 def _head_scale(store) -> torch.Tensor:
+    """The static scales as fp32 ``[B, Hg]`` contiguous (per sequence; a per-head ``[Hg]`` is broadcast)."""
     s = store.state.get("scale")
     if s is None:
         raise Unsupported(f"{store.quantizer.describe()}: no static scale (store not calibrated)")
-    if s.dtype != torch.float32 or s.dim() != 1 or s.stride(0) != 1:
-        s = s.float().contiguous()
-    return s
+    if s.dim() == 1:
+        s = s.expand(store.batch, -1)
+    return s.float().contiguous()
 
 
 def dot_kind(dtype: torch.dtype, interpreted: bool = False) -> int:

@@ -50,9 +50,23 @@ def kvquant_attention_forward(
     from kvquant.kernels import attend
 
     delattr(key, VIEW_ATTR)
-    view.layer.mark_read()
+    view.layer.commit(first_real_token(mask, query.shape[0]) if view.past_len == 0 else None)
     out = attend(query, key, value, view.store, view.past_len, mask, scaling, softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def first_real_token(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """Per row, the first key position that some query may see (``[B]``), from a boolean 4D mask.
+
+    Keys that no query sees are left padding; ``None`` (no mask) means no padding. A row that sees
+    nothing gets the mask's length.
+    """
+    if mask is None:
+        return None
+    seen = mask.any(dim=1).any(dim=1)  # [B or 1, L]
+    L = seen.shape[-1]
+    pos = torch.arange(L, device=mask.device)
+    return torch.where(seen, pos, L).amin(dim=-1).expand(batch)
 
 
 def _bool_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -68,6 +68,9 @@ class QuantizedLayer(CacheLayerMixin):
         self.capacity = capacity
         self.store: LayerStore | None = None
         self._unread = False
+        # bound to a model: the chunk of the last update, written when the kvquant attention reads it
+        # (the attention has the mask, hence each row's left padding, which the first write needs)
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         # when bound to a model, every update must be read by the kvquant attention before the next one
         self.strict = True
 
@@ -113,19 +116,37 @@ class QuantizedLayer(CacheLayerMixin):
             raise ValueError(
                 f"key_states: batch {key_states.shape[0]} does not match the cache's batch {self.store.batch}"
             )
-        past = self.store.append(key_states, value_states)
+        past = self.store.cache_pos
+        if self.strict:
+            self._pending = (key_states, value_states)
+        else:
+            self.store.append(key_states, value_states)
         setattr(key_states, VIEW_ATTR, StoreView(self, past))
         self._unread = True
         return key_states, value_states
 
-    def mark_read(self) -> None:
+    def commit(self, row_start: torch.Tensor | None = None) -> None:
+        """Write the chunk of the last :meth:`update` (called by the kvquant attention, which reads it).
+
+        ``row_start[B]``: each row's first real token (from the attention mask); used by the first write.
+        """
+        if self._pending is not None:
+            keys, values = self._pending
+            self._pending = None
+            assert self.store is not None
+            self.store.append(keys, values, row_start)
         self._unread = False
+
+    def mark_read(self) -> None:
+        self.commit()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.store.cache_pos if self.store is not None else 0
+        if self.store is None:
+            return 0
+        return self.store.cache_pos + (self._pending[0].shape[2] if self._pending is not None else 0)
 
     def get_max_length(self) -> int:
         return -1
@@ -134,6 +155,7 @@ class QuantizedLayer(CacheLayerMixin):
         if self.store is not None:
             self.store.reset()
         self._unread = False
+        self._pending = None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""

@@ -39,6 +39,11 @@ from .rotation import fwht
 GROWTH = 1.25
 
 
+def row_amax(x: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
+    """``|x|`` max per (row, head) of ``x[B, H, T, D]`` over the tokens where ``use[B, T]`` is True."""
+    return torch.where(use[:, None, :, None], x.detach().float().abs(), 0.0).amax(dim=(2, 3))
+
+
 class StoredOverflow(ValueError):
     """K/V values that the configured storage cannot hold (e.g. |x| > 65504 in fp16 passthrough)."""
 
@@ -128,6 +133,8 @@ class QuantizedTensorStore:
 
     def index_batch(self, idx: torch.Tensor) -> None:
         self.parts = {n: t.index_select(0, idx) for n, t in self.parts.items()}
+        # per-sequence static scales [B, H] follow their rows
+        self.state = {n: t.index_select(0, idx) if t.dim() == 2 else t for n, t in self.state.items()}
         self.batch = int(idx.numel())
 
     def nbytes(self, tokens: int) -> int:
@@ -174,6 +181,9 @@ class LayerStore:
         self.device = device
         self.cache_pos = 0
         self.q_end = 0  # tokens [0, q_end) are in the quantized pool
+        # per row, the position of its first real token (left padding before it), set by the first append
+        self.row_start = torch.zeros(batch, dtype=torch.long, device=device)
+        self.sink_end = 0  # sink tokens lie below this position in every row
         self.calibrated = False
         self._static_amax = static_amax
         self.rotate_keys = config.rotate in ("keys", "kv")
@@ -235,18 +245,24 @@ class LayerStore:
         """Apply the configured Hadamard rotation (identity when ``rotate: none``)."""
         return (fwht(keys) if self.rotate_keys else keys), (fwht(values) if self.rotate_values else values)
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Quantize and write ``keys/values[B, H, T, D]`` at the cursor; returns the past length."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None = None) -> int:
+        """Quantize and write ``keys/values[B, H, T, D]`` at the cursor; returns the past length.
+
+        ``row_start[B]`` (first append only): each row's first real token; the positions before it are
+        left padding. Sink tokens are then each row's first real tokens, and static scales ignore pads.
+        """
         if self.config.check_finite and not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
             raise ValueError("key_states/value_states: NaN or Inf values cannot be quantized")
         keys, values = self.to_storage_space(keys, values)
         past = self.cache_pos
         T = keys.shape[2]
+        if past == 0:
+            self._set_row_start(row_start)
         if self.dense_dtype is None:
             self.dense_dtype = torch.float16 if keys.dtype == torch.float32 else keys.dtype
         if self.config.check_finite and self.has_dense_segments:
             self._fit_dense(keys, values)
-        if past < self.sink_tokens:
+        if past < self.sink_end:
             self._keep_sinks(keys, values, past)
         if not self.calibrated:
             self._calibrate(keys, values, past)
@@ -269,22 +285,48 @@ class LayerStore:
             if t is not None:
                 setattr(self, name, t.float())
 
+    def _set_row_start(self, row_start: torch.Tensor | None) -> None:
+        if row_start is None:
+            self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        else:
+            if row_start.shape != (self.batch,):
+                raise ValueError(f"row_start: shape {tuple(row_start.shape)}, expected ({self.batch},)")
+            self.row_start = row_start.to(self.device, torch.long)
+        self.sink_end = int(self.row_start.max()) + self.sink_tokens if self.sink_tokens else 0
+
+    def real_tokens(self, start: int, end: int) -> torch.Tensor:
+        """``[B, end - start]``: True where position ``start + t`` of a row is a real token (not left padding)."""
+        pos = torch.arange(start, end, device=self.device)
+        return pos[None, :] >= self.row_start[:, None]
+
+    def sink_slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The sink tokens among positions ``[start, end)``: index tensors (row, offset from ``start``,
+        slot of the row's sink buffer), or None. A row's sinks are its first ``sink_tokens`` real tokens."""
+        if start >= self.sink_end:
+            return None
+        slot = torch.arange(start, end, device=self.device)[None, :] - self.row_start[:, None]
+        rows, offs = ((slot >= 0) & (slot < self.sink_tokens)).nonzero(as_tuple=True)
+        return rows, offs, slot[rows, offs]
+
     def _keep_sinks(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
-        n = min(self.sink_tokens - past, keys.shape[2])
         if self.sink_k is None:
             shape = (self.batch, self.num_heads, self.sink_tokens, self.head_dim)
             self.sink_k = torch.zeros(shape, dtype=self.dense_dtype, device=self.device)
             self.sink_v = torch.zeros_like(self.sink_k)
-        self.sink_k[:, :, past:past + n] = keys[:, :, :n]
-        self.sink_v[:, :, past:past + n] = values[:, :, :n]
+        sel = self.sink_slots(past, past + keys.shape[2])
+        if sel is not None:
+            rows, offs, slots = sel
+            self.sink_k[rows, :, slots] = keys[rows, :, offs].to(self.dense_dtype)
+            self.sink_v[rows, :, slots] = values[rows, :, offs].to(self.dense_dtype)
 
     def _write_pool(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> None:
         """Quantize a chunk into the pool at ``pos`` (sink rows zeroed: they are read from the sink buffer)."""
-        if pos < self.sink_tokens:
-            n = min(self.sink_tokens - pos, keys.shape[2])
+        sel = self.sink_slots(pos, pos + keys.shape[2])
+        if sel is not None:
+            rows, offs, _ = sel
             keys, values = keys.clone(), values.clone()
-            keys[:, :, :n] = 0
-            values[:, :, :n] = 0
+            keys[rows, :, offs] = 0
+            values[rows, :, offs] = 0
         self._ensure(pos + keys.shape[2])
         for g in self.groups:
             k = keys if g.all_heads else keys.index_select(1, g.head_index)
@@ -320,29 +362,39 @@ class LayerStore:
                 x = src if g.all_heads else src.index_select(1, g.head_index)
                 y = s.quantizer.dequantize(s.quantizer.quantize(x, s.state), s.state, src.dtype)
                 dst[:, g.head_index] = y
-        n = max(0, min(self.sink_tokens - self.cache_pos, ks.shape[2]))
-        k_out[:, :, :n], v_out[:, :, :n] = ks[:, :, :n], vs[:, :, :n]
+        if self.cache_pos == 0:
+            self._set_row_start(None)
+        sel = self.sink_slots(self.cache_pos, self.cache_pos + ks.shape[2])
+        if sel is not None:
+            rows, offs, _ = sel
+            k_out[rows, :, offs], v_out[rows, :, offs] = ks[rows, :, offs], vs[rows, :, offs]
         self.cache_pos += ks.shape[2]
         k_out = fwht(k_out) if self.rotate_keys else k_out
         v_out = fwht(v_out) if self.rotate_values else v_out
         return k_out, v_out
 
     def _calibrate(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
-        """Set the static per-(layer, head) scales, from a scales file or from this first chunk.
+        """Set the static scales per (sequence, KV head), from a scales file or from this first chunk.
 
-        Sink tokens (read in full precision) are left out of the max when the chunk has other tokens.
+        Each row's scale comes from its own real tokens: never from batch-mates or left padding. Sink
+        tokens (read in full precision) are left out of the max when the chunk has other tokens.
         """
         if self._static_amax is not None:
-            k_amax = self._static_amax["key"].to(self.device)
-            v_amax = self._static_amax["value"].to(self.device)
+            k_amax = self._static_amax["key"].to(self.device).expand(self.batch, -1)
+            v_amax = self._static_amax["value"].to(self.device).expand(self.batch, -1)
         else:
-            skip = max(0, self.sink_tokens - past)
-            if skip >= keys.shape[2]:
-                skip = 0
-            k_amax = keys[:, :, skip:].detach().float().abs().amax(dim=(0, 2, 3))
-            v_amax = values[:, :, skip:].detach().float().abs().amax(dim=(0, 2, 3))
+            T = keys.shape[2]
+            use = self.real_tokens(past, past + T)
+            sel = self.sink_slots(past, past + T)
+            if sel is not None:
+                not_sink = torch.ones_like(use)
+                not_sink[sel[0], sel[1]] = False
+                # sinks are left out of a row's max when the chunk holds other real tokens of that row
+                use = torch.where((use & not_sink).any(dim=1, keepdim=True), use & not_sink, use)
+            k_amax = row_amax(keys, use)
+            v_amax = row_amax(values, use)
         for g in self.groups:
-            ka, va = k_amax[g.head_index], v_amax[g.head_index]
+            ka, va = k_amax[:, g.head_index], v_amax[:, g.head_index]
             both_int8 = g.key.quantizer.name == g.value.quantizer.name == "int8"
             if both_int8 and self.config.share_kv_scale:
                 ka = va = torch.maximum(ka, va)
@@ -377,12 +429,13 @@ class LayerStore:
                 k, v = k.index_select(1, group.head_index), v.index_select(1, group.head_index)
             return k.float(), v.float()
         k, v = group.key.read(start, end), group.value.read(start, end)
-        if start < self.sink_tokens and self.sink_k is not None:
-            n = min(self.sink_tokens, end) - start
-            sk, sv = self.sink_k[:, :, start:start + n], self.sink_v[:, :, start:start + n]
+        sel = self.sink_slots(start, end) if self.sink_k is not None else None
+        if sel is not None:
+            rows, offs, slots = sel
+            sk, sv = self.sink_k[rows, :, slots], self.sink_v[rows, :, slots]  # [n, Hkv, D]
             if not group.all_heads:
                 sk, sv = sk.index_select(1, group.head_index), sv.index_select(1, group.head_index)
-            k[:, :, :n], v[:, :, :n] = sk.float(), sv.float()
+            k[rows, :, offs], v[rows, :, offs] = sk.float(), sv.float()
         return k, v
 
     # ---------------------------------------------------------------- cache operations
@@ -403,7 +456,8 @@ class LayerStore:
 
     def reset(self) -> None:
         """Forget all tokens and static scales (allocations are kept for reuse)."""
-        self.cache_pos = self.q_end = 0
+        self.cache_pos = self.q_end = self.sink_end = 0
+        self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self.calibrated = False
         self.res_k = self.res_v = None
         self.sink_k = self.sink_v = None
@@ -422,6 +476,7 @@ class LayerStore:
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
+        self.row_start = self.row_start.index_select(0, idx)
         self.batch = int(idx.numel())
 
     # ---------------------------------------------------------------- accounting

@@ -60,7 +60,8 @@ class Quantizer(ABC):
 
     # -- static scales ----------------------------------------------------------------------
     def calibrate(self, amax: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Static state (e.g. one scale per head) from the per-head absolute max ``amax[H]``."""
+        """Static state (e.g. one scale per head) from the absolute max ``amax[H]`` per head, or
+        ``amax[B, H]`` per sequence and head (scales then broadcast as :func:`head_view`)."""
         return {}
 
     # -- math -------------------------------------------------------------------------------
@@ -87,6 +88,11 @@ class Quantizer(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(head_dim={self.head_dim}, granularity={self.granularity!r})"
+
+
+def head_view(scale: torch.Tensor) -> torch.Tensor:
+    """A static scale as a ``[B or 1, H, 1, 1]`` factor: ``[H]`` (one per head) or ``[B, H]`` (per sequence)."""
+    return scale.view(1, -1, 1, 1) if scale.dim() == 1 else scale[..., None, None]
 
 
 class WidenableScales:

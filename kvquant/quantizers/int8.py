@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Parts, PartSpec, Quantizer, WidenableScales
+from .base import Parts, PartSpec, Quantizer, WidenableScales, head_view
 
 QMAX = 127.0
 FP16_TINY = 2.0**-14  # smallest normal fp16: per-token scales are stored in fp16
@@ -39,15 +39,15 @@ class Int8SharedScale(Quantizer):
         return {"scale": scale}
 
     def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
-        scale = state["scale"].view(1, -1, 1, 1)
+        scale = head_view(state["scale"])
         q = torch.round(x.float() / scale).clamp_(-QMAX, QMAX)
         return {"q": q.to(torch.int8)}
 
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        return (parts["q"].float() * state["scale"].view(1, -1, 1, 1)).to(dtype)
+        return (parts["q"].float() * head_view(state["scale"])).to(dtype)
 
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
-        limit = (state["scale"] * (QMAX + 0.5)).view(1, -1, 1, 1)
+        limit = head_view(state["scale"]) * (QMAX + 0.5)
         return (x.float().abs() > limit).sum()
 
 
