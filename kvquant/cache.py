@@ -47,8 +47,9 @@ class QuantizedLayer(CacheLayerMixin):
 
     @property
     def is_croppable(self) -> bool:
-        """Crop can undo any token, except in residual mode (tokens already quantized by whole blocks)."""
-        return self.store is None or not self.store.residual_mode
+        """Crop can undo any token (see :meth:`LayerStore.crop`), except that per-channel blocks without a
+        full-precision window (``residual_tokens: 0``) can only be cut at block boundaries."""
+        return self.store is None or not self.store.per_block or self.store.residual_tokens > 0
 
     def __init__(
         self,

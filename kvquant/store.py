@@ -208,6 +208,7 @@ class LayerStore:
                 )
             )
         per_block = any(g.key.quantizer.per_block or g.value.quantizer.per_block for g in self.groups)
+        self.per_block = per_block
         # residual mode: newest tokens in full precision, quantized a whole block at a time
         self.residual_tokens = config.residual_tokens
         self.residual_mode = config.residual_tokens > 0 or per_block
@@ -440,17 +441,27 @@ class LayerStore:
 
     # ---------------------------------------------------------------- cache operations
     def crop(self, tokens: int) -> None:
-        """Keep the first ``tokens`` tokens (blocks stay allocated)."""
+        """Keep the first ``tokens`` tokens (blocks stay allocated).
+
+        Nothing is quantized again: kept tokens are read exactly as before. In residual mode a crop
+        that reaches into the quantized pool empties the residual window and keeps the pool's first
+        ``tokens`` tokens (the window refills with new tokens). Per-channel (``int*-channel``) blocks
+        share one scale per block, so their pool can only be cut at a block boundary: a crop to the
+        middle of a quantized block is refused (keeping its head would mean re-quantizing it).
+        """
         tokens = max(0, min(tokens, self.cache_pos))
-        if self.residual_mode and tokens < self.q_end:
-            raise ValueError(
-                f"crop: cannot drop tokens that were already quantized by whole blocks in residual mode "
-                f"(keep >= {self.q_end}, asked {tokens})"
-            )
-        if self.residual_mode:
+        if self.residual_mode and tokens >= self.q_end:
             keep = tokens - self.q_end
             self.res_k, self.res_v = self.res_k[:, :, :keep], self.res_v[:, :, :keep]
         else:
+            if self.per_block and tokens % self.block_size:
+                raise ValueError(
+                    f"crop: keeping {tokens} tokens would split a quantized per-channel block of {self.block_size} "
+                    f"(its scales cover the whole block); keep a multiple of {self.block_size} tokens or at "
+                    f"least {self.q_end} (the full-precision window)"
+                )
+            if self.res_k is not None:
+                self.res_k, self.res_v = self.res_k[:, :, :0], self.res_v[:, :, :0]
             self.q_end = tokens
         self.cache_pos = tokens
 
