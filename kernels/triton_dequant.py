@@ -316,8 +316,8 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
 def _head_scale(store) -> torch.Tensor:
     """The static scales as fp32 ``[B, Hg]`` contiguous (per sequence; a per-head ``[Hg]`` is broadcast)."""
     s = store.state.get("scale")
-    if s is None:
-        raise Unsupported(f"{store.quantizer.describe()}: no static scale (store not calibrated)")
+    if s is None:  # not calibrated yet: nothing is in the pool (tokens are held in full precision)
+        s = torch.ones(store.batch, store.heads, device=store.device)
     if s.dim() == 1:
         s = s.expand(store.batch, -1)
     return s.float().contiguous()

@@ -37,11 +37,24 @@ from .quantizers import Quantizer, make_quantizer
 from .rotation import fwht
 
 GROWTH = 1.25
+# Static (per-head) scales are calibrated on at least this many real tokens of every row; until then the
+# tokens are held in full precision (a 1-token prompt says little about later magnitudes) ...
+CALIB_MIN_TOKENS = 16
+# ... and while a (row, head) has only seen zeros, up to this many tokens: then its scale falls back to
+# the layer's largest calibrated max (1.0 if every value was zero), and clipping is counted and reported.
+CALIB_MAX_TOKENS = 512
 
 
 def row_amax(x: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
     """``|x|`` max per (row, head) of ``x[B, H, T, D]`` over the tokens where ``use[B, T]`` is True."""
     return torch.where(use[:, None, :, None], x.detach().float().abs(), 0.0).amax(dim=(2, 3))
+
+
+def safe_amax(amax: torch.Tensor) -> torch.Tensor:
+    """Calibrated maxima with zeros (a row / head that only saw zeros) replaced by the largest one, or
+    1.0 when all are zero: a scale of 0 would turn every later value into 0."""
+    top = amax.max()
+    return torch.where(amax > 0, amax, torch.where(top > 0, top, torch.ones_like(top)))
 
 
 class StoredOverflow(ValueError):
@@ -71,6 +84,7 @@ class QuantizedTensorStore:
             for name, spec in self.specs.items()
         }
         self.clipped = torch.zeros((), dtype=torch.int64, device=device)
+        self.static_values = 0  # values written through a static scale (the denominator of the clip rate)
 
     def _rows(self, name: str, tokens: int) -> int:
         """Rows of part ``name`` that cover ``tokens`` tokens."""
@@ -100,6 +114,7 @@ class QuantizedTensorStore:
             raise AssertionError("per-channel quantizers write whole, aligned blocks")
         if self.quantizer.static:
             self.clipped += self.quantizer.clipped(x, self.state)
+            self.static_values += x.numel()
         q = self.quantizer.quantize(x, self.state)
         if check and not stored_finite(q):
             if self.quantizer.widen_scales():
@@ -219,8 +234,9 @@ class LayerStore:
 
     @property
     def has_dense_segments(self) -> bool:
-        """True when some history is read from full-precision buffers (sinks or residual)."""
-        return self.sink_tokens > 0 or self.residual_mode
+        """True when some history is read from full-precision buffers (sinks, residual, or tokens held
+        while static-scale calibration is deferred)."""
+        return self.sink_tokens > 0 or self.residual_mode or self.q_end < self.cache_pos
 
     # ---------------------------------------------------------------- capacity
     @property
@@ -261,18 +277,53 @@ class LayerStore:
             self._set_row_start(row_start)
         if self.dense_dtype is None:
             self.dense_dtype = torch.float16 if keys.dtype == torch.float32 else keys.dtype
-        if self.config.check_finite and self.has_dense_segments:
+        if self.config.check_finite and (self.has_dense_segments or not self.calibrated):
             self._fit_dense(keys, values)
         if past < self.sink_end:
             self._keep_sinks(keys, values, past)
+        held = self.res_k.shape[2] if self.res_k is not None and not self.calibrated else 0
         if not self.calibrated:
-            self._calibrate(keys, values, past)
+            if self._hold_for_calibration(keys, values, past):
+                self.cache_pos = past + T
+                return past
+            if held:  # calibrate on the held tokens and this chunk together
+                hk = torch.cat([self.res_k.float(), keys.float()], dim=2)
+                hv = torch.cat([self.res_v.float(), values.float()], dim=2)
+                self._calibrate(hk, hv, self.q_end)
+            else:
+                self._calibrate(keys, values, past)
         if self.residual_mode:
             self._append_residual(keys, values)
         else:
+            if held:  # tokens held while calibration was deferred go to the pool first
+                self._write_pool(self.res_k.to(keys.dtype), self.res_v.to(values.dtype), self.q_end)
+                self.res_k = self.res_v = None
             self._write_pool(keys, values, past)
         self.cache_pos = past + T
         return past
+
+    def _hold_for_calibration(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> bool:
+        """Defer static-scale calibration (holding this chunk in full precision) while some row has fewer
+        than ``CALIB_MIN_TOKENS`` real tokens, or only zeros in a head, and fewer than ``CALIB_MAX_TOKENS``."""
+        static = any(q.static for g in self.groups for q in (g.key.quantizer, g.value.quantizer))
+        end = past + keys.shape[2]
+        if not static or self._static_amax is not None or end >= CALIB_MAX_TOKENS:
+            return False
+        seen = (end - self.row_start).clamp_min(0)  # real tokens per row, this chunk included
+        if bool((seen >= CALIB_MIN_TOKENS).all()):
+            start = self.q_end
+            ks, vs = keys.float(), values.float()
+            if self.res_k is not None and self.res_k.shape[2]:
+                ks = torch.cat([self.res_k.float(), ks], dim=2)
+                vs = torch.cat([self.res_v.float(), vs], dim=2)
+            use = self.real_tokens(start, end)
+            if bool(((row_amax(ks, use) > 0) & (row_amax(vs, use) > 0)).all()):
+                return False
+        dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
+        if self.res_k is not None and self.res_k.shape[2]:
+            dk, dv = torch.cat([self.res_k, dk], dim=2), torch.cat([self.res_v, dv], dim=2)
+        self.res_k, self.res_v = dk, dv
+        return True
 
     def _fit_dense(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """fp16 sink / residual buffers (fp32 models) become fp32 when a value would overflow fp16."""
@@ -392,8 +443,8 @@ class LayerStore:
                 not_sink[sel[0], sel[1]] = False
                 # sinks are left out of a row's max when the chunk holds other real tokens of that row
                 use = torch.where((use & not_sink).any(dim=1, keepdim=True), use & not_sink, use)
-            k_amax = row_amax(keys, use)
-            v_amax = row_amax(values, use)
+            k_amax = safe_amax(row_amax(keys, use))
+            v_amax = safe_amax(row_amax(values, use))
         for g in self.groups:
             ka, va = k_amax[:, g.head_index], v_amax[:, g.head_index]
             both_int8 = g.key.quantizer.name == g.value.quantizer.name == "int8"
@@ -450,19 +501,17 @@ class LayerStore:
         middle of a quantized block is refused (keeping its head would mean re-quantizing it).
         """
         tokens = max(0, min(tokens, self.cache_pos))
-        if self.residual_mode and tokens >= self.q_end:
-            keep = tokens - self.q_end
-            self.res_k, self.res_v = self.res_k[:, :, :keep], self.res_v[:, :, :keep]
-        else:
+        if tokens < self.q_end:
             if self.per_block and tokens % self.block_size:
                 raise ValueError(
                     f"crop: keeping {tokens} tokens would split a quantized per-channel block of {self.block_size} "
                     f"(its scales cover the whole block); keep a multiple of {self.block_size} tokens or at "
                     f"least {self.q_end} (the full-precision window)"
                 )
-            if self.res_k is not None:
-                self.res_k, self.res_v = self.res_k[:, :, :0], self.res_v[:, :, :0]
             self.q_end = tokens
+        if self.res_k is not None:
+            keep = tokens - self.q_end
+            self.res_k, self.res_v = self.res_k[:, :, :keep], self.res_v[:, :, :keep]
         self.cache_pos = tokens
 
     def reset(self) -> None:
@@ -475,6 +524,7 @@ class LayerStore:
         for g in self.groups:
             for s in (g.key, g.value):
                 s.clipped.zero_()
+                s.static_values = 0
                 s.state = {}
 
     def index_batch(self, idx: torch.Tensor) -> None:
@@ -519,3 +569,7 @@ class LayerStore:
 
     def clipped(self) -> int:
         return int(sum(int(g.key.clipped) + int(g.value.clipped) for g in self.groups))
+
+    def static_values(self) -> int:
+        """Values written through static scales so far (what :meth:`clipped` counts against)."""
+        return sum(g.key.static_values + g.value.static_values for g in self.groups)

@@ -88,7 +88,7 @@ def test_headroom_overflow_is_refused():
     cfg = KVQuantConfig.from_dict({"default": "int8", "block_size": 16, "headroom": 1e40})
     store = LayerStore([KVPrecision("int8", "int8")], cfg, 64, 1, torch.device("cpu"))
     with pytest.raises(ValueError, match="^headroom: "):
-        store.append(torch.randn(1, 1, 4, 64), torch.randn(1, 1, 4, 64))
+        store.append(torch.randn(1, 1, 20, 64), torch.randn(1, 1, 20, 64))
 
 
 @pytest.mark.parametrize("past,tq", [(30, 1), (30, 5), (300, 1)])
