@@ -135,7 +135,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     """Run the recipe named by ``args``; prints the table and writes the reports. Returns the exit code."""
     from kvquant.outputs import check_output_dir
 
-    from .models import check_device
+    from .models import NAMED_MODELS, check_device, check_model_path
     from .recipe import load_recipe
     from .report import OUTPUT_FILES, print_table, write_all
     from .runner import run_recipe
@@ -144,6 +144,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     force = getattr(args, "force", False)
     # before the (long) run: the device exists and the outputs can be written without destroying anything
     check_device(recipe.device)
+    if recipe.model not in NAMED_MODELS:
+        check_model_path(recipe.model)
     check_output_dir(recipe.out, OUTPUT_FILES, "out", force=force)
     cmd = command_line(argv if argv is not None else getattr(args, "argv", None))
     result = run_recipe(recipe, command=cmd, quiet=args.quiet, progress=not args.quiet)

@@ -195,8 +195,8 @@ def check_device(device: str) -> None:
     raise DeviceError(f"device: {d!r} is not cpu, cuda, cuda:N, mps or auto")
 
 
-def _local_model(spec: str, what: str) -> Path | None:
-    """The local path a model spec names (checked), or None for a hub id."""
+def check_model_path(spec: str, what: str = "model") -> Path | None:
+    """The local path a model spec names (checked: it exists and has the right kind), or None for a hub id."""
     if not looks_like_path(spec):
         return None
     p = Path(spec).expanduser()
@@ -223,7 +223,7 @@ def read_model_config(spec: str | os.PathLike, what: str = "model") -> Any:
     if s in NAMED_MODELS:
         target: str | Path = resolve_named(s, progress=False)[0]
     else:
-        local = _local_model(s, what)
+        local = check_model_path(s, what)
         target = local if local is not None else s
         if local is not None and local.is_file():
             target, kw = local.parent, {"gguf_file": local.name}
@@ -263,7 +263,7 @@ def load_model(
         tok = AutoTokenizer.from_pretrained(path)
         source = f"{spec_s} ({NAMED_MODELS[spec_s].description}; cached at {path})"
     else:
-        p = _local_model(spec_s, "model")
+        p = check_model_path(spec_s, "model")
         if p is not None and p.is_file():  # a .gguf file
             model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, **kwargs)
             tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)

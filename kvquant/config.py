@@ -180,7 +180,7 @@ class KVQuantConfig:
         cfg.name = cfg.name or p.stem
         if cfg.scales_file:  # a relative path is relative to the config file, wherever the command runs
             sf = Path(cfg.scales_file).expanduser()
-            cfg.scales_file = str(sf if sf.is_absolute() else p.parent / sf)
+            cfg.scales_file = str(sf if sf.is_absolute() else p.resolve().parent / sf)
         return cfg
 
     @classmethod
