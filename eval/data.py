@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kvquant.errors import InputError, InputNotFoundError, RecipeError
-from kvquant.inputs import read_text
+from kvquant.inputs import read_text, user_path
 
 try:
     from kvquant.paths import shared_dir
@@ -149,7 +149,7 @@ def load_text(spec: str) -> Text:
         return Text(read_text(p, "data"), f"TinyStories validation sample ({p})")
     if spec.startswith("hub:"):
         return _hub_text(spec[4:])
-    p = Path(spec).expanduser()
+    p = user_path(spec, "data")
     if p.is_file():
         return Text(read_text(p, "data"), f"file {p}")
     raise InputNotFoundError(

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kvquant.errors import ArgumentError, DeviceError, InputError, InputNotFoundError
-from kvquant.inputs import looks_like_path
+from kvquant.inputs import looks_like_path, user_path
 
 DTYPES = {
     "float32": torch.float32,
@@ -199,7 +199,7 @@ def check_model_path(spec: str, what: str = "model") -> Path | None:
     """The local path a model spec names (checked: it exists and has the right kind), or None for a hub id."""
     if not looks_like_path(spec):
         return None
-    p = Path(spec).expanduser()
+    p = user_path(spec, what)
     if not p.exists():
         kind = "GGUF file" if spec.endswith(".gguf") else "path"
         raise InputNotFoundError(f"{what}: {kind} {spec} does not exist")

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, InputError
 from .inputs import read_text
 from .outputs import check_output, write_text
 from .quantizers import CHANNEL, GROUPED, PRECISIONS, make_quantizer
@@ -174,7 +174,10 @@ class KVQuantConfig:
             if str(path) in PRESETS:
                 return cls.preset(str(path))
             raise ConfigError(f"config: {str(path)!r} is neither a file nor a preset (presets: {', '.join(PRESETS)})")
-        text = read_text(p, "config")
+        try:
+            text = read_text(p, "config")
+        except InputError as e:  # not readable or not UTF-8: still a config error, naming the file
+            raise ConfigError(str(e)) from None
         data = _parse_text(text, p)
         cfg = cls.from_dict(data, source=str(p))
         cfg.name = cfg.name or p.stem

@@ -10,12 +10,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import InputError, InputNotFoundError
+from .errors import InputError, InputNotFoundError, KVQuantError
+
+
+def user_path(path: str | os.PathLike, what: str, error: type[KVQuantError] = InputError) -> Path:
+    """``path`` with a leading ``~`` expanded; a NUL byte (no file can have one) raises ``error`` naming ``what``."""
+    s = os.fspath(path)
+    if "\x00" in str(s):
+        raise error(f"{what}: {s!r} contains a NUL byte")
+    return Path(os.path.expanduser(s))  # unlike Path.expanduser, leaves an unknown ~user alone
 
 
 def read_text(path: str | os.PathLike, what: str) -> str:
     """The UTF-8 text of ``path``; raises :class:`InputError` naming ``what`` and the file."""
-    p = Path(path).expanduser()
+    p = user_path(path, what)
     if not p.exists():
         raise InputNotFoundError(f"{what}: {p} does not exist")
     if p.is_dir():

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import OutputError
+from .inputs import user_path
 
 FORCE_HINT = "pass --force to overwrite"
 
@@ -39,7 +40,7 @@ def _first_existing(folder: Path) -> Path:
 
 def check_writable_dir(folder: str | os.PathLike, what: str) -> Path:
     """Check that ``folder`` is, or can be created as, a writable folder (it is not created here)."""
-    folder = Path(folder).expanduser()
+    folder = user_path(folder, what, OutputError)
     anchor = _first_existing(folder)
     if not anchor.is_dir():
         raise OutputError(f"{what}: cannot create folder {folder}: {anchor} is not a folder")
@@ -67,7 +68,7 @@ def check_output(
         OutputError: wrong suffix, a folder or other non-file in the way, an existing file without
             ``force``, or a folder that cannot be created or written.
     """
-    p = Path(path).expanduser()
+    p = user_path(path, what, OutputError)
     if suffixes and p.suffix.lower() not in suffixes:
         raise OutputError(f"{what}: {p} must end in {_alternatives(suffixes)}")
     if p.is_dir():
@@ -88,7 +89,7 @@ def check_output_dir(
 
     An existing folder is fine; files in it that would be replaced are refused unless ``force``.
     """
-    p = Path(folder).expanduser()
+    p = user_path(folder, what, OutputError)
     if p.exists() and not p.is_dir():
         raise OutputError(f"{what}: {p} exists and is not a folder")
     in_the_way = [n for n in names if (p / n).exists() or (p / n).is_symlink()]
@@ -117,7 +118,7 @@ def atomic_path(path: str | os.PathLike, force: bool = True, what: str = "output
     by suffix work. With ``force=False`` an existing ``path`` raises :class:`OutputError` (checked again here,
     right before writing, in case the file appeared meanwhile).
     """
-    p = Path(path).expanduser()
+    p = user_path(path, what, OutputError)
     if not force and (p.exists() or p.is_symlink()):
         raise OutputError(f"{what}: {p} exists; {FORCE_HINT} it")
     p.parent.mkdir(parents=True, exist_ok=True)
