@@ -43,6 +43,7 @@ MAX_HEADROOM = 100.0
 MAX_SINK_TOKENS = 4096
 MAX_RESIDUAL_TOKENS = 1 << 16
 MAX_MODEL_DIM = 1 << 20  # model_shape values (layers, KV heads, head_dim)
+MAX_CAPACITY = 1 << 24  # tokens preallocated per sequence (QuantizedKVCache / wrap capacity=)
 
 __all__ = ["ConfigError", "KVPrecision", "KVQuantConfig", "PRESETS", "check_int"]
 

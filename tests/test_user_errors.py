@@ -209,3 +209,16 @@ def test_argument_errors_are_one_line(capsys):
     for argv in (["estimate", "--layers", "x"], ["nosuchcommand"], ["calibrate"], ["eval"], ["--bogus"]):
         rc, err = run(capsys, *argv)
         assert rc == 2 and "--help" in err
+
+
+@pytest.mark.parametrize("capacity", [0, -5, 1 << 40, 2.5])
+def test_capacity_is_bounded(capacity):
+    from kvquant import QuantizedKVCache, wrap
+
+    from conftest import tiny_model
+
+    model = tiny_model(layers=1, head_dim=8, heads=2, kv_heads=1)
+    with pytest.raises(ValueError, match="^capacity: "):
+        QuantizedKVCache(model, "int8", capacity=capacity)
+    with pytest.raises(ValueError, match="^capacity: "):
+        wrap(model, "int8", capacity=capacity)
