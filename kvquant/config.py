@@ -165,6 +165,8 @@ class KVQuantConfig:
             return cls.from_dict(spec)
         if isinstance(spec, str) and spec in PRESETS:
             return cls.preset(spec)
+        if not isinstance(spec, (str, Path)):
+            raise ConfigError(f"config: expected a preset name, a file path, a mapping or a KVQuantConfig, got {spec!r}")
         return cls.from_file(spec)
 
     @classmethod

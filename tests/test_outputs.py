@@ -71,3 +71,4 @@ def test_relative_scales_file_is_resolved_against_the_config_folder(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     cfg = KVQuantConfig.from_file("cfgs/c.yaml")
     assert Path(cfg.scales_file) == (tmp_path / "cfgs" / "scales" / "s.json").resolve()
+
