@@ -166,7 +166,7 @@ class KVQuantConfig:
         if isinstance(spec, str) and spec in PRESETS:
             return cls.preset(spec)
         if not isinstance(spec, (str, Path)):
-            raise ConfigError(f"config: expected a preset name, a file path, a mapping or a KVQuantConfig, got {spec!r}")
+            raise ConfigError(f"config: expected a preset name, a file path, a mapping or a config, got {spec!r}")
         return cls.from_file(spec)
 
     @classmethod
