@@ -24,7 +24,7 @@ Example (every field but ``model``, ``data`` and ``configs`` has a default)::
     out: results/wikitext2-smollm2
 
 A bad field gives a :class:`RecipeError` (a ``ValueError``) whose one-line message starts with the field name,
-e.g. ``window: must be an integer >= 2, got 'big' (recipes/x.yaml)``.
+e.g. ``window: must be an integer from 2 to 1099511627776, got 'big' (recipes/x.yaml)``.
 """
 
 from __future__ import annotations
