@@ -40,7 +40,7 @@ CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 # some of them would allocate memory in proportion (sink tokens are preallocated per sequence).
 MAX_GROUP_SIZE = 1024
 MAX_HEADROOM = 100.0
-MAX_SINK_TOKENS = 4096
+MAX_SINK_TOKENS = 1024  # StreamingLLM keeps 4; each one is preallocated in full precision per sequence
 MAX_RESIDUAL_TOKENS = 1 << 16
 MAX_MODEL_DIM = 1 << 20  # model_shape values (layers, KV heads, head_dim)
 MAX_CAPACITY = 1 << 24  # tokens preallocated per sequence (QuantizedKVCache / wrap capacity=)

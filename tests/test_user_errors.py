@@ -222,3 +222,12 @@ def test_capacity_is_bounded(capacity):
         QuantizedKVCache(model, "int8", capacity=capacity)
     with pytest.raises(ValueError, match="^capacity: "):
         wrap(model, "int8", capacity=capacity)
+
+
+def test_readme_states_the_contract_with_a_real_message(tmp_path, capsys):
+    readme = (REPO / "README.md").read_text()
+    assert "exit status 2" in readme and "Nothing is overwritten without `--force`" in readme
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("default: int8\nsink_tokens: 100000\n")
+    rc, err = run(capsys, "estimate", "--config", cfg, "--layers", "2", "--kv-heads", "1", "--head-dim", "8")
+    assert rc == 2 and f"`{err}`" in readme  # the example in the README is what the command prints
