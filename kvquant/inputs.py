@@ -28,6 +28,8 @@ def read_text(path: str | os.PathLike, what: str) -> str:
         raise InputNotFoundError(f"{what}: {p} does not exist")
     if p.is_dir():
         raise InputError(f"{what}: {p} is a folder, not a file")
+    if not p.is_file():
+        raise InputError(f"{what}: {p} is not a regular file")
     try:
         data = p.read_bytes()
     except OSError as e:
