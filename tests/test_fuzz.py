@@ -37,8 +37,10 @@ VALUES = st.recursive(
     SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(KEYS, inner, max_size=3)),
     max_leaves=8,
 )
-CONFIG_DICTS = st.dictionaries(st.one_of(st.sampled_from(sorted(_TOP_LEVEL)), st.text(max_size=5)), VALUES,
-                               max_size=5)
+CONFIG_DICTS = st.one_of(
+    st.dictionaries(st.sampled_from(sorted(_TOP_LEVEL)), VALUES, max_size=5),  # known fields, any values
+    st.dictionaries(st.one_of(st.sampled_from(sorted(_TOP_LEVEL)), st.text(max_size=5)), VALUES, max_size=3),
+)
 SHAPES = [ModelShape(2, 2, 8), ModelShape(3, 1, 64), ModelShape(40, 8, 128)]
 
 
