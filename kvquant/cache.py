@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .config import KVPrecision, KVQuantConfig
+from .config import MAX_CAPACITY, KVPrecision, KVQuantConfig, check_int
 from .shape import ModelShape
 from .store import LayerStore
 
@@ -257,6 +257,8 @@ class QuantizedKVCache(Cache):
     ) -> None:
         from .attention import install_attention
 
+        if capacity is not None:
+            check_int(capacity, "capacity", 1, MAX_CAPACITY)
         self.kv_config = KVQuantConfig.load(config)
         self.shape = ModelShape.of(model)
         self.plan = self.kv_config.resolve(self.shape)
