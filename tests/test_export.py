@@ -191,44 +191,38 @@ def test_engine_config_reproduces_in_process_fp8(exports, stories):
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.quantization import QuantizationConfig
     from compressed_tensors.quantization.lifecycle.forward import quantize
+    from safetensors import safe_open
+    from transformers.cache_utils import DynamicCache
 
     model, _ = stories
     out = exports / "vllm"
-    engine = engine_config(out)
     in_process = KVQuantConfig.from_dict({"default": "fp8-e4m3", "headroom": 1.0,
                                           "scales_file": str(exports / "scales.safetensors")})
     ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(2))
-    got = []
-    for cfg in (engine, in_process):
-        cache = QuantizedKVCache(model, cfg)
+    logits, caches = [], []
+    for cfg in (engine_config(out), in_process):
+        caches.append(QuantizedKVCache(model, cfg))
         with torch.no_grad():
-            logits = model(input_ids=ids, cache=cache).logits
-        got.append((logits, cache))
-    assert torch.equal(got[0][0], got[1][0])
-    args = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"]
-                                             ).kv_cache_scheme
-    ref = {}
-    hook = model.model.layers[2].self_attn.register_forward_hook(
-        lambda m, a, kw, o: ref.update(k=kw["cache"].layers[2].keys), with_kwargs=True)
-    from transformers.cache_utils import DynamicCache
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, cache=DynamicCache(config=model.config))
-    finally:
-        hook.remove()
-    for (_, cache_a), (_, cache_b) in [(got[0], got[1])]:
-        for la, lb in zip(cache_a.layers, cache_b.layers, strict=True):
-            for part in ("key", "value"):
-                qa = getattr(la.store.groups[0], part).parts["q"][:, :, :40]
-                qb = getattr(lb.store.groups[0], part).parts["q"][:, :, :40]
-                assert torch.equal(qa.view(torch.uint8), qb.view(torch.uint8))
-    k_scale = engine_scale_name(2, "k")
-    from safetensors import safe_open
+            logits.append(model(input_ids=ids, cache=caches[-1]).logits)
+    assert torch.equal(logits[0], logits[1])
+
+    def codes(cache, layer, part):
+        return getattr(cache.layers[layer].store.groups[0], part).parts["q"][:, :, :40].view(torch.uint8)
+
+    for i in range(5):
+        for part in ("key", "value"):
+            assert torch.equal(codes(caches[0], i, part), codes(caches[1], i, part))
+    # layer 0 sees the unquantized model's K: compressed-tensors' own FP8 quantize op gives the same codes
+    dense = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=dense)
+    args = QuantizationConfig.model_validate(
+        json.loads((out / "config.json").read_text())["quantization_config"]).kv_cache_scheme
     with safe_open(str(out / "kv_scales.safetensors"), framework="pt") as f:
-        scale = f.get_tensor(k_scale)
-    ct_codes = quantize(ref["k"], scale, torch.zeros_like(scale), args, dtype=torch.float8_e4m3fn)
-    ours = got[0][1].layers[2].store.groups[0].key.parts["q"][:, :, :40]
-    assert torch.equal(ct_codes.view(torch.uint8), ours.view(torch.uint8))
+        scale = f.get_tensor(engine_scale_name(0, "k"))
+    ct_codes = quantize(dense.layers[0].keys, scale, torch.zeros_like(scale), args, dtype=torch.float8_e4m3fn)
+    assert torch.equal(ct_codes.view(torch.uint8), codes(caches[0], 0, "key"))
+    assert ct_codes.float().abs().max() > 64  # the scale fits these values: codes span much of FP8's range
 
 
 def test_eval_rows_of_engine_and_in_process_configs_are_equal(exports, stories_path, tmp_path):
@@ -247,3 +241,15 @@ def test_eval_rows_of_engine_and_in_process_configs_are_equal(exports, stories_p
         assert a["status"] == b["status"] == "ok"
         assert {m: a[m] for m in metrics} == {m: b[m] for m in metrics}
         assert a["kl_mean"] > 0  # FP8 moved something: the equality is not between two no-ops
+
+
+def test_engine_fp8_cast_saturates():
+    """Values beyond the scale's range store as +-448 (the engine's saturating cast), never NaN."""
+    from kvquant.quantizers import Fp8
+
+    q = Fp8(8, "fp8-e4m3", headroom=1.0)
+    state = q.calibrate(torch.tensor([1.0]))
+    x = torch.tensor([0.5, -3.0, 1e4, -1e4, 1.0, 0.0, 2.0, -0.25]).view(1, 1, 1, 8)
+    codes = q.quantize(x, state)["q"].float()
+    assert codes.flatten().tolist()[2:4] == [448.0, -448.0] and bool(torch.isfinite(codes).all())
+    assert int(q.clipped(x, state)) == 4  # -3, 1e4, -1e4 and 2 lie outside +-1
