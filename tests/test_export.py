@@ -7,7 +7,6 @@ checkpoint-parameter mapping, its qparam shapes, its scale computation and its F
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
