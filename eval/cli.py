@@ -31,6 +31,7 @@ generation agreement with the first divergence position (reported, not asserted)
 Configs (recipe `configs:` or --configs a,b,c):
   presets      fp16 bf16 fp32 int8 int8-token int4 int2 fp8-e4m3 fp8-e5m2 mixed-int4-int8
   files        a kvquant YAML/JSON config, e.g. recipes/configs/mixed-int4-int8.yaml
+  engines      vllm:DIR: a serving engine's FP8 cache with the scales of `kvquant export --format vllm -o DIR`
   baselines    hf-hqq-int2 hf-hqq-int4 hf-hqq-int8 hf-quanto-int2 hf-quanto-int4 hf-fp8
                bnb-int8 bnb-nf4 bnb-fp4   (skipped, with the reason, when not installed)
   reference    the unquantized DynamicCache (always run; list it to show its row)
@@ -78,6 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument(
         "--no-generation", dest="no_generation", action="store_true", help="skip the free-generation drift check"
+    )
+    p.add_argument(
+        "--procs",
+        type=int,
+        default=1,
+        help="split the configs over N processes (torch.distributed, gloo) and gather one report; with "
+        "device cuda, process r uses cuda:r. Metric rows are identical to a 1-process run",
     )
     p.add_argument("--out", help="output folder for results.json, report.md and the plot")
     p.add_argument("--force", action="store_true", help="overwrite results.json, report.md and the plot in --out")
@@ -148,6 +156,14 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         check_model_path(recipe.model)
     check_output_dir(recipe.out, OUTPUT_FILES, "out", force=force)
     cmd = command_line(argv if argv is not None else getattr(args, "argv", None))
+    if getattr(args, "procs", 1) != 1:
+        import json
+
+        from .parallel import run_parallel
+
+        out = run_parallel(recipe, args.procs, command=cmd, quiet=args.quiet, force=force)
+        rows = json.loads((out / "results.json").read_text())["results"]
+        return 1 if any(r["status"] == "error" for r in rows) else 0
     result = run_recipe(recipe, command=cmd, quiet=args.quiet, progress=not args.quiet)
     print_table(result)
     paths = write_all(result, Path(recipe.out), force=force)

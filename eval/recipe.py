@@ -154,7 +154,7 @@ def _resolve_config_file(entry: str, base: Path | None) -> Path | None:
 
 def validate_config_entry(entry: Any, i: int, base: Path | None, source: str) -> tuple[str, str | None]:
     """Check one ``configs`` entry; returns (entry, resolved file path or None)."""
-    from .baselines import BASELINES, REFERENCE, make_method
+    from .baselines import BASELINES, ENGINE_PREFIX, REFERENCE, make_method
 
     where = f"configs[{i}]"
     if not isinstance(entry, str) or not entry.strip():
@@ -169,6 +169,19 @@ def validate_config_entry(entry: Any, i: int, base: Path | None, source: str) ->
 
     if entry in PRESETS:
         return entry, None
+    if entry.startswith(ENGINE_PREFIX):
+        from kvquant.scales import read_engine_scales
+
+        d = entry[len(ENGINE_PREFIX):]
+        path = next((r / d for r in [Path.cwd()] + ([base] if base else []) if (r / d).is_dir()), None)
+        if path is None:
+            raise RecipeError(f"{where}: {d!r} is not a directory (vllm:DIR names a `kvquant export --format vllm` "
+                              f"output){_where(source)}")
+        try:
+            read_engine_scales(path)
+        except ValueError as e:
+            raise RecipeError(f"{where}: {e}{_where(source)}") from None
+        return entry, ENGINE_PREFIX + str(path)
     path = _resolve_config_file(entry, base)
     if path is None:
         raise RecipeError(

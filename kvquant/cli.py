@@ -25,6 +25,7 @@ Commands:
   estimate     size a KV cache: FP16 vs a config, what fits a memory budget, P95/P99 lengths
   eval         run an evaluation recipe (perplexity and drift vs FP16, with baselines)
   calibrate    measure per-head sensitivity and write a mixed-precision config for a bit budget
+  export       write calibrated K/V scales: a kvquant scales file, or a checkpoint vLLM / SGLang load
   show-config  print a config's per-layer precisions and average bits
   presets      list the named presets and precisions
 
@@ -163,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list presets and precisions", description="List presets and precisions.")
     p.set_defaults(func=cmd_presets)
 
-    for module in ("kvquant.eval.cli", "kvquant.calibrate"):
+    for module in ("kvquant.eval.cli", "kvquant.calibrate", "kvquant.export"):
         try:
             mod = import_module(module)
         except ImportError as e:  # a broken optional piece must not take the whole CLI down

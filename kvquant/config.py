@@ -118,7 +118,9 @@ class KVQuantConfig:
             scales from a 5-token prompt clip later tokens at 1.0 (93% top-1 vs FP16) but not at 1.5 (98%).
         share_kv_scale: ``int8`` keys and values of a head share one scale (the seed design).
         block_size: tokens per storage block (memory grows by whole blocks).
-        scales_file: optional JSON file of static scales from ``kvquant calibrate`` (skips prefill calibration).
+        scales_file: static K/V scales measured on calibration text instead of each prefill: a kvquant scales
+            file (``kvquant export --format kvquant``) or a serving-engine export directory (``--format vllm``);
+            see :mod:`kvquant.scales`.
         check_finite: reject NaN/Inf K/V when written (one reduction per write).
         rotate: ``none``, ``keys`` or ``kv``: store K (and V) Hadamard-rotated per head; queries are rotated
             alike and the output un-rotated, so attention is unchanged while outlier channels are spread.
