@@ -35,6 +35,7 @@ from .triton_dequant import (
     reduce_min,
     reduce_sum,
 )
+from .triton_launch import Launch
 
 
 @triton.jit
@@ -152,6 +153,54 @@ def block_n_for(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
+def chunk_launches(
+    query: torch.Tensor,
+    fresh_k: torch.Tensor,
+    fresh_v: torch.Tensor,
+    groups: list[tuple[torch.Tensor, Operand, Operand]],
+    num_kv: int,
+    past_len: int,
+    ranges: tuple[torch.Tensor, torch.Tensor] | None,
+    scaling: float,
+    out: torch.Tensor,
+    dot_kind: int,
+    block_m: int = BLOCK_M,
+    block_n: int | None = None,
+    num_warps: int = NUM_WARPS,
+    lse: torch.Tensor | None = None,
+) -> list[Launch]:
+    """The launches of :func:`chunk` (one per head group), as data: see
+    :func:`~kvquant.kernels.triton_decode.decode_launches`."""
+    B, Hq, Tq, D = query.shape
+    if fresh_k.shape[2] != Tq:
+        raise Unsupported(f"chunk kernel: fresh K has {fresh_k.shape[2]} tokens, the query {Tq}")
+    rep = Hq // num_kv
+    block_n = block_n or block_n_for(D)
+    lo, hi = ranges if ranges is not None else (query, query)
+    lo_sb, lo_st = (lo.stride(0), lo.stride(1)) if ranges is not None else (0, 0)
+    launches = []
+    for head_index, kop, vop in groups:
+        Hg = head_index.numel()
+        grid = (B * Hg, triton.cdiv(rep * Tq, block_m))
+        args = (
+            query, query.stride(0), query.stride(1), query.stride(2),
+            *kop.args(), *vop.args(),
+            fresh_k, fresh_k.stride(0), fresh_k.stride(1), fresh_k.stride(2),
+            fresh_v, fresh_v.stride(0), fresh_v.stride(1), fresh_v.stride(2),
+            head_index, lo, hi, lo_sb, lo_st, out, out.stride(0), out.stride(1), out.stride(2),
+            lse if lse is not None else out, scaling * LOG2E, past_len, Tq, Hg, Hq,
+        )  # fmt: skip
+        meta = dict(
+            REP=rep, BLOCK_M=block_m, D=D, BLOCK_N=block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
+            HAS_LSE=lse is not None,
+            K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group,
+            V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group,
+            num_warps=num_warps,
+        )  # fmt: skip
+        launches.append(Launch(_chunk_attn, grid, args, meta))
+    return launches
+
+
 def chunk(
     query: torch.Tensor,
     fresh_k: torch.Tensor,
@@ -173,27 +222,7 @@ def chunk(
     ``lse`` (optional, fp32 contiguous ``[B, Hq, Tq]``) receives each row's base-2 log-sum-exp of the
     scores times ``scaling * log2(e)`` (``-inf`` for rows with no visible key).
     """
-    B, Hq, Tq, D = query.shape
-    if fresh_k.shape[2] != Tq:
-        raise Unsupported(f"chunk kernel: fresh K has {fresh_k.shape[2]} tokens, the query {Tq}")
-    rep = Hq // num_kv
-    block_n = block_n or block_n_for(D)
-    lo, hi = ranges if ranges is not None else (query, query)
-    lo_sb, lo_st = (lo.stride(0), lo.stride(1)) if ranges is not None else (0, 0)
-    for head_index, kop, vop in groups:
-        Hg = head_index.numel()
-        grid = (B * Hg, triton.cdiv(rep * Tq, block_m))
-        _chunk_attn[grid](
-            query, query.stride(0), query.stride(1), query.stride(2),
-            *kop.args(), *vop.args(),
-            fresh_k, fresh_k.stride(0), fresh_k.stride(1), fresh_k.stride(2),
-            fresh_v, fresh_v.stride(0), fresh_v.stride(1), fresh_v.stride(2),
-            head_index, lo, hi, lo_sb, lo_st, out, out.stride(0), out.stride(1), out.stride(2),
-            lse if lse is not None else out, scaling * LOG2E, past_len, Tq, Hg, Hq,
-            REP=rep, BLOCK_M=block_m, D=D, BLOCK_N=block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
-            HAS_LSE=lse is not None,
-            K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group,
-            V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group,
-            num_warps=num_warps,
-        )  # fmt: skip
+    for launch in chunk_launches(query, fresh_k, fresh_v, groups, num_kv, past_len, ranges, scaling, out, dot_kind,
+                                 block_m=block_m, block_n=block_n, num_warps=num_warps, lse=lse):  # fmt: skip
+        launch.run()
     return out

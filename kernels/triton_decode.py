@@ -45,6 +45,7 @@ from .triton_dequant import (
     reduce_max,
     reduce_sum,
 )
+from .triton_launch import Launch
 
 LOG2E = 1.4426950408889634
 
@@ -206,12 +207,81 @@ def block_n_for(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-def num_splits(batch: int, kv_heads: int, past_len: int, block_n: int, device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 off CUDA: the interpreter tests)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def num_splits(batch: int, kv_heads: int, past_len: int, block_n: int, sms: int) -> int:
     """Partitions of the history: enough programs to fill the GPU about twice, no empty partition."""
     tiles = max(1, math.ceil(past_len / block_n))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     want = math.ceil(2 * sms / max(1, batch * kv_heads))
     return max(1, min(tiles, want, 128))
+
+
+def decode_launches(
+    query: torch.Tensor,
+    fresh_k: torch.Tensor,
+    fresh_v: torch.Tensor,
+    groups: list[tuple[torch.Tensor, Operand, Operand]],
+    num_kv: int,
+    past_len: int,
+    ranges: tuple[torch.Tensor, torch.Tensor] | None,
+    scaling: float,
+    out: torch.Tensor,
+    dot_kind: int,
+    splits: int | None = None,
+    lse: torch.Tensor | None = None,
+    sms: int | None = None,
+) -> list[Launch]:
+    """The kernel launches of one decode step (one partial launch per head group, then the reduction),
+    with every argument, constexpr and launch option: :func:`decode` runs them, and the ahead-of-time
+    tools (``triton_compile_check``, ``benchmarks/kernel_static.py``) compile exactly these (on
+    ``meta`` tensors), so that what they measure is the binary the runtime would build.
+
+    ``sms``: the SM count the split heuristic fills (default: the query's device).
+    """
+    B, Hq, Tq, D = query.shape
+    if Tq != 1:
+        raise Unsupported(f"decode kernel: Tq={Tq}, expected 1")
+    rep = Hq // num_kv
+    block_h = max(16, triton.next_power_of_2(rep))
+    block_n = block_n_for(D)
+    S = splits or num_splits(B, num_kv, past_len, block_n, sms or sm_count(query.device))
+    tiles = max(1, math.ceil(past_len / block_n))
+    part_len = math.ceil(tiles / S) * block_n
+    S = max(1, math.ceil(past_len / part_len))
+    o_part = torch.empty((B, Hq, S, D), dtype=torch.float32, device=query.device)
+    lse_part = torch.empty((B, Hq, S), dtype=torch.float32, device=query.device)
+    qk_scale = scaling * LOG2E
+    lo, hi = ranges if ranges is not None else (query, query)  # dummies when there is no mask
+    lo_sb = lo.stride(0) if ranges is not None else 0
+    launches = []
+    for head_index, kop, vop in groups:
+        Hg = head_index.numel()
+        group_block_n, num_warps = launch_config(kop.kind, vop.kind, dot_kind, D)
+        args = (
+            query, query.stride(0), query.stride(1),
+            *kop.args(), *vop.args(),
+            head_index, lo, hi, lo_sb, o_part, lse_part,
+            qk_scale, past_len, part_len, Hg, S, Hq,
+        )  # fmt: skip
+        meta = dict(
+            REP=rep, BLOCK_H=block_h, D=D, BLOCK_N=group_block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
+            K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group,
+            V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group,
+            num_warps=num_warps,
+        )  # fmt: skip
+        launches.append(Launch(_decode_partial, (B * Hg, S), args, meta))
+    args = (
+        o_part, lse_part, query, query.stride(0), query.stride(1),
+        fresh_k, fresh_k.stride(0), fresh_k.stride(1), fresh_v, fresh_v.stride(0), fresh_v.stride(1),
+        out, out.stride(0), out.stride(1), lse if lse is not None else lse_part,
+        lo, hi, lo_sb, qk_scale, past_len, num_kv, S,
+    )  # fmt: skip
+    meta = dict(REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=ranges is not None, HAS_LSE=lse is not None, num_warps=4)
+    launches.append(Launch(_decode_reduce, (B * num_kv,), args, meta))
+    return launches
 
 
 def decode(
@@ -233,40 +303,7 @@ def decode(
     ``lse`` (optional, fp32 contiguous ``[B, Hq, 1]``) receives each row's base-2 log-sum-exp of the
     scores times ``scaling * log2(e)`` (``-inf`` for rows with no visible key).
     """
-    B, Hq, Tq, D = query.shape
-    if Tq != 1:
-        raise Unsupported(f"decode kernel: Tq={Tq}, expected 1")
-    rep = Hq // num_kv
-    block_h = max(16, triton.next_power_of_2(rep))
-    block_n = block_n_for(D)
-    S = splits or num_splits(B, num_kv, past_len, block_n, query.device)
-    tiles = max(1, math.ceil(past_len / block_n))
-    part_len = math.ceil(tiles / S) * block_n
-    S = max(1, math.ceil(past_len / part_len))
-    o_part = torch.empty((B, Hq, S, D), dtype=torch.float32, device=query.device)
-    lse_part = torch.empty((B, Hq, S), dtype=torch.float32, device=query.device)
-    qk_scale = scaling * LOG2E
-    lo, hi = ranges if ranges is not None else (query, query)  # dummies when there is no mask
-    lo_sb = lo.stride(0) if ranges is not None else 0
-    for head_index, kop, vop in groups:
-        Hg = head_index.numel()
-        group_block_n, num_warps = launch_config(kop.kind, vop.kind, dot_kind, D)
-        _decode_partial[(B * Hg, S)](
-            query, query.stride(0), query.stride(1),
-            *kop.args(), *vop.args(),
-            head_index, lo, hi, lo_sb, o_part, lse_part,
-            qk_scale, past_len, part_len, Hg, S, Hq,
-            REP=rep, BLOCK_H=block_h, D=D, BLOCK_N=group_block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
-            K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group,
-            V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group,
-            num_warps=num_warps,
-        )  # fmt: skip
-    _decode_reduce[(B * num_kv,)](
-        o_part, lse_part, query, query.stride(0), query.stride(1),
-        fresh_k, fresh_k.stride(0), fresh_k.stride(1), fresh_v, fresh_v.stride(0), fresh_v.stride(1),
-        out, out.stride(0), out.stride(1), lse if lse is not None else lse_part,
-        lo, hi, lo_sb, qk_scale, past_len, num_kv, S,
-        REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=ranges is not None, HAS_LSE=lse is not None,
-        num_warps=4,
-    )  # fmt: skip
+    for launch in decode_launches(query, fresh_k, fresh_v, groups, num_kv, past_len, ranges, scaling, out,
+                                  dot_kind, splits=splits, lse=lse):  # fmt: skip
+        launch.run()
     return out
