@@ -111,15 +111,23 @@ def key_ranges(
     ):
         raise Unsupported(f"mask shape {tuple(mask.shape)}: expected [{batch}|1, 1|{q_heads}, {q_len}, {L}]")
     m = mask[..., :L]
-    if m.shape[1] > 1 and not bool((m == m[:, :1]).all()):
-        raise Unsupported("mask differs between heads")
-    m = m[:, 0].expand(batch, q_len, L)
+    m0 = m[:, :1]
     idx = torch.arange(L, device=m.device, dtype=torch.int32)
-    lo = torch.where(m, idx, L).amin(-1)
-    hi = torch.where(m, idx + 1, 0).amax(-1)
-    count = m.sum(-1, dtype=torch.int32)
-    if not bool((count == (hi - lo).clamp_min(0)).all()):
-        raise Unsupported("mask rows are not contiguous key ranges (e.g. packed sequences); torch path")
+    lo = torch.where(m0, idx, L).amin(-1)
+    hi = torch.where(m0, idx + 1, 0).amax(-1)
+    count = m0.sum(-1, dtype=torch.int32)
+    ok = (count == (hi - lo).clamp_min(0)).all()
+    if m.shape[1] > 1:
+        ok = ok & (m == m0).all()
+    if q_len == 1:
+        # decode: checked on the device, without a host synchronisation (a failure raises at the next
+        # synchronisation on CUDA, at once on CPU); prefill: checked here, the torch path takes over
+        torch._assert_async(ok, "attention_mask: rows must be one contiguous key range, the same for every "
+                                "head (packed sequences are not; set KVQUANT_ATTENTION=torch)")  # fmt: skip
+    elif not bool(ok):
+        raise Unsupported("mask rows are not contiguous key ranges (e.g. packed sequences) or differ between "
+                          "heads; torch path")  # fmt: skip
+    lo, hi, count = (t[:, 0].expand(batch, q_len) for t in (lo, hi, count))
     empty = count == 0
     lo = torch.where(empty, 0, lo).to(torch.int32).contiguous()
     hi = torch.where(empty, 0, hi).to(torch.int32).contiguous()

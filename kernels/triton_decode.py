@@ -100,7 +100,7 @@ def _decode_partial(
     for n0 in range(first, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= start) & (offs_n < end)
-        k = load_tile(k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D)
+        k = load_tile(k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D, DOT)
         s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
         if K_KIND == 2:
             s = s * load_token_scale(ks_base, ks_st, offs_n, mask_n)[None, :]
@@ -108,7 +108,7 @@ def _decode_partial(
         m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + reduce_sum(p, 1)
-        v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D)
+        v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D, DOT)
         if V_KIND == 2:
             p = p * load_token_scale(vs_base, vs_st, offs_n, mask_n)[None, :]
         acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
@@ -239,7 +239,10 @@ def decode_launches(
     tools (``triton_compile_check``, ``benchmarks/kernel_static.py``) compile exactly these (on
     ``meta`` tensors), so that what they measure is the binary the runtime would build.
 
-    ``sms``: the SM count the split heuristic fills (default: the query's device).
+    ``sms``: the SM count the split heuristic fills (default: the query's device). The grid depends on
+    the shapes and the pool's capacity only (not on ``past_len``), and nothing here reads a device
+    value: a step can be captured in a CUDA graph (``past_len`` is still a scalar argument, so a
+    captured graph serves one length; lengths in a device tensor would lift that).
     """
     B, Hq, Tq, D = query.shape
     if Tq != 1:
@@ -247,10 +250,13 @@ def decode_launches(
     rep = Hq // num_kv
     block_h = max(16, triton.next_power_of_2(rep))
     block_n = block_n_for(D)
-    S = splits or num_splits(B, num_kv, past_len, block_n, sms or sm_count(query.device))
-    tiles = max(1, math.ceil(past_len / block_n))
+    # partitions of the pool's capacity, not of past_len: the grid and the buffers are the same at
+    # every step of a fixed pool (CUDA-graph capturable); partitions past the history exit at once
+    capacity = max([past_len] + [op.data.shape[2] for _, kop, vop in groups for op in (kop, vop)])
+    S = splits or num_splits(B, num_kv, capacity, block_n, sms or sm_count(query.device))
+    tiles = max(1, math.ceil(capacity / block_n))
     part_len = math.ceil(tiles / S) * block_n
-    S = max(1, math.ceil(past_len / part_len))
+    S = max(1, math.ceil(capacity / part_len))
     o_part = torch.empty((B, Hq, S, D), dtype=torch.float32, device=query.device)
     lse_part = torch.empty((B, Hq, S), dtype=torch.float32, device=query.device)
     qk_scale = scaling * LOG2E

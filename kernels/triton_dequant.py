@@ -37,6 +37,7 @@ This module also holds the host-side description of a part (:func:`operand`) and
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -76,8 +77,11 @@ def load_tile(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     D: tl.constexpr,
+    DOT: tl.constexpr = 0,
 ):
-    """Float32 ``[BLOCK_N, D]`` tile of tokens ``offs_n`` (rows outside ``mask_n`` read as 0).
+    """Float32 ``[BLOCK_N, D]`` tile of tokens ``offs_n`` (rows outside ``mask_n`` read as 0). With
+    ``DOT`` a half-precision MMA kind, tiles whose values are exact in that type (int8 codes, fp8 into
+    fp16, stored values of that very type) come back in it, skipping the fp32 round trip.
 
     Per-group (INTN) and per-channel-per-block (CHANNEL: ``GROUP`` = tokens per block, ``sc_stride_t``
     = the stride between blocks) scale/zero are applied here; per-head and per-token scales are not
@@ -120,11 +124,28 @@ def load_tile(
         b = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
         x = (b << 8).to(tl.float16, bitcast=True).to(tl.float32)
     elif KIND == 4:
-        # native fp8: no `other` (an int/float literal cannot be cast to fp8); masked lanes zeroed after
-        x = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2).to(tl.float32)
-        x = tl.where(m2, x, 0.0)
+        if DOT == 1:
+            # fp8 -> fp16 is exact: the bytes (masked rows: 0 = +0.0) converted by the hardware, no select
+            b = tl.load(ptr.to(tl.pointer_type(tl.uint8)) + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2,
+                        other=0)  # fmt: skip
+            x = b.to(ptr.dtype.element_ty, bitcast=True).to(tl.float16)
+        else:
+            # native fp8: no `other` (an int/float literal cannot be cast to fp8); masked lanes zeroed after
+            x = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2).to(tl.float32)
+            x = tl.where(m2, x, 0.0)
     else:
-        x = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0).to(tl.float32)
+        x = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0)
+        if DOT == 1 and (KIND == 1 or KIND == 2):
+            # int8 code c -> fp16 without a conversion instruction: the bits 0x6400 | (c + 128) are the
+            # fp16 1024 + (c + 128), exactly; minus 1152 (exact) leaves c
+            u = (x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x80) | 0x6400
+            x = u.to(tl.float16, bitcast=True) - 1152.0
+        elif DOT == 1 and ptr.dtype.element_ty == tl.float16:
+            x = x.to(tl.float16)  # fp16 values are exact MMA operands: no fp32 round trip
+        elif DOT == 2 and (KIND == 1 or KIND == 2 or ptr.dtype.element_ty == tl.bfloat16):
+            x = x.to(tl.bfloat16)
+        else:
+            x = x.to(tl.float32)
     return x
 
 
@@ -198,24 +219,38 @@ def dot_pv(p, v, DOT: tl.constexpr, SPLIT: tl.constexpr):
     return r
 
 
-# Reductions as tl.reduce with triton's own combine functions rather than tl.max / tl.sum / tl.zeros:
-# those are @triton.jit functions of triton's standard library, built compiled (not interpreted) when
-# `triton` was imported before TRITON_INTERPRET=1 was set (transformers imports it), and the interpreter
-# cannot call them then. tl.reduce is a builtin; with these combine functions the interpreter takes its
-# numpy fast path, and compiled code is exactly what tl.max / tl.min / tl.sum generate.
-@triton.jit
-def reduce_max(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_max)
+# Reductions. Compiled: the public tl.max / tl.min / tl.sum (no private tl.* helper, so the kernels
+# compile on older triton releases too). Interpreted: tl.reduce with triton's own combine functions,
+# because tl.max / tl.sum are @triton.jit functions of triton's standard library, built compiled (not
+# interpreted) when `triton` was imported before TRITON_INTERPRET=1 was set (transformers imports it),
+# and the interpreter cannot call them then; with these combine functions it takes its numpy fast path.
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 
+    @triton.jit
+    def reduce_max(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, tl.standard._elementwise_max)
 
-@triton.jit
-def reduce_min(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_min)
+    @triton.jit
+    def reduce_min(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, tl.standard._elementwise_min)
 
+    @triton.jit
+    def reduce_sum(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, tl.standard._sum_combine)
 
-@triton.jit
-def reduce_sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._sum_combine)
+else:
+
+    @triton.jit
+    def reduce_max(x, axis: tl.constexpr):
+        return tl.max(x, axis)
+
+    @triton.jit
+    def reduce_min(x, axis: tl.constexpr):
+        return tl.min(x, axis)
+
+    @triton.jit
+    def reduce_sum(x, axis: tl.constexpr):
+        return tl.sum(x, axis)
 
 
 @triton.jit

@@ -101,7 +101,8 @@ class KVQuantConfig:
         share_kv_scale: ``int8`` keys and values of a head share one scale (the seed design).
         block_size: tokens per storage block (memory grows by whole blocks).
         scales_file: optional JSON file of static scales from ``kvquant calibrate`` (skips prefill calibration).
-        check_finite: reject NaN/Inf K/V when written (one reduction per write).
+        check_finite: reject NaN/Inf K/V when written (one reduction per write; on CUDA an asynchronous
+            device-side check, no host synchronisation: it raises at the next synchronisation).
         rotate: ``none``, ``keys`` or ``kv``: store K (and V) Hadamard-rotated per head; queries are rotated
             alike and the output un-rotated, so attention is unchanged while outlier channels are spread.
         sink_tokens: the first N tokens of each sequence are kept in full precision (attention sinks).

@@ -205,8 +205,14 @@ class LayerStore:
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Quantize and write ``keys/values[B, H, T, D]`` at the cursor; returns the past length."""
-        if self.config.check_finite and not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
-            raise ValueError("key_states/value_states: NaN or Inf values cannot be quantized")
+        if self.config.check_finite:
+            finite = torch.isfinite(keys).all() & torch.isfinite(values).all()
+            msg = "key_states/value_states: NaN or Inf values cannot be quantized"
+            if keys.device.type == "cpu":
+                if not bool(finite):
+                    raise ValueError(msg)
+            else:  # asynchronous: no host synchronisation per append (raises at the next synchronisation)
+                torch._assert_async(finite, msg)
         keys, values = self.to_storage_space(keys, values)
         past = self.cache_pos
         T = keys.shape[2]

@@ -158,6 +158,13 @@ def test_fp8_native_path(monkeypatch):
     check(query(2, 4, 1, 64), fk, fv, layer, 60, splits=2)
     layer, fk, fv = make_layer(["fp8-e4m3", "fp8-e5m2"], past=40, Tq=5)
     check(query(2, 4, 5, 64), fk, fv, layer, 40, block_m=16)
+    # fp16 queries: the decode tile is converted fp8 -> fp16 straight from the bytes
+    layer, fk, fv = make_layer([KVPrecision("fp8-e4m3", "fp8-e5m2"), "fp8-e4m3"], past=60, dtype=torch.float16)
+    q = query(2, 4, 1, 64, dtype=torch.float16)
+    out = attend_triton(q, fk, fv, layer, 60, None, 0.125, splits=2)
+    ref = attend_naive(q.float(), fk, fv, layer, 60, None, 0.125)
+    walk = attend_torch(q, fk, fv, layer, 60, None, 0.125)
+    assert (out.float() - ref).abs().max() <= (walk.float() - ref).abs().max() + 1e-4
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -222,18 +229,25 @@ def test_per_head_mask_and_extra_columns():
 
 
 def test_non_contiguous_mask_falls_back():
-    layer, fk, fv = make_layer(["int8"], B=1, past=30)
-    q = query(1, 2, 1, 64)
-    mask = padded_mask([0], 30, 1)
+    """Chunks: a mask the kernels cannot serve falls back to torch. Decode: checked on the device
+    without a host synchronisation, so it cannot fall back; it raises (at once on CPU)."""
+    layer, fk, fv = make_layer(["int8"], B=1, past=30, Tq=3)
+    q = query(1, 2, 3, 64)
+    mask = padded_mask([0], 30, 3)
     mask[..., 10:15] = False  # a hole: not one key range
     with pytest.raises(Unsupported, match="contiguous"):
         attend_triton(q, fk, fv, layer, 30, mask, 0.125)
-    heads = padded_mask([0], 30, 1, heads=2).clone()
+    heads = padded_mask([0], 30, 3, heads=2).clone()
     heads[:, 1, :, :3] = False
     with pytest.raises(Unsupported, match="heads"):
         attend_triton(q, fk, fv, layer, 30, heads, 0.125)
     out = dispatch.attend(q, fk, fv, layer, 30, mask, 0.125)
     assert torch.allclose(out, attend_naive(q, fk, fv, layer, 30, mask, 0.125), atol=1e-5)
+    layer, fk, fv = make_layer(["int8"], B=1, past=30)
+    for bad in (padded_mask([0], 30, 1).clone(), padded_mask([0], 30, 1, heads=2).clone()):
+        bad[:, -1, :, 10:15] = False
+        with pytest.raises(RuntimeError, match="contiguous key range"):
+            attend_triton(query(1, 2, 1, 64), fk, fv, layer, 30, bad, 0.125)
 
 
 def test_key_ranges():
