@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the rows as a JSON list here")
     ap.add_argument("--md", default="docs/results/kernel_static.md", help="markdown report ('-': none)")
     ap.add_argument("--sass-dir", help="also write each kernel's SASS here")
+    ap.add_argument("--before", help="JSON rows of an earlier run: add its figures as 'before' columns")
     args = ap.parse_args(argv)
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         ap.error("run in a fresh process without TRITON_INTERPRET (the kernels must be compiled functions)")
@@ -303,6 +304,22 @@ def main(argv: list[str] | None = None) -> int:
                       f"spill {r.spills}", flush=True)  # fmt: skip
     elapsed = time.perf_counter() - t0
     acc_table, ok = acceptance(rows)
+    before = ""
+    if args.before:
+        old = {(r["variant"], r["head_dim"], r["group"]): r for r in json.loads(Path(args.before).read_text())}
+        lines = ["| variant | D | group | SASS / warp / tile | warp-instr / token | issue / HBM time | spill B "
+                 "| predicted vs fp16 |", "|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in rows:
+            o = old.get((r.variant, r.head_dim, r.group))
+            if o is not None:
+                lines.append(
+                    f"| {r.variant} | {r.head_dim} | {r.group} | {o['sass_per_warp_per_tile']} -> "
+                    f"{r.sass_per_warp_per_tile} | {o['warp_instructions_per_token']:.1f} -> "
+                    f"{r.warp_instructions_per_token:.1f} | {o['issue_time_over_hbm_time']:.2f} -> "
+                    f"{r.issue_time_over_hbm_time:.2f} | {o['spills']} -> {r.spills} "
+                    f"| {o['predicted_speedup_vs_fp16']:.2f}x -> {r.predicted_speedup_vs_fp16:.2f}x |"
+                )  # fmt: skip
+        before = "\n".join([f"## Before -> after (before: `{args.before}`)", "", *lines, ""])
     cmd = "python benchmarks/kernel_static.py " + " ".join(argv if argv is not None else sys.argv[1:])
     md = "\n".join([
         "# Static decode-kernel benchmark (sm_90a SASS, no GPU)", "",
@@ -314,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         "not a measurement). Per token = per KV token of one KV head (all `group` query heads of it).", "",
         table(rows), "",
         "## Acceptance (head_dim 128, group 4)", "", acc_table, "",
-        f"All met: {'yes' if ok else 'no'}.", "",
+        f"All met: {'yes' if ok else 'no'}.", "", before,
         "## Loop instruction mix (top opcodes per tile)", "",
         "| variant | D | group | opcodes |", "|---|---|---|---|",
         *[f"| {r.variant} | {r.head_dim} | {r.group} | {r.top_opcodes} |" for r in rows if r.group == 4], "",

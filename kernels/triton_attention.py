@@ -41,8 +41,8 @@ import torch
 from kvquant.store import LayerStore
 
 from .dispatch import Unsupported
-from .triton_chunk import BLOCK_M, _chunk_attn, chunk
-from .triton_decode import decode
+from .triton_chunk import BLOCK_M, _chunk_attn, chunk_launches
+from .triton_decode import decode_launches
 from .triton_dequant import dot_kind, native_fp8, operand
 
 MAX_REP = 128  # query heads per KV head held in one program
@@ -288,11 +288,13 @@ def attend_triton(
     res = torch.empty(out.shape, device=out.device) if fp32_res else out
     lse = torch.empty((B, Hq, Tq), dtype=torch.float32, device=query.device) if segments is not None else None
     if Tq == 1:
-        decode(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling, res, dk,
-               splits=splits, lse=lse)  # fmt: skip
+        launches = decode_launches(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling,
+                                   res, dk, splits=splits, lse=lse)  # fmt: skip
     else:
-        chunk(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling, res, dk,
-              block_m=block_m or BLOCK_M, lse=lse)  # fmt: skip
+        launches = chunk_launches(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling,
+                                  res, dk, block_m=block_m or BLOCK_M, lse=lse)  # fmt: skip
+    for launch in launches:
+        launch.run()
     if segments is not None:
         d_out, d_lse = attend_dense(query, *segments, ranges, scaling)
         res = merge_lse(res, lse * LN2, d_out, d_lse)

@@ -169,8 +169,12 @@ def chunk_launches(
     num_warps: int = NUM_WARPS,
     lse: torch.Tensor | None = None,
 ) -> list[Launch]:
-    """The launches of :func:`chunk` (one per head group), as data: see
-    :func:`~kvquant.kernels.triton_decode.decode_launches`."""
+    """The launches (one per head group) of chunk attention (any ``Tq``) into ``out[B, Hq, Tq, D]``;
+    ``groups`` = (head_index int32, K, V); as data, see :func:`~kvquant.kernels.triton_decode.decode_launches`.
+
+    ``lse`` (optional, fp32 contiguous ``[B, Hq, Tq]``) receives each row's base-2 log-sum-exp of the
+    scores times ``scaling * log2(e)`` (``-inf`` for rows with no visible key).
+    """
     B, Hq, Tq, D = query.shape
     if fresh_k.shape[2] != Tq:
         raise Unsupported(f"chunk kernel: fresh K has {fresh_k.shape[2]} tokens, the query {Tq}")
@@ -199,30 +203,3 @@ def chunk_launches(
         )  # fmt: skip
         launches.append(Launch(_chunk_attn, grid, args, meta))
     return launches
-
-
-def chunk(
-    query: torch.Tensor,
-    fresh_k: torch.Tensor,
-    fresh_v: torch.Tensor,
-    groups: list[tuple[torch.Tensor, Operand, Operand]],
-    num_kv: int,
-    past_len: int,
-    ranges: tuple[torch.Tensor, torch.Tensor] | None,
-    scaling: float,
-    out: torch.Tensor,
-    dot_kind: int,
-    block_m: int = BLOCK_M,
-    block_n: int | None = None,
-    num_warps: int = NUM_WARPS,
-    lse: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Chunk attention (any ``Tq``) into ``out[B, Hq, Tq, D]``; ``groups`` = (head_index int32, K, V).
-
-    ``lse`` (optional, fp32 contiguous ``[B, Hq, Tq]``) receives each row's base-2 log-sum-exp of the
-    scores times ``scaling * log2(e)`` (``-inf`` for rows with no visible key).
-    """
-    for launch in chunk_launches(query, fresh_k, fresh_v, groups, num_kv, past_len, ranges, scaling, out, dot_kind,
-                                 block_m=block_m, block_n=block_n, num_warps=num_warps, lse=lse):  # fmt: skip
-        launch.run()
-    return out
