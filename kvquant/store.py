@@ -487,13 +487,16 @@ class LayerStore:
                 k, v = k.index_select(1, group.head_index), v.index_select(1, group.head_index)
             return k.float(), v.float()
         k, v = group.key.read(start, end), group.value.read(start, end)
-        sel = self.sink_slots(start, end) if self.sink_k is not None else None
-        if sel is not None:
-            rows, offs, slots = sel
-            sk, sv = self.sink_k[rows, :, slots], self.sink_v[rows, :, slots]  # [n, Hkv, D]
+        if self.sink_k is not None and start < self.sink_end:
+            # each row's sink tokens from the sink buffer, selected on the device (no host synchronisation)
+            slot = torch.arange(start, end, device=self.device)[None, :] - self.row_start[:, None]  # [B, t]
+            is_sink = ((slot >= 0) & (slot < self.sink_tokens))[:, None, :, None]
+            idx = slot.clamp(0, self.sink_tokens - 1)
+            rows = torch.arange(self.batch, device=self.device)[:, None]
+            sk, sv = self.sink_k[rows, :, idx].transpose(1, 2), self.sink_v[rows, :, idx].transpose(1, 2)
             if not group.all_heads:
                 sk, sv = sk.index_select(1, group.head_index), sv.index_select(1, group.head_index)
-            k[rows, :, offs], v[rows, :, offs] = sk.float(), sv.float()
+            k, v = torch.where(is_sink, sk.float(), k), torch.where(is_sink, sv.float(), v)
         return k, v
 
     # ---------------------------------------------------------------- cache operations
