@@ -126,6 +126,8 @@ def _fresh_extent(mask: torch.Tensor | None, q_range: tuple[int, int], past_len:
     q0, q1 = q_range
     if mask is None:
         return q1
+    if tq == 1:  # decode: the one fresh key (read from the mask it would need a host synchronisation)
+        return 1
     cols = mask[:, :, q0:q1, past_len:past_len + tq].any(dim=2).any(dim=1).any(dim=0)
     idx = cols.nonzero()
     return int(idx[-1]) + 1 if idx.numel() else 1  # >= 1 key: a fully masked tile still has a (masked) tile

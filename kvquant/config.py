@@ -121,7 +121,8 @@ class KVQuantConfig:
         scales_file: static K/V scales measured on calibration text instead of each prefill: a kvquant scales
             file (``kvquant export --format kvquant``) or a serving-engine export directory (``--format vllm``);
             see :mod:`kvquant.scales`.
-        check_finite: reject NaN/Inf K/V when written (one reduction per write).
+        check_finite: reject NaN/Inf K/V when written (one reduction per write; on CUDA an asynchronous
+            device-side check, no host synchronisation: it raises at the next synchronisation).
         rotate: ``none``, ``keys`` or ``kv``: store K (and V) Hadamard-rotated per head; queries are rotated
             alike and the output un-rotated, so attention is unchanged while outlier channels are spread.
         sink_tokens: the first N tokens of each sequence are kept in full precision (attention sinks).

@@ -272,8 +272,14 @@ class LayerStore:
         ``row_start[B]`` (first append only): each row's first real token; the positions before it are
         left padding. Sink tokens are then each row's first real tokens, and static scales ignore pads.
         """
-        if self.config.check_finite and not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
-            raise ValueError("key_states/value_states: NaN or Inf values cannot be quantized")
+        if self.config.check_finite:
+            finite = torch.isfinite(keys).all() & torch.isfinite(values).all()
+            msg = "key_states/value_states: NaN or Inf values cannot be quantized"
+            if keys.device.type == "cpu":
+                if not bool(finite):
+                    raise ValueError(msg)
+            else:  # asynchronous: no host synchronisation per append (raises at the next synchronisation)
+                torch._assert_async(finite, msg)
         keys, values = self.to_storage_space(keys, values)
         past = self.cache_pos
         T = keys.shape[2]
@@ -487,13 +493,16 @@ class LayerStore:
                 k, v = k.index_select(1, group.head_index), v.index_select(1, group.head_index)
             return k.float(), v.float()
         k, v = group.key.read(start, end), group.value.read(start, end)
-        sel = self.sink_slots(start, end) if self.sink_k is not None else None
-        if sel is not None:
-            rows, offs, slots = sel
-            sk, sv = self.sink_k[rows, :, slots], self.sink_v[rows, :, slots]  # [n, Hkv, D]
+        if self.sink_k is not None and start < self.sink_end:
+            # each row's sink tokens from the sink buffer, selected on the device (no host synchronisation)
+            slot = torch.arange(start, end, device=self.device)[None, :] - self.row_start[:, None]  # [B, t]
+            is_sink = ((slot >= 0) & (slot < self.sink_tokens))[:, None, :, None]
+            idx = slot.clamp(0, self.sink_tokens - 1)
+            rows = torch.arange(self.batch, device=self.device)[:, None]
+            sk, sv = self.sink_k[rows, :, idx].transpose(1, 2), self.sink_v[rows, :, idx].transpose(1, 2)
             if not group.all_heads:
                 sk, sv = sk.index_select(1, group.head_index), sv.index_select(1, group.head_index)
-            k[rows, :, offs], v[rows, :, offs] = sk.float(), sv.float()
+            k, v = torch.where(is_sink, sk.float(), k), torch.where(is_sink, sv.float(), v)
         return k, v
 
     # ---------------------------------------------------------------- cache operations
