@@ -46,9 +46,10 @@ def attend(
     """Attention of ``query[B, Hq, Tq, D]`` over the store's history and the fresh chunk.
 
     With ``rotate`` on, queries and the fresh K (and V) are rotated into the store's space first
-    and the output rotated back (the Hadamard matrix is its own inverse).
+    and the output rotated back (the Hadamard matrix is its own inverse); with ``center_keys`` the
+    fresh K loses the same per-channel mean as the stored keys (softmax ignores the common shift).
     """
-    if layer.rotate_keys or layer.rotate_values:
+    if layer.transforms:
         query = fwht(query) if layer.rotate_keys else query
         fresh_k, fresh_v = layer.to_storage_space(fresh_k, fresh_v)
     out = None

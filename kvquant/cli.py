@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from importlib import import_module
 
 from . import __version__
-from .config import PRESETS, ConfigError, KVQuantConfig
+from .config import DEFAULT_PRESET, PRESETS, ConfigError, KVQuantConfig
 from .memory import estimate, human, parse_bytes, plot_lengths_cdf, read_lengths
-from .quantizers import PRECISIONS
+from .quantizers import PRECISIONS, make_quantizer
 from .shape import ModelShape
 
 DESCRIPTION = """\
@@ -100,9 +100,23 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    print("presets:")
+    from .outliers import MEASURED_ON_OUTLIERS, key_is_per_channel
+
+    d = args.head_dim
+    print(f"presets (stored bits per element at head_dim {d}, scale/zero overhead included; "
+          f"default: {DEFAULT_PRESET}):")
     for name, (_, desc, _) in PRESETS.items():
+        cfg = KVQuantConfig.preset(name)
+        gs, p = cfg.effective_group_size(d), cfg.default
+        parts = []
+        for kind, prec in (("K", p.key), ("V", p.value)):
+            q = make_quantizer(prec, d, gs, cfg.headroom, cfg.block_size)
+            parts.append(f"{kind} {prec} {q.bits_per_element():.2f} b ({q.granularity})")
         print(f"  {name:16s} {desc}")
+        print(f"  {'':16s}   {'; '.join(parts)}")
+        if not key_is_per_channel(p.key):
+            note = MEASURED_ON_OUTLIERS.get(p.key, "")
+            print(f"  {'':16s}   outlier/offset key channels: keys per token or per head{': ' + note if note else ''}")
     print("precisions (per layer / per KV head, K and V separately):")
     for name, desc in PRECISIONS.items():
         print(f"  {name:16s} {desc}")
@@ -136,7 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=cmd_estimate)
 
-    p = sub.add_parser("presets", help="list presets and precisions", description="List presets and precisions.")
+    p = sub.add_parser(
+        "presets",
+        help="list presets and precisions",
+        description="List presets (granularity and stored bits of K and V, outlier behaviour) and precisions.",
+    )
+    p.add_argument("--head-dim", dest="head_dim", type=int, default=64, help="head_dim for the bit counts (default 64)")
     p.set_defaults(func=cmd_presets)
 
     for module in ("kvquant.eval.cli", "kvquant.calibrate"):
