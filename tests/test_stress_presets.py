@@ -208,3 +208,28 @@ def test_calibration_picks_per_channel_keys_on_the_bias_model(variants):
     plan = res.config.resolve(model)
     keys = [p.key for row in plan for p in row]
     assert keys.count("int4-channel") > keys.count("int4"), keys
+
+
+def test_eval_runs_every_config_on_every_stress_model(shared, stories_path, tmp_path):
+    """``model:`` as a list (here through --model a,b): one run per model, one summary side by side,
+    exact one-token decode, standard errors over windows."""
+    import json
+    from pathlib import Path
+
+    from kvquant.eval import cli
+
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "tinystories-stories260k.yaml"
+    out = tmp_path / "out"
+    argv = [str(recipe), "--model", f"{stories_path},{stories_path}+kbias", "--configs", "int8,int8-kchannel",
+            "--protocol", "decode", "--window", "40", "--prefill", "24", "--decode-chunk", "1",
+            "--max-windows", "2", "--no-generation", "--out", str(out), "--quiet"]
+    assert cli.main(argv) == 0
+    summary = json.loads((out / "results.json").read_text())
+    ok = [r for r in summary["rows"] if r["status"] == "ok"]
+    assert {(r["model"].rsplit("/", 1)[-1], r["config"]) for r in ok} == {
+        (m, c) for m in ("hf", "hf+kbias") for c in ("reference", "int8", "int8-kchannel")
+    }
+    assert all(r["delta_ppl_pct_se"] is not None and r["kl_mean_se"] is not None for r in ok)
+    md = (out / "report.md").read_text()
+    assert "| int8-kchannel |" in md and "worst Δppl" in md
+    assert (out / "stories260K-hf+kbias" / "report.md").is_file()
