@@ -36,6 +36,7 @@ MIN_TOKENS = 16  # fewer prefill tokens give no usable channel statistics
 #: decode; docs/results/stress-outliers.md has every number with its standard error).
 MEASURED_ON_OUTLIERS: dict[str, str] = {
     "int8": "static int8 measured KL 0.15 (key bias) and 0.56, +16% ppl (outlier channels), vs 4e-5 for int8-kchannel.",
+    "int4": "int4 g32 measured +92% ppl (outlier channels) and +216% (key bias), vs +1.2% / +1.9% for int4-kchannel.",
     "int8-token": "int8-token measured KL 4.5e-3 to 5.1e-3 on outlier / key-bias models (5e-4 on SmolLM2).",
 }
 
