@@ -42,13 +42,23 @@ def attend(
     past_len: int,
     mask: torch.Tensor | None,
     scaling: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of ``query[B, Hq, Tq, D]`` over the store's history and the fresh chunk.
+
+    ``softcap`` (Gemma 2's attention logit softcapping): scores become ``softcap * tanh(scores / softcap)``
+    before masking and softmax.
 
     With ``rotate`` on, queries and the fresh K (and V) are rotated into the store's space first
     and the output rotated back (the Hadamard matrix is its own inverse); with ``center_keys`` the
     fresh K loses the same per-channel mean as the stored keys (softmax ignores the common shift).
     """
+    if softcap is not None and layer.key_mean is not None:
+        # softcapping is not shift-invariant: q.(k - mu) would change the capped scores
+        raise NotImplementedError(
+            "center_keys: key centering is exact only without attention logit softcapping; "
+            "set center_keys: false for this model"
+        )
     if layer.transforms:
         query = fwht(query) if layer.rotate_keys else query
         fresh_k, fresh_v = layer.to_storage_space(fresh_k, fresh_v)
@@ -57,12 +67,12 @@ def attend(
         try:
             from .triton_attention import attend_triton
 
-            out = attend_triton(query, fresh_k, fresh_v, layer, past_len, mask, scaling)
+            out = attend_triton(query, fresh_k, fresh_v, layer, past_len, mask, scaling, softcap=softcap)
         except (Unsupported, ImportError) as e:
             reason = f"{type(e).__name__}: {e}"
             if reason not in _logged:
                 _logged.add(reason)
                 logger.warning("kvquant: Triton attention unavailable, using the torch path (%s)", reason)
     if out is None:
-        out = attend_torch(query, fresh_k, fresh_v, layer, past_len, mask, scaling)
+        out = attend_torch(query, fresh_k, fresh_v, layer, past_len, mask, scaling, softcap)
     return fwht(out) if layer.rotate_values else out
