@@ -59,7 +59,14 @@ under the user cache dir, or $KVQUANT_CACHE), a local checkpoint directory, a .g
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="recipe YAML file (see recipes/; every option below overrides a recipe field)")
-    p.add_argument("--model", help="model: smollm2-135m, a checkpoint directory, a .gguf file or a hub id")
+    p.add_argument(
+        "--model",
+        help="model: smollm2-135m, a checkpoint directory, a .gguf file or a hub id, optionally with stress "
+        "variants (smollm2-135m+kbias); comma-separated for several",
+    )
+    p.add_argument(
+        "--jobs", type=int, default=1, help="several models: run this many models at once, one process each"
+    )
     p.add_argument("--data", help="text: kjv, wikitext-2, tinystories, hub:NAME[/CONFIG][:SPLIT] or a local .txt file")
     p.add_argument("--configs", help="comma-separated configs to compare (presets, config files, baselines)")
     p.add_argument("--protocol", help="decode, simulated, or both as decode,simulated")
@@ -124,6 +131,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
         v = getattr(args, k, None)
         if v is not None:
             o[k] = v
+    if args.model and "," in args.model:
+        o["model"] = [m.strip() for m in args.model.split(",") if m.strip()]
     if args.configs:
         o["configs"] = [c.strip() for c in args.configs.split(",") if c.strip()]
     if args.protocol:
@@ -164,6 +173,13 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         out = run_parallel(recipe, args.procs, command=cmd, quiet=args.quiet, force=force)
         rows = json.loads((out / "results.json").read_text())["results"]
         return 1 if any(r["status"] == "error" for r in rows) else 0
+    if len(recipe.models) > 1:
+        from .suite import run_models, write_summary
+
+        summary = run_models(recipe, cmd, quiet=args.quiet, progress=not args.quiet, jobs=args.jobs)
+        paths = write_summary(summary, recipe.out)
+        print(f"\nwrote {', '.join(str(p) for p in paths)} (and one folder per model)")
+        return 1 if any(r["status"] == "error" for r in summary["rows"]) else 0
     result = run_recipe(recipe, command=cmd, quiet=args.quiet, progress=not args.quiet)
     print_table(result)
     paths = write_all(result, Path(recipe.out), force=force)

@@ -82,6 +82,7 @@ class DriftAccumulator:
             "ppl": ppl,
             "ppl_ref": ppl_ref,
             "delta_ppl": ppl - ppl_ref,
+            **self.window_errors(),
             "kl_mean": kl.mean().item(),
             "kl_p99": float(np.percentile(kl.numpy(), 99)),
             "kl_max": kl.max().item(),
@@ -89,6 +90,23 @@ class DriftAccumulator:
             "mean_abs_dp": cat["abs_dp"].mean().item(),
             "n_tokens": int(kl.numel()),
         }
+
+
+    def window_errors(self) -> dict[str, float | None]:
+        """Paired standard errors over windows (each :meth:`add` is one window): the spread of the
+        per-window Δppl, KL mean and top-1, divided by sqrt(windows); ``None`` with a single window."""
+        n = len(self.parts.get("kl", []))
+        if n < 2:
+            return {"delta_ppl_se": None, "kl_mean_se": None, "top1_se": None}
+        per = {
+            "delta_ppl_se": [
+                math.exp(q.mean().item()) - math.exp(r.mean().item())
+                for q, r in zip(self.parts["nll_q"], self.parts["nll_ref"], strict=True)
+            ],
+            "kl_mean_se": [k.mean().item() for k in self.parts["kl"]],
+            "top1_se": [t.double().mean().item() for t in self.parts["top1"]],
+        }
+        return {k: float(np.std(v, ddof=1) / math.sqrt(n)) for k, v in per.items()}
 
 
 def summarize(ref_logits: torch.Tensor, q_logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:

@@ -3,7 +3,8 @@
 Example (every field but ``model``, ``data`` and ``configs`` has a default)::
 
     name: wikitext2-smollm2
-    model: smollm2-135m          # named model, local dir, .gguf file or hub id
+    model: smollm2-135m          # named model, local dir, .gguf file or hub id, optionally +stress variants;
+                                 # a list runs the recipe on each model (results in out/<model>/, summary in out/)
     dtype: float32               # float32 | float16 | bfloat16 | auto
     device: cpu                  # cpu | cuda | cuda:N | auto (device_map="auto")
     data: wikitext-2             # kjv | wikitext-2 | tinystories | hub:NAME[/CONFIG][:SPLIT] | path/to/file.txt
@@ -77,6 +78,7 @@ class Recipe:
     out: str = ""
     source: str = ""  # the file it was read from (not a YAML field)
     resolved_configs: dict[str, str] = field(default_factory=dict)  # entry -> file path for config files
+    models: list[str] = field(default_factory=list)  # every model when ``model:`` lists several
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -206,6 +208,18 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
     for k in REQUIRED:
         if data.get(k) in (None, "", []):
             raise RecipeError(f"{k}: required{_where(source)}")
+    models = data["model"] if isinstance(data["model"], list) else [data["model"]]
+    for i, m in enumerate(models):
+        if not isinstance(m, str) or not m.strip():
+            raise RecipeError(f"model[{i}]: must be a non-empty string, got {m!r}{_where(source)}")
+        if "+" in m:
+            from .stress import split_spec
+
+            try:
+                split_spec(m)
+            except ValueError as e:
+                raise RecipeError(f"{e}{_where(source)}") from None
+    models = [expand(m) for m in models]
     name = data.get("name") or (Path(source).stem if source else "eval")
     if not isinstance(name, str):
         raise RecipeError(f"name: must be a string, got {name!r}{_where(source)}")
@@ -277,7 +291,8 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
     if not isinstance(description, str):
         raise RecipeError(f"description: must be a string{_where(source)}")
     return Recipe(
-        model=expand(_str(data, "model", source)),
+        model=models[0],
+        models=models,
         data=expand(_str(data, "data", source)),
         configs=list(configs),
         name=name,

@@ -50,9 +50,16 @@ def attend(
     before masking and softmax.
 
     With ``rotate`` on, queries and the fresh K (and V) are rotated into the store's space first
-    and the output rotated back (the Hadamard matrix is its own inverse).
+    and the output rotated back (the Hadamard matrix is its own inverse); with ``center_keys`` the
+    fresh K loses the same per-channel mean as the stored keys (softmax ignores the common shift).
     """
-    if layer.rotate_keys or layer.rotate_values:
+    if softcap is not None and layer.key_mean is not None:
+        # softcapping is not shift-invariant: q.(k - mu) would change the capped scores
+        raise NotImplementedError(
+            "center_keys: key centering is exact only without attention logit softcapping; "
+            "set center_keys: false for this model"
+        )
+    if layer.transforms:
         query = fwht(query) if layer.rotate_keys else query
         fresh_k, fresh_v = layer.to_storage_space(fresh_k, fresh_v)
     out = None

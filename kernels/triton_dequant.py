@@ -458,7 +458,7 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
             raise Unsupported(f"{qz.describe()}: scale/zero parts not laid out alike")
         return Operand(main, sc, zp, main, KIND_INTN, bits=qz.bits, group=qz.group_size)
     if isinstance(qz, IntNChannel):  # per channel over blocks of tokens (KIVI keys); codes packed as INTN
-        if qz.bits not in (2, 3, 4):
+        if qz.bits not in (2, 3, 4, 8):
             raise Unsupported(f"{qz.describe()}: {qz.bits}-bit codes have no Triton path")
         if head_dim % 8:
             raise Unsupported(f"{qz.describe()}: head_dim {head_dim} not a multiple of the packing")

@@ -3,7 +3,7 @@
 Quick start::
 
     import kvquant
-    model = kvquant.wrap(model, "int8")          # generate() now uses a quantized KV cache
+    model = kvquant.wrap(model)                  # generate() now uses a quantized KV cache (int8-kchannel)
     out = model.generate(**inputs, max_new_tokens=200)
 
     cache = kvquant.QuantizedKVCache(model, kvquant.KVQuantConfig.from_file("recipes/configs/mixed-int4-int8.yaml"))
@@ -12,7 +12,7 @@ Quick start::
 """
 
 from .cache import QuantizedKVCache, QuantizedLayer
-from .config import PRESETS, ConfigError, KVPrecision, KVQuantConfig
+from .config import DEFAULT_PRESET, PRESETS, ConfigError, KVPrecision, KVQuantConfig
 from .errors import KVQuantError
 from .quantizers import PRECISIONS, make_quantizer
 from .shape import ModelShape
@@ -22,6 +22,7 @@ from .wrap import unwrap, wrap
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_PRESET",
     "PRECISIONS",
     "PRESETS",
     "ConfigError",

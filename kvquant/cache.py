@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .config import MAX_CAPACITY, KVPrecision, KVQuantConfig, check_int
+from .config import DEFAULT_PRESET, MAX_CAPACITY, KVPrecision, KVQuantConfig, check_int
+from .outliers import OutlierWatch
 from .scales import load_static_amax
 from .shape import ModelShape
 from .store import LayerStore
@@ -96,8 +97,10 @@ class QuantizedLayer(CacheLayerMixin):
         head_dim: int,
         static_amax: dict[str, torch.Tensor] | None = None,
         capacity: int | None = None,
+        watch: OutlierWatch | None = None,
     ) -> None:
         super().__init__()
+        self.watch = watch
         self.layer_idx = layer_idx
         self.row = row
         self.config = config
@@ -155,6 +158,8 @@ class QuantizedLayer(CacheLayerMixin):
             raise ValueError(
                 f"key_states: batch {key_states.shape[0]} does not match the cache's batch {self.store.batch}"
             )
+        if self.watch is not None and self.store.cache_pos == 0:
+            self.watch.observe(self.layer_idx, key_states)
         past = self.store.cache_pos
         if self.strict:
             self._pending = (key_states, value_states)
@@ -242,7 +247,7 @@ class QuantizedKVCache(Cache):
             ``kvquant`` attention is installed on it if it is not already (see :func:`kvquant.wrap`).
             A :class:`~kvquant.ModelShape` builds a free-standing cache (``update`` / ``memory_report``
             without a model).
-        config: a :class:`KVQuantConfig`, a preset name (``"int8"``) or a YAML/JSON path.
+        config: a :class:`KVQuantConfig`, a preset name (``"int8-kchannel"``, the default) or a YAML/JSON path.
         capacity: tokens to preallocate per sequence (optional; otherwise blocks are added on demand).
 
     Example::
@@ -253,7 +258,7 @@ class QuantizedKVCache(Cache):
     """
 
     def __init__(
-        self, model: Any, config: KVQuantConfig | str | Path = "int8", capacity: int | None = None
+        self, model: Any, config: KVQuantConfig | str | Path = DEFAULT_PRESET, capacity: int | None = None
     ) -> None:
         from .attention import install_attention
 
@@ -265,8 +270,13 @@ class QuantizedKVCache(Cache):
         if model is not None and hasattr(model, "config") and hasattr(model, "set_attn_implementation"):
             install_attention(model)
         static = load_static_amax(self.kv_config.scales_file, self.shape)
+        #: checks the prefill's keys for outlier / offset channels; logs one warning if the config cannot hold them
+        self.outlier_watch = OutlierWatch(self.kv_config, self.plan)
         layers = [
-            QuantizedLayer(i, row, self.kv_config, self.shape.head_dim, static[i] if static else None, capacity)
+            QuantizedLayer(
+                i, row, self.kv_config, self.shape.head_dim, static[i] if static else None, capacity,
+                self.outlier_watch,
+            )
             for i, row in enumerate(self.plan)
         ]
         bound = model is not None and hasattr(model, "config")

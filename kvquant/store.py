@@ -17,6 +17,12 @@ Outlier options (all in the config, composable with per-head precision):
 
 * ``rotate``: K (and V) are stored Hadamard-rotated (:mod:`kvquant.rotation`); the attention
   rotates the queries alike and un-rotates the output, so scores are unchanged.
+* ``center_keys`` (default with ``rotate``): one per-channel key mean per (sequence, KV head),
+  ``key_mean``, taken from the first chunk written (the prefill, sink tokens left out), is
+  subtracted from every key before rotation and quantization. Every key a query sees is shifted
+  by the same ``mu``, so each score moves by the same ``q.mu`` and softmax is unchanged; a large
+  per-channel offset (q/k/v bias) is then neither spread over every channel by the rotation nor
+  spent in the quantization range.
 * ``sink_tokens = N``: the first N tokens are also kept in full precision (fp16; the model's
   dtype if that is 16-bit) and read from there; their quantized rows are zeroed so that they do
   not widen any scale.
@@ -207,6 +213,8 @@ class LayerStore:
         self._static_amax = static_amax
         self.rotate_keys = config.rotate in ("keys", "kv")
         self.rotate_values = config.rotate == "kv"
+        self.center_keys = config.centers_keys
+        self.key_mean: torch.Tensor | None = None  # [B, H, 1, D] float32, set by the first write
         self.sink_tokens = config.sink_tokens
         gs = config.effective_group_size(head_dim)
         by_pair: dict[KVPrecision, list[int]] = {}
@@ -262,8 +270,22 @@ class LayerStore:
             self.reserve(max(tokens, grown))
 
     # ---------------------------------------------------------------- writing
+    @property
+    def transforms(self) -> bool:
+        """True when K or V are stored transformed (rotated and/or centered): fresh K/V must be mapped too."""
+        return self.rotate_keys or self.rotate_values or self.center_keys
+
+    def _set_key_mean(self, keys: torch.Tensor, past: int) -> None:
+        """Fix the per-channel key mean of each sequence and head from its first chunk (sinks left out)."""
+        skip = max(0, self.sink_tokens - past)
+        if skip >= keys.shape[2]:
+            skip = 0
+        self.key_mean = keys[:, :, skip:].detach().float().mean(dim=2, keepdim=True)
+
     def to_storage_space(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Apply the configured Hadamard rotation (identity when ``rotate: none``)."""
+        """Apply the configured key centering and Hadamard rotation (identity when both are off)."""
+        if self.key_mean is not None:
+            keys = (keys.float() - self.key_mean).to(keys.dtype)
         return (fwht(keys) if self.rotate_keys else keys), (fwht(values) if self.rotate_values else values)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None = None) -> int:
@@ -280,8 +302,10 @@ class LayerStore:
                     raise ValueError(msg)
             else:  # asynchronous: no host synchronisation per append (raises at the next synchronisation)
                 torch._assert_async(finite, msg)
-        keys, values = self.to_storage_space(keys, values)
         past = self.cache_pos
+        if self.center_keys and self.key_mean is None:
+            self._set_key_mean(keys, past)
+        keys, values = self.to_storage_space(keys, values)
         T = keys.shape[2]
         if past == 0:
             self._set_row_start(row_start)
@@ -415,8 +439,11 @@ class LayerStore:
     def fake_quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize-then-dequantize ``keys/values[B, H, T, D]`` without storing them (``simulated`` protocol).
 
-        Rotation and sink tokens apply; the residual window does not (it is a property of decoding).
+        Centering, rotation and sink tokens apply; the residual window does not (it is a property of
+        decoding).
         """
+        if self.center_keys and self.key_mean is None:
+            self._set_key_mean(keys, self.cache_pos)
         ks, vs = self.to_storage_space(keys, values)
         if not self.calibrated:
             self._calibrate(ks, vs, self.cache_pos)
@@ -435,6 +462,8 @@ class LayerStore:
         self.cache_pos += ks.shape[2]
         k_out = fwht(k_out) if self.rotate_keys else k_out
         v_out = fwht(v_out) if self.rotate_values else v_out
+        if self.key_mean is not None:
+            k_out = (k_out.float() + self.key_mean).to(k_out.dtype)
         return k_out, v_out
 
     def _calibrate(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
@@ -536,6 +565,7 @@ class LayerStore:
         self.calibrated = False
         self.res_k = self.res_v = None
         self.sink_k = self.sink_v = None
+        self.key_mean = None
         for g in self.groups:
             for s in (g.key, g.value):
                 s.clipped.zero_()
@@ -548,7 +578,7 @@ class LayerStore:
         for g in self.groups:
             g.key.index_batch(idx)
             g.value.index_batch(idx)
-        for name in ("sink_k", "sink_v", "res_k", "res_v"):
+        for name in ("sink_k", "sink_v", "res_k", "res_v", "key_mean"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
@@ -578,6 +608,8 @@ class LayerStore:
                     out["scales" if name in ("scale", "zero") else kind] += b
                 out["reserved"] += sum(t.numel() * t.element_size() for t in s.parts.values())
                 out["scales"] += s.state_nbytes()
+        if self.key_mean is not None:
+            out["scales"] += self.key_mean.numel() * self.key_mean.element_size()
         for k, v in self.dense_buffers().values():
             out["dense"] += k.numel() * k.element_size() + v.numel() * v.element_size()
         return out

@@ -342,7 +342,9 @@ def test_dense_segments_through_dispatch(triton_calls):
 
 CHANNEL_KEYS = ["int4-channel", "int3-channel", "int2-channel"]
 CHANNEL_VALUES = [("int4-channel", "int2-channel"), ("int3-channel", "int4-channel"), ("int2-channel", "int3-channel")]
-CHANNEL_PAIRS = [(k, v) for k in CHANNEL_KEYS for v in ("int4", "int8-token", "fp16")] + CHANNEL_VALUES
+CHANNEL_PAIRS = [(k, v) for k in CHANNEL_KEYS for v in ("int4", "int8-token", "fp16")] + CHANNEL_VALUES + [
+    ("int8-channel", "int8-token")  # the int8-kchannel preset (the wrap() default)
+]
 CHANNEL_OPTIONS = {"blocks": {}, "sinks+residual": {"sink_tokens": 5, "residual_tokens": 20}}
 
 

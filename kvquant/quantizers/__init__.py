@@ -21,6 +21,7 @@ PRECISIONS: dict[str, str] = {
     "int4": "asymmetric INT4 packed 2 per byte, fp16 scale+zero per token and group along head_dim",
     "int3": "asymmetric INT3 packed 8 per 3 bytes, fp16 scale+zero per token and group along head_dim",
     "int2": "asymmetric INT2 packed 4 per byte, fp16 scale+zero per token and group along head_dim",
+    "int8-channel": "asymmetric INT8 per channel over each block of tokens, newest tokens fp16",
     "int4-channel": "asymmetric INT4 per channel over each block of tokens (KIVI keys), newest tokens fp16",
     "int3-channel": "asymmetric INT3 per channel over each block of tokens (KIVI keys), newest tokens fp16",
     "int2-channel": "asymmetric INT2 per channel over each block of tokens (KIVI keys), newest tokens fp16",
@@ -29,7 +30,7 @@ PRECISIONS: dict[str, str] = {
 }
 
 GROUPED = {"int4": 4, "int3": 3, "int2": 2}
-CHANNEL = {"int4-channel": 4, "int3-channel": 3, "int2-channel": 2}
+CHANNEL = {"int8-channel": 8, "int4-channel": 4, "int3-channel": 3, "int2-channel": 2}
 
 
 def make_quantizer(
