@@ -316,3 +316,34 @@ def rerender(out_dir: str | Path) -> dict[str, Path]:
     )
     paths["md"].write_text(markdown(result, paths["png"].name if has_plot else None) + note, encoding="utf-8")
     return paths
+
+
+README_COLUMNS = [
+    ("config", "config"),
+    ("avg_bits", "bits/value"),
+    ("kv_vs_fp16", "KV held vs FP16"),
+    ("asymptotic_vs_fp16", "KV/token vs FP16, long ctx"),
+    ("delta_ppl", "Δppl"),
+    ("kl_mean", "KL(FP16 ‖ q)"),
+    ("top1", "top-1"),
+]
+
+
+def readme_table(results_json: str | Path, protocol: str = "decode") -> str:
+    """The README's results table (markdown) from a run's ``results.json``, with the protocol it ran."""
+    payload = json.loads(Path(results_json).read_text(encoding="utf-8"))
+    meta, rows = payload["meta"], payload["results"]
+    ok = [r for r in rows if r["protocol"] == protocol and r["status"] == "ok" and r["kind"] != "reference"]
+    head = [h for _, h in README_COLUMNS]
+    body = [[f"`{r['config']}`" if k == "config" else cell(r, k) for k, _ in README_COLUMNS] for r in ok]
+    ref = next((r for r in rows if r["protocol"] == protocol and r["kind"] == "reference"), None)
+    lines = [_protocol_line(meta, protocol).replace("**", "") + ".", ""]
+    if ref is not None:
+        lines += [f"Reference perplexity {ref['ppl']:.3f} ({ref['n_tokens']} scored tokens).", ""]
+    return "\n".join(lines) + md_table(head, body)
+
+
+if __name__ == "__main__":  # python -m kvquant.eval.report RESULTS.json: print the README table
+    import sys
+
+    print(readme_table(sys.argv[1]))

@@ -76,3 +76,12 @@ def test_family(family):
         # QK-norm keys have outlier channels); a precision that read the wrong history would be far above 1
         bound = 1e-3 if precision in ("fp16", "bf16", "fp32") else 1.0
         assert kl < bound, (family, precision, kl)
+
+
+def test_readme_matrix_lists_what_is_tested():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Model support", 1)[1].split("\n## ", 1)[0]
+    listed = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| ")][1:]
+    assert listed == list(FAMILIES)
