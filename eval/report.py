@@ -340,7 +340,7 @@ def readme_table(results_json: str | Path, protocol: str = "decode") -> str:
     lines = [_protocol_line(meta, protocol).replace("**", "") + ".", ""]
     if ref is not None:
         lines += [f"Reference perplexity {ref['ppl']:.3f} ({ref['n_tokens']} scored tokens).", ""]
-    return "\n".join(lines) + md_table(head, body)
+    return "\n".join(lines) + "\n" + md_table(head, body)
 
 
 if __name__ == "__main__":  # python -m kvquant.eval.report RESULTS.json: print the README table
