@@ -21,6 +21,7 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "Phi-3": ("Phi3Config", "Phi3ForCausalLM", {}),
     "Phi-2": ("PhiConfig", "PhiForCausalLM", {}),
     "Gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "Gemma 2 (logit softcapping)": ("Gemma2Config", "Gemma2ForCausalLM", {}),
     "Gemma 3 (sliding window 8)": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 8}),
     "OLMo 2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     "Granite": ("GraniteConfig", "GraniteForCausalLM", {}),
