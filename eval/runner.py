@@ -172,7 +172,8 @@ def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult
                             cache = m.simulated_cache(model)
                             sc = simulated_logits(model, w, cache, calibrate=recipe.prefill)
                             bar.update(1)
-                        storage[m.name] = m.storage(model, cache, int(w.ids.numel()))
+                        held = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+                        storage[m.name] = m.storage(model, cache, int(held) or int(w.ids.numel()))
                     except Exception as e:  # noqa: BLE001 - one broken method must not stop the comparison
                         if m.kind == "reference":
                             raise
