@@ -5,6 +5,8 @@ Every entry of a recipe's ``configs`` becomes a :class:`Method`:
 ==================  ==========================================================================================
 ``reference``       transformers' ``DynamicCache`` in the model's dtype: the unquantized run every metric is
                     measured against (always run first; listing it just adds its row, which is 0 by definition)
+``vllm:DIR``        a serving engine's FP8 e4m3 KV cache as exported by ``kvquant export --format vllm -o DIR``
+                    (the engine's per-tensor or per-head scales, saturating cast), run through kvquant's store
 preset / file       a kvquant config (``fp16``, ``int8``, ``int8-token``, ``int4``, ``fp8-e4m3``, a YAML path ...)
                     through ``kvquant.QuantizedKVCache`` (``decode``) or ``kvquant.SimulatedQuantCache``
                     (``simulated``)
@@ -42,6 +44,8 @@ from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from kvquant.export import ENGINE_PREFIX, engine_config
 
 BASELINES: dict[str, str] = {
     "hf-hqq-int2": "transformers QuantizedCache, HQQ backend, 2 bits",
@@ -184,7 +188,10 @@ class KVQuantMethod(Method):
         from kvquant import KVQuantConfig
 
         self.spec = spec
-        self.config = KVQuantConfig.load(spec)
+        if spec.startswith(ENGINE_PREFIX):  # a serving engine's FP8 cache, from a `kvquant export --format vllm` dir
+            self.config = engine_config(spec[len(ENGINE_PREFIX):])
+        else:
+            self.config = KVQuantConfig.load(spec)
         self.name = spec if spec in _presets() else (self.config.name or Path(spec).stem)
         from kvquant import PRESETS
 

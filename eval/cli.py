@@ -32,6 +32,7 @@ Configs (recipe `configs:` or --configs a,b,c):
   presets      fp16 bf16 fp32 int8-shared int8-separate int8-token int4 int2 fp8-e4m3 ... (kvquant presets;
                int8 is int8-shared)
   files        a kvquant YAML/JSON config, e.g. recipes/configs/mixed-int4-int8.yaml
+  engines      vllm:DIR: a serving engine's FP8 cache with the scales of `kvquant export --format vllm -o DIR`
   baselines    hf-hqq-int2 hf-hqq-int4 hf-hqq-int8 hf-quanto-int2 hf-quanto-int4 hf-fp8
                bnb-int8 bnb-nf4 bnb-fp4   (skipped, with the reason, when not installed)
                transformers' caches run at their strongest documented setting (HQQ: axis 1; quanto: axis 0;
@@ -90,7 +91,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-generation", dest="no_generation", action="store_true", help="skip the free-generation drift check"
     )
+    p.add_argument(
+        "--procs",
+        type=int,
+        default=1,
+        help="split the configs over N processes (torch.distributed, gloo) and gather one report; with "
+        "device cuda, process r uses cuda:r. Metric rows are identical to a 1-process run",
+    )
     p.add_argument("--out", help="output folder for results.json, report.md and the plot")
+    p.add_argument("--force", action="store_true", help="overwrite results.json, report.md and the plot in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bars or log lines; only the table")
     p.add_argument(
         "--compare",
@@ -149,26 +158,46 @@ def command_line(argv: Sequence[str] | None) -> str:
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     """Run the recipe named by ``args``; prints the table and writes the reports. Returns the exit code."""
+    from kvquant.errors import ArgumentError
+    from kvquant.outputs import check_output_dir
+
     from .compare import compare_text, load_rows, parse_pair
+    from .models import NAMED_MODELS, check_device, check_model_path
     from .recipe import load_recipe
-    from .report import print_table, write_all
+    from .report import OUTPUT_FILES, print_table, write_all
     from .runner import run_recipe
 
     pair = parse_pair(args.compare) if args.compare else None
     if str(args.recipe).endswith(".json"):  # a finished run: compare only
         if pair is None:
-            raise ValueError(f"recipe: {args.recipe} is a results file; give --compare A,B to compare two configs")
+            raise ArgumentError(f"recipe: {args.recipe} is a results file; give --compare A,B to compare two configs")
         print(compare_text(load_rows(args.recipe), *pair))
         return 0
     recipe = load_recipe(args.recipe, _overrides(args))
     if pair is not None:
         missing = [c for c in pair if c not in recipe.configs]
         if missing:
-            raise ValueError(f"--compare: {missing[0]!r} is not among the configs ({', '.join(recipe.configs)})")
-    cmd = command_line(argv)
+            raise ArgumentError(f"--compare: {missing[0]!r} is not among the configs ({', '.join(recipe.configs)})")
+    force = getattr(args, "force", False)
+    # before the (long) run: the device exists and the outputs can be written without destroying anything
+    check_device(recipe.device)
+    if recipe.model not in NAMED_MODELS:
+        check_model_path(recipe.model)
+    check_output_dir(recipe.out, OUTPUT_FILES, "out", force=force)
+    cmd = command_line(argv if argv is not None else getattr(args, "argv", None))
+    if getattr(args, "procs", 1) != 1:
+        import json
+
+        from .parallel import run_parallel
+
+        out = run_parallel(recipe, args.procs, command=cmd, quiet=args.quiet, force=force)
+        rows = json.loads((out / "results.json").read_text())["results"]
+        if pair is not None:
+            print("\n" + compare_text(rows, *pair))
+        return 1 if any(r["status"] == "error" for r in rows) else 0
     result = run_recipe(recipe, command=cmd, quiet=args.quiet, progress=not args.quiet)
     print_table(result)
-    paths = write_all(result, Path(recipe.out))
+    paths = write_all(result, Path(recipe.out), force=force)
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
     if pair is not None:
         print("\n" + compare_text(result.rows, *pair))
@@ -177,19 +206,10 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kvquant eval",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args, argv)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"kvquant eval: error: {e}", file=sys.stderr)
-        return 2
+    """``kvquant eval ARGS`` (same parser, same error contract: one line and exit status 2 for user errors)."""
+    from kvquant.cli import main as kvquant_main
+
+    return kvquant_main(["eval", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

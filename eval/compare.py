@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvquant.errors import ArgumentError, InputError
+
 #: Per-window metrics compared: (key in a row's ``windows`` entries, label, lower is better).
 COMPARED = (("ppl", "ppl", True), ("kl_mean", "KL mean", True), ("top1", "top-1", False))
 
@@ -86,9 +88,9 @@ def compare_rows(row_a: dict[str, Any], row_b: dict[str, Any]) -> list[Differenc
     """Paired differences of every :data:`COMPARED` metric between two ``results.json`` rows of one protocol."""
     wa, wb = row_a.get("windows"), row_b.get("windows")
     if not wa or not wb:
-        raise ValueError("compare: the rows hold no per-window metrics (results.json from an older version?)")
+        raise InputError("compare: the rows hold no per-window metrics (results.json from an older version?)")
     if [w["window"] for w in wa] != [w["window"] for w in wb]:
-        raise ValueError("compare: the two configs were not scored on the same windows")
+        raise InputError("compare: the two configs were not scored on the same windows")
     return [
         paired_difference([w[k] for w in wa], [w[k] for w in wb], label, lower)
         for k, label, lower in COMPARED
@@ -108,7 +110,7 @@ def compare_text(rows: list[dict[str, Any]], a: str, b: str) -> str:
     protocols = [p for p in dict.fromkeys(r["protocol"] for r in rows) if (a, p) in by and (b, p) in by]
     for name in (a, b):
         if not any(c == name for c, _ in by):
-            raise ValueError(f"compare: {name!r} has no results in this run (configs: "
+            raise ArgumentError(f"compare: {name!r} has no results in this run (configs: "
                              f"{', '.join(dict.fromkeys(c for c, _ in by))})")
     for p in protocols:
         diffs = compare_rows(by[(a, p)], by[(b, p)])
@@ -133,16 +135,16 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a ``results.json`` written by ``kvquant eval``."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"compare: {path} not found")
+        raise InputError(f"compare: {path} not found")
     try:
         return json.loads(p.read_text(encoding="utf-8"))["results"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"compare: {path} is not a kvquant eval results.json ({e})") from None
+        raise InputError(f"compare: {path} is not a kvquant eval results.json ({e})") from None
 
 
 def parse_pair(text: str) -> tuple[str, str]:
     """``"A,B"`` -> ``("A", "B")`` (raises ValueError naming ``--compare``)."""
     parts = [x.strip() for x in text.split(",")]
     if len(parts) != 2 or not all(parts) or parts[0] == parts[1]:
-        raise ValueError(f"--compare: expected two different configs as A,B, got {text!r}")
+        raise ArgumentError(f"--compare: expected two different configs as A,B, got {text!r}")
     return parts[0], parts[1]

@@ -13,6 +13,7 @@ Quick start::
 
 from .cache import QuantizedKVCache, QuantizedLayer
 from .config import PRESETS, ConfigError, KVPrecision, KVQuantConfig
+from .errors import KVQuantError
 from .quantizers import PRECISIONS, make_quantizer
 from .shape import ModelShape
 from .simulate import SimulatedQuantCache
@@ -25,6 +26,7 @@ __all__ = [
     "PRESETS",
     "ConfigError",
     "KVPrecision",
+    "KVQuantError",
     "KVQuantConfig",
     "ModelShape",
     "QuantizedKVCache",

@@ -10,7 +10,6 @@ the store through that view, so the cache never hands out a full-precision copy 
 from __future__ import annotations
 
 import itertools
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .config import KVPrecision, KVQuantConfig
+from .config import MAX_CAPACITY, KVPrecision, KVQuantConfig, check_int
+from .scales import load_static_amax
 from .shape import ModelShape
 from .store import LayerStore
 
@@ -257,6 +257,8 @@ class QuantizedKVCache(Cache):
     ) -> None:
         from .attention import install_attention
 
+        if capacity is not None:
+            check_int(capacity, "capacity", 1, MAX_CAPACITY)
         self.kv_config = KVQuantConfig.load(config)
         self.shape = ModelShape.of(model)
         self.plan = self.kv_config.resolve(self.shape)
@@ -302,27 +304,3 @@ class QuantizedKVCache(Cache):
         """Fraction of the values written through static scales that were clipped (0.0 if none)."""
         return self.clip_monitor.rate()
 
-
-def load_static_amax(path: str | None, shape: ModelShape) -> list[dict[str, torch.Tensor]] | None:
-    """Per-layer ``{"key": amax[H], "value": amax[H]}`` from a scales JSON file (``kvquant calibrate``)."""
-    if not path:
-        return None
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"scales_file: {path!r} does not exist")
-    try:
-        data = json.loads(p.read_text())
-        layers = data["layers"]
-        out = [
-            {"key": torch.tensor(x["key_amax"], dtype=torch.float32),
-             "value": torch.tensor(x["value_amax"], dtype=torch.float32)}
-            for x in layers
-        ]
-    except (KeyError, TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"scales_file: {path!r} is not a kvquant scales file ({e})") from None
-    if len(out) != shape.num_layers or any(t["key"].numel() != shape.num_kv_heads for t in out):
-        raise ValueError(
-            f"scales_file: {path!r} holds {len(out)} layers; the model has {shape.num_layers} layers "
-            f"x {shape.num_kv_heads} KV heads"
-        )
-    return out

@@ -14,25 +14,19 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .cache import load_static_amax
 from .config import KVPrecision, KVQuantConfig
+from .scales import load_static_amax
 from .shape import ModelShape
 from .store import LayerStore
 
 
 class SimulatedLayer(DynamicLayer):
-    """A ``DynamicLayer`` that stores fake-quantized K/V (static scales from a scales file, else its first chunk)."""
+    """A ``DynamicLayer`` that stores fake-quantized K/V (static scales from its first chunk)."""
 
-    def __init__(
-        self,
-        row: list[KVPrecision],
-        config: KVQuantConfig,
-        head_dim: int,
-        static_amax: dict[str, torch.Tensor] | None = None,
-    ) -> None:
+    def __init__(self, row: list[KVPrecision], config: KVQuantConfig, head_dim: int,
+                 static_amax: dict[str, torch.Tensor] | None = None) -> None:
         super().__init__()
-        self.row, self.kv_config, self.head_dim = row, config, head_dim
-        self.static_amax = static_amax
+        self.row, self.kv_config, self.head_dim, self.static_amax = row, config, head_dim, static_amax
         self.quant: LayerStore | None = None
 
     def update(
@@ -56,10 +50,6 @@ class SimulatedQuantCache(Cache):
         self.kv_config = KVQuantConfig.load(config)
         shape = ModelShape.of(model)
         plan = self.kv_config.resolve(shape)
-        static = load_static_amax(self.kv_config.scales_file, shape)
-        super().__init__(
-            layers=[
-                SimulatedLayer(row, self.kv_config, shape.head_dim, static[i] if static else None)
-                for i, row in enumerate(plan)
-            ]
-        )
+        static = load_static_amax(self.kv_config.scales_file, shape)  # calibration text, never the window scored
+        super().__init__(layers=[SimulatedLayer(row, self.kv_config, shape.head_dim, static[i] if static else None)
+                                 for i, row in enumerate(plan)])

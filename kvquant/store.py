@@ -84,7 +84,8 @@ class QuantizedTensorStore:
             for name, spec in self.specs.items()
         }
         self.clipped = torch.zeros((), dtype=torch.int64, device=device)
-        self.static_values = 0  # values written through a static scale (the denominator of the clip rate)
+        # real (non-pad) values written through a static scale: the denominator of the clip rate
+        self.static_values = torch.zeros((), dtype=torch.int64, device=device)
 
     def _rows(self, name: str, tokens: int) -> int:
         """Rows of part ``name`` that cover ``tokens`` tokens."""
@@ -103,18 +104,20 @@ class QuantizedTensorStore:
                 new[:, :, :keep].copy_(old[:, :, :keep])
             self.parts[name] = new
 
-    def write(self, x: torch.Tensor, pos: int, check: bool = True) -> None:
+    def write(self, x: torch.Tensor, pos: int, check: bool = True, real: torch.Tensor | None = None) -> None:
         """Quantize ``x[B, H, T, D]`` and write it at token positions ``pos .. pos+T``.
 
         ``check``: verify that what is *stored* is finite (one reduction). fp16 scales / zeros that
         overflow (|x| > 65504) are widened to fp32 for this store (exact, bytes counted) and the chunk
         quantized again; anything else non-finite (fp16 passthrough storage) raises :class:`StoredOverflow`.
+        ``real[B, T]``: False at left-padding positions, which static-scale clipping does not count.
         """
         if self.quantizer.per_block and (pos % self.block_size or x.shape[2] % self.block_size):
             raise AssertionError("per-channel quantizers write whole, aligned blocks")
         if self.quantizer.static:
-            self.clipped += self.quantizer.clipped(x, self.state)
-            self.static_values += x.numel()
+            counted = x if real is None else torch.where(real[:, None, :, None], x, 0.0)
+            self.clipped += self.quantizer.clipped(counted, self.state)
+            self.static_values += x.numel() if real is None else real.sum() * x.shape[1] * x.shape[3]
         q = self.quantizer.quantize(x, self.state)
         if check and not stored_finite(q):
             if self.quantizer.widen_scales():
@@ -199,6 +202,7 @@ class LayerStore:
         # per row, the position of its first real token (left padding before it), set by the first append
         self.row_start = torch.zeros(batch, dtype=torch.long, device=device)
         self.sink_end = 0  # sink tokens lie below this position in every row
+        self.pad_end = 0  # left padding lies below this position in every row
         self.calibrated = False
         self._static_amax = static_amax
         self.rotate_keys = config.rotate in ("keys", "kv")
@@ -344,7 +348,8 @@ class LayerStore:
             if row_start.shape != (self.batch,):
                 raise ValueError(f"row_start: shape {tuple(row_start.shape)}, expected ({self.batch},)")
             self.row_start = row_start.to(self.device, torch.long)
-        self.sink_end = int(self.row_start.max()) + self.sink_tokens if self.sink_tokens else 0
+        self.pad_end = int(self.row_start.max())  # one read, at the first write
+        self.sink_end = self.pad_end + self.sink_tokens if self.sink_tokens else 0
 
     def real_tokens(self, start: int, end: int) -> torch.Tensor:
         """``[B, end - start]``: True where position ``start + t`` of a row is a real token (not left padding)."""
@@ -380,11 +385,12 @@ class LayerStore:
             keys[rows, :, offs] = 0
             values[rows, :, offs] = 0
         self._ensure(pos + keys.shape[2])
+        real = self.real_tokens(pos, pos + keys.shape[2]) if pos < self.pad_end else None
         for g in self.groups:
             k = keys if g.all_heads else keys.index_select(1, g.head_index)
             v = values if g.all_heads else values.index_select(1, g.head_index)
-            g.key.write(k, pos, self.config.check_finite)
-            g.value.write(v, pos, self.config.check_finite)
+            g.key.write(k, pos, self.config.check_finite, real)
+            g.value.write(v, pos, self.config.check_finite, real)
         self.q_end = pos + keys.shape[2]
 
     def _append_residual(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -516,7 +522,7 @@ class LayerStore:
 
     def reset(self) -> None:
         """Forget all tokens and static scales (allocations are kept for reuse)."""
-        self.cache_pos = self.q_end = self.sink_end = 0
+        self.cache_pos = self.q_end = self.sink_end = self.pad_end = 0
         self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self.calibrated = False
         self.res_k = self.res_v = None
@@ -524,7 +530,7 @@ class LayerStore:
         for g in self.groups:
             for s in (g.key, g.value):
                 s.clipped.zero_()
-                s.static_values = 0
+                s.static_values.zero_()
                 s.state = {}
 
     def index_batch(self, idx: torch.Tensor) -> None:
@@ -571,5 +577,5 @@ class LayerStore:
         return int(sum(int(g.key.clipped) + int(g.value.clipped) for g in self.groups))
 
     def static_values(self) -> int:
-        """Values written through static scales so far (what :meth:`clipped` counts against)."""
-        return sum(g.key.static_values + g.value.static_values for g in self.groups)
+        """Real (non-pad) values written through static scales so far (what :meth:`clipped` counts against)."""
+        return int(sum(int(g.key.static_values) + int(g.value.static_values) for g in self.groups))

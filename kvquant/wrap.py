@@ -8,7 +8,7 @@ from typing import Any
 
 from .attention import install_attention
 from .cache import QuantizedKVCache
-from .config import KVQuantConfig
+from .config import MAX_CAPACITY, KVQuantConfig, check_int
 
 
 def wrap(model: Any, config: KVQuantConfig | str | Path = "int8", capacity: int | None = None) -> Any:
@@ -22,6 +22,8 @@ def wrap(model: Any, config: KVQuantConfig | str | Path = "int8", capacity: int 
     ``generate()`` builds a fresh cache per call unless ``cache=`` is passed. Forward calls with
     other caches (``DynamicCache``, transformers' ``QuantizedCache``) or none use plain SDPA.
     """
+    if capacity is not None:
+        check_int(capacity, "capacity", 1, MAX_CAPACITY)
     cfg = KVQuantConfig.load(config)
     cfg.resolve(model)  # validate against the model now, not at the first token
     install_attention(model)
