@@ -29,11 +29,16 @@ agreement, mean |delta p| of the correct token, KV bytes per token vs FP16, toke
 generation agreement with the first divergence position (reported, not asserted).
 
 Configs (recipe `configs:` or --configs a,b,c):
-  presets      fp16 bf16 fp32 int8 int8-token int4 int2 fp8-e4m3 fp8-e5m2 mixed-int4-int8
+  presets      fp16 bf16 fp32 int8-shared int8-separate int8-token int4 int2 fp8-e4m3 ... (kvquant presets;
+               int8 is int8-shared)
   files        a kvquant YAML/JSON config, e.g. recipes/configs/mixed-int4-int8.yaml
   engines      vllm:DIR: a serving engine's FP8 cache with the scales of `kvquant export --format vllm -o DIR`
   baselines    hf-hqq-int2 hf-hqq-int4 hf-hqq-int8 hf-quanto-int2 hf-quanto-int4 hf-fp8
                bnb-int8 bnb-nf4 bnb-fp4   (skipped, with the reason, when not installed)
+               transformers' caches run at their strongest documented setting (HQQ: axis 1; quanto: axis 0;
+               group 64, fp16 residual of 128 tokens); override with :option=value suffixes, e.g.
+               hf-hqq-int4:axis=0 (transformers' default), hf-quanto-int4:group=32:residual=64
+               (options: axis, axis_key, axis_value, group, residual)
   reference    the unquantized DynamicCache (always run; list it to show its row)
 
 Outputs, in --out (default: the recipe's `out`, else results/NAME): results.json (one object per
@@ -49,6 +54,8 @@ examples:
   kvquant eval recipes/tinystories-stories260k.yaml --configs fp16,int8,int4,hf-hqq-int4 --protocol simulated
   kvquant eval recipes/default.yaml --model ./my-llama --data notes.txt --out results/mine
   kvquant eval recipes/default.yaml --configs int8,recipes/configs/mixed-int4-int8.yaml --window 512
+  kvquant eval results/default/results.json --compare int8-shared,int8-separate
+      paired test on a finished run: do the two differ beyond noise on the same tokens?
 
 Data (recipe `data:` or --data): kjv (offline corpus), wikitext-2 (from $KVQUANT_SHARED/data, else the
 hub), tinystories, hub:NAME[/CONFIG][:SPLIT], or a local UTF-8 text file.
@@ -58,7 +65,11 @@ under the user cache dir, or $KVQUANT_CACHE), a local checkpoint directory, a .g
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="recipe YAML file (see recipes/; every option below overrides a recipe field)")
+    p.add_argument(
+        "recipe",
+        help="recipe YAML file (see recipes/; every option below overrides a recipe field), or a results.json "
+        "with --compare",
+    )
     p.add_argument(
         "--model",
         help="model: smollm2-135m, a checkpoint directory, a .gguf file or a hub id, optionally with stress "
@@ -97,6 +108,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="output folder for results.json, report.md and the plot")
     p.add_argument("--force", action="store_true", help="overwrite results.json, report.md and the plot in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bars or log lines; only the table")
+    p.add_argument(
+        "--compare",
+        metavar="A,B",
+        help="after the run (or on a finished run: give its results.json instead of a recipe), say whether "
+        "configs A and B differ beyond noise, window by window on the same tokens (paired t test, 95%%)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -150,14 +167,26 @@ def command_line(argv: Sequence[str] | None) -> str:
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     """Run the recipe named by ``args``; prints the table and writes the reports. Returns the exit code."""
+    from kvquant.errors import ArgumentError
     from kvquant.outputs import check_output_dir
 
+    from .compare import compare_text, load_rows, parse_pair
     from .models import NAMED_MODELS, check_device, check_model_path
     from .recipe import load_recipe
     from .report import OUTPUT_FILES, print_table, write_all
     from .runner import run_recipe
 
+    pair = parse_pair(args.compare) if args.compare else None
+    if str(args.recipe).endswith(".json"):  # a finished run: compare only
+        if pair is None:
+            raise ArgumentError(f"recipe: {args.recipe} is a results file; give --compare A,B to compare two configs")
+        print(compare_text(load_rows(args.recipe), *pair))
+        return 0
     recipe = load_recipe(args.recipe, _overrides(args))
+    if pair is not None:
+        missing = [c for c in pair if c not in recipe.configs]
+        if missing:
+            raise ArgumentError(f"--compare: {missing[0]!r} is not among the configs ({', '.join(recipe.configs)})")
     force = getattr(args, "force", False)
     # before the (long) run: the device exists and the outputs can be written without destroying anything
     check_device(recipe.device)
@@ -172,6 +201,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
 
         out = run_parallel(recipe, args.procs, command=cmd, quiet=args.quiet, force=force)
         rows = json.loads((out / "results.json").read_text())["results"]
+        if pair is not None:
+            print("\n" + compare_text(rows, *pair))
         return 1 if any(r["status"] == "error" for r in rows) else 0
     if len(recipe.models) > 1:
         from .suite import run_models, write_summary
@@ -184,6 +215,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     print_table(result)
     paths = write_all(result, Path(recipe.out), force=force)
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
+    if pair is not None:
+        print("\n" + compare_text(result.rows, *pair))
     errors = [r for r in result.rows if r["status"] == "error"]
     return 1 if errors else 0
 

@@ -12,7 +12,7 @@ Example (every field but ``model``, ``data`` and ``configs`` has a default)::
     window: 1024                 # tokens per window (BOS included when bos: true)
     stride: null                 # tokens between window starts (default: the window, no overlap)
     max_windows: 4               # windows to score (null: all)
-    prefill: 256                 # decode: tokens prefilled before scoring starts
+    prefill: 256                 # tokens before scoring (decode: prefilled; simulated: static scales taken there)
     decode_chunk: 1              # decode: tokens per forward step (1 = exact token-by-token generation)
     bos: false                   # prepend the tokenizer's BOS token to every window
     seed: 0
@@ -243,7 +243,7 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
         )
     max_windows = _int(data, "max_windows", 1, source, 4, nullable=True)
     prefill = _int(data, "prefill", 1, source, min(256, window // 4) or 1)
-    if "decode" in protocols and prefill >= window - 1:
+    if prefill >= window - 1:
         raise RecipeError(f"prefill: {prefill} must be smaller than window - 1 ({window - 1}){_where(source)}")
     decode_chunk = _int(data, "decode_chunk", 1, source, 1)
     bos = data.get("bos", False)

@@ -6,7 +6,7 @@ Quick start::
     model = kvquant.wrap(model)                  # generate() now uses a quantized KV cache (int8-kchannel)
     out = model.generate(**inputs, max_new_tokens=200)
 
-    cache = kvquant.QuantizedKVCache(model, kvquant.KVQuantConfig.from_file("recipes/configs/mixed-int4-int8.yaml"))
+    cache = kvquant.QuantizedKVCache(model, kvquant.KVQuantConfig.preset("mixed-int4-int8"))
     out = model.generate(**inputs, cache=cache, max_new_tokens=200)
     print(cache.memory_report())
 """
