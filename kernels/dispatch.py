@@ -46,11 +46,17 @@ def attend(
     """Attention of ``query[B, Hq, Tq, D]`` over the store's history and the fresh chunk.
 
     With ``rotate`` on, queries and the fresh K (and V) are rotated into the store's space first
-    and the output rotated back (the Hadamard matrix is its own inverse).
+    and the output rotated back (the Hadamard matrix is its own inverse). Heads stored by a codebook
+    quantizer (``tq*``) are then mapped into their own head space the same way
+    (:meth:`~kvquant.store.LayerStore.query_to_head_space`), once per call.
     """
     if layer.rotate_keys or layer.rotate_values:
         query = fwht(query) if layer.rotate_keys else query
         fresh_k, fresh_v = layer.to_storage_space(fresh_k, fresh_v)
+    head_space = getattr(layer, "has_head_space", False)
+    if head_space:  # codebook heads: queries rotated once per step, stored rows never un-rotated
+        query = layer.query_to_head_space(query)
+        fresh_k, fresh_v = layer.kv_to_head_space(fresh_k, fresh_v)
     out = None
     if backend_for(query.device) == "triton":
         try:
@@ -64,4 +70,6 @@ def attend(
                 logger.warning("kvquant: Triton attention unavailable, using the torch path (%s)", reason)
     if out is None:
         out = attend_torch(query, fresh_k, fresh_v, layer, past_len, mask, scaling)
+    if head_space:
+        out = layer.output_from_head_space(out)
     return fwht(out) if layer.rotate_values else out

@@ -39,6 +39,7 @@ class Quantizer(ABC):
     granularity: str = "?"
     static: bool = False
     per_block = False  # True: quantizes whole blocks of tokens at once (per-channel granularity)
+    space = False  # True: rows are read in a per-head rotated space (codebook quantizers, see ``fit``)
 
     def __init__(self, head_dim: int) -> None:
         self.head_dim = head_dim
@@ -62,6 +63,14 @@ class Quantizer(ABC):
     def calibrate(self, amax: torch.Tensor) -> dict[str, torch.Tensor]:
         """Static state (e.g. one scale per head) from the per-head absolute max ``amax[H]``."""
         return {}
+
+    def fit(self, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Static state fitted on the first chunk written, ``x[B, H, T, D]`` (None: use :meth:`calibrate`).
+
+        Quantizers with ``space = True`` also provide ``to_space`` / ``query_to_space`` /
+        ``from_space`` / ``decode_space`` (see :mod:`kvquant.quantizers.codebook`).
+        """
+        return None
 
     # -- math -------------------------------------------------------------------------------
     @abstractmethod
