@@ -29,11 +29,12 @@ from .triton_dequant import (
     dot_qk,
     load_head_scale,
     load_tile,
-    load_token_scale,
     online_rescale,
     reduce_max,
     reduce_min,
     reduce_sum,
+    token_factor,
+    zero_base,
 )
 
 
@@ -78,10 +79,10 @@ def _chunk_attn(
 
     k_base = K + b64 * k_sb + hg * k_sh
     ks_base = KS + b64 * ks_sb + hg * ks_sh
-    kz_base = KZ + b64 * ks_sb + hg * ks_sh
+    kz_base = zero_base(KZ, KH, b64, hg, ks_sb, ks_sh, K_KIND, K_BITS)  # KIND 8: the params row
     v_base = V + b64 * v_sb + hg * v_sh
     vs_base = VS + b64 * vs_sb + hg * vs_sh
-    vz_base = VZ + b64 * vs_sb + hg * vs_sh
+    vz_base = zero_base(VZ, VH, b64, hg, vs_sb, vs_sh, V_KIND, V_BITS)
     scale = qk_scale * load_head_scale(KH, hg, K_KIND)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -96,17 +97,17 @@ def _chunk_attn(
         mask_n = (offs_n >= h_start) & (offs_n < h_end)
         vis = (offs_n[None, :] >= lo_r[:, None]) & (offs_n[None, :] < hi_r[:, None]) & mask_n[None, :]
         k = load_tile(k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D)
-        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
-        if K_KIND == 2:
-            s = s * load_token_scale(ks_base, ks_st, offs_n, mask_n)[None, :]
+        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7 or K_KIND == 8) * scale
+        if K_KIND == 2 or K_KIND == 8:
+            s = s * token_factor(ks_base, ks_st, offs_n, mask_n, kz_base, K_KIND)[None, :]
         s = tl.where(vis, s, float("-inf"))
         m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + reduce_sum(p, 1)
         v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D)
-        if V_KIND == 2:
-            p = p * load_token_scale(vs_base, vs_st, offs_n, mask_n)[None, :]
-        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
+        if V_KIND == 2 or V_KIND == 8:
+            p = p * token_factor(vs_base, vs_st, offs_n, mask_n, vz_base, V_KIND)[None, :]
+        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7 or V_KIND == 8)
         m_i = m_new
     # per-head V scale, once, before the (unscaled) fresh values join the accumulator
     acc = acc * load_head_scale(VH, hg, V_KIND)

@@ -40,10 +40,11 @@ from .triton_dequant import (
     dot_qk,
     load_head_scale,
     load_tile,
-    load_token_scale,
     online_rescale,
     reduce_max,
     reduce_sum,
+    token_factor,
+    zero_base,
 )
 
 LOG2E = 1.4426950408889634
@@ -84,10 +85,10 @@ def _decode_partial(
 
     k_base = K + b64 * k_sb + hg * k_sh
     ks_base = KS + b64 * ks_sb + hg * ks_sh
-    kz_base = KZ + b64 * ks_sb + hg * ks_sh
+    kz_base = zero_base(KZ, KH, b64, hg, ks_sb, ks_sh, K_KIND, K_BITS)  # KIND 8: the params row
     v_base = V + b64 * v_sb + hg * v_sh
     vs_base = VS + b64 * vs_sb + hg * vs_sh
-    vz_base = VZ + b64 * vs_sb + hg * vs_sh
+    vz_base = zero_base(VZ, VH, b64, hg, vs_sb, vs_sh, V_KIND, V_BITS)
     # per-head K scale folded into the softmax scale
     scale = qk_scale * load_head_scale(KH, hg, K_KIND)
 
@@ -100,17 +101,17 @@ def _decode_partial(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= start) & (offs_n < end)
         k = load_tile(k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D)
-        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
-        if K_KIND == 2:
-            s = s * load_token_scale(ks_base, ks_st, offs_n, mask_n)[None, :]
+        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7 or K_KIND == 8) * scale
+        if K_KIND == 2 or K_KIND == 8:
+            s = s * token_factor(ks_base, ks_st, offs_n, mask_n, kz_base, K_KIND)[None, :]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + reduce_sum(p, 1)
         v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D)
-        if V_KIND == 2:
-            p = p * load_token_scale(vs_base, vs_st, offs_n, mask_n)[None, :]
-        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
+        if V_KIND == 2 or V_KIND == 8:
+            p = p * token_factor(vs_base, vs_st, offs_n, mask_n, vz_base, V_KIND)[None, :]
+        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7 or V_KIND == 8)
         m_i = m_new
 
     # per-head V scale, once after the loop
@@ -190,7 +191,7 @@ def launch_config(k_kind: int, v_kind: int, dot: int, head_dim: int) -> tuple[in
     fp32 MMAs spill 0.4-1.1 KB; 8 warps with BLOCK_N 32 (packed ints: 201-230 registers) or 64 (fp32:
     127 registers) have no spills.
     """
-    if {3, 7} & {k_kind, v_kind}:  # packed int codes (grouped or per-channel)
+    if {3, 7, 8} & {k_kind, v_kind}:  # packed codes (grouped, per-channel or codebook)
         block_n, warps = 32, 8
     elif dot == 0:
         block_n, warps = 64, 8

@@ -15,6 +15,8 @@ applies the scales there. Which scale goes where (scale folding)::
                    + scale, zero fp16[D]
                    per block of tokens
     FP8         q  float8 e4m3 / e5m2          state["scale"][h]     -
+    CODEBOOK    q  uint8 packed (tq4/3/2)      params[h]: log2 norm  norm[t] (8-bit log code): on the score
+                   + norm uint8[1]             range + 2^b levels    column (K) / probability column (V)
 
 A per-head K scale is folded into the softmax scale (``scores = (q . k_codes) * scaling * s_k[h]``);
 a per-head V scale multiplies the accumulator once, after the history loop; a per-token scale is
@@ -32,6 +34,12 @@ path) the bytes are loaded as uint8 and decoded with integer ops: an e5m2 byte i
 an fp16; an e4m3 byte shifted into fp16's exponent/mantissa fields is the value / 256 (normals and
 subnormals alike), and the 256 is folded into the per-head scale.
 
+CODEBOOK (``tq*``, :mod:`kvquant.quantizers.codebook`): the rows are in their head's rotated space
+(the caller rotates the queries once and maps the output back once, so no key is ever un-rotated);
+a code is a level of the head's ``2^b``-entry codebook, read from the ``params`` row (a tiny table
+that stays in L1 / registers), and the decoded norm ``2^(lo + step * (c - 1))`` is a per-token scale,
+folded like int8-token's.
+
 This module also holds the host-side description of a part (:func:`operand`) and its shape checks.
 """
 
@@ -43,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvquant.quantizers import Fp8, Int8PerToken, Int8SharedScale, IntNChannel, IntNGrouped, Passthrough
+from kvquant.quantizers import Codebook, Fp8, Int8PerToken, Int8SharedScale, IntNChannel, IntNGrouped, Passthrough
 
 from .dispatch import Unsupported
 
@@ -55,6 +63,7 @@ KIND_FP8 = 4  # native: loaded as tl.float8e4nv / tl.float8e5
 KIND_FP8_E4M3_BITS = 5  # uint8 view, integer decode (value / 256; the 256 folded into the head scale)
 KIND_FP8_E5M2_BITS = 6  # uint8 view, integer decode (exact)
 KIND_CHANNEL = 7  # int4/3/2 codes as INTN; scale/zero per (block of GROUP tokens, channel): int*-channel
+KIND_CODEBOOK = 8  # tq4/3/2 codes packed as INTN, level = table[code]; 8-bit log norm per token (head space)
 
 DOT_IEEE = 0  # fp32 operands, exact fp32 products (fp32 queries: the 2e-3 contract vs the fp32 reference)
 DOT_FP16 = 1  # fp16 operands, fp32 accumulation (tensor cores)
@@ -85,7 +94,7 @@ def load_tile(
     (batch, head) of the part tensors.
     """
     m2 = mask_n[:, None]
-    if KIND == 3 or KIND == 7:
+    if KIND == 3 or KIND == 7 or KIND == 8:
         if BITS == 3:
             # 8 codes per 3 bytes: channels j + k*D/8 (k = 0..7) form the 24-bit word
             # lo[j] | mid[j] << 8 | hi[j] << 16 of three byte planes of D/8 bytes; code k at bit 3k
@@ -105,13 +114,17 @@ def load_tile(
             shift = (offs_d // DP) * BITS
             byte = tl.load(ptr + offs_n[:, None] * stride_t + col[None, :], mask=m2, other=0)
             code = (byte.to(tl.int32) >> shift[None, :]) & ((1 << BITS) - 1)
-        if KIND == 7:
-            s_off = (offs_n // GROUP)[:, None] * sc_stride_t + offs_d[None, :]
+        if KIND == 8:
+            # codebook level (zp_ptr = the head's params row: lo, step, levels); the norm is a token scale
+            x = tl.load(zp_ptr + 2 + code, mask=m2, other=0.0).to(tl.float32)
         else:
-            s_off = offs_n[:, None] * sc_stride_t + (offs_d // GROUP)[None, :]
-        s = tl.load(sc_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
-        z = tl.load(zp_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
-        x = code.to(tl.float32) * s + z
+            if KIND == 7:
+                s_off = (offs_n // GROUP)[:, None] * sc_stride_t + offs_d[None, :]
+            else:
+                s_off = offs_n[:, None] * sc_stride_t + (offs_d // GROUP)[None, :]
+            s = tl.load(sc_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
+            z = tl.load(zp_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
+            x = code.to(tl.float32) * s + z
     elif KIND == 5:
         b = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
         bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
@@ -132,6 +145,30 @@ def load_tile(
 def load_token_scale(sc_ptr, sc_stride_t, offs_n, mask_n):
     """Per-token scales ``[BLOCK_N]`` (int8-token), 0 outside ``mask_n``."""
     return tl.load(sc_ptr + offs_n * sc_stride_t, mask=mask_n, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def token_factor(sc_ptr, sc_stride_t, offs_n, mask_n, tab_ptr, KIND: tl.constexpr):
+    """Per-token factor ``[BLOCK_N]`` (0 outside ``mask_n``): the int8-token scale (KIND 2) or the codebook
+    row norm decoded from its 8-bit log code (KIND 8: ``tab_ptr`` = the head's params row ``lo, step, ...``)."""
+    if KIND == 8:
+        c = tl.load(sc_ptr + offs_n * sc_stride_t, mask=mask_n, other=0).to(tl.float32)
+        lo = tl.load(tab_ptr).to(tl.float32)
+        step = tl.load(tab_ptr + 1).to(tl.float32)
+        f = tl.where(c > 0, tl.exp2(lo + step * (c - 1.0)), 0.0)
+    else:
+        f = load_token_scale(sc_ptr, sc_stride_t, offs_n, mask_n)
+    return f
+
+
+@triton.jit
+def zero_base(zp, hs, b64, hg, sc_sb, sc_sh, KIND: tl.constexpr, BITS: tl.constexpr):
+    """Base pointer of one (batch row, head)'s zero part, or for KIND 8 the head's params row."""
+    if KIND == 8:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
+        base = hs + hg * (2 + (1 << BITS))
+    else:
+        base = zp + b64 * sc_sb + hg * sc_sh
+    return base
 
 
 @triton.jit
@@ -291,6 +328,14 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
         if sc.dim() != 4 or sc.shape[-1] != head_dim or sc.stride(-1) != 1 or zp.stride() != sc.stride():
             raise Unsupported(f"{qz.describe()}: scale/zero parts not [B, H, blocks, D] laid out alike")
         return Operand(main, sc, zp, main, KIND_CHANNEL, bits=qz.bits, group=qz.token_group)
+    if isinstance(qz, Codebook):  # rotated codebook codes, packed as INTN; norm code per token
+        params = store.state.get("params")
+        if params is None:
+            raise Unsupported(f"{qz.describe()}: no codebook state (store not calibrated)")
+        if head_dim % 8:
+            raise Unsupported(f"{qz.describe()}: head_dim {head_dim} not a multiple of the packing")
+        params = params.float().contiguous()
+        return Operand(main, parts["norm"], main, params, KIND_CODEBOOK, bits=qz.bits)
     if isinstance(qz, Fp8):
         if fp8_native:
             kind, data = KIND_FP8, main
