@@ -33,6 +33,9 @@ KINDS = {  # name -> (kind, bits, group, part pointer type, scale pointer type)
     "int4-channel": (7, 4, 128, "*u8", "*fp16"),  # group = tokens per block (the store's block size)
     "int3-channel": (7, 3, 128, "*u8", "*fp16"),
     "int2-channel": (7, 2, 128, "*u8", "*fp16"),
+    "tq4": (8, 4, 1, "*u8", "*u8"),  # codebook codes; the norm part is uint8, the params row the head pointer
+    "tq3": (8, 3, 1, "*u8", "*u8"),
+    "tq2": (8, 2, 1, "*u8", "*u8"),
     "fp8-e4m3": (4, 8, 1, "*fp8e4nv", "*u8"),
     "fp8-e5m2": (4, 8, 1, "*fp8e5", "*u8"),
     "fp8-e4m3-bits": (5, 8, 1, "*u8", "*u8"),
@@ -119,10 +122,12 @@ def matrix(full: bool):
         yield ("chunk", "bf16", "fp8-e5m2", 2, 64, 3, False, 90)
         yield ("decode", "int4-channel", "int4", 1, 128, 4, True, 90)
         yield ("chunk", "int3-channel", "int2-channel", 2, 64, 2, True, 90)
+        yield ("decode", "tq4", "tq3", 1, 128, 4, True, 90)
+        yield ("chunk", "tq3", "tq2", 2, 64, 2, True, 90)
         return
     for k, dot in itertools.product(KINDS, (0, 1, 2)):
         yield ("decode", k, k, dot, 128, 4, True, 90)
-    for k in ("int8", "int4", "fp8-e4m3", "int4-channel"):
+    for k in ("int8", "int4", "fp8-e4m3", "int4-channel", "tq4"):
         yield ("chunk", k, k, 1, 128, 4, True, 90)
     yield ("reduce", "fp16", "fp16", 1, 128, 4, True, 90)
 

@@ -142,6 +142,26 @@ def test_memory_counts_norms_and_state():
     assert mem["scales"] >= 2 * 2 * tokens  # one norm byte per token, head, K and V (+ the static state)
 
 
+def test_calibrate_chooses_among_codebook_candidates(stories, tinystories_text, tmp_path):
+    """``kvquant calibrate --candidates tq2,tq4,int8-token``: K and V allocated separately under the budget;
+    the config it writes runs in a real cache (stories260K, head_dim 8)."""
+    from kvquant import QuantizedKVCache
+    from kvquant.calibrate import calibrate
+    from kvquant.shape import ModelShape
+
+    model, tok = stories
+    res = calibrate(model, tok, tinystories_text, 5.0, candidates="tq2,tq4,int8-token", kv_separate=True,
+                    calib_window=64, calib_windows=1, samples=2, output=tmp_path / "tq.yaml", heatmap=False,
+                    use_cache=False)  # fmt: skip
+    assert res.bits == {"tq2": 3.0, "tq4": 5.0, "int8-token": 10.0}  # + one 8-bit norm / fp16 scale per 8
+    cfg = KVQuantConfig.from_file(tmp_path / "tq.yaml")
+    assert cfg.avg_bits(ModelShape.of(model)) <= 5.0
+    assert cfg.precisions() & {"tq2", "tq4"}
+    ids = tok("Once upon a time", return_tensors="pt").input_ids
+    out = model.generate(ids, cache=QuantizedKVCache(model, cfg), max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 8
+
+
 # ------------------------------------------------------------------------------ Triton kernels
 triton = pytest.importorskip("triton")
 from kvquant.kernels.attention_torch import attend_naive, attend_torch  # noqa: E402
