@@ -44,6 +44,7 @@ from .intn import pack_codes, unpack_codes
 
 NORM_CODES = 256  # 8-bit log-scaled norm; code 0 = a zero row
 NORM_MARGIN = 2.0  # log2 margin on both sides of the first chunk's norm range (x4 / x0.25)
+SHORT_CHUNK = 64  # first chunks with fewer rows per head get NORM_MARGIN + 4
 SIGN_SEED = 0x7155
 
 
@@ -156,8 +157,10 @@ class Codebook(Quantizer):
         big = n > 0
         lo = torch.where(big, logn, torch.full_like(logn, math.inf)).amin(dim=1)
         hi = torch.where(big, logn, torch.full_like(logn, -math.inf)).amax(dim=1)
-        lo = torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo)) - NORM_MARGIN
-        hi = torch.where(torch.isfinite(hi), hi, torch.zeros_like(hi)) + NORM_MARGIN
+        # a short first chunk says little about later norms: a wider range (coarser steps) for it
+        margin = NORM_MARGIN if n.shape[1] >= SHORT_CHUNK else NORM_MARGIN + 4.0
+        lo = torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo)) - margin
+        hi = torch.where(torch.isfinite(hi), hi, torch.zeros_like(hi)) + margin
         step = (hi - lo) / (NORM_CODES - 2)
         # what the kernels read, one row per head: [log2 of norm code 1, log2 step, the 2^b levels]
         params = torch.cat([lo[:, None], step[:, None], self.levels.to(x.device).expand(H, -1)], dim=1)
@@ -191,6 +194,14 @@ class Codebook(Quantizer):
         ncode = torch.round((torch.log2(norm.clamp_min(1e-30)) - lo) / step) + 1
         ncode = torch.where(norm > 0, ncode.clamp(1, NORM_CODES - 1), torch.zeros_like(ncode))
         return {"q": pack_codes(codes, self.bits), "norm": ncode.to(torch.uint8)}
+
+    def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Rows of ``x`` whose norm falls outside the 8-bit norm code's range (stored at its nearest end)."""
+        logn = torch.log2(self.to_space(x, state).norm(dim=-1).clamp_min(1e-30))
+        lo, step = state["params"][:, 0].view(1, -1, 1), state["params"][:, 1].view(1, -1, 1)
+        hi = lo + step * (NORM_CODES - 2)
+        real = x.abs().amax(dim=-1) > 0  # the store's zeroed sink rows are read from the sink buffer
+        return (real & ((logn < lo - step / 2) | (logn > hi + step / 2))).sum()
 
     def decode_space(self, parts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Stored rows in head space: ``norm * c[code]``, float32 ``[B, H, T, D]`` (what the kernels compute)."""
