@@ -16,7 +16,6 @@ import math
 
 import torch
 
-
 MATMUL_MAX_DIM = 512  # up to this head_dim the transform is one product with a cached matrix
 
 

@@ -69,6 +69,11 @@ def test_layout_and_bits():
     assert cfg.bits("tq4", 64) == 4.125
     with pytest.raises(ConfigError, match="precision"):
         KVQuantConfig.from_dict({"default": "tq5"})
+    from kvquant.shape import ModelShape
+
+    shape = ModelShape(num_layers=2, num_kv_heads=2, head_dim=48)
+    with pytest.raises(ConfigError, match="tq3 rotates by Hadamard .*power-of-two head_dim"):
+        cfg.validate(shape)
 
 
 # ------------------------------------------------------------------------------ attention (exact maths)
