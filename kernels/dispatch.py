@@ -42,8 +42,12 @@ def attend(
     past_len: int,
     mask: torch.Tensor | None,
     scaling: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of ``query[B, Hq, Tq, D]`` over the store's history and the fresh chunk.
+
+    ``softcap`` (Gemma 2's attention logit softcapping): scores become ``softcap * tanh(scores / softcap)``
+    before masking and softmax.
 
     With ``rotate`` on, queries and the fresh K (and V) are rotated into the store's space first
     and the output rotated back (the Hadamard matrix is its own inverse). Heads stored by a codebook
@@ -54,6 +58,12 @@ def attend(
         query = fwht(query) if layer.rotate_keys else query
         fresh_k, fresh_v = layer.to_storage_space(fresh_k, fresh_v)
     head_space = getattr(layer, "has_head_space", False)
+    if head_space and softcap is not None and layer.centered_keys:
+        # q . (k - mu) shifts every score of a query alike: exact for softmax, not under tanh capping
+        raise NotImplementedError(
+            "softcap: codebook (tq*) keys remove a per-channel key mean, which is not exact under attention "
+            "logit softcapping; use int*/fp8 keys on this model"
+        )
     if head_space:  # codebook heads: queries rotated once per step, stored rows never un-rotated
         query = layer.query_to_head_space(query)
         fresh_k, fresh_v = layer.kv_to_head_space(fresh_k, fresh_v)
@@ -62,14 +72,14 @@ def attend(
         try:
             from .triton_attention import attend_triton
 
-            out = attend_triton(query, fresh_k, fresh_v, layer, past_len, mask, scaling)
+            out = attend_triton(query, fresh_k, fresh_v, layer, past_len, mask, scaling, softcap=softcap)
         except (Unsupported, ImportError) as e:
             reason = f"{type(e).__name__}: {e}"
             if reason not in _logged:
                 _logged.add(reason)
                 logger.warning("kvquant: Triton attention unavailable, using the torch path (%s)", reason)
     if out is None:
-        out = attend_torch(query, fresh_k, fresh_v, layer, past_len, mask, scaling)
+        out = attend_torch(query, fresh_k, fresh_v, layer, past_len, mask, scaling, softcap)
     if head_space:
         out = layer.output_from_head_space(out)
     return fwht(out) if layer.rotate_values else out

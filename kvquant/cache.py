@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,42 @@ from .store import LayerStore
 
 _session_ids = itertools.count(1)
 VIEW_ATTR = "_kvquant_view"
+CLIP_WARN_RATE = 1e-3  # warn (once per cache) when static scales clip more than this fraction of values
+
+
+class ClipMonitor:
+    """Clipping by static scales over all layers of one cache: the rate, and one warning when it is high.
+
+    Checked after a multi-token chunk (prefill) and every ``block_size`` decode steps (each check reads
+    the device counters once), and by :meth:`QuantizedKVCache.memory_report`.
+    """
+
+    def __init__(self, layers: list[QuantizedLayer], name: str) -> None:
+        self.layers = layers
+        self.name = name
+        self.warned = False
+
+    def counts(self) -> tuple[int, int]:
+        """(values clipped, values written through static scales)."""
+        stores = [layer.store for layer in self.layers if layer.store is not None]
+        return sum(s.clipped() for s in stores), sum(s.static_values() for s in stores)
+
+    def rate(self) -> float:
+        clipped, total = self.counts()
+        return clipped / total if total else 0.0
+
+    def check(self) -> None:
+        if self.warned:
+            return
+        clipped, total = self.counts()
+        if total and clipped / total > CLIP_WARN_RATE:
+            self.warned = True
+            warnings.warn(
+                f"kvquant: static K/V scales clipped {clipped / total:.2%} of the values written so far "
+                f"({clipped} of {total}, cache {self.name}); raise headroom, use a scales_file or a "
+                "per-token precision (int8-token)",
+                stacklevel=3,
+            )
 
 
 @dataclass
@@ -47,8 +84,9 @@ class QuantizedLayer(CacheLayerMixin):
 
     @property
     def is_croppable(self) -> bool:
-        """Crop can undo any token, except in residual mode (tokens already quantized by whole blocks)."""
-        return self.store is None or not self.store.residual_mode
+        """Crop can undo any token (see :meth:`LayerStore.crop`), except that per-channel blocks without a
+        full-precision window (``residual_tokens: 0``) can only be cut at block boundaries."""
+        return self.store is None or not self.store.per_block or self.store.residual_tokens > 0
 
     def __init__(
         self,
@@ -68,6 +106,10 @@ class QuantizedLayer(CacheLayerMixin):
         self.capacity = capacity
         self.store: LayerStore | None = None
         self._unread = False
+        # bound to a model: the chunk of the last update, written when the kvquant attention reads it
+        # (the attention has the mask, hence each row's left padding, which the first write needs)
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.monitor: ClipMonitor | None = None  # set by the cache: clipping over all layers
         # when bound to a model, every update must be read by the kvquant attention before the next one
         self.strict = True
 
@@ -113,19 +155,46 @@ class QuantizedLayer(CacheLayerMixin):
             raise ValueError(
                 f"key_states: batch {key_states.shape[0]} does not match the cache's batch {self.store.batch}"
             )
-        past = self.store.append(key_states, value_states)
+        past = self.store.cache_pos
+        if self.strict:
+            self._pending = (key_states, value_states)
+        else:
+            self.store.append(key_states, value_states)
+            self._check_clipping(key_states.shape[2])
         setattr(key_states, VIEW_ATTR, StoreView(self, past))
         self._unread = True
         return key_states, value_states
 
-    def mark_read(self) -> None:
+    def commit(self, row_start: torch.Tensor | None = None) -> None:
+        """Write the chunk of the last :meth:`update` (called by the kvquant attention, which reads it).
+
+        ``row_start[B]``: each row's first real token (from the attention mask); used by the first write.
+        """
+        if self._pending is not None:
+            keys, values = self._pending
+            self._pending = None
+            assert self.store is not None
+            self.store.append(keys, values, row_start)
+            self._check_clipping(keys.shape[2])
         self._unread = False
+
+    def _check_clipping(self, chunk: int) -> None:
+        """After the last layer's write of a chunk, or every ``block_size`` decode steps: warn if clipping."""
+        store = self.store
+        last = self.monitor is not None and self.monitor.layers[-1] is self
+        if last and store is not None and (chunk > 1 or store.cache_pos % store.block_size == 0):
+            self.monitor.check()
+
+    def mark_read(self) -> None:
+        self.commit()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.store.cache_pos if self.store is not None else 0
+        if self.store is None:
+            return 0
+        return self.store.cache_pos + (self._pending[0].shape[2] if self._pending is not None else 0)
 
     def get_max_length(self) -> int:
         return -1
@@ -134,6 +203,7 @@ class QuantizedLayer(CacheLayerMixin):
         if self.store is not None:
             self.store.reset()
         self._unread = False
+        self._pending = None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
@@ -198,10 +268,12 @@ class QuantizedKVCache(Cache):
             for i, row in enumerate(self.plan)
         ]
         bound = model is not None and hasattr(model, "config")
+        self.session_id = f"kvq-{next(_session_ids):04d}"
+        self.clip_monitor = ClipMonitor(layers, self.session_id)
         for layer in layers:
             layer.strict = bound
+            layer.monitor = self.clip_monitor
         super().__init__(layers=layers)
-        self.session_id = f"kvq-{next(_session_ids):04d}"
 
     @property
     def cache_pos(self) -> int:
@@ -219,11 +291,16 @@ class QuantizedKVCache(Cache):
         """Bytes held for K, V and scales, per layer and per precision, and the ratio to FP16."""
         from .memory import memory_report
 
+        self.clip_monitor.check()
         return memory_report(self)
 
     def clipped_values(self) -> int:
         """Values that exceeded a static (per-head) scale and were clipped, over all layers."""
-        return sum(layer.store.clipped() for layer in self.layers if layer.store is not None)
+        return self.clip_monitor.counts()[0]
+
+    def clipped_rate(self) -> float:
+        """Fraction of the values written through static scales that were clipped (0.0 if none)."""
+        return self.clip_monitor.rate()
 
 
 def load_static_amax(path: str | None, shape: ModelShape) -> list[dict[str, torch.Tensor]] | None:

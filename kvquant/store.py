@@ -37,6 +37,35 @@ from .quantizers import Quantizer, make_quantizer
 from .rotation import fwht
 
 GROWTH = 1.25
+# Static (per-head) scales are calibrated on at least this many real tokens of every row; until then the
+# tokens are held in full precision (a 1-token prompt says little about later magnitudes) ...
+CALIB_MIN_TOKENS = 16
+# ... and while a (row, head) has only seen zeros, up to this many tokens: then its scale falls back to
+# the layer's largest calibrated max (1.0 if every value was zero), and clipping is counted and reported.
+CALIB_MAX_TOKENS = 512
+
+
+def row_amax(x: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
+    """``|x|`` max per (row, head) of ``x[B, H, T, D]`` over the tokens where ``use[B, T]`` is True."""
+    return torch.where(use[:, None, :, None], x.detach().float().abs(), 0.0).amax(dim=(2, 3))
+
+
+def safe_amax(amax: torch.Tensor) -> torch.Tensor:
+    """Calibrated maxima with zeros (a row / head that only saw zeros) replaced by the largest one, or
+    1.0 when all are zero: a scale of 0 would turn every later value into 0."""
+    top = amax.max()
+    return torch.where(amax > 0, amax, torch.where(top > 0, top, torch.ones_like(top)))
+
+
+class StoredOverflow(ValueError):
+    """K/V values that the configured storage cannot hold (e.g. |x| > 65504 in fp16 passthrough)."""
+
+
+def stored_finite(parts: dict[str, torch.Tensor]) -> bool:
+    """True when every 16/32-bit float part is finite (fp8 parts saturate and integer codes cannot overflow)."""
+    wide = (torch.float16, torch.bfloat16, torch.float32)
+    checks = [torch.isfinite(t).all() for t in parts.values() if t.dtype in wide]
+    return bool(torch.stack(checks).all()) if checks else True
 
 
 class QuantizedTensorStore:
@@ -55,6 +84,7 @@ class QuantizedTensorStore:
             for name, spec in self.specs.items()
         }
         self.clipped = torch.zeros((), dtype=torch.int64, device=device)
+        self.static_values = 0  # values written through a static scale (the denominator of the clip rate)
 
     def _rows(self, name: str, tokens: int) -> int:
         """Rows of part ``name`` that cover ``tokens`` tokens."""
@@ -73,16 +103,38 @@ class QuantizedTensorStore:
                 new[:, :, :keep].copy_(old[:, :, :keep])
             self.parts[name] = new
 
-    def write(self, x: torch.Tensor, pos: int) -> None:
-        """Quantize ``x[B, H, T, D]`` and write it at token positions ``pos .. pos+T``."""
+    def write(self, x: torch.Tensor, pos: int, check: bool = True) -> None:
+        """Quantize ``x[B, H, T, D]`` and write it at token positions ``pos .. pos+T``.
+
+        ``check``: verify that what is *stored* is finite (one reduction). fp16 scales / zeros that
+        overflow (|x| > 65504) are widened to fp32 for this store (exact, bytes counted) and the chunk
+        quantized again; anything else non-finite (fp16 passthrough storage) raises :class:`StoredOverflow`.
+        """
         if self.quantizer.per_block and (pos % self.block_size or x.shape[2] % self.block_size):
             raise AssertionError("per-channel quantizers write whole, aligned blocks")
         if self.quantizer.static:
             self.clipped += self.quantizer.clipped(x, self.state)
+            self.static_values += x.numel()
         q = self.quantizer.quantize(x, self.state)
+        if check and not stored_finite(q):
+            if self.quantizer.widen_scales():
+                self._widen_parts()
+                q = self.quantizer.quantize(x, self.state)
+            if not stored_finite(q):
+                raise StoredOverflow(
+                    f"precision: {self.quantizer.name} cannot store |K/V| up to {x.abs().max().item():.3g} "
+                    "(the stored values overflow); use bf16 or fp32 storage for this layer / head"
+                )
         for name, t in q.items():
             start = self._rows(name, pos) if self.specs[name].per_block else pos
             self.parts[name][:, :, start:start + t.shape[2]].copy_(t)
+
+    def _widen_parts(self) -> None:
+        """Re-type the parts whose dtype the quantizer changed (fp16 scales -> fp32; values kept exactly)."""
+        self.specs = self.quantizer.parts()
+        for name, t in self.parts.items():
+            if t.dtype != self.specs[name].dtype:
+                self.parts[name] = t.to(self.specs[name].dtype)
 
     def read(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantize tokens ``start .. end`` -> ``[B, H, end-start, D]`` (block-aligned for per-block parts)."""
@@ -98,6 +150,8 @@ class QuantizedTensorStore:
 
     def index_batch(self, idx: torch.Tensor) -> None:
         self.parts = {n: t.index_select(0, idx) for n, t in self.parts.items()}
+        # per-sequence static scales [B, H] follow their rows
+        self.state = {n: t.index_select(0, idx) if t.dim() == 2 else t for n, t in self.state.items()}
         self.batch = int(idx.numel())
 
     def nbytes(self, tokens: int) -> int:
@@ -144,6 +198,9 @@ class LayerStore:
         self.device = device
         self.cache_pos = 0
         self.q_end = 0  # tokens [0, q_end) are in the quantized pool
+        # per row, the position of its first real token (left padding before it), set by the first append
+        self.row_start = torch.zeros(batch, dtype=torch.long, device=device)
+        self.sink_end = 0  # sink tokens lie below this position in every row
         self.calibrated = False
         self._static_amax = static_amax
         self.rotate_keys = config.rotate in ("keys", "kv")
@@ -168,6 +225,7 @@ class LayerStore:
                 )
             )
         per_block = any(g.key.quantizer.per_block or g.value.quantizer.per_block for g in self.groups)
+        self.per_block = per_block
         # residual mode: newest tokens in full precision, quantized a whole block at a time
         self.residual_tokens = config.residual_tokens
         self.residual_mode = config.residual_tokens > 0 or per_block
@@ -178,8 +236,9 @@ class LayerStore:
 
     @property
     def has_dense_segments(self) -> bool:
-        """True when some history is read from full-precision buffers (sinks or residual)."""
-        return self.sink_tokens > 0 or self.residual_mode
+        """True when some history is read from full-precision buffers (sinks, residual, or tokens held
+        while static-scale calibration is deferred)."""
+        return self.sink_tokens > 0 or self.residual_mode or self.q_end < self.cache_pos
 
     # ---------------------------------------------------------------- capacity
     @property
@@ -205,48 +264,129 @@ class LayerStore:
         """Apply the configured Hadamard rotation (identity when ``rotate: none``)."""
         return (fwht(keys) if self.rotate_keys else keys), (fwht(values) if self.rotate_values else values)
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Quantize and write ``keys/values[B, H, T, D]`` at the cursor; returns the past length."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None = None) -> int:
+        """Quantize and write ``keys/values[B, H, T, D]`` at the cursor; returns the past length.
+
+        ``row_start[B]`` (first append only): each row's first real token; the positions before it are
+        left padding. Sink tokens are then each row's first real tokens, and static scales ignore pads.
+        """
         if self.config.check_finite and not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
             raise ValueError("key_states/value_states: NaN or Inf values cannot be quantized")
         keys, values = self.to_storage_space(keys, values)
         past = self.cache_pos
         T = keys.shape[2]
+        if past == 0:
+            self._set_row_start(row_start)
         if self.dense_dtype is None:
             self.dense_dtype = torch.float16 if keys.dtype == torch.float32 else keys.dtype
-        if past < self.sink_tokens:
+        if self.config.check_finite and (self.has_dense_segments or not self.calibrated):
+            self._fit_dense(keys, values)
+        if past < self.sink_end:
             self._keep_sinks(keys, values, past)
+        held = self.res_k.shape[2] if self.res_k is not None and not self.calibrated else 0
         if not self.calibrated:
-            self._calibrate(keys, values, past)
+            if self._hold_for_calibration(keys, values, past):
+                self.cache_pos = past + T
+                return past
+            if held:  # calibrate on the held tokens and this chunk together
+                hk = torch.cat([self.res_k.float(), keys.float()], dim=2)
+                hv = torch.cat([self.res_v.float(), values.float()], dim=2)
+                self._calibrate(hk, hv, self.q_end)
+            else:
+                self._calibrate(keys, values, past)
         if self.residual_mode:
             self._append_residual(keys, values)
         else:
+            if held:  # tokens held while calibration was deferred go to the pool first
+                self._write_pool(self.res_k.to(keys.dtype), self.res_v.to(values.dtype), self.q_end)
+                self.res_k = self.res_v = None
             self._write_pool(keys, values, past)
         self.cache_pos = past + T
         return past
 
+    def _hold_for_calibration(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> bool:
+        """Defer static-scale calibration (holding this chunk in full precision) while some row has fewer
+        than ``CALIB_MIN_TOKENS`` real tokens, or only zeros in a head, and fewer than ``CALIB_MAX_TOKENS``."""
+        static = any(q.static for g in self.groups for q in (g.key.quantizer, g.value.quantizer))
+        end = past + keys.shape[2]
+        if not static or self._static_amax is not None or end >= CALIB_MAX_TOKENS:
+            return False
+        seen = (end - self.row_start).clamp_min(0)  # real tokens per row, this chunk included
+        if bool((seen >= CALIB_MIN_TOKENS).all()):
+            start = self.q_end
+            ks, vs = keys.float(), values.float()
+            if self.res_k is not None and self.res_k.shape[2]:
+                ks = torch.cat([self.res_k.float(), ks], dim=2)
+                vs = torch.cat([self.res_v.float(), vs], dim=2)
+            use = self.real_tokens(start, end)
+            if bool(((row_amax(ks, use) > 0) & (row_amax(vs, use) > 0)).all()):
+                return False
+        dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
+        if self.res_k is not None and self.res_k.shape[2]:
+            dk, dv = torch.cat([self.res_k, dk], dim=2), torch.cat([self.res_v, dv], dim=2)
+        self.res_k, self.res_v = dk, dv
+        return True
+
+    def _fit_dense(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """fp16 sink / residual buffers (fp32 models) become fp32 when a value would overflow fp16."""
+        if self.dense_dtype != torch.float16:
+            return
+        if float(torch.maximum(keys.abs().amax(), values.abs().amax())) <= torch.finfo(torch.float16).max:
+            return
+        self.dense_dtype = torch.float32
+        for name in ("sink_k", "sink_v", "res_k", "res_v"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.float())
+
+    def _set_row_start(self, row_start: torch.Tensor | None) -> None:
+        if row_start is None:
+            self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        else:
+            if row_start.shape != (self.batch,):
+                raise ValueError(f"row_start: shape {tuple(row_start.shape)}, expected ({self.batch},)")
+            self.row_start = row_start.to(self.device, torch.long)
+        self.sink_end = int(self.row_start.max()) + self.sink_tokens if self.sink_tokens else 0
+
+    def real_tokens(self, start: int, end: int) -> torch.Tensor:
+        """``[B, end - start]``: True where position ``start + t`` of a row is a real token (not left padding)."""
+        pos = torch.arange(start, end, device=self.device)
+        return pos[None, :] >= self.row_start[:, None]
+
+    def sink_slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The sink tokens among positions ``[start, end)``: index tensors (row, offset from ``start``,
+        slot of the row's sink buffer), or None. A row's sinks are its first ``sink_tokens`` real tokens."""
+        if start >= self.sink_end:
+            return None
+        slot = torch.arange(start, end, device=self.device)[None, :] - self.row_start[:, None]
+        rows, offs = ((slot >= 0) & (slot < self.sink_tokens)).nonzero(as_tuple=True)
+        return rows, offs, slot[rows, offs]
+
     def _keep_sinks(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
-        n = min(self.sink_tokens - past, keys.shape[2])
         if self.sink_k is None:
             shape = (self.batch, self.num_heads, self.sink_tokens, self.head_dim)
             self.sink_k = torch.zeros(shape, dtype=self.dense_dtype, device=self.device)
             self.sink_v = torch.zeros_like(self.sink_k)
-        self.sink_k[:, :, past:past + n] = keys[:, :, :n]
-        self.sink_v[:, :, past:past + n] = values[:, :, :n]
+        sel = self.sink_slots(past, past + keys.shape[2])
+        if sel is not None:
+            rows, offs, slots = sel
+            self.sink_k[rows, :, slots] = keys[rows, :, offs].to(self.dense_dtype)
+            self.sink_v[rows, :, slots] = values[rows, :, offs].to(self.dense_dtype)
 
     def _write_pool(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> None:
         """Quantize a chunk into the pool at ``pos`` (sink rows zeroed: they are read from the sink buffer)."""
-        if pos < self.sink_tokens:
-            n = min(self.sink_tokens - pos, keys.shape[2])
+        sel = self.sink_slots(pos, pos + keys.shape[2])
+        if sel is not None:
+            rows, offs, _ = sel
             keys, values = keys.clone(), values.clone()
-            keys[:, :, :n] = 0
-            values[:, :, :n] = 0
+            keys[rows, :, offs] = 0
+            values[rows, :, offs] = 0
         self._ensure(pos + keys.shape[2])
         for g in self.groups:
             k = keys if g.all_heads else keys.index_select(1, g.head_index)
             v = values if g.all_heads else values.index_select(1, g.head_index)
-            g.key.write(k, pos)
-            g.value.write(v, pos)
+            g.key.write(k, pos, self.config.check_finite)
+            g.value.write(v, pos, self.config.check_finite)
         self.q_end = pos + keys.shape[2]
 
     def _append_residual(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -276,37 +416,53 @@ class LayerStore:
                 x = src if g.all_heads else src.index_select(1, g.head_index)
                 y = s.quantizer.dequantize(s.quantizer.quantize(x, s.state), s.state, src.dtype)
                 dst[:, g.head_index] = y
-        n = max(0, min(self.sink_tokens - self.cache_pos, ks.shape[2]))
-        k_out[:, :, :n], v_out[:, :, :n] = ks[:, :, :n], vs[:, :, :n]
+        if self.cache_pos == 0:
+            self._set_row_start(None)
+        sel = self.sink_slots(self.cache_pos, self.cache_pos + ks.shape[2])
+        if sel is not None:
+            rows, offs, _ = sel
+            k_out[rows, :, offs], v_out[rows, :, offs] = ks[rows, :, offs], vs[rows, :, offs]
         self.cache_pos += ks.shape[2]
         k_out = fwht(k_out) if self.rotate_keys else k_out
         v_out = fwht(v_out) if self.rotate_values else v_out
         return k_out, v_out
 
     def _calibrate(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
-        """Set the static per-(layer, head) scales, from a scales file or from this first chunk.
+        """Set the static scales per (sequence, KV head), from a scales file or from this first chunk.
 
-        Sink tokens (read in full precision) are left out of the max when the chunk has other tokens.
+        Each row's scale comes from its own real tokens: never from batch-mates or left padding. Sink
+        tokens (read in full precision) are left out of the max when the chunk has other tokens.
         """
         fit_from = max(0, self.sink_tokens - past)  # data-fitted state (codebook): sink rows left out
         fit_from = 0 if fit_from >= keys.shape[2] else fit_from
         if self._static_amax is not None:
-            k_amax = self._static_amax["key"].to(self.device)
-            v_amax = self._static_amax["value"].to(self.device)
+            k_amax = self._static_amax["key"].to(self.device).expand(self.batch, -1)
+            v_amax = self._static_amax["value"].to(self.device).expand(self.batch, -1)
         else:
-            skip = max(0, self.sink_tokens - past)
-            if skip >= keys.shape[2]:
-                skip = 0
-            k_amax = keys[:, :, skip:].detach().float().abs().amax(dim=(0, 2, 3))
-            v_amax = values[:, :, skip:].detach().float().abs().amax(dim=(0, 2, 3))
+            T = keys.shape[2]
+            use = self.real_tokens(past, past + T)
+            sel = self.sink_slots(past, past + T)
+            if sel is not None:
+                not_sink = torch.ones_like(use)
+                not_sink[sel[0], sel[1]] = False
+                # sinks are left out of a row's max when the chunk holds other real tokens of that row
+                use = torch.where((use & not_sink).any(dim=1, keepdim=True), use & not_sink, use)
+            k_amax = safe_amax(row_amax(keys, use))
+            v_amax = safe_amax(row_amax(values, use))
         for g in self.groups:
-            ka, va = k_amax[g.head_index], v_amax[g.head_index]
+            ka, va = k_amax[:, g.head_index], v_amax[:, g.head_index]
             both_int8 = g.key.quantizer.name == g.value.quantizer.name == "int8"
             if both_int8 and self.config.share_kv_scale:
                 ka = va = torch.maximum(ka, va)
             for s, x, amax in ((g.key, keys, ka), (g.value, values, va)):
                 fitted = s.quantizer.fit(self._group_rows(x[:, :, fit_from:], g)) if s.quantizer.space else None
                 s.state = fitted if fitted is not None else s.quantizer.calibrate(amax)
+            for st in (g.key, g.value):
+                if not stored_finite(st.state):
+                    raise StoredOverflow(
+                        f"headroom: {self.config.headroom!r} times the calibrated max overflows the static "
+                        f"{st.quantizer.name} scale (float32)"
+                    )
         self.calibrated = True
 
     # ---------------------------------------------------------------- head spaces (codebook heads)
@@ -316,8 +472,14 @@ class LayerStore:
 
     @property
     def has_head_space(self) -> bool:
-        """True when some head's K or V is read in a rotated head space (codebook quantizers)."""
-        return any(g.key.quantizer.space or g.value.quantizer.space for g in self.groups)
+        """True when some head's K or V is read in a rotated head space (codebook quantizers; once fitted:
+        while calibration is deferred every token is held dense, in storage space)."""
+        return self.calibrated and any(g.key.quantizer.space or g.value.quantizer.space for g in self.groups)
+
+    @property
+    def centered_keys(self) -> bool:
+        """True when some head's keys are stored with a per-channel mean removed (codebook quantizers)."""
+        return any(g.key.quantizer.space and getattr(g.key.quantizer, "center", False) for g in self.groups)
 
     def _map_heads(self, x: torch.Tensor, side: str, method: str) -> torch.Tensor:
         """Apply the ``side`` (``key``/``value``) quantizer's ``method`` (``to_space``, ...) to the heads of
@@ -354,6 +516,8 @@ class LayerStore:
         self, group: HeadGroup, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision rows of ``group`` -> its head space (float32)."""
+        if not self.calibrated:
+            return k.float(), v.float()
         k = group.key.quantizer.to_space(k, group.key.state) if group.key.quantizer.space else k.float()
         v = group.value.quantizer.to_space(v, group.value.state) if group.value.quantizer.space else v.float()
         return k, v
@@ -378,38 +542,49 @@ class LayerStore:
             k, v = self.res_k[:, :, a:b], self.res_v[:, :, a:b]
             return self._dense_to_group_space(group, self._group_rows(k, group), self._group_rows(v, group))
         k, v = group.key.read(start, end), group.value.read(start, end)
-        if start < self.sink_tokens and self.sink_k is not None:
-            n = min(self.sink_tokens, end) - start
-            sk, sv = self.sink_k[:, :, start:start + n], self.sink_v[:, :, start:start + n]
+        sel = self.sink_slots(start, end) if self.sink_k is not None else None
+        if sel is not None:
+            rows, offs, slots = sel
+            sk, sv = self.sink_k[rows, :, slots], self.sink_v[rows, :, slots]  # [n, Hkv, D]
             sk, sv = self._dense_to_group_space(group, self._group_rows(sk, group), self._group_rows(sv, group))
-            k[:, :, :n], v[:, :, :n] = sk, sv
+            k[rows, :, offs], v[rows, :, offs] = sk, sv
         return k, v
 
     # ---------------------------------------------------------------- cache operations
     def crop(self, tokens: int) -> None:
-        """Keep the first ``tokens`` tokens (blocks stay allocated)."""
+        """Keep the first ``tokens`` tokens (blocks stay allocated).
+
+        Nothing is quantized again: kept tokens are read exactly as before. In residual mode a crop
+        that reaches into the quantized pool empties the residual window and keeps the pool's first
+        ``tokens`` tokens (the window refills with new tokens). Per-channel (``int*-channel``) blocks
+        share one scale per block, so their pool can only be cut at a block boundary: a crop to the
+        middle of a quantized block is refused (keeping its head would mean re-quantizing it).
+        """
         tokens = max(0, min(tokens, self.cache_pos))
-        if self.residual_mode and tokens < self.q_end:
-            raise ValueError(
-                f"crop: cannot drop tokens that were already quantized by whole blocks in residual mode "
-                f"(keep >= {self.q_end}, asked {tokens})"
-            )
-        if self.residual_mode:
+        if tokens < self.q_end:
+            if self.per_block and tokens % self.block_size:
+                raise ValueError(
+                    f"crop: keeping {tokens} tokens would split a quantized per-channel block of {self.block_size} "
+                    f"(its scales cover the whole block); keep a multiple of {self.block_size} tokens or at "
+                    f"least {self.q_end} (the full-precision window)"
+                )
+            self.q_end = tokens
+        if self.res_k is not None:
             keep = tokens - self.q_end
             self.res_k, self.res_v = self.res_k[:, :, :keep], self.res_v[:, :, :keep]
-        else:
-            self.q_end = tokens
         self.cache_pos = tokens
 
     def reset(self) -> None:
         """Forget all tokens and static scales (allocations are kept for reuse)."""
-        self.cache_pos = self.q_end = 0
+        self.cache_pos = self.q_end = self.sink_end = 0
+        self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self.calibrated = False
         self.res_k = self.res_v = None
         self.sink_k = self.sink_v = None
         for g in self.groups:
             for s in (g.key, g.value):
                 s.clipped.zero_()
+                s.static_values = 0
                 s.state = {}
 
     def index_batch(self, idx: torch.Tensor) -> None:
@@ -422,6 +597,7 @@ class LayerStore:
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
+        self.row_start = self.row_start.index_select(0, idx)
         self.batch = int(idx.numel())
 
     # ---------------------------------------------------------------- accounting
@@ -453,3 +629,7 @@ class LayerStore:
 
     def clipped(self) -> int:
         return int(sum(int(g.key.clipped) + int(g.value.clipped) for g in self.groups))
+
+    def static_values(self) -> int:
+        """Values written through static scales so far (what :meth:`clipped` counts against)."""
+        return sum(g.key.static_values + g.value.static_values for g in self.groups)
