@@ -80,10 +80,10 @@ def _chunk_attn(
 
     k_base = K + b64 * k_sb + hg * k_sh
     ks_base = KS + b64 * ks_sb + hg * ks_sh
-    kz_base = zero_base(KZ, KH, b64, hg, ks_sb, ks_sh, K_KIND, K_BITS)  # KIND 8: the params row
+    kz_base = zero_base(KZ, KH, b64, hg, pid, ks_sb, ks_sh, K_KIND, K_BITS)  # KIND 8: the params row
     v_base = V + b64 * v_sb + hg * v_sh
     vs_base = VS + b64 * vs_sb + hg * vs_sh
-    vz_base = zero_base(VZ, VH, b64, hg, vs_sb, vs_sh, V_KIND, V_BITS)
+    vz_base = zero_base(VZ, VH, b64, hg, pid, vs_sb, vs_sh, V_KIND, V_BITS)
     scale = qk_scale * load_head_scale(KH, pid, K_KIND)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

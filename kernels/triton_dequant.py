@@ -162,10 +162,10 @@ def token_factor(sc_ptr, sc_stride_t, offs_n, mask_n, tab_ptr, KIND: tl.constexp
 
 
 @triton.jit
-def zero_base(zp, hs, b64, hg, sc_sb, sc_sh, KIND: tl.constexpr, BITS: tl.constexpr):
-    """Base pointer of one (batch row, head)'s zero part, or for KIND 8 the head's params row."""
+def zero_base(zp, hs, b64, hg, pid, sc_sb, sc_sh, KIND: tl.constexpr, BITS: tl.constexpr):
+    """Base pointer of one (batch row, head)'s zero part, or for KIND 8 its params row (``pid`` = b * Hg + hg)."""
     if KIND == 8:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
-        base = hs + hg * (2 + (1 << BITS))
+        base = hs + pid * (2 + (1 << BITS))
     else:
         base = zp + b64 * sc_sb + hg * sc_sh
     return base
@@ -347,6 +347,8 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
         if head_dim % 8:
             raise Unsupported(f"{qz.describe()}: head_dim {head_dim} not a multiple of the packing")
         params = params.float().contiguous()
+        if params.dim() != 3 or params.shape[:2] != main.shape[:2]:
+            raise Unsupported(f"{qz.describe()}: codebook state not per (sequence, head)")
         return Operand(main, parts["norm"], main, params, KIND_CODEBOOK, bits=qz.bits)
     if isinstance(qz, Fp8):
         if fp8_native:

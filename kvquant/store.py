@@ -433,8 +433,7 @@ class LayerStore:
         Each row's scale comes from its own real tokens: never from batch-mates or left padding. Sink
         tokens (read in full precision) are left out of the max when the chunk has other tokens.
         """
-        fit_from = max(0, self.sink_tokens - past)  # data-fitted state (codebook): sink rows left out
-        fit_from = 0 if fit_from >= keys.shape[2] else fit_from
+        use = self.real_tokens(past, past + keys.shape[2])  # data-fitted state (codebook): real, non-sink tokens
         if self._static_amax is not None:
             k_amax = self._static_amax["key"].to(self.device).expand(self.batch, -1)
             v_amax = self._static_amax["value"].to(self.device).expand(self.batch, -1)
@@ -455,7 +454,7 @@ class LayerStore:
             if both_int8 and self.config.share_kv_scale:
                 ka = va = torch.maximum(ka, va)
             for s, x, amax in ((g.key, keys, ka), (g.value, values, va)):
-                fitted = s.quantizer.fit(self._group_rows(x[:, :, fit_from:], g)) if s.quantizer.space else None
+                fitted = s.quantizer.fit(self._group_rows(x, g), use) if s.quantizer.space else None
                 s.state = fitted if fitted is not None else s.quantizer.calibrate(amax)
             for st in (g.key, g.value):
                 if not stored_finite(st.state):
@@ -545,9 +544,10 @@ class LayerStore:
         sel = self.sink_slots(start, end) if self.sink_k is not None else None
         if sel is not None:
             rows, offs, slots = sel
-            sk, sv = self.sink_k[rows, :, slots], self.sink_v[rows, :, slots]  # [n, Hkv, D]
-            sk, sv = self._dense_to_group_space(group, self._group_rows(sk, group), self._group_rows(sv, group))
-            k[rows, :, offs], v[rows, :, offs] = sk, sv
+            # the sink buffers [B, Hg, S, D] into the group's space (per-row state), then the rows' slots
+            sk, sv = self._dense_to_group_space(group, self._group_rows(self.sink_k, group),
+                                                self._group_rows(self.sink_v, group))  # fmt: skip
+            k[rows, :, offs], v[rows, :, offs] = sk[rows, :, slots], sv[rows, :, slots]
         return k, v
 
     # ---------------------------------------------------------------- cache operations

@@ -230,4 +230,4 @@ def test_codebook_operand():
     for store, bits in ((g.key, 4), (g.value, 2)):
         op = operand(store, 64, False)
         assert (op.kind, op.bits) == (KIND_CODEBOOK, bits)
-        assert op.head_scale.shape == (1, 2 + 2**bits) and op.head_scale.dtype == torch.float32
+        assert op.head_scale.shape == (1, 1, 2 + 2**bits) and op.head_scale.dtype == torch.float32

@@ -65,8 +65,9 @@ class Quantizer(ABC):
         ``amax[B, H]`` per sequence and head (scales then broadcast as :func:`head_view`)."""
         return {}
 
-    def fit(self, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        """Static state fitted on the first chunk written, ``x[B, H, T, D]`` (None: use :meth:`calibrate`).
+    def fit(self, x: torch.Tensor, use: torch.Tensor | None = None) -> dict[str, torch.Tensor] | None:
+        """Static state per (sequence, head) fitted on the first chunk written, ``x[B, H, T, D]``, over the
+        tokens where ``use[B, T]`` is True (None: all; returns None: use :meth:`calibrate`).
 
         Quantizers with ``space = True`` also provide ``to_space`` / ``query_to_space`` /
         ``from_space`` / ``decode_space`` (see :mod:`kvquant.quantizers.codebook`).

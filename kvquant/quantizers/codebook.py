@@ -26,9 +26,10 @@ mapped back once (:meth:`Codebook.from_space`). Both are exact:
   before it is spread over every channel by the rotation);
 * the probabilities sum to one, so ``sum p_i (mu + y_i) = mu + sum p_i y_i``.
 
-The mean (fp16), signs (int8), and ``params`` (per head: log2 of the smallest norm code, the log2
-step, the ``2^b`` levels; what the kernels read) are the quantizer's static state, one per head,
-set from the first chunk written (like the static INT8 scale) and counted in the bytes held.
+The signs (int8, per head), the mean (fp16) and ``params`` (log2 of the smallest norm code, the log2
+step, the ``2^b`` levels; what the kernels read), both per sequence and head, are the quantizer's
+static state, set from each sequence's real tokens of the first chunk written (like the static INT8
+scales: a request does not depend on its batch-mates) and counted in the bytes held.
 """
 
 from __future__ import annotations
@@ -97,14 +98,18 @@ def head_signs(heads: int, head_dim: int, seed: int = SIGN_SEED) -> torch.Tensor
 
 
 def _per_head(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``t[H, D]`` shaped to broadcast against ``x[B, H, ..., D]``."""
-    return t.to(x.device).view(1, t.shape[0], *([1] * (x.dim() - 3)), t.shape[-1])
+    """State ``t[H, D]`` (per head) or ``t[B, H, D]`` (per sequence and head) shaped to broadcast against
+    ``x[B, H, ..., D]``."""
+    t = t.to(x.device)
+    lead = (1, t.shape[0]) if t.dim() == 2 else (t.shape[0], t.shape[1])
+    return t.view(*lead, *([1] * (x.dim() - 3)), t.shape[-1])
 
 
 def norm_of_code(ncode: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """Row norms ``[B, H, T, 1]`` from their 8-bit codes: 0 -> 0, c -> 2^(lo + step * (c - 1)) per head."""
-    lo = params[:, 0].view(1, -1, 1, 1)
-    step = params[:, 1].view(1, -1, 1, 1)
+    """Row norms ``[B, H, T, 1]`` from their 8-bit codes: 0 -> 0, c -> 2^(lo + step * (c - 1)) per sequence
+    and head (``params[B, H, 2 + levels]``)."""
+    lo = params[..., 0].unsqueeze(-1).unsqueeze(-1)
+    step = params[..., 1].unsqueeze(-1).unsqueeze(-1)
     c = ncode.float()
     return torch.where(c > 0, torch.exp2(lo + step * (c - 1)), torch.zeros_like(c))
 
@@ -145,26 +150,28 @@ class Codebook(Quantizer):
         }
 
     # -- static state -----------------------------------------------------------------------
-    def fit(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Static state from the first chunk ``x[B, H, T, D]``: signs, mean, and the norm code's range."""
-        _, H, _, D = x.shape
+    def fit(self, x: torch.Tensor, use: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Static state from the first chunk ``x[B, H, T, D]``, per sequence and head over the tokens where
+        ``use[B, T]`` (real, non-sink tokens; None: all): mean, norm code range; signs per head."""
+        B, H, T, D = x.shape
         xf = x.detach().float()
-        mean = xf.mean(dim=(0, 2)) if self.center else torch.zeros(H, D, device=x.device)
+        w = torch.ones(B, T, device=x.device) if use is None else use.float()
+        w = torch.where(w.sum(1, keepdim=True) > 0, w, torch.ones_like(w)).view(B, 1, T, 1)
+        mean = (xf * w).sum(2) / w.sum(2) if self.center else torch.zeros(B, H, D, device=x.device)
         state = {"sign": head_signs(H, D).to(device=x.device, dtype=torch.int8), "mean": mean.half()}
-        y = self.to_space(xf, state)
-        n = y.norm(dim=-1).transpose(0, 1).reshape(H, -1)
+        n = self.to_space(xf, state).norm(dim=-1)  # [B, H, T]
+        ok = (n > 0) & (w.view(B, 1, T) > 0)
         logn = torch.log2(n.clamp_min(1e-30))
-        big = n > 0
-        lo = torch.where(big, logn, torch.full_like(logn, math.inf)).amin(dim=1)
-        hi = torch.where(big, logn, torch.full_like(logn, -math.inf)).amax(dim=1)
+        lo = torch.where(ok, logn, torch.full_like(logn, math.inf)).amin(dim=2)
+        hi = torch.where(ok, logn, torch.full_like(logn, -math.inf)).amax(dim=2)
         # a short first chunk says little about later norms: a wider range (coarser steps) for it
-        margin = NORM_MARGIN if n.shape[1] >= SHORT_CHUNK else NORM_MARGIN + 4.0
+        margin = NORM_MARGIN if T >= SHORT_CHUNK else NORM_MARGIN + 4.0
         lo = torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo)) - margin
         hi = torch.where(torch.isfinite(hi), hi, torch.zeros_like(hi)) + margin
         step = (hi - lo) / (NORM_CODES - 2)
-        # what the kernels read, one row per head: [log2 of norm code 1, log2 step, the 2^b levels]
-        params = torch.cat([lo[:, None], step[:, None], self.levels.to(x.device).expand(H, -1)], dim=1)
-        state["params"] = params.contiguous()
+        # what the kernels read, one row per (sequence, head): [log2 of norm code 1, log2 step, the 2^b levels]
+        levels = self.levels.to(x.device).expand(B, H, -1)
+        state["params"] = torch.cat([lo[..., None], step[..., None], levels], dim=2).contiguous()
         return state
 
     # -- head space ---------------------------------------------------------------------------
@@ -190,7 +197,7 @@ class Codebook(Quantizer):
         c = lv[codes]
         # the norm that minimises |y - norm * c|^2 (not |y|): corrects the codebook's shrinkage
         norm = (y * c).sum(-1, keepdim=True) / (c * c).sum(-1, keepdim=True).clamp_min(1e-30)
-        lo, step = _per_head(state["params"][:, :1], x), _per_head(state["params"][:, 1:2], x)
+        lo, step = _per_head(state["params"][..., :1], x), _per_head(state["params"][..., 1:2], x)
         ncode = torch.round((torch.log2(norm.clamp_min(1e-30)) - lo) / step) + 1
         ncode = torch.where(norm > 0, ncode.clamp(1, NORM_CODES - 1), torch.zeros_like(ncode))
         return {"q": pack_codes(codes, self.bits), "norm": ncode.to(torch.uint8)}
@@ -198,7 +205,7 @@ class Codebook(Quantizer):
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Rows of ``x`` whose norm falls outside the 8-bit norm code's range (stored at its nearest end)."""
         logn = torch.log2(self.to_space(x, state).norm(dim=-1).clamp_min(1e-30))
-        lo, step = state["params"][:, 0].view(1, -1, 1), state["params"][:, 1].view(1, -1, 1)
+        lo, step = state["params"][..., 0].unsqueeze(-1), state["params"][..., 1].unsqueeze(-1)
         hi = lo + step * (NORM_CODES - 2)
         real = x.abs().amax(dim=-1) > 0  # the store's zeroed sink rows are read from the sink buffer
         return (real & ((logn < lo - step / 2) | (logn > hi + step / 2))).sum()
@@ -207,8 +214,7 @@ class Codebook(Quantizer):
         """Stored rows in head space: ``norm * c[code]``, float32 ``[B, H, T, D]`` (what the kernels compute)."""
         codes = unpack_codes(parts["q"], self.bits).long()
         params = state["params"]
-        H = params.shape[0]
-        cb = params[:, 2:].reshape(1, H, 1, -1).expand(*codes.shape[:3], -1)
+        cb = params[..., 2:].unsqueeze(2).expand(*codes.shape[:3], -1)
         return torch.gather(cb, 3, codes) * norm_of_code(parts["norm"], params)
 
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
