@@ -499,6 +499,10 @@ class LayerStore:
         """Full-precision ``keys/values[B, Hkv, T, D]`` (storage space) -> each head's K / V space."""
         return self._map_heads(keys, "key", "to_space"), self._map_heads(values, "value", "to_space")
 
+    def kv_from_head_space(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of :meth:`kv_to_head_space` (tests and debugging)."""
+        return self._map_heads(keys, "key", "from_space"), self._map_heads(values, "value", "from_space")
+
     def query_to_head_space(self, query: torch.Tensor) -> torch.Tensor:
         """Queries ``[B, Hq, T, D]`` -> each KV head's key space (rotated once per step, never the keys)."""
         B, Hq, T, D = query.shape

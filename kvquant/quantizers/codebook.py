@@ -26,10 +26,11 @@ mapped back once (:meth:`Codebook.from_space`). Both are exact:
   before it is spread over every channel by the rotation);
 * the probabilities sum to one, so ``sum p_i (mu + y_i) = mu + sum p_i y_i``.
 
-The signs (int8, per head), the mean (fp16) and ``params`` (log2 of the smallest norm code, the log2
-step, the ``2^b`` levels; what the kernels read), both per sequence and head, are the quantizer's
-static state, set from each sequence's real tokens of the first chunk written (like the static INT8
-scales: a request does not depend on its batch-mates) and counted in the bytes held.
+The signs (int8, per head), the mean (fp32: a q/k-bias offset may exceed fp16) and ``params``
+(log2 of the smallest norm code, the log2 step, the ``2^b`` levels; what the kernels read), both
+per sequence and head, are the quantizer's static state, set from each sequence's real tokens of
+the first chunk written (like the static INT8 scales: a request does not depend on its
+batch-mates) and counted in the bytes held.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ class Codebook(Quantizer):
         w = torch.ones(B, T, device=x.device) if use is None else use.float()
         w = torch.where(w.sum(1, keepdim=True) > 0, w, torch.ones_like(w)).view(B, 1, T, 1)
         mean = (xf * w).sum(2) / w.sum(2) if self.center else torch.zeros(B, H, D, device=x.device)
-        state = {"sign": head_signs(H, D).to(device=x.device, dtype=torch.int8), "mean": mean.half()}
+        state = {"sign": head_signs(H, D).to(device=x.device, dtype=torch.int8), "mean": mean}
         n = self.to_space(xf, state).norm(dim=-1)  # [B, H, T]
         ok = (n > 0) & (w.view(B, 1, T) > 0)
         logn = torch.log2(n.clamp_min(1e-30))
