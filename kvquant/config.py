@@ -30,7 +30,7 @@ import yaml
 from .errors import ConfigError, InputError
 from .inputs import read_text
 from .outputs import check_output, write_text
-from .quantizers import CHANNEL, GROUPED, PRECISIONS, make_quantizer
+from .quantizers import CHANNEL, CODEBOOK, GROUPED, PRECISIONS, make_quantizer
 from .shape import ModelShape
 
 BITS_TO_PRECISION = {2: "int2", 4: "int4", 8: "int8", 16: "fp16"}
@@ -390,6 +390,10 @@ class KVQuantConfig:
             if shape.head_dim % codes_per_unit:
                 raise ConfigError(f"default: {p} packs {codes_per_unit} codes together; head_dim {shape.head_dim} "
                                   f"is not a multiple of {codes_per_unit}")
+        for p in sorted(self.precisions() & set(CODEBOOK)):
+            if shape.head_dim & (shape.head_dim - 1) or shape.head_dim < 8:
+                raise ConfigError(f"default: {p} rotates by Hadamard and needs a power-of-two head_dim >= 8, "
+                                  f"not {shape.head_dim}")
         if self.rotate != "none" and shape.head_dim & (shape.head_dim - 1):
             raise ConfigError(f"rotate: the Hadamard rotation needs a power-of-two head_dim, not {shape.head_dim}")
 

@@ -153,6 +153,8 @@ class QuantizedTensorStore:
                 parts[n] = t[:, :, start // self.block_size:self._rows(n, end)]
             else:
                 parts[n] = t[:, :, start:end]
+        if self.quantizer.space:  # codebook rows stay in their head space (see LayerStore.read)
+            return self.quantizer.decode_space(parts, self.state).to(dtype)
         return self.quantizer.dequantize(parts, self.state, dtype)
 
     def index_batch(self, idx: torch.Tensor) -> None:
@@ -472,6 +474,7 @@ class LayerStore:
         Each row's scale comes from its own real tokens: never from batch-mates or left padding. Sink
         tokens (read in full precision) are left out of the max when the chunk has other tokens.
         """
+        use = self.real_tokens(past, past + keys.shape[2])  # data-fitted state (codebook): real, non-sink tokens
         if self._static_amax is not None:
             k_amax = self._static_amax["key"].to(self.device).expand(self.batch, -1)
             v_amax = self._static_amax["value"].to(self.device).expand(self.batch, -1)
@@ -491,8 +494,9 @@ class LayerStore:
             both_int8 = g.key.quantizer.name == g.value.quantizer.name == "int8"
             if both_int8 and self.config.share_kv_scale:
                 ka = va = torch.maximum(ka, va)
-            g.key.state = g.key.quantizer.calibrate(ka)
-            g.value.state = g.value.quantizer.calibrate(va)
+            for s, x, amax in ((g.key, keys, ka), (g.value, values, va)):
+                fitted = s.quantizer.fit(self._group_rows(x, g), use) if s.quantizer.space else None
+                s.state = fitted if fitted is not None else s.quantizer.calibrate(amax)
             for st in (g.key, g.value):
                 if not stored_finite(st.state):
                     raise StoredOverflow(
@@ -500,6 +504,67 @@ class LayerStore:
                         f"{st.quantizer.name} scale (float32)"
                     )
         self.calibrated = True
+
+    # ---------------------------------------------------------------- head spaces (codebook heads)
+    @staticmethod
+    def _group_rows(x: torch.Tensor, group: HeadGroup) -> torch.Tensor:
+        return x if group.all_heads else x.index_select(1, group.head_index)
+
+    @property
+    def has_head_space(self) -> bool:
+        """True when some head's K or V is read in a rotated head space (codebook quantizers; once fitted:
+        while calibration is deferred every token is held dense, in storage space)."""
+        return self.calibrated and any(g.key.quantizer.space or g.value.quantizer.space for g in self.groups)
+
+    @property
+    def centered_keys(self) -> bool:
+        """True when some head's keys are stored with a per-channel mean removed (codebook quantizers)."""
+        return any(g.key.quantizer.space and getattr(g.key.quantizer, "center", False) for g in self.groups)
+
+    def _map_heads(self, x: torch.Tensor, side: str, method: str) -> torch.Tensor:
+        """Apply the ``side`` (``key``/``value``) quantizer's ``method`` (``to_space``, ...) to the heads of
+        ``x[B, Hkv, ...]`` whose K/V has a head space; other heads are returned unchanged."""
+        out = x
+        for g in self.groups:
+            s = getattr(g, side)
+            if not s.quantizer.space:
+                continue
+            y = getattr(s.quantizer, method)(self._group_rows(x, g), s.state).to(x.dtype)
+            if g.all_heads:
+                return y
+            out = x.clone() if out is x else out
+            out.index_copy_(1, g.head_index, y)
+        return out
+
+    def kv_to_head_space(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-precision ``keys/values[B, Hkv, T, D]`` (storage space) -> each head's K / V space."""
+        return self._map_heads(keys, "key", "to_space"), self._map_heads(values, "value", "to_space")
+
+    def kv_from_head_space(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of :meth:`kv_to_head_space` (tests and debugging)."""
+        return self._map_heads(keys, "key", "from_space"), self._map_heads(values, "value", "from_space")
+
+    def query_to_head_space(self, query: torch.Tensor) -> torch.Tensor:
+        """Queries ``[B, Hq, T, D]`` -> each KV head's key space (rotated once per step, never the keys)."""
+        B, Hq, T, D = query.shape
+        q5 = query.reshape(B, self.num_heads, Hq // self.num_heads, T, D)
+        return self._map_heads(q5, "key", "query_to_space").reshape(B, Hq, T, D)
+
+    def output_from_head_space(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[B, Hq, T, D]`` in each head's value space -> storage space (once per step)."""
+        B, Hq, T, D = out.shape
+        o5 = out.reshape(B, self.num_heads, Hq // self.num_heads, T, D)
+        return self._map_heads(o5, "value", "from_space").reshape(B, Hq, T, D)
+
+    def _dense_to_group_space(
+        self, group: HeadGroup, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-precision rows of ``group`` -> its head space (float32)."""
+        if not self.calibrated:
+            return k.float(), v.float()
+        k = group.key.quantizer.to_space(k, group.key.state) if group.key.quantizer.space else k.float()
+        v = group.value.quantizer.to_space(v, group.value.state) if group.value.quantizer.space else v.float()
+        return k, v
 
     # ---------------------------------------------------------------- reading (storage space)
     def tiles(self, past_len: int, size: int) -> list[tuple[int, int]]:
@@ -510,7 +575,8 @@ class LayerStore:
         return out
 
     def read(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``group`` for tokens ``[start, end)`` as float32 ``[B, Hg, t, D]`` (storage space)."""
+        """K and V of ``group`` for tokens ``[start, end)`` as float32 ``[B, Hg, t, D]`` (storage space; for
+        codebook K or V, that head space: the attention maps queries / outputs, see ``query_to_head_space``)."""
         if start < self.q_end < end:
             k1, v1 = self.read(group, start, self.q_end)
             k2, v2 = self.read(group, self.q_end, end)
@@ -518,9 +584,7 @@ class LayerStore:
         if start >= self.q_end:  # residual buffer (dense)
             a, b = start - self.q_end, end - self.q_end
             k, v = self.res_k[:, :, a:b], self.res_v[:, :, a:b]
-            if not group.all_heads:
-                k, v = k.index_select(1, group.head_index), v.index_select(1, group.head_index)
-            return k.float(), v.float()
+            return self._dense_to_group_space(group, self._group_rows(k, group), self._group_rows(v, group))
         k, v = group.key.read(start, end), group.value.read(start, end)
         if self.sink_k is not None and start < self.sink_end:
             # each row's sink tokens from the sink buffer, selected on the device (no host synchronisation)
@@ -529,8 +593,7 @@ class LayerStore:
             idx = slot.clamp(0, self.sink_tokens - 1)
             rows = torch.arange(self.batch, device=self.device)[:, None]
             sk, sv = self.sink_k[rows, :, idx].transpose(1, 2), self.sink_v[rows, :, idx].transpose(1, 2)
-            if not group.all_heads:
-                sk, sv = sk.index_select(1, group.head_index), sv.index_select(1, group.head_index)
+            sk, sv = self._dense_to_group_space(group, self._group_rows(sk, group), self._group_rows(sv, group))
             k, v = torch.where(is_sink, sk.float(), k), torch.where(is_sink, sv.float(), v)
         return k, v
 
@@ -605,7 +668,7 @@ class LayerStore:
         for g in self.groups:
             for kind, s in (("keys", g.key), ("values", g.value)):
                 for name, b in s.part_nbytes(used).items():
-                    out["scales" if name in ("scale", "zero") else kind] += b
+                    out["scales" if name in ("scale", "zero", "norm") else kind] += b
                 out["reserved"] += sum(t.numel() * t.element_size() for t in s.parts.values())
                 out["scales"] += s.state_nbytes()
         if self.key_mean is not None:
