@@ -125,23 +125,12 @@ def is_correct(generated: str, answer: str) -> bool:
     return m is not None and m.group(0) == answer
 
 
-@torch.no_grad()
 def answer_case(model: Any, tokenizer: Any, case: RetrievalCase, cache: Any, new_tokens: int | None = None) -> str:
     """Greedy answer to ``case`` with ``cache`` (a fresh cache object: kvquant, DynamicCache, a baseline)."""
-    device = next(model.parameters()).device
-    ids = case.ids.unsqueeze(0).to(device)
+    from .protocols import greedy_continuation
+
     n_new = new_tokens or len(_encode(tokenizer, " " + case.answer)) + 4
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=n_new,
-        do_sample=False,
-        cache=cache,
-        pad_token_id=getattr(model.generation_config, "pad_token_id", None)
-        or getattr(model.generation_config, "eos_token_id", None)
-        or 0,
-    )
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    return tokenizer.decode(greedy_continuation(model, case.ids, n_new, cache), skip_special_tokens=True)
 
 
 def grid(lengths: Sequence[int], depths: Sequence[float], trials: int) -> list[tuple[int, float, int]]:

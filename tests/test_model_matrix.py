@@ -69,7 +69,12 @@ def test_family(family):
     lp_ref = teacher_forced(model, ref, DynamicCache(config=model.config))
     with torch.no_grad():
         assert model.generate(ids, cache=QuantizedKVCache(model, "int4"), **kw).shape == ref.shape
+    softcap = getattr(model.config, "attn_logit_softcapping", None) is not None
     for precision in PRECISIONS:
+        if softcap and precision.startswith("tq"):  # codebook keys drop a key mean: not exact under tanh capping
+            with pytest.raises(NotImplementedError, match="^softcap:"):
+                teacher_forced(model, ref, QuantizedKVCache(model, KVQuantConfig.from_dict({"default": precision})))
+            continue
         lp = teacher_forced(model, ref, QuantizedKVCache(model, KVQuantConfig.from_dict({"default": precision})))
         assert torch.isfinite(lp).all(), precision
         kl = (lp_ref.exp() * (lp_ref - lp)).sum(-1).mean().item()
