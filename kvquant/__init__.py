@@ -5,18 +5,21 @@ Quick start::
     import kvquant
     model = kvquant.wrap(model, "int8")          # generate() now uses a quantized KV cache
     out = model.generate(**inputs, max_new_tokens=200)
+    kvquant.unwrap(model)                        # back to the model's own attention (or: with kvquant.wrapped(...))
 
     cache = kvquant.QuantizedKVCache(model, kvquant.KVQuantConfig.from_file("recipes/configs/mixed-int4-int8.yaml"))
     out = model.generate(**inputs, cache=cache, max_new_tokens=200)
     print(cache.memory_report())
 """
 
+from .blocks import KVCacheFull
 from .cache import QuantizedKVCache, QuantizedLayer
 from .config import PRESETS, ConfigError, KVPrecision, KVQuantConfig
 from .quantizers import PRECISIONS, make_quantizer
+from .pool import PagedKVPool
 from .shape import ModelShape
 from .simulate import SimulatedQuantCache
-from .wrap import unwrap, wrap
+from .wrap import unwrap, wrap, wrapped
 
 __version__ = "0.1.0"
 
@@ -24,13 +27,16 @@ __all__ = [
     "PRECISIONS",
     "PRESETS",
     "ConfigError",
+    "KVCacheFull",
     "KVPrecision",
     "KVQuantConfig",
     "ModelShape",
+    "PagedKVPool",
     "QuantizedKVCache",
     "QuantizedLayer",
     "SimulatedQuantCache",
     "make_quantizer",
     "unwrap",
     "wrap",
+    "wrapped",
 ]

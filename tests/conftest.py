@@ -62,8 +62,11 @@ def tinystories_text():
 
 
 def tiny_model(arch: str = "llama", kv_heads: int = 2, heads: int = 4, head_dim: int = 64, layers: int = 2,
-               vocab: int = 128, seed: int = 0, **extra):
-    """A random tiny decoder of the given architecture (fp32, eval mode)."""
+               vocab: int = 128, seed: int = 0, kvquant_attention: bool = True, **extra):
+    """A random tiny decoder of the given architecture (fp32, eval mode).
+
+    ``kvquant_attention``: switch it to the ``kvquant`` attention (what :func:`kvquant.wrap` does, without
+    changing ``generate``), so that a ``QuantizedKVCache`` can be built for it; other caches still run SDPA."""
     import transformers
 
     cls_cfg, cls_model = {
@@ -83,4 +86,8 @@ def tiny_model(arch: str = "llama", kv_heads: int = 2, heads: int = 4, head_dim:
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     model.generation_config.eos_token_id = None  # decode the full length: random weights may emit "eos"
+    if kvquant_attention:
+        from kvquant.attention import install_attention
+
+        install_attention(model)
     return model
