@@ -181,6 +181,17 @@ def dense_segments(layer: LayerStore, past_len: int) -> tuple[torch.Tensor, torc
     return torch.cat(ks, dim=2).float(), torch.cat(vs, dim=2).float(), torch.cat(pos).to(ks[0].device)
 
 
+def block_table(layer: LayerStore, hist: int, batch: int, device: torch.device) -> torch.Tensor:
+    """The rows' block tables as int32 ``[B, max(1, blocks)]`` on ``device``; raises :class:`Unsupported`
+    when they do not cover ``hist`` tokens."""
+    table = layer.table()
+    if table.shape[1] * layer.block_size < hist:
+        raise Unsupported(f"the block tables cover {table.shape[1] * layer.block_size} tokens, the history {hist}")
+    if table.shape[1] == 0:
+        return torch.zeros((batch, 1), dtype=torch.int32, device=device)
+    return table.to(device=device, dtype=torch.int32)
+
+
 def attend_dense(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -266,8 +277,9 @@ def attend_triton(
         hist, segments, kernel_ranges = past_len, None, ranges
     for _, k, v in groups:
         for op in (k, v):
-            if op.data.device != query.device or op.data.shape[2] < hist:
-                raise Unsupported("store parts on another device or shorter than past_len")
+            if op.data.device != query.device:
+                raise Unsupported("store parts on another device")
+    table = block_table(layer, hist, B, query.device)
     if segments is not None and segments[0].device != query.device:
         raise Unsupported("dense segments on another device")
     # written as [B, Tq, Hq, D] and returned as its [B, Hq, Tq, D] view: the caller's
@@ -281,10 +293,10 @@ def attend_triton(
     lse = torch.empty((B, Hq, Tq), dtype=torch.float32, device=query.device) if segments is not None else None
     if Tq == 1:
         decode(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling, res, dk,
-               splits=splits, lse=lse)  # fmt: skip
+               splits=splits, lse=lse, table=table, block_size=layer.block_size)  # fmt: skip
     else:
         chunk(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling, res, dk,
-              block_m=block_m or BLOCK_M, lse=lse)  # fmt: skip
+              block_m=block_m or BLOCK_M, lse=lse, table=table, block_size=layer.block_size)  # fmt: skip
     if segments is not None:
         d_out, d_lse = attend_dense(query, *segments, ranges, scaling)
         res = merge_lse(res, lse * LN2, d_out, d_lse)

@@ -42,6 +42,7 @@ from .triton_dequant import (
     load_tile,
     load_token_scale,
     online_rescale,
+    paged_rows,
     reduce_max,
     reduce_sum,
 )
@@ -53,13 +54,13 @@ LOG2E = 1.4426950408889634
 def _decode_partial(
     Q, q_sb, q_sh,
     K, KS, KZ, KH, k_sb, k_sh, k_st, ks_sb, ks_sh, ks_st,
-    V, VS, VZ, VH, v_sb, v_sh, v_st, vs_sb, vs_sh, vs_st,
+    V, VS, VZ, VH, v_sb, v_sh, v_st, vs_sb, vs_sh, vs_st, TBL, tbl_sb,
     HEAD_IDX, LO, HI, lo_sb, O_PART, LSE_PART,
     qk_scale, past_len, part_len, Hg, S, n_qheads,
     REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
-    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -82,12 +83,14 @@ def _decode_partial(
     qh = h * REP + offs_h  # query heads of this KV head
     q = tl.load(Q + b64 * q_sb + qh[:, None] * q_sh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
 
-    k_base = K + b64 * k_sb + hg * k_sh
-    ks_base = KS + b64 * ks_sb + hg * ks_sh
-    kz_base = KZ + b64 * ks_sb + hg * ks_sh
-    v_base = V + b64 * v_sb + hg * v_sh
-    vs_base = VS + b64 * vs_sb + hg * vs_sh
-    vz_base = VZ + b64 * vs_sb + hg * vs_sh
+    # block tensors [num_blocks, Hg, block_size, ...]: one head's base; rows come from the block table
+    k_base = K + hg * k_sh
+    ks_base = KS + hg * ks_sh
+    kz_base = KZ + hg * ks_sh
+    v_base = V + hg * v_sh
+    vs_base = VS + hg * vs_sh
+    vz_base = VZ + hg * vs_sh
+    tbl = TBL + b64 * tbl_sb
     # per-head K scale folded into the softmax scale
     scale = qk_scale * load_head_scale(KH, hg, K_KIND)
 
@@ -99,17 +102,19 @@ def _decode_partial(
     for n0 in range(first, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= start) & (offs_n < end)
-        k = load_tile(k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D)
+        k_rows, ks_rows = paged_rows(tbl, offs_n, mask_n, k_sb, k_st, ks_sb, ks_st, BS, K_KIND)
+        v_rows, vs_rows = paged_rows(tbl, offs_n, mask_n, v_sb, v_st, vs_sb, vs_st, BS, V_KIND)
+        k = load_tile(k_base, ks_base, kz_base, k_rows, ks_rows, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D)
         s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
         if K_KIND == 2:
-            s = s * load_token_scale(ks_base, ks_st, offs_n, mask_n)[None, :]
+            s = s * load_token_scale(ks_base, ks_rows, mask_n)[None, :]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + reduce_sum(p, 1)
-        v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D)
+        v = load_tile(v_base, vs_base, vz_base, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D)
         if V_KIND == 2:
-            p = p * load_token_scale(vs_base, vs_st, offs_n, mask_n)[None, :]
+            p = p * load_token_scale(vs_base, vs_rows, mask_n)[None, :]
         acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
         m_i = m_new
 
@@ -227,8 +232,14 @@ def decode(
     dot_kind: int,
     splits: int | None = None,
     lse: torch.Tensor | None = None,
+    *,
+    table: torch.Tensor,
+    block_size: int,
 ) -> torch.Tensor:
     """Decode attention (``Tq == 1``) into ``out[B, Hq, 1, D]``; ``groups`` = (head_index int32, K, V).
+
+    The history is read through ``table[B, max_blocks]`` (int32 block ids of each row, ``block_size``
+    tokens per block) from the groups' block tensors.
 
     ``lse`` (optional, fp32 contiguous ``[B, Hq, 1]``) receives each row's base-2 log-sum-exp of the
     scores times ``scaling * log2(e)`` (``-inf`` for rows with no visible key).
@@ -253,12 +264,12 @@ def decode(
         group_block_n, num_warps = launch_config(kop.kind, vop.kind, dot_kind, D)
         _decode_partial[(B * Hg, S)](
             query, query.stride(0), query.stride(1),
-            *kop.args(), *vop.args(),
+            *kop.args(), *vop.args(), table, table.stride(0),
             head_index, lo, hi, lo_sb, o_part, lse_part,
             qk_scale, past_len, part_len, Hg, S, Hq,
             REP=rep, BLOCK_H=block_h, D=D, BLOCK_N=group_block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
             K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group,
-            V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group,
+            V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group, BS=block_size,
             num_warps=num_warps,
         )  # fmt: skip
     _decode_reduce[(B * num_kv,)](

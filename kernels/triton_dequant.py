@@ -23,7 +23,7 @@ fp32 up to rounding order. Per-group (INTN) and per-channel-per-block (CHANNEL, 
 KIVI's keys) scales and zeros vary along head_dim, so they cannot be folded out of the dot: they
 are applied to the tile on load (``code * scale + zero`` in fp32, exactly the dequantizer's math).
 CHANNEL codes use the same packing as INTN (split layout for 4/2 bits, three byte planes for 3
-bits); their scale/zero row is ``token // block_size`` (``GROUP`` holds the block size), the column
+bits); their scale/zero row is the one row of the token's pool block (the pool's block size is their token group), the column
 the channel.
 
 FP8: on GPUs with native fp8 conversions (compute capability >= 8.9: Ada, Hopper) the part is loaded
@@ -67,9 +67,8 @@ def load_tile(
     ptr,
     sc_ptr,
     zp_ptr,
-    stride_t,
-    sc_stride_t,
-    offs_n,
+    rows,
+    sc_rows,
     mask_n,
     offs_d,
     KIND: tl.constexpr,
@@ -77,12 +76,13 @@ def load_tile(
     GROUP: tl.constexpr,
     D: tl.constexpr,
 ):
-    """Float32 ``[BLOCK_N, D]`` tile of tokens ``offs_n`` (rows outside ``mask_n`` read as 0).
+    """Float32 ``[BLOCK_N, D]`` tile of the tokens whose rows start at element offsets ``rows[BLOCK_N]``
+    (rows outside ``mask_n`` read as 0); ``sc_rows``: the offsets of their scale/zero rows (CHANNEL:
+    their block's one row). See :func:`paged_rows`.
 
-    Per-group (INTN) and per-channel-per-block (CHANNEL: ``GROUP`` = tokens per block, ``sc_stride_t``
-    = the stride between blocks) scale/zero are applied here; per-head and per-token scales are not
-    (the kernels fold them, see the module doc). ``ptr``/``sc_ptr``/``zp_ptr`` point at token 0 of one
-    (batch, head) of the part tensors.
+    Per-group (INTN) and per-channel-per-block (CHANNEL) scale/zero are applied here; per-head and
+    per-token scales are not (the kernels fold them, see the module doc). ``ptr``/``sc_ptr``/``zp_ptr``
+    point at one head of the part tensors (block 0).
     """
     m2 = mask_n[:, None]
     if KIND == 3 or KIND == 7:
@@ -91,7 +91,7 @@ def load_tile(
             # lo[j] | mid[j] << 8 | hi[j] << 16 of three byte planes of D/8 bytes; code k at bit 3k
             D8: tl.constexpr = D // 8
             col = offs_d % D8
-            row = ptr + offs_n[:, None] * stride_t + col[None, :]
+            row = ptr + rows[:, None] + col[None, :]
             b0 = tl.load(row, mask=m2, other=0).to(tl.int32)
             b1 = tl.load(row + D8, mask=m2, other=0).to(tl.int32)
             b2 = tl.load(row + 2 * D8, mask=m2, other=0).to(tl.int32)
@@ -103,35 +103,51 @@ def load_tile(
             DP: tl.constexpr = D // PER_BYTE
             col = offs_d % DP
             shift = (offs_d // DP) * BITS
-            byte = tl.load(ptr + offs_n[:, None] * stride_t + col[None, :], mask=m2, other=0)
+            byte = tl.load(ptr + rows[:, None] + col[None, :], mask=m2, other=0)
             code = (byte.to(tl.int32) >> shift[None, :]) & ((1 << BITS) - 1)
         if KIND == 7:
-            s_off = (offs_n // GROUP)[:, None] * sc_stride_t + offs_d[None, :]
+            s_off = sc_rows[:, None] + offs_d[None, :]
         else:
-            s_off = offs_n[:, None] * sc_stride_t + (offs_d // GROUP)[None, :]
+            s_off = sc_rows[:, None] + (offs_d // GROUP)[None, :]
         s = tl.load(sc_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
         z = tl.load(zp_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
         x = code.to(tl.float32) * s + z
     elif KIND == 5:
-        b = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
+        b = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
         bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
         x = bits.to(tl.float16, bitcast=True).to(tl.float32)
     elif KIND == 6:
-        b = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
+        b = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
         x = (b << 8).to(tl.float16, bitcast=True).to(tl.float32)
     elif KIND == 4:
         # native fp8: no `other` (an int/float literal cannot be cast to fp8); masked lanes zeroed after
-        x = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2).to(tl.float32)
+        x = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2).to(tl.float32)
         x = tl.where(m2, x, 0.0)
     else:
-        x = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0).to(tl.float32)
+        x = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0).to(tl.float32)
     return x
 
 
 @triton.jit
-def load_token_scale(sc_ptr, sc_stride_t, offs_n, mask_n):
-    """Per-token scales ``[BLOCK_N]`` (int8-token), 0 outside ``mask_n``."""
-    return tl.load(sc_ptr + offs_n * sc_stride_t, mask=mask_n, other=0.0).to(tl.float32)
+def load_token_scale(sc_ptr, sc_rows, mask_n):
+    """Per-token scales ``[BLOCK_N]`` (int8-token) at row offsets ``sc_rows``, 0 outside ``mask_n``."""
+    return tl.load(sc_ptr + sc_rows, mask=mask_n, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def paged_rows(tbl_ptr, offs_n, mask_n, sb, st, ss_b, ss_t, BS: tl.constexpr, KIND: tl.constexpr):
+    """Block-table addressing (vLLM's layout): token ``n`` of a row lives in block ``tbl[n // BS]`` at
+    offset ``n % BS``. Returns the element offsets of the tokens' part rows and of their scale rows
+    (``sb``/``st``, ``ss_b``/``ss_t``: block and token strides of the part and of its scale part;
+    CHANNEL scales have one row per block)."""
+    blk = tl.load(tbl_ptr + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
+    inner = (offs_n % BS).to(tl.int64)
+    rows = blk * sb + inner * st
+    if KIND == 7:
+        sc_rows = blk * ss_b
+    else:
+        sc_rows = blk * ss_b + inner * ss_t
+    return rows, sc_rows
 
 
 @triton.jit
@@ -233,7 +249,7 @@ def online_rescale(m_i, m_blk):
 class Operand:
     """One quantized K or V of a head group, as kernel arguments."""
 
-    data: torch.Tensor  # [B, Hg, cap, D or D*bits/8]
+    data: torch.Tensor  # block tensor [num_blocks, Hg, block_size, D or D*bits/8]
     scale: torch.Tensor  # per-token/per-group scale part, or a dummy
     zero: torch.Tensor  # per-group zero part, or a dummy
     head_scale: torch.Tensor  # state["scale"][Hg] fp32, or a dummy
@@ -242,7 +258,7 @@ class Operand:
     group: int = 1
 
     def args(self) -> tuple:
-        """Pointer and stride arguments, in the order the kernels declare them."""
+        """Pointer and stride arguments (block, head, token strides), in the order the kernels declare them."""
         d, s = self.data, self.scale
         return (d, s, self.zero, self.head_scale, d.stride(0), d.stride(1), d.stride(2),
                 s.stride(0), s.stride(1), s.stride(2))
@@ -264,7 +280,7 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
     parts = store.parts
     main = parts.get("q", parts.get("x"))
     if main is None or main.dim() != 4 or main.stride(-1) != 1:
-        raise Unsupported(f"{qz.describe()}: part layout not [B, H, T, D] with unit channel stride")
+        raise Unsupported(f"{qz.describe()}: part layout not [blocks, H, block_size, D] with unit channel stride")
     if isinstance(qz, Passthrough):
         return Operand(main, main, main, main, KIND_FLOAT)
     if isinstance(qz, Int8SharedScale):
@@ -289,7 +305,7 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
             raise Unsupported(f"{qz.describe()}: token group {qz.token_group} != store block {store.block_size}")
         sc, zp = parts["scale"], parts["zero"]
         if sc.dim() != 4 or sc.shape[-1] != head_dim or sc.stride(-1) != 1 or zp.stride() != sc.stride():
-            raise Unsupported(f"{qz.describe()}: scale/zero parts not [B, H, blocks, D] laid out alike")
+            raise Unsupported(f"{qz.describe()}: scale/zero parts not [blocks, H, 1, D] laid out alike")
         return Operand(main, sc, zp, main, KIND_CHANNEL, bits=qz.bits, group=qz.token_group)
     if isinstance(qz, Fp8):
         if fp8_native:
