@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+BLOCK_SIZE = 128
+
 KINDS = {  # name -> (kind, bits, group, part pointer type, scale pointer type)
     "fp16": (0, 8, 1, "*fp16", "*fp16"),
     "bf16": (0, 8, 1, "*bf16", "*bf16"),
@@ -67,7 +69,8 @@ def compile_one(kernel: str, k: str, v: str, dot: int, D: int, rep: int, has_ran
     kv = dict(K_KIND=kk, K_BITS=kb, K_GROUP=kg, V_KIND=vk, V_BITS=vb, V_GROUP=vg)
     ptrs = {"Q": QTYPE[min(dot, 2)], "HEAD_IDX": "*i64", "LO": "*i32", "HI": "*i32", "OUT": QTYPE[min(dot, 2)],
             "FK": QTYPE[min(dot, 2)], "FV": QTYPE[min(dot, 2)], "O_PART": "*fp32", "LSE_PART": "*fp32",
-            "LSE_OUT": "*fp32", **_kv_ptrs("K", k), **_kv_ptrs("V", v)}  # fmt: skip
+            "LSE_OUT": "*fp32", "TBL": "*i32", **_kv_ptrs("K", k), **_kv_ptrs("V", v)}  # fmt: skip
+    kv["BS"] = BLOCK_SIZE  # tokens per pool block (the default block_size; per-channel parts: their token group)
     block_h = max(16, triton.next_power_of_2(rep))
     if kernel == "decode":
         bn, nw = triton_decode.launch_config(kk, vk, dot, D)
@@ -77,7 +80,7 @@ def compile_one(kernel: str, k: str, v: str, dot: int, D: int, rep: int, has_ran
     elif kernel == "reduce":
         num_warps = num_warps or 4
         fn = triton_decode._decode_reduce
-        consts = dict(REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=has_range, HAS_LSE=False)
+        consts = dict(REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=has_range, HAS_LSE=False)  # reads no block
     else:
         num_warps = num_warps or triton_chunk.NUM_WARPS
         block_m = block_m or triton_chunk.BLOCK_M

@@ -110,7 +110,7 @@ class QuantizedLayer(CacheLayerMixin):
                 f"key_states: batch {key_states.shape[0]} does not match the cache's batch {self.store.batch}"
             )
         if self.owner is not None and self.pool is not None and self.layer_idx == 0:
-            self.owner.admit(key_states.shape[2])
+            self.owner.admit(key_states.shape[2], key_states.shape[0], key_states.device)
         q_end = self.store.q_end
         past = self.store.append(key_states, value_states)
         if self.owner is not None:
@@ -263,10 +263,14 @@ class QuantizedKVCache(Cache):
                 if j < len(hashes) and j < len(store.tables[b]) and store.tables[b][j] >= 0:
                     self.pool.record(hashes[j], layer_idx, store.tables[b][j])
 
-    def admit(self, tokens: int) -> None:
+    def admit(self, tokens: int, batch: int, device: torch.device) -> None:
         """Check, before any layer writes, that a bounded pool can hold ``tokens`` more tokens per row."""
-        if self.pool is not None:
-            self.pool.admit([layer.store for layer in self.layers], tokens)
+        if self.pool is None or self.pool.blocks_per_layer is None:
+            return
+        for layer in self.layers:
+            if layer.store is None:
+                layer.make_store(batch, device)
+        self.pool.admit([layer.store for layer in self.layers], tokens)
 
     def release(self) -> None:
         """Give every block back to the pool (the cache is empty afterwards; ``reset`` also forgets scales)."""
