@@ -12,7 +12,7 @@
   ``sink_tokens + residual_tokens + block_size`` of them) are attended in torch
   (:func:`attend_dense`), and the two partials merged by log-sum-exp (:func:`merge_lse`).
 
-Raises :class:`~kvquant.kernels.dispatch.Unsupported` (the dispatcher then runs the torch path and
+Raises :class:`~kvquant.kernels.unsupported.Unsupported` (the dispatcher then runs the torch path and
 logs the reason once) for: head_dim not a power of two in [16, 256]; a device Triton cannot run on
 (CPU without ``TRITON_INTERPRET=1``); masks that are not one contiguous key range per query row,
 or that differ between heads; quantizers without a kernel path (none of the built-in ones:
@@ -40,7 +40,7 @@ import torch
 
 from kvquant.store import LayerStore
 
-from .dispatch import Unsupported
+from .unsupported import Unsupported
 from .triton_chunk import BLOCK_M, _chunk_attn, chunk
 from .triton_decode import decode
 from .triton_dequant import dot_kind, native_fp8, operand

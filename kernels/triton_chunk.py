@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import Unsupported
+from .unsupported import Unsupported
 from .triton_decode import LOG2E
 from .triton_dequant import (
     Operand,

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import Unsupported
+from .unsupported import Unsupported
 from .triton_dequant import (
     Operand,
     dot_pv,

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from kvquant.quantizers import Fp8, Int8PerToken, Int8SharedScale, IntNChannel, IntNGrouped, Passthrough
 
-from .dispatch import Unsupported
+from .unsupported import Unsupported
 
 KIND_FLOAT = 0
 KIND_HEAD = 1
