@@ -23,6 +23,7 @@ Commands:
   calibrate    measure per-head sensitivity and write a mixed-precision config for a bit budget
   show-config  print a config's per-layer precisions and average bits
   presets      list the named presets and precisions
+  inspect      run a prompt through a quantized cache and print its dump (block tables, scales, ids)
 
 Run `kvquant COMMAND --help` for the options and examples of each command.
 """
@@ -139,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list presets and precisions", description="List presets and precisions.")
     p.set_defaults(func=cmd_presets)
 
-    for module in ("kvquant.eval.cli", "kvquant.calibrate"):
+    for module in ("kvquant.eval.cli", "kvquant.calibrate", "kvquant.inspect_cmd"):
         try:
             mod = import_module(module)
         except ImportError as e:  # a broken optional piece must not take the whole CLI down
