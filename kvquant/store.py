@@ -215,6 +215,8 @@ class LayerStore:
                 )
             )
         per_block = any(g.key.quantizer.per_block or g.value.quantizer.per_block for g in self.groups)
+        self.has_block_parts = any(spec.per_block for g in self.groups for s in (g.key, g.value)
+                                   for spec in s.specs.values())  # fmt: skip
         # residual mode: newest tokens in full precision, quantized a whole block at a time
         self.residual_tokens = config.residual_tokens
         self.residual_mode = config.residual_tokens > 0 or per_block
@@ -325,7 +327,10 @@ class LayerStore:
         for j in range(j0, j1):
             a, c = max(pos, j * bs) - pos, min(end, (j + 1) * bs) - pos
             by_prefix: dict[tuple[int, ...], list[int]] = {}
-            for b in range(self.batch):
+            if self.batch == 1:  # nothing to share with
+                t = self.tables[0]
+                by_prefix[(t[j] if j < len(t) else -1,)] = [0]
+            for b in range(self.batch if self.batch > 1 else 0):
                 t = self.tables[b]
                 key = tuple(t[:j + 1]) if j < len(t) else (*t[:j], -1)
                 by_prefix.setdefault(key, []).append(b)
@@ -348,6 +353,7 @@ class LayerStore:
         self.blocks.ensure_free(new)  # may raise KVCacheFull: nothing changed yet
         # 2) allocate / copy, update the tables, and list the scatter
         src_b, src_t, dst_blk, dst_off, bsrc_b, bsrc_j, bdst = [], [], [], [], [], [], []
+        changed = False
         for j, a, c, existing, cls, in_place in work:
             if in_place:
                 bid = existing
@@ -360,9 +366,11 @@ class LayerStore:
             for b in cls:
                 t = self.tables[b]
                 if j < len(t):
+                    changed |= t[j] != bid
                     t[j] = bid
                 else:
                     t.append(bid)
+                    changed = True
             r = cls[0]
             n = c - a
             src_b += [r] * n
@@ -373,12 +381,14 @@ class LayerStore:
                 bsrc_b.append(r)
                 bsrc_j.append(j - j0)
                 bdst.append(bid)
-        self._table_cache = None
-
-        def idx(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.long, device=self.device)
-
-        return WritePlan(idx(src_b), idx(src_t), idx(dst_blk), idx(dst_off), idx(bsrc_b), idx(bsrc_j), idx(bdst))
+        if changed:
+            self._table_cache = None
+        tok = torch.tensor([src_b, src_t, dst_blk, dst_off], dtype=torch.long).to(self.device)
+        if self.has_block_parts and bdst:
+            blk = torch.tensor([bsrc_b, bsrc_j, bdst], dtype=torch.long).to(self.device)
+        else:
+            blk = torch.empty((3, 0), dtype=torch.long, device=self.device)
+        return WritePlan(tok[0], tok[1], tok[2], tok[3], blk[0], blk[1], blk[2])
 
     def release_window(self) -> None:
         """Sliding window: release the blocks no later query can see.
