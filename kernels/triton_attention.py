@@ -40,10 +40,10 @@ import torch
 
 from kvquant.store import LayerStore
 
-from .unsupported import Unsupported
 from .triton_chunk import BLOCK_M, _chunk_attn, chunk
 from .triton_decode import decode
 from .triton_dequant import dot_kind, native_fp8, operand
+from .unsupported import Unsupported
 
 MAX_REP = 128  # query heads per KV head held in one program
 LN2 = 0.6931471805599453  # the kernels' log-sum-exp is base 2

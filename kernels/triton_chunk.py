@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .unsupported import Unsupported
 from .triton_decode import LOG2E
 from .triton_dequant import (
     Operand,
@@ -36,6 +35,7 @@ from .triton_dequant import (
     reduce_min,
     reduce_sum,
 )
+from .unsupported import Unsupported
 
 
 @triton.jit

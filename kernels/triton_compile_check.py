@@ -32,9 +32,9 @@ KINDS = {  # name -> (kind, bits, group, part pointer type, scale pointer type)
     "int4": (3, 4, 32, "*u8", "*fp16"),
     "int3": (3, 3, 32, "*u8", "*fp16"),
     "int2": (3, 2, 32, "*u8", "*fp16"),
-    "int4-channel": (7, 4, 128, "*u8", "*fp16"),  # group = tokens per block (the store's block size)
-    "int3-channel": (7, 3, 128, "*u8", "*fp16"),
-    "int2-channel": (7, 2, 128, "*u8", "*fp16"),
+    "int4-channel": (7, 4, 1, "*u8", "*fp16"),  # one scale per channel; tokens by block address (BS)
+    "int3-channel": (7, 3, 1, "*u8", "*fp16"),
+    "int2-channel": (7, 2, 1, "*u8", "*fp16"),
     "fp8-e4m3": (4, 8, 1, "*fp8e4nv", "*u8"),
     "fp8-e5m2": (4, 8, 1, "*fp8e5", "*u8"),
     "fp8-e4m3-bits": (5, 8, 1, "*u8", "*u8"),

@@ -33,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .unsupported import Unsupported
 from .triton_dequant import (
     Operand,
     dot_pv,
@@ -46,6 +45,7 @@ from .triton_dequant import (
     reduce_max,
     reduce_sum,
 )
+from .unsupported import Unsupported
 
 LOG2E = 1.4426950408889634
 

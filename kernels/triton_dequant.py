@@ -23,8 +23,8 @@ fp32 up to rounding order. Per-group (INTN) and per-channel-per-block (CHANNEL, 
 KIVI's keys) scales and zeros vary along head_dim, so they cannot be folded out of the dot: they
 are applied to the tile on load (``code * scale + zero`` in fp32, exactly the dequantizer's math).
 CHANNEL codes use the same packing as INTN (split layout for 4/2 bits, three byte planes for 3
-bits); their scale/zero row is the one row of the token's pool block (the pool's block size is their token group), the column
-the channel.
+bits); their scale/zero row is the one row of the token's pool block (the pool's block size is
+the token group), their column the channel (``GROUP`` is 1).
 
 FP8: on GPUs with native fp8 conversions (compute capability >= 8.9: Ada, Hopper) the part is loaded
 as ``tl.float8e4nv`` / ``tl.float8e5``. Elsewhere (Ampere, and the CPU interpreter tests of this
@@ -54,7 +54,7 @@ KIND_INTN = 3
 KIND_FP8 = 4  # native: loaded as tl.float8e4nv / tl.float8e5
 KIND_FP8_E4M3_BITS = 5  # uint8 view, integer decode (value / 256; the 256 folded into the head scale)
 KIND_FP8_E5M2_BITS = 6  # uint8 view, integer decode (exact)
-KIND_CHANNEL = 7  # int4/3/2 codes as INTN; scale/zero per (block of GROUP tokens, channel): int*-channel
+KIND_CHANNEL = 7  # int4/3/2 codes as INTN; scale/zero per (pool block, channel): int*-channel
 
 DOT_IEEE = 0  # fp32 operands, exact fp32 products (fp32 queries: the 2e-3 contract vs the fp32 reference)
 DOT_FP16 = 1  # fp16 operands, fp32 accumulation (tensor cores)
@@ -105,10 +105,9 @@ def load_tile(
             shift = (offs_d // DP) * BITS
             byte = tl.load(ptr + rows[:, None] + col[None, :], mask=m2, other=0)
             code = (byte.to(tl.int32) >> shift[None, :]) & ((1 << BITS) - 1)
-        if KIND == 7:
-            s_off = sc_rows[:, None] + offs_d[None, :]
-        else:
-            s_off = sc_rows[:, None] + (offs_d // GROUP)[None, :]
+        # INTN: one scale per GROUP channels of the token's row; CHANNEL (GROUP 1): one per channel of
+        # the block's row
+        s_off = sc_rows[:, None] + (offs_d // GROUP)[None, :]
         s = tl.load(sc_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
         z = tl.load(zp_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
         x = code.to(tl.float32) * s + z
@@ -143,7 +142,7 @@ def paged_rows(tbl_ptr, offs_n, mask_n, sb, st, ss_b, ss_t, BS: tl.constexpr, KI
     blk = tl.load(tbl_ptr + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
     inner = (offs_n % BS).to(tl.int64)
     rows = blk * sb + inner * st
-    if KIND == 7:
+    if KIND == 7:  # noqa: SIM108 (a constexpr branch)
         sc_rows = blk * ss_b
     else:
         sc_rows = blk * ss_b + inner * ss_t
@@ -306,7 +305,7 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
         sc, zp = parts["scale"], parts["zero"]
         if sc.dim() != 4 or sc.shape[-1] != head_dim or sc.stride(-1) != 1 or zp.stride() != sc.stride():
             raise Unsupported(f"{qz.describe()}: scale/zero parts not [blocks, H, 1, D] laid out alike")
-        return Operand(main, sc, zp, main, KIND_CHANNEL, bits=qz.bits, group=qz.token_group)
+        return Operand(main, sc, zp, main, KIND_CHANNEL, bits=qz.bits, group=1)  # tokens: by block address
     if isinstance(qz, Fp8):
         if fp8_native:
             kind, data = KIND_FP8, main

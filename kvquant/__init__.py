@@ -15,8 +15,8 @@ Quick start::
 from .blocks import KVCacheFull
 from .cache import QuantizedKVCache, QuantizedLayer
 from .config import PRESETS, ConfigError, KVPrecision, KVQuantConfig
-from .quantizers import PRECISIONS, make_quantizer
 from .pool import PagedKVPool
+from .quantizers import PRECISIONS, make_quantizer
 from .shape import ModelShape
 from .simulate import SimulatedQuantCache
 from .wrap import unwrap, wrap, wrapped

@@ -72,7 +72,7 @@ def paged_layer(row, past, Tq, seed=0, **options):
 def check(layer, fk, fv, past, Tq, rep=2):
     tables = layer.tables
     assert tables[0][0] == tables[1][0]  # shared
-    assert any(b - a != 1 for t in tables for a, b in zip(t, t[1:]))  # not contiguous
+    assert any(b - a != 1 for t in tables for a, b in zip(t, t[1:], strict=False))  # not contiguous
     q = (torch.randn(3, layer.num_heads * rep, Tq, 64, generator=torch.Generator().manual_seed(5)) * 1.5).to(DEV)
     scaling = 0.125
     out = attend_triton(q, fk, fv, layer, past, None, scaling, splits=3, block_m=16)
