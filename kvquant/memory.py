@@ -91,6 +91,8 @@ def memory_report(cache: Any) -> dict[str, Any]:
         "bytes_reserved": totals["reserved"],
         "bytes_moved": moved,
         "blocks": totals["blocks"],
+        "bytes_per_block_all_layers": sum(la.store.blocks.bytes_per_block for la in cache.layers
+                                          if la.store is not None),
         "bytes_per_token": per_token,
         "fp16_bytes_per_token": fp16_per_token,
         "ratio_vs_fp16": per_token / fp16_per_token if per_token else 0.0,
