@@ -37,6 +37,7 @@ from .triton_dequant import (
     Operand,
     dot_pv,
     dot_qk,
+    head_ptrs,
     load_head_scale,
     load_tile,
     load_token_scale,
@@ -84,12 +85,8 @@ def _decode_partial(
     q = tl.load(Q + b64 * q_sb + qh[:, None] * q_sh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
 
     # block tensors [num_blocks, Hg, block_size, ...]: one head's base; rows come from the block table
-    k_base = K + hg * k_sh
-    ks_base = KS + hg * ks_sh
-    kz_base = KZ + hg * ks_sh
-    v_base = V + hg * v_sh
-    vs_base = VS + hg * vs_sh
-    vz_base = VZ + hg * vs_sh
+    k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
+    v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
     tbl = TBL + b64 * tbl_sb
     # per-head K scale folded into the softmax scale
     scale = qk_scale * load_head_scale(KH, hg, K_KIND)

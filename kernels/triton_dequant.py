@@ -134,6 +134,12 @@ def load_token_scale(sc_ptr, sc_rows, mask_n):
 
 
 @triton.jit
+def head_ptrs(P, S, Z, sh, ssh, hg):
+    """Pointers to head ``hg`` (block 0) of a part, its scale and its zero (head strides ``sh``, ``ssh``)."""
+    return P + hg * sh, S + hg * ssh, Z + hg * ssh
+
+
+@triton.jit
 def paged_rows(tbl_ptr, offs_n, mask_n, sb, st, ss_b, ss_t, BS: tl.constexpr, KIND: tl.constexpr):
     """Block-table addressing (vLLM's layout): token ``n`` of a row lives in block ``tbl[n // BS]`` at
     offset ``n % BS``. Returns the element offsets of the tokens' part rows and of their scale rows
