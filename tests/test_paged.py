@@ -280,3 +280,14 @@ def test_session_ids_deepcopy_and_dump():
     assert len(d["layers"][0]["block_tables"][0]) == 3
     cache.reset()
     assert cache.session_id != sid and cache.get_seq_length() == 0
+
+
+def test_inspect_command_prints_the_dump(stories_path, capsys):
+    from kvquant.cli import main
+
+    rc = main(["inspect", "--model", str(stories_path), "--config", "int8-token", "--text", "Once upon a time",
+               "--new-tokens", "3", "--beams", "2", "--block-size", "16", "--summary"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["session_id"].startswith("kvq-") and d["block_size"] == 16 and d["memory"]["bytes_total"] > 0
+    assert d["layers"][0]["cache_pos"] == d["cache_pos"] > 3 and d["layers"][0]["block_tables"] == [1, 1]
