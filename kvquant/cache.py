@@ -197,6 +197,7 @@ class QuantizedKVCache(Cache):
         capacity: int | None = None,
         pool: PagedKVPool | None = None,
     ) -> None:
+        self.session_id = new_session_id()
         if pool is not None:
             cfg = pool.config if config is None else KVQuantConfig.load(config)
             if cfg.to_dict() != pool.config.to_dict():
@@ -227,7 +228,6 @@ class QuantizedKVCache(Cache):
             layer.strict = bound
             layer.owner = self
         super().__init__(layers=layers)
-        self.session_id = new_session_id()
         self.token_ids: list[list[int]] | None = None
         self._hashes: list[list[bytes]] = []
         self._finalizer = weakref.finalize(self, _release, layers) if pool is not None else None
