@@ -136,7 +136,8 @@ def load_token_scale(sc_ptr, sc_rows, mask_n):
 @triton.jit
 def head_ptrs(P, S, Z, sh, ssh, hg):
     """Pointers to head ``hg`` (block 0) of a part, its scale and its zero (head strides ``sh``, ``ssh``)."""
-    return P + hg * sh, S + hg * ssh, Z + hg * ssh
+    h = hg.to(tl.int64)  # head strides of a head-major pool can exceed 2^31 elements
+    return P + h * sh, S + h * ssh, Z + h * ssh
 
 
 @triton.jit

@@ -6,6 +6,9 @@ one tensor per quantizer part, indexed by block id (vLLM's layout)::
     per-token part:  [num_blocks, heads_in_group, block_size, *part_shape]
     per-block part:  [num_blocks, heads_in_group, 1, *part_shape]     (per-channel scales/zeros)
 
+(stored head-major: the memory is ``[heads_in_group, num_blocks, ...]``, so that one head's run of
+consecutive blocks is contiguous; kernels address it through strides.)
+
 A block id addresses the same slot in every group and part of the layer, so one block table per
 sequence row serves them all. Reference counts let rows (beams), caches (requests) and the prefix
 index share a block; a block returns to the free list when its count drops to 0.
@@ -89,8 +92,10 @@ class LayerBlocks:
             self._grow(num_blocks)
 
     def _empty(self, heads: int, spec: PartSpec, n: int) -> torch.Tensor:
-        shape = (n, heads, part_rows(spec, self.block_size), *spec.shape)
-        return torch.zeros(shape, dtype=spec.dtype, device=self.device)
+        # head-major in memory ([heads, num_blocks, rows, ...]), seen as [num_blocks, heads, rows, ...]:
+        # a head's consecutive blocks are one contiguous run (the torch path reads them without a copy)
+        shape = (heads, n, part_rows(spec, self.block_size), *spec.shape)
+        return torch.zeros(shape, dtype=spec.dtype, device=self.device).transpose(0, 1)
 
     @property
     def num_blocks(self) -> int:
@@ -106,7 +111,9 @@ class LayerBlocks:
             for kind, specs in (("key", kspecs), ("value", vspecs)):
                 for name, spec in specs.items():
                     t = self.parts[g][kind][name]
-                    self.parts[g][kind][name] = torch.cat([t, self._empty(heads, spec, total - old)])
+                    grown = self._empty(heads, spec, total)
+                    grown[:old] = t
+                    self.parts[g][kind][name] = grown
         self.refs.extend([0] * (total - old))
         self.free.extend(range(total - 1, old - 1, -1))  # pop() hands out low ids first
 

@@ -69,20 +69,26 @@ class QuantizedTensorStore:
             else:
                 dst[plan.dst_blk, :, plan.dst_off] = rows[plan.src_b, plan.src_t].to(dst.dtype)
 
-    def gather(self, table: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The parts of the blocks ``table[B, nb]`` laid out as ``[B, H, nb * rows, *shape]`` (a copy)."""
+    def gather(self, table: torch.Tensor, run: int | None = None) -> dict[str, torch.Tensor]:
+        """The parts of the blocks ``table[B, nb]`` as ``[B, H, nb * rows, *shape]``: one copy of the
+        quantized bytes, or a view when ``run`` says the (single) row's blocks are ``run, run + 1, ...``."""
         out = {}
+        B, nb = table.shape
         for name, t in self.parts.items():
-            g = t[table]  # [B, nb, H, rows, *shape]
-            B, nb, H, rows = g.shape[:4]
-            out[name] = g.transpose(1, 2).reshape(B, H, nb * rows, *g.shape[4:])
+            base = t.transpose(0, 1)  # [H, num_blocks, rows, *shape], contiguous
+            H, _, rows = base.shape[:3]
+            g = base[:, run:run + nb] if run is not None else base.index_select(1, table.reshape(-1))
+            out[name] = g.reshape(H, B, nb * rows, *base.shape[3:]).transpose(0, 1)
         return out
 
-    def read(self, table: torch.Tensor, offset: int, length: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def read(
+        self, table: torch.Tensor, offset: int, length: int, dtype: torch.dtype = torch.float32,
+        run: int | None = None,
+    ) -> torch.Tensor:
         """Dequantize ``length`` tokens from ``offset`` of the blocks ``table[B, nb]`` -> ``[B, H, length, D]``.
 
         Per-block parts need ``offset == 0`` (reads start at a block boundary)."""
-        parts = self.gather(table)
+        parts = self.gather(table, run)
         for name in parts:
             if self.specs[name].per_block:
                 if offset:
@@ -509,8 +515,13 @@ class LayerStore:
         bs = self.block_size
         j0, j1 = start // bs, -(-end // bs)
         tbl = self.table()[:, j0:j1]
-        k = group.key.read(tbl, start - j0 * bs, end - start)
-        v = group.value.read(tbl, start - j0 * bs, end - start)
+        run = None
+        if self.batch == 1:  # one row whose blocks are consecutive: read them in place
+            ids = self.tables[0][j0:j1]
+            if ids and ids[0] >= 0 and ids[-1] - ids[0] == len(ids) - 1 and ids == list(range(ids[0], ids[-1] + 1)):
+                run = ids[0]
+        k = group.key.read(tbl, start - j0 * bs, end - start, run=run)
+        v = group.value.read(tbl, start - j0 * bs, end - start, run=run)
         dead = self.first_live * bs - start
         if dead > 0:
             k[:, :, :dead] = 0
