@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from kvquant.store import HeadGroup, LayerStore
 
@@ -52,8 +51,8 @@ class _OnlineSoftmax:
         self.m = m_new
 
     def result(self) -> torch.Tensor:
-        # rows with no visible key (fully padded) give 0, not NaN
-        return torch.where(self.l > 0, self.acc / self.l.clamp_min(1e-30), torch.zeros_like(self.acc))
+        # rows with no visible key (fully padded) give 0, not NaN; NaN in the history stays NaN
+        return _normalise(self.acc, self.l)
 
 
 def _mask_tile(
@@ -82,12 +81,12 @@ def _mask_tile(
     return m if group.all_heads else m.index_select(1, group.head_index)
 
 
-def _direct(qt, tiles, mask, group, num_kv, rep, q_range, past_len) -> torch.Tensor:
+def _direct(qt, tiles, mask, group, num_kv, rep, q_range, past_len, softcap) -> torch.Tensor:
     """Plain softmax over at most two tiles (the common decode case: history fits one tile)."""
     loaded = [(load(), k_range) for load, k_range in tiles]
     parts = []
     for (keys, _), k_range in loaded:
-        scores = qt @ keys.transpose(-1, -2)
+        scores = cap_scores(qt @ keys.transpose(-1, -2), softcap)
         keep = _mask_tile(mask, group, num_kv, rep, q_range, k_range, past_len)
         parts.append(scores if keep is None else _apply(scores, keep, rep))
     scores = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
@@ -100,7 +99,18 @@ def _direct(qt, tiles, mask, group, num_kv, rep, q_range, past_len) -> torch.Ten
         term = p[..., start:start + k1 - k0] @ values
         out = term if out is None else out + term
         start += k1 - k0
-    return torch.where(denom > 0, out / denom.clamp_min(1e-30), torch.zeros_like(out))
+    return _normalise(out, denom)
+
+
+def cap_scores(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Attention logit softcapping (Gemma 2): ``softcap * tanh(scores / softcap)``; identity for None."""
+    return scores if not softcap else torch.tanh(scores / softcap) * softcap
+
+
+def _normalise(acc: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+    """``acc / denom``; rows with no visible key (``denom == 0``) give 0. A NaN anywhere in the history
+    propagates (a NaN ``denom`` is not 0), so corruption is never turned into a plausible output."""
+    return torch.where(denom == 0, torch.zeros_like(acc), acc / torch.where(denom == 0, 1.0, denom))
 
 
 def _apply(scores: torch.Tensor, keep: torch.Tensor, rep: int) -> torch.Tensor:
@@ -108,6 +118,17 @@ def _apply(scores: torch.Tensor, keep: torch.Tensor, rep: int) -> torch.Tensor:
     B, Hg, rows, tk = scores.shape
     s5 = scores.view(B, Hg, rep, rows // rep, tk).masked_fill(~keep, -math.inf)
     return s5.view(B, Hg, rows, tk)
+
+
+def _fresh_extent(mask: torch.Tensor | None, q_range: tuple[int, int], past_len: int, tq: int) -> int:
+    """Chunk keys ``[0, n)`` that queries ``q_range`` may see: causal without a mask, else from the mask
+    (a non-causal mask lets a query see chunk keys after it, beyond the query tile)."""
+    q0, q1 = q_range
+    if mask is None:
+        return q1
+    cols = mask[:, :, q0:q1, past_len:past_len + tq].any(dim=2).any(dim=1).any(dim=0)
+    idx = cols.nonzero()
+    return int(idx[-1]) + 1 if idx.numel() else 1  # >= 1 key: a fully masked tile still has a (masked) tile
 
 
 def _tiles(total: int, size: int) -> list[tuple[int, int]]:
@@ -122,8 +143,11 @@ def attend_torch(
     past_len: int,
     mask: torch.Tensor | None,
     scaling: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of ``query`` over ``layer``'s quantized history plus the fresh chunk (see module doc)."""
+    """Attention of ``query`` over ``layer``'s quantized history plus the fresh chunk (see module doc).
+
+    ``softcap``: attention logit softcapping (Gemma 2), applied to the scaled scores before masking."""
     B, Hq, Tq, D = query.shape
     Hkv = layer.num_heads
     if Hq % Hkv:
@@ -145,21 +169,22 @@ def attend_torch(
             # all query heads of a KV head share its keys: one [rep*tq, D] x [D, tk] product, no broadcast copy
             qt = q[:, :, :, q0:q1].reshape(B, Hg, rep * (q1 - q0), D)
             # (keys, values, keep-mask) tiles: the quantized history (dequantized one tile at a time),
-            # then the fresh chunk in full precision (causal: keys up to the tile's last query)
+            # then the fresh chunk in full precision, up to the last chunk key that a query of the tile sees
+            f_end = _fresh_extent(mask, (q0, q1), past_len, Tq)
             tiles = [
                 (lambda a=k0, b=k1, grp=g: layer.read(grp, a, b), (k0, k1)) for k0, k1 in layer.tiles(past_len, tk)
             ] + [
                 (lambda a=f0, b=f1, k=fk, v=fv: (k[:, :, a:b].float(), v[:, :, a:b].float()),
                  (past_len + f0, past_len + f1))
-                for f0, f1 in _tiles(q1, tk)
+                for f0, f1 in _tiles(f_end, tk)
             ]
             if len(tiles) <= 2:
-                res = _direct(qt, tiles, mask, g, Hkv, rep, (q0, q1), past_len)
+                res = _direct(qt, tiles, mask, g, Hkv, rep, (q0, q1), past_len, softcap)
             else:
                 acc = _OnlineSoftmax((B, Hg, rep * (q1 - q0)), D, device)
                 for load, k_range in tiles:
                     keys, values = load()
-                    scores = qt @ keys.transpose(-1, -2)
+                    scores = cap_scores(qt @ keys.transpose(-1, -2), softcap)
                     keep = _mask_tile(mask, g, Hkv, rep, (q0, q1), k_range, past_len)
                     if keep is not None:
                         scores = _apply(scores, keep, rep)
@@ -192,8 +217,9 @@ def attend_naive(
     past_len: int,
     mask: torch.Tensor | None,
     scaling: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Reference: dequantize the whole history, concatenate the fresh chunk, run SDPA in fp32."""
+    """Reference: dequantize the whole history, concatenate the fresh chunk, softmax attention in fp32."""
     B, Hq, Tq, D = query.shape
     rep = Hq // layer.num_heads
     hk, hv = dequantize_history(layer, past_len)
@@ -203,6 +229,7 @@ def attend_naive(
     if mask is None:
         qpos = torch.arange(Tq, device=query.device).view(-1, 1) + past_len
         mask = (torch.arange(L, device=query.device).view(1, -1) <= qpos).view(1, 1, Tq, L)
-    out = F.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask, scale=scaling)
+    scores = cap_scores(query.float() @ k.transpose(-1, -2) * scaling, softcap)
+    out = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1) @ v
     visible = mask.any(dim=-1, keepdim=True).expand(B, Hq, Tq, 1)
     return torch.where(visible, out, torch.zeros_like(out)).to(query.dtype)

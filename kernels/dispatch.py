@@ -41,8 +41,12 @@ def attend(
     past_len: int,
     mask: torch.Tensor | None,
     scaling: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of ``query[B, Hq, Tq, D]`` over the store's history and the fresh chunk.
+
+    ``softcap`` (Gemma 2's attention logit softcapping): scores become ``softcap * tanh(scores / softcap)``
+    before masking and softmax.
 
     With ``rotate`` on, queries and the fresh K (and V) are rotated into the store's space first
     and the output rotated back (the Hadamard matrix is its own inverse).
@@ -55,12 +59,12 @@ def attend(
         try:
             from .triton_attention import attend_triton
 
-            out = attend_triton(query, fresh_k, fresh_v, layer, past_len, mask, scaling)
+            out = attend_triton(query, fresh_k, fresh_v, layer, past_len, mask, scaling, softcap=softcap)
         except (Unsupported, ImportError) as e:
             reason = f"{type(e).__name__}: {e}"
             if reason not in _logged:
                 _logged.add(reason)
                 logger.warning("kvquant: Triton attention unavailable, using the torch path (%s)", reason)
     if out is None:
-        out = attend_torch(query, fresh_k, fresh_v, layer, past_len, mask, scaling)
+        out = attend_torch(query, fresh_k, fresh_v, layer, past_len, mask, scaling, softcap)
     return fwht(out) if layer.rotate_values else out

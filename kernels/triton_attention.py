@@ -40,6 +40,7 @@ import torch
 
 from kvquant.store import LayerStore
 
+from .attention_torch import cap_scores
 from .triton_chunk import BLOCK_M, _chunk_attn, chunk
 from .triton_decode import decode
 from .triton_dequant import dot_kind, native_fp8, operand
@@ -128,12 +129,13 @@ def key_ranges(
 
 
 def split_ranges(
-    ranges: tuple[torch.Tensor, torch.Tensor] | None, batch: int, q_len: int, past_len: int, q_end: int, sinks: int,
-    device: torch.device,
+    ranges: tuple[torch.Tensor, torch.Tensor] | None, batch: int, q_len: int, past_len: int, q_end: int,
+    sinks: torch.Tensor | int, device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Key ranges of the quantized side: ``ranges`` (on the history + chunk axis, ``None`` = causal)
     mapped onto the axis (pool ``[0, q_end)`` + chunk) the kernels see, with the sink rows
-    ``[0, sinks)`` and the residual ``[q_end, past_len)`` removed (they are the dense side's).
+    (below ``sinks[b]``: each row's sinks end there; before them lie its pads, outside its range) and
+    the residual ``[q_end, past_len)`` removed (they are the dense side's).
 
     A contiguous range stays contiguous: removing a middle segment of the axis joins its two sides.
     """
@@ -142,7 +144,7 @@ def split_ranges(
         hi = (past_len + 1 + torch.arange(q_len, dtype=torch.int32, device=device)).expand(batch, q_len)
     else:
         lo, hi = ranges
-    lo = lo.clamp_min(sinks)
+    lo = torch.maximum(lo, torch.as_tensor(sinks, device=lo.device).view(-1, 1).to(lo.dtype))
     R = past_len - q_end
 
     def to_pool_axis(p: torch.Tensor) -> torch.Tensor:
@@ -157,28 +159,30 @@ def split_ranges(
 
 
 def dense_segments(layer: LayerStore, past_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The full-precision history of ``layer``: (K, V ``[B, Hkv, n, D]``, positions ``[n]``), or None.
+    """The full-precision history of ``layer``: (K, V ``[B, Hkv, n, D]``, positions ``[B, n]``), or None.
 
-    Sink rows ``[0, min(sink_tokens, q_end))`` from ``sink_k/sink_v`` (below ``q_end`` only: tokens
-    still in the residual are read from there) and the residual ``[q_end, past_len)``.
+    Each row's sink tokens (its first real tokens, ``row_start[b] + [0, sink_tokens)``) from
+    ``sink_k/sink_v``, below ``q_end`` only (tokens still in the residual are read from there; a slot
+    at or beyond ``q_end`` gets position -1, never visible), and the residual ``[q_end, past_len)``.
     """
     q_end = min(layer.q_end, past_len)
     ks, vs, pos = [], [], []
     device = layer.device
-    n_sink = min(layer.sink_tokens, q_end) if layer.sink_k is not None else 0
-    if n_sink > 0:
-        ks.append(layer.sink_k[:, :, :n_sink])
-        vs.append(layer.sink_v[:, :, :n_sink])
-        pos.append(torch.arange(n_sink, device=device))
+    B = layer.batch
+    if layer.sink_k is not None and q_end > 0:
+        p = layer.row_start.view(-1, 1) + torch.arange(layer.sink_tokens, device=device)
+        ks.append(layer.sink_k)
+        vs.append(layer.sink_v)
+        pos.append(torch.where(p < q_end, p, -1))
     if past_len > q_end:
         if layer.res_k is None or layer.res_k.shape[2] < past_len - q_end:
             raise Unsupported(f"the residual buffer does not hold tokens [{q_end}, {past_len})")
         ks.append(layer.res_k[:, :, : past_len - q_end])
         vs.append(layer.res_v[:, :, : past_len - q_end])
-        pos.append(torch.arange(q_end, past_len, device=device))
+        pos.append(torch.arange(q_end, past_len, device=device).expand(B, -1))
     if not ks:
         return None
-    return torch.cat(ks, dim=2).float(), torch.cat(vs, dim=2).float(), torch.cat(pos).to(ks[0].device)
+    return torch.cat(ks, dim=2).float(), torch.cat(vs, dim=2).float(), torch.cat(pos, dim=1).to(ks[0].device)
 
 
 def block_table(layer: LayerStore, hist: int, batch: int, device: torch.device) -> torch.Tensor:
@@ -199,9 +203,11 @@ def attend_dense(
     positions: torch.Tensor,
     ranges: tuple[torch.Tensor, torch.Tensor] | None,
     scaling: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``query[B, Hq, Tq, D]`` over a few dense keys ``[B, Hkv, n, D]`` (at history
-    ``positions``), visible where ``lo <= position < hi`` (``ranges=None``: all, as causal).
+    ``positions[B, n]``), visible where ``lo <= position < hi`` (``ranges=None``: causal over the
+    history, i.e. every position >= 0).
 
     Returns fp32 ``(out[B, Hq, Tq, D], lse[B, Hq, Tq])``, natural log; rows with no visible key get
     ``out = 0`` and ``lse = -inf``.
@@ -210,17 +216,20 @@ def attend_dense(
     Hkv, n = keys.shape[1], keys.shape[2]
     rep = Hq // Hkv
     q = query.float().reshape(B, Hkv, rep * Tq, D) * scaling
-    s = (q @ keys.transpose(-1, -2)).view(B, Hkv, rep, Tq, n)
+    s = cap_scores(q @ keys.transpose(-1, -2), softcap).view(B, Hkv, rep, Tq, n)
+    pos = positions.view(-1, 1, n)
     if ranges is not None:
         lo, hi = ranges
-        vis = (positions.view(1, 1, n) >= lo[..., None]) & (positions.view(1, 1, n) < hi[..., None])
-        s = s.masked_fill(~vis[:, None, None], float("-inf"))
+        vis = (pos >= lo[..., None]) & (pos < hi[..., None])
+    else:
+        vis = (pos >= 0).expand(B, Tq, n)
+    s = s.masked_fill(~vis[:, None, None], float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     p = torch.exp(s - m)
     denom = p.sum(dim=-1, keepdim=True)
     out = (p.view(B, Hkv, rep * Tq, n) @ values).view(B, Hkv, rep, Tq, D) / denom.clamp_min(1e-30)
-    lse = torch.where(denom > 0, m + torch.log(denom.clamp_min(1e-30)), float("-inf"))
+    lse = torch.where(denom == 0, float("-inf"), m + torch.log(denom))  # NaN (corrupt keys) stays NaN
     return out.reshape(B, Hq, Tq, D), lse.reshape(B, Hq, Tq)
 
 
@@ -232,7 +241,8 @@ def merge_lse(
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     wa, wb = torch.exp(lse_a - m)[..., None], torch.exp(lse_b - m)[..., None]
     den = wa + wb
-    return torch.where(den > 0, (wa * out_a + wb * out_b) / den.clamp_min(1e-30), torch.zeros_like(out_a))
+    # rows with no visible key give 0; a NaN partial stays NaN
+    return torch.where(den == 0, torch.zeros_like(out_a), (wa * out_a + wb * out_b) / torch.where(den == 0, 1.0, den))
 
 
 def attend_triton(
@@ -244,6 +254,7 @@ def attend_triton(
     mask: torch.Tensor | None,
     scaling: float,
     *,
+    softcap: float | None = None,
     splits: int | None = None,
     block_m: int | None = None,
 ) -> torch.Tensor:
@@ -268,7 +279,8 @@ def attend_triton(
     dense = getattr(layer, "has_dense_segments", False)
     if dense:
         hist = min(layer.q_end, past_len)  # history length the kernels see: the quantized pool
-        sinks = min(layer.sink_tokens, hist) if layer.sink_k is not None else 0
+        # per row: pool rows below its sinks' end are the dense side's sinks (or its pads)
+        sinks = (layer.row_start + layer.sink_tokens).clamp_max(hist) if layer.sink_k is not None else 0
         segments = dense_segments(layer, past_len)
         kernel_ranges = split_ranges(ranges, B, Tq, past_len, hist, sinks, query.device)
     else:
@@ -293,12 +305,14 @@ def attend_triton(
     lse = torch.empty((B, Hq, Tq), dtype=torch.float32, device=query.device) if segments is not None else None
     if Tq == 1:
         decode(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling, res, dk,
-               splits=splits, lse=lse, table=table, block_size=layer.block_size)  # fmt: skip
+               splits=splits, lse=lse, table=table, block_size=layer.block_size,
+               softcap=softcap)  # fmt: skip
     else:
         chunk(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling, res, dk,
-              block_m=block_m or BLOCK_M, lse=lse, table=table, block_size=layer.block_size)  # fmt: skip
+              block_m=block_m or BLOCK_M, lse=lse, table=table, block_size=layer.block_size,
+              softcap=softcap)  # fmt: skip
     if segments is not None:
-        d_out, d_lse = attend_dense(query, *segments, ranges, scaling)
+        d_out, d_lse = attend_dense(query, *segments, ranges, scaling, softcap)
         res = merge_lse(res, lse * LN2, d_out, d_lse)
     if res is not out:
         out.copy_(res)

@@ -24,6 +24,7 @@ import triton.language as tl
 from .triton_decode import LOG2E
 from .triton_dequant import (
     Operand,
+    cap_scores,
     dot_pv,
     dot_qk,
     head_ptrs,
@@ -48,7 +49,7 @@ def _chunk_attn(
     HEAD_IDX, LO, HI, lo_sb, lo_st, OUT, o_sb, o_sh, o_st, LSE_OUT,
     qk_scale, past_len, Tq, Hg, n_qheads,
     REP: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_RANGE: tl.constexpr, DOT: tl.constexpr, HAS_LSE: tl.constexpr,
+    HAS_RANGE: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_LSE: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
 ):  # fmt: skip
@@ -82,7 +83,7 @@ def _chunk_attn(
     k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
     v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
     tbl = TBL + b64 * tbl_sb
-    scale = qk_scale * load_head_scale(KH, hg, K_KIND)
+    scale = qk_scale * load_head_scale(KH, pid, K_KIND)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0, tl.float32)
@@ -101,6 +102,7 @@ def _chunk_attn(
         s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
         if K_KIND == 2:
             s = s * load_token_scale(ks_base, ks_rows, mask_n)[None, :]
+        s = cap_scores(s, SOFTCAP)
         s = tl.where(vis, s, float("-inf"))
         m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
         p = tl.exp2(s - m_safe[:, None])
@@ -111,7 +113,7 @@ def _chunk_attn(
         acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
         m_i = m_new
     # per-head V scale, once, before the (unscaled) fresh values join the accumulator
-    acc = acc * load_head_scale(VH, hg, V_KIND)
+    acc = acc * load_head_scale(VH, pid, V_KIND)
 
     # 2) the fresh chunk, full precision; chunk key j sits at position past_len + j
     f_start = tl.maximum(k_lo - past_len, 0)
@@ -124,7 +126,7 @@ def _chunk_attn(
         pos = past_len + offs_j
         vis = (pos[None, :] >= lo_r[:, None]) & (pos[None, :] < hi_r[:, None]) & mask_j[None, :]
         fk = tl.load(fk_base + offs_j[:, None] * fk_st + offs_d[None, :], mask=mask_j[:, None], other=0.0)
-        s = dot_qk(q, tl.trans(fk), DOT, False) * qk_scale
+        s = cap_scores(dot_qk(q, tl.trans(fk), DOT, False) * qk_scale, SOFTCAP)
         s = tl.where(vis, s, float("-inf"))
         m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
         p = tl.exp2(s - m_safe[:, None])
@@ -133,13 +135,13 @@ def _chunk_attn(
         acc = acc * alpha[:, None] + dot_pv(p, fv, DOT, False)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out = tl.where((l_i > 0)[:, None], out, 0.0)  # rows with no visible key give 0
+    out = acc / tl.where(l_i != 0, l_i, 1.0)[:, None]
+    out = tl.where((l_i != 0)[:, None], out, 0.0)  # rows with no visible key give 0
     o_ptr = OUT + b64 * o_sb + qh[:, None] * o_sh + t[:, None] * o_st + offs_d[None, :]
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=mask_r[:, None])
     if HAS_LSE:
         # base-2 log-sum-exp of the scaled scores, [B, Hq, Tq] contiguous (-inf: no visible key)
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        lse = tl.where(l_i != 0, m_i + tl.log2(tl.where(l_i != 0, l_i, 1.0)), float("-inf"))
         tl.store(LSE_OUT + (b64 * n_qheads + qh) * Tq + t, lse, mask=mask_r)
 
 
@@ -169,6 +171,7 @@ def chunk(
     block_n: int | None = None,
     num_warps: int = NUM_WARPS,
     lse: torch.Tensor | None = None,
+    softcap: float | None = None,
     *,
     table: torch.Tensor,
     block_size: int,
@@ -199,6 +202,7 @@ def chunk(
             head_index, lo, hi, lo_sb, lo_st, out, out.stride(0), out.stride(1), out.stride(2),
             lse if lse is not None else out, scaling * LOG2E, past_len, Tq, Hg, Hq,
             REP=rep, BLOCK_M=block_m, D=D, BLOCK_N=block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
+            SOFTCAP=(softcap or 0.0) * LOG2E,
             HAS_LSE=lse is not None,
             K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group,
             V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group, BS=block_size,

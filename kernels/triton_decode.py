@@ -35,6 +35,7 @@ import triton.language as tl
 
 from .triton_dequant import (
     Operand,
+    cap_scores,
     dot_pv,
     dot_qk,
     head_ptrs,
@@ -59,7 +60,7 @@ def _decode_partial(
     HEAD_IDX, LO, HI, lo_sb, O_PART, LSE_PART,
     qk_scale, past_len, part_len, Hg, S, n_qheads,
     REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_RANGE: tl.constexpr, DOT: tl.constexpr,
+    HAS_RANGE: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
 ):  # fmt: skip
@@ -89,7 +90,7 @@ def _decode_partial(
     v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
     tbl = TBL + b64 * tbl_sb
     # per-head K scale folded into the softmax scale
-    scale = qk_scale * load_head_scale(KH, hg, K_KIND)
+    scale = qk_scale * load_head_scale(KH, pid, K_KIND)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_H], 0, tl.float32)
@@ -105,6 +106,7 @@ def _decode_partial(
         s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
         if K_KIND == 2:
             s = s * load_token_scale(ks_base, ks_rows, mask_n)[None, :]
+        s = cap_scores(s, SOFTCAP)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
         p = tl.exp2(s - m_safe[:, None])
@@ -116,8 +118,8 @@ def _decode_partial(
         m_i = m_new
 
     # per-head V scale, once after the loop
-    acc = acc * load_head_scale(VH, hg, V_KIND)
-    has = l_i > 0
+    acc = acc * load_head_scale(VH, pid, V_KIND)
+    has = l_i != 0  # rows with no visible key; a NaN sum (corrupt history) stays NaN
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     # partial buffers [B, Hq, S, D] and [B, Hq, S] (contiguous), indexed by the layer's query head
@@ -131,6 +133,7 @@ def _decode_reduce(
     O_PART, LSE_PART, Q, q_sb, q_sh, FK, fk_sb, fk_sh, FV, fv_sb, fv_sh, OUT, o_sb, o_sh, LSE_OUT,
     LO, HI, lo_sb, qk_scale, past_len, Hkv, S,
     REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, HAS_RANGE: tl.constexpr, HAS_LSE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     b = pid // Hkv
@@ -159,7 +162,7 @@ def _decode_reduce(
     q = tl.load(Q + b64 * q_sb + qh[:, None] * q_sh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
     fk = tl.load(FK + b64 * fk_sb + h * fk_sh + offs_d).to(tl.float32)
     fv = tl.load(FV + b64 * fv_sb + h * fv_sh + offs_d).to(tl.float32)
-    s = reduce_sum(q.to(tl.float32) * fk[None, :], 1) * qk_scale
+    s = cap_scores(reduce_sum(q.to(tl.float32) * fk[None, :], 1) * qk_scale, SOFTCAP)
     if HAS_RANGE:
         lo = tl.load(LO + b * lo_sb)
         hi = tl.load(HI + b * lo_sb)
@@ -171,13 +174,13 @@ def _decode_reduce(
     m_i = m_new
 
     # rows with no visible key give 0 (as the torch path)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out = tl.where((l_i > 0)[:, None], out, 0.0)
+    out = acc / tl.where(l_i != 0, l_i, 1.0)[:, None]
+    out = tl.where((l_i != 0)[:, None], out, 0.0)
     o_ptr = OUT + b64 * o_sb + qh[:, None] * o_sh + offs_d[None, :]
     tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=mask_h[:, None])
     if HAS_LSE:
         # base-2 log-sum-exp of the scaled scores, [B, Hq] contiguous (-inf: no visible key)
-        lse_o = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        lse_o = tl.where(l_i != 0, m_i + tl.log2(tl.where(l_i != 0, l_i, 1.0)), float("-inf"))
         tl.store(LSE_OUT + b64 * n_qheads + qh, lse_o, mask=mask_h)
 
 
@@ -229,6 +232,7 @@ def decode(
     dot_kind: int,
     splits: int | None = None,
     lse: torch.Tensor | None = None,
+    softcap: float | None = None,
     *,
     table: torch.Tensor,
     block_size: int,
@@ -265,6 +269,7 @@ def decode(
             head_index, lo, hi, lo_sb, o_part, lse_part,
             qk_scale, past_len, part_len, Hg, S, Hq,
             REP=rep, BLOCK_H=block_h, D=D, BLOCK_N=group_block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
+            SOFTCAP=(softcap or 0.0) * LOG2E,
             K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group,
             V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group, BS=block_size,
             num_warps=num_warps,
@@ -275,6 +280,7 @@ def decode(
         out, out.stride(0), out.stride(1), lse if lse is not None else lse_part,
         lo, hi, lo_sb, qk_scale, past_len, num_kv, S,
         REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=ranges is not None, HAS_LSE=lse is not None,
+        SOFTCAP=(softcap or 0.0) * LOG2E,
         num_warps=4,
     )  # fmt: skip
     return out

@@ -158,7 +158,8 @@ def paged_rows(tbl_ptr, offs_n, mask_n, sb, st, ss_b, ss_t, BS: tl.constexpr, KI
 
 @triton.jit
 def load_head_scale(hs_ptr, hg, KIND: tl.constexpr):
-    """The per-head factor of head ``hg`` of the group: the static scale (x256 for e4m3 bit decode), or 1."""
+    """The per-head factor at index ``hg`` (``b * Hg + head``: scales are per sequence and head) of the
+    group: the static scale (x256 for e4m3 bit decode), or 1."""
     if KIND == 1 or KIND == 4:
         s = tl.load(hs_ptr + hg).to(tl.float32)
     elif KIND == 5:
@@ -241,6 +242,17 @@ def reduce_sum(x, axis: tl.constexpr):
 
 
 @triton.jit
+def cap_scores(s, SOFTCAP: tl.constexpr):
+    """Attention logit softcapping (Gemma 2) on base-2 scores: ``SOFTCAP * tanh(s / SOFTCAP)`` with
+    ``SOFTCAP = softcap * log2(e)`` (the kernels' scores are natural scores times log2(e)); 0 = off.
+    tanh as ``1 - 2 / (exp(2y) + 1)``: exact limits at +-inf, no libdevice call (runs interpreted)."""
+    if SOFTCAP > 0:
+        e = tl.exp(s * (2.0 / SOFTCAP))
+        s = SOFTCAP * (1.0 - 2.0 / (e + 1.0))
+    return s
+
+
+@triton.jit
 def online_rescale(m_i, m_blk):
     """Online-softmax bookkeeping for one more block of scores whose row max is ``m_blk``: the new
     running max, the exp2 base to subtract (0 while a row has seen no key, so no inf - inf) and
@@ -258,7 +270,7 @@ class Operand:
     data: torch.Tensor  # block tensor [num_blocks, Hg, block_size, D or D*bits/8]
     scale: torch.Tensor  # per-token/per-group scale part, or a dummy
     zero: torch.Tensor  # per-group zero part, or a dummy
-    head_scale: torch.Tensor  # state["scale"][Hg] fp32, or a dummy
+    head_scale: torch.Tensor  # state["scale"] as fp32 [B, Hg], or a dummy
     kind: int
     bits: int = 8
     group: int = 1
@@ -324,12 +336,13 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
 
 
 def _head_scale(store) -> torch.Tensor:
+    """The static scales as fp32 ``[B, Hg]`` contiguous (per sequence; a per-head ``[Hg]`` is broadcast)."""
     s = store.state.get("scale")
-    if s is None:
-        raise Unsupported(f"{store.quantizer.describe()}: no static scale (store not calibrated)")
-    if s.dtype != torch.float32 or s.dim() != 1 or s.stride(0) != 1:
-        s = s.float().contiguous()
-    return s
+    if s is None:  # not calibrated yet: nothing is in the pool (tokens are held in full precision)
+        s = torch.ones(store.batch, store.heads, device=store.device)
+    if s.dim() == 1:
+        s = s.expand(store.batch, -1)
+    return s.float().contiguous()
 
 
 def dot_kind(dtype: torch.dtype, interpreted: bool = False) -> int:

@@ -36,24 +36,68 @@ def kvquant_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention signature; returns ``(out[B, Tq, Hq, D], None)``."""
     view: LayerView | None = handoff.take(key)
-    if view is None:
+    softcap = kwargs.get("softcap")
+    if view is None and softcap is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    from kvquant.kernels import attend
-
-    for unsupported in ("softcap", "s_aux", "sinks", "position_bias"):
+    for unsupported in ("s_aux", "sinks", "position_bias"):
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"kvquant attention: {unsupported!r} is not supported by this model path")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    mask = _bool_mask(attention_mask)
+    if view is None:  # another cache, softcapped logits (SDPA has no softcap): plain softmax attention
+        return _softcapped_attention(query, key, value, mask, scaling, softcap), None
+    from kvquant.kernels import attend
+
+    if view.commit is not None:
+        view.commit(first_real_token(mask, query.shape[0]) if view.past_len == 0 else None)
+    out = attend(query, key, value, view.store, view.past_len, mask, scaling, softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def first_real_token(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """Per row, the first key position that some query may see (``[B]``), from a boolean 4D mask.
+
+    Keys that no query sees are left padding; ``None`` (no mask) means no padding. A row that sees
+    nothing gets the mask's length.
+    """
+    if mask is None:
+        return None
+    seen = mask.any(dim=1).any(dim=1)  # [B or 1, L]
+    L = seen.shape[-1]
+    pos = torch.arange(L, device=mask.device)
+    return torch.where(seen, pos, L).amin(dim=-1).expand(batch)
+
+
+def _bool_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """transformers' 4D mask as booleans (True = attend); additive float masks are converted."""
     mask = attention_mask
     if mask is not None and mask.dtype != torch.bool:
         mask = mask > torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask.bool()
     if mask is not None and mask.ndim != 4:
         raise ValueError(f"attention_mask: expected a 4D mask, got shape {tuple(mask.shape)}")
-    out = attend(query, key, value, view.store, view.past_len, mask, scaling)
-    return out.transpose(1, 2).contiguous(), None
+    return mask
+
+
+def _softcapped_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Softmax attention with logit softcapping over full-precision K/V; ``out[B, Tq, Hq, D]``."""
+    from kvquant.kernels.attention_torch import cap_scores
+
+    rep = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(rep, dim=1).float(), value.repeat_interleave(rep, dim=1).float()
+    scores = cap_scores(query.float() @ k.transpose(-1, -2) * scaling, softcap)
+    if mask is not None:
+        mask = mask[..., : k.shape[2]]
+        scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v
+    if mask is not None:  # rows with no visible key give 0 (softmax over nothing is NaN)
+        out = torch.where(mask.any(dim=-1, keepdim=True), out, torch.zeros_like(out))
+    return out.to(query.dtype).transpose(1, 2).contiguous()
 
 
 @functools.cache

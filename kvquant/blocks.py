@@ -160,6 +160,22 @@ class LayerBlocks:
                     t[dst].copy_(t[src])
         return dst
 
+    def retype(self, group: int, kind: str, name: str, spec: PartSpec) -> None:
+        """Give one part the dtype of ``spec`` (fp16 scales widened to fp32 after an overflow: values kept
+        exactly, for every cache on these blocks)."""
+        t = self.parts[group][kind][name]
+        if t.dtype == spec.dtype:
+            return
+        heads = self.specs[group][0]
+        new = self._empty(heads, spec, self.num_blocks)
+        new.copy_(t)
+        self.parts[group][kind][name] = new
+        kspecs, vspecs = self.specs[group][1:]
+        specs = dict(kspecs if kind == "key" else vspecs)
+        specs[name] = spec
+        self.specs[group] = (heads, specs, vspecs) if kind == "key" else (heads, kspecs, specs)
+        self.bytes_per_block = block_bytes(self.specs, self.block_size)
+
     def nbytes(self) -> int:
         """Bytes of every block tensor (allocated capacity)."""
         return self.num_blocks * self.bytes_per_block

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import secrets
+import warnings
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,11 +30,47 @@ if TYPE_CHECKING:
     from .pool import PagedKVPool
 
 ATTN_NAME = "kvquant"
+CLIP_WARN_RATE = 1e-3  # warn (once per cache) when static scales clip more than this fraction of values
 
 
 def new_session_id() -> str:
     """A fresh random id for one sequence's cache (creation, reset, deep copy)."""
     return f"kvq-{secrets.token_hex(6)}"
+
+
+class ClipMonitor:
+    """Clipping by static scales over all layers of one cache: the rate, and one warning when it is high.
+
+    Checked after a multi-token chunk (prefill) and every ``block_size`` decode steps (each check reads
+    the device counters once), and by :meth:`QuantizedKVCache.memory_report`.
+    """
+
+    def __init__(self, layers: list[QuantizedLayer], name: str) -> None:
+        self.layers = layers
+        self.name = name
+        self.warned = False
+
+    def counts(self) -> tuple[int, int]:
+        """(values clipped, values written through static scales)."""
+        stores = [layer.store for layer in self.layers if layer.store is not None]
+        return sum(s.clipped() for s in stores), sum(s.static_values() for s in stores)
+
+    def rate(self) -> float:
+        clipped, total = self.counts()
+        return clipped / total if total else 0.0
+
+    def check(self) -> None:
+        if self.warned:
+            return
+        clipped, total = self.counts()
+        if total and clipped / total > CLIP_WARN_RATE:
+            self.warned = True
+            warnings.warn(
+                f"kvquant: static K/V scales clipped {clipped / total:.2%} of the values written so far "
+                f"({clipped} of {total}, cache {self.name}); raise headroom, use a scales_file or a "
+                "per-token precision (int8-token)",
+                stacklevel=3,
+            )
 
 
 class QuantizedLayer(CacheLayerMixin):
@@ -44,8 +81,9 @@ class QuantizedLayer(CacheLayerMixin):
 
     @property
     def is_croppable(self) -> bool:
-        """Crop can undo any token, except in residual mode (tokens already quantized by whole blocks)."""
-        return self.store is None or not self.store.residual_mode
+        """Crop can undo any token (see :meth:`LayerStore.crop`), except that per-channel blocks without a
+        full-precision window (``residual_tokens: 0``) can only be cut at block boundaries."""
+        return self.store is None or not self.store.per_block or self.store.residual_tokens > 0
 
     def __init__(
         self,
@@ -68,6 +106,10 @@ class QuantizedLayer(CacheLayerMixin):
         self.pool = pool
         self.window = window
         self.store: LayerStore | None = None
+        # bound to a model: the chunk of the last update, written when the kvquant attention reads it
+        # (the attention has the mask, hence each row's left padding, which the first write needs)
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.monitor: ClipMonitor | None = None  # set by the cache: clipping over all layers
         # when bound to a model, every update must be read by the kvquant attention before the next one
         self.strict = True
         self.owner: QuantizedKVCache | None = None
@@ -111,18 +153,46 @@ class QuantizedLayer(CacheLayerMixin):
             )
         if self.owner is not None and self.pool is not None and self.layer_idx == 0:
             self.owner.admit(key_states.shape[2], key_states.shape[0], key_states.device)
+        past = self.store.cache_pos
+        if self.strict:
+            self._pending = (key_states, value_states)
+        else:
+            self._write(key_states, value_states)
+        handoff.publish(key_states, handoff.LayerView(self.layer_idx, self.store, past, self.strict, self.commit))
+        return key_states, value_states
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None = None) -> None:
+        assert self.store is not None
         q_end = self.store.q_end
-        past = self.store.append(key_states, value_states)
+        self.store.append(keys, values, row_start)
         if self.owner is not None:
             self.owner.index_new_blocks(self.layer_idx, q_end)
-        handoff.publish(key_states, handoff.LayerView(self.layer_idx, self.store, past, self.strict))
-        return key_states, value_states
+        self._check_clipping(keys.shape[2])
+
+    def commit(self, row_start: torch.Tensor | None = None) -> None:
+        """Write the chunk of the last :meth:`update` (called by the kvquant attention, which reads it).
+
+        ``row_start[B]``: each row's first real token (from the attention mask); used by the first write.
+        """
+        if self._pending is not None:
+            keys, values = self._pending
+            self._pending = None
+            self._write(keys, values, row_start)
+
+    def _check_clipping(self, chunk: int) -> None:
+        """After the last layer's write of a chunk, or every ``block_size`` decode steps: warn if clipping."""
+        store = self.store
+        last = self.monitor is not None and self.monitor.layers[-1] is self
+        if last and store is not None and (chunk > 1 or store.cache_pos % store.block_size == 0):
+            self.monitor.check()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.store.cache_pos if self.store is not None else 0
+        if self.store is None:
+            return 0
+        return self.store.cache_pos + (self._pending[0].shape[2] if self._pending is not None else 0)
 
     def get_max_length(self) -> int:
         return -1
@@ -130,6 +200,7 @@ class QuantizedLayer(CacheLayerMixin):
     def reset(self) -> None:
         if self.store is not None:
             self.store.reset()
+        self._pending = None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
@@ -224,9 +295,11 @@ class QuantizedKVCache(Cache):
                            pool, windows[i])
             for i, row in enumerate(self.plan)
         ]  # fmt: skip
+        self.clip_monitor = ClipMonitor(layers, self.session_id)
         for layer in layers:
             layer.strict = bound
             layer.owner = self
+            layer.monitor = self.clip_monitor
         super().__init__(layers=layers)
         self.token_ids: list[list[int]] | None = None
         self._hashes: list[list[bytes]] = []
@@ -295,7 +368,7 @@ class QuantizedKVCache(Cache):
         new = object.__new__(type(self))
         memo[id(self)] = new
         for k, v in self.__dict__.items():
-            if k in ("pool", "layers", "_finalizer"):
+            if k in ("pool", "layers", "_finalizer", "clip_monitor"):
                 continue
             setattr(new, k, copy.deepcopy(v, memo))
         new.pool = self.pool
@@ -307,6 +380,9 @@ class QuantizedKVCache(Cache):
                 lc.store = layer.store.copy()
             new.layers.append(lc)
         new.session_id = new_session_id()
+        new.clip_monitor = ClipMonitor(new.layers, new.session_id)
+        for lc in new.layers:
+            lc.monitor = new.clip_monitor
         new._finalizer = weakref.finalize(new, _release, new.layers) if self.pool is not None else None
         return new
 
@@ -322,11 +398,16 @@ class QuantizedKVCache(Cache):
         and per precision, bytes shared, blocks, bytes moved by copy-on-write, and the ratio to FP16."""
         from .memory import memory_report
 
+        self.clip_monitor.check()
         return memory_report(self)
 
     def clipped_values(self) -> int:
         """Values that exceeded a static (per-head) scale and were clipped, over all layers."""
-        return sum(layer.store.clipped() for layer in self.layers if layer.store is not None)
+        return self.clip_monitor.counts()[0]
+
+    def clipped_rate(self) -> float:
+        """Fraction of the values written through static scales that were clipped (0.0 if none)."""
+        return self.clip_monitor.rate()
 
     def dump(self) -> dict[str, Any]:
         """A JSON-serialisable summary for debugging: session, config, and per layer the block tables,

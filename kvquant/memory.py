@@ -98,6 +98,8 @@ def memory_report(cache: Any) -> dict[str, Any]:
         "ratio_vs_fp16": per_token / fp16_per_token if per_token else 0.0,
         "formula_bytes": kv_bytes(batch, tokens, shape, cache.kv_config.avg_bits(shape) / 8),
         "clipped_values": cache.clipped_values(),
+        # fraction of the values written through static (per-head) scales that were clipped
+        "clipped": cache.clipped_rate(),
         "per_layer": per_layer,
         "per_precision": per_precision,
     }

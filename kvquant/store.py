@@ -36,6 +36,36 @@ from .quantizers import Quantizer, make_quantizer
 from .quantizers.base import PartSpec
 from .rotation import fwht
 
+# Static (per-head) scales are calibrated on at least this many real tokens of every row; until then the
+# tokens are held in full precision (a 1-token prompt says little about later magnitudes) ...
+CALIB_MIN_TOKENS = 16
+# ... and while a (row, head) has only seen zeros, up to this many tokens: then its scale falls back to
+# the layer's largest calibrated max (1.0 if every value was zero), and clipping is counted and reported.
+CALIB_MAX_TOKENS = 512
+
+
+def row_amax(x: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
+    """``|x|`` max per (row, head) of ``x[B, H, T, D]`` over the tokens where ``use[B, T]`` is True."""
+    return torch.where(use[:, None, :, None], x.detach().float().abs(), 0.0).amax(dim=(2, 3))
+
+
+def safe_amax(amax: torch.Tensor) -> torch.Tensor:
+    """Calibrated maxima with zeros (a row / head that only saw zeros) replaced by the largest one, or
+    1.0 when all are zero: a scale of 0 would turn every later value into 0."""
+    top = amax.max()
+    return torch.where(amax > 0, amax, torch.where(top > 0, top, torch.ones_like(top)))
+
+
+class StoredOverflow(ValueError):
+    """K/V values that the configured storage cannot hold (e.g. |x| > 65504 in fp16 passthrough)."""
+
+
+def stored_finite(parts: dict[str, torch.Tensor]) -> bool:
+    """True when every 16/32-bit float part is finite (fp8 parts saturate and integer codes cannot overflow)."""
+    wide = (torch.float16, torch.bfloat16, torch.float32)
+    checks = [torch.isfinite(t).all() for t in parts.values() if t.dtype in wide]
+    return bool(torch.stack(checks).all()) if checks else True
+
 
 class QuantizedTensorStore:
     """The K (or V) of one head group: quantizer, static state, and the group's part tensors in the
@@ -49,17 +79,34 @@ class QuantizedTensorStore:
         self.state: dict[str, torch.Tensor] = {}
         self.specs = quantizer.parts()
         self.clipped = torch.zeros((), dtype=torch.int64, device=blocks.device)
+        self.static_values = 0  # values written through a static scale (the denominator of the clip rate)
 
     @property
     def parts(self) -> dict[str, torch.Tensor]:
         """The block tensors of every part (looked up each time: the arena may have grown)."""
         return self.blocks.parts[self.group][self.kind]
 
-    def write(self, x: torch.Tensor, plan: WritePlan) -> None:
-        """Quantize ``x[B, H, T, D]`` and scatter the planned (row, token) pairs into their blocks."""
+    def write(self, x: torch.Tensor, plan: WritePlan, check: bool = True) -> None:
+        """Quantize ``x[B, H, T, D]`` and scatter the planned (row, token) pairs into their blocks.
+
+        ``check``: verify that what is *stored* is finite (one reduction). fp16 scales / zeros that
+        overflow (|x| > 65504) are widened to fp32 for this group's blocks (exact, bytes counted) and
+        the chunk quantized again; anything else non-finite (fp16 passthrough storage) raises
+        :class:`StoredOverflow`.
+        """
         if self.quantizer.static:
             self.clipped += self.quantizer.clipped(x, self.state)
+            self.static_values += x.numel()
         q = self.quantizer.quantize(x, self.state)
+        if check and not stored_finite(q):
+            if self.quantizer.widen_scales():
+                self._widen_parts()
+                q = self.quantizer.quantize(x, self.state)
+            if not stored_finite(q):
+                raise StoredOverflow(
+                    f"precision: {self.quantizer.name} cannot store |K/V| up to {x.abs().max().item():.3g} "
+                    "(the stored values overflow); use bf16 or fp32 storage for this layer / head"
+                )
         for name, t in q.items():
             dst = self.parts[name]
             rows = t.transpose(1, 2)  # [B, T or blocks, H, *shape]
@@ -68,6 +115,12 @@ class QuantizedTensorStore:
                     dst[plan.blk_dst, :, 0] = rows[plan.blk_src_b, plan.blk_src_j].to(dst.dtype)
             else:
                 dst[plan.dst_blk, :, plan.dst_off] = rows[plan.src_b, plan.src_t].to(dst.dtype)
+
+    def _widen_parts(self) -> None:
+        """Re-type the block tensors whose dtype the quantizer changed (fp16 scales -> fp32; values kept)."""
+        self.specs = self.quantizer.parts()
+        for name, spec in self.specs.items():
+            self.blocks.retype(self.group, self.kind, name, spec)
 
     def gather(self, table: torch.Tensor, run: int | None = None) -> dict[str, torch.Tensor]:
         """The parts of the blocks ``table[B, nb]`` as ``[B, H, nb * rows, *shape]``: one copy of the
@@ -192,6 +245,9 @@ class LayerStore:
         self.device = device
         self.cache_pos = 0
         self.q_end = 0  # tokens [0, q_end) are in the quantized pool
+        # per row, the position of its first real token (left padding before it), set by the first append
+        self.row_start = torch.zeros(batch, dtype=torch.long, device=device)
+        self.sink_end = 0  # sink tokens lie below this position in every row
         self.calibrated = False
         self._static_amax = static_amax
         self.rotate_keys = config.rotate in ("keys", "kv")
@@ -223,6 +279,7 @@ class LayerStore:
         per_block = any(g.key.quantizer.per_block or g.value.quantizer.per_block for g in self.groups)
         self.has_block_parts = any(spec.per_block for g in self.groups for s in (g.key, g.value)
                                    for spec in s.specs.values())  # fmt: skip
+        self.per_block = per_block
         # residual mode: newest tokens in full precision, quantized a whole block at a time
         self.residual_tokens = config.residual_tokens
         self.residual_mode = config.residual_tokens > 0 or per_block
@@ -233,8 +290,9 @@ class LayerStore:
 
     @property
     def has_dense_segments(self) -> bool:
-        """True when some history is read from full-precision buffers (sinks or residual)."""
-        return self.sink_tokens > 0 or self.residual_mode
+        """True when some history is read from full-precision buffers (sinks, residual, or tokens held
+        while static-scale calibration is deferred)."""
+        return self.sink_tokens > 0 or self.residual_mode or self.q_end < self.cache_pos
 
     # ---------------------------------------------------------------- capacity
     @property
@@ -269,49 +327,130 @@ class LayerStore:
         """Apply the configured Hadamard rotation (identity when ``rotate: none``)."""
         return (fwht(keys) if self.rotate_keys else keys), (fwht(values) if self.rotate_values else values)
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Quantize and write ``keys/values[B, H, T, D]`` at the cursor; returns the past length."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None = None) -> int:
+        """Quantize and write ``keys/values[B, H, T, D]`` at the cursor; returns the past length.
+
+        ``row_start[B]`` (first append only): each row's first real token; the positions before it are
+        left padding. Sink tokens are then each row's first real tokens, and static scales ignore pads.
+        """
         if self.config.check_finite and not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
             raise ValueError("key_states/value_states: NaN or Inf values cannot be quantized")
         keys, values = self.to_storage_space(keys, values)
         past = self.cache_pos
         T = keys.shape[2]
+        if past == 0:
+            self._set_row_start(row_start)
         if self.dense_dtype is None:
             self.dense_dtype = torch.float16 if keys.dtype == torch.float32 else keys.dtype
-        if past < self.sink_tokens:
+        if self.config.check_finite and (self.has_dense_segments or not self.calibrated):
+            self._fit_dense(keys, values)
+        if past < self.sink_end:
             self._keep_sinks(keys, values, past)
+        held = self.res_k.shape[2] if self.res_k is not None and not self.calibrated else 0
         if not self.calibrated:
-            self._calibrate(keys, values, past)
+            if self._hold_for_calibration(keys, values, past):
+                self.cache_pos = past + T
+                return past
+            if held:  # calibrate on the held tokens and this chunk together
+                hk = torch.cat([self.res_k.float(), keys.float()], dim=2)
+                hv = torch.cat([self.res_v.float(), values.float()], dim=2)
+                self._calibrate(hk, hv, self.q_end)
+            else:
+                self._calibrate(keys, values, past)
         self.release_window()
         if self.residual_mode:
             self._append_residual(keys, values)
         else:
+            if held:  # tokens held while calibration was deferred go to the pool first
+                self._write_pool(self.res_k.to(keys.dtype), self.res_v.to(values.dtype), self.q_end)
+                self.res_k = self.res_v = None
             self._write_pool(keys, values, past)
         self.cache_pos = past + T
         return past
 
+    def _hold_for_calibration(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> bool:
+        """Defer static-scale calibration (holding this chunk in full precision) while some row has fewer
+        than ``CALIB_MIN_TOKENS`` real tokens, or only zeros in a head, and fewer than ``CALIB_MAX_TOKENS``."""
+        static = any(q.static for g in self.groups for q in (g.key.quantizer, g.value.quantizer))
+        end = past + keys.shape[2]
+        if not static or self._static_amax is not None or end >= CALIB_MAX_TOKENS:
+            return False
+        seen = (end - self.row_start).clamp_min(0)  # real tokens per row, this chunk included
+        if bool((seen >= CALIB_MIN_TOKENS).all()):
+            start = self.q_end
+            ks, vs = keys.float(), values.float()
+            if self.res_k is not None and self.res_k.shape[2]:
+                ks = torch.cat([self.res_k.float(), ks], dim=2)
+                vs = torch.cat([self.res_v.float(), vs], dim=2)
+            use = self.real_tokens(start, end)
+            if bool(((row_amax(ks, use) > 0) & (row_amax(vs, use) > 0)).all()):
+                return False
+        dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
+        if self.res_k is not None and self.res_k.shape[2]:
+            dk, dv = torch.cat([self.res_k, dk], dim=2), torch.cat([self.res_v, dv], dim=2)
+        self.res_k, self.res_v = dk, dv
+        return True
+
+    def _fit_dense(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """fp16 sink / residual buffers (fp32 models) become fp32 when a value would overflow fp16."""
+        if self.dense_dtype != torch.float16:
+            return
+        if float(torch.maximum(keys.abs().amax(), values.abs().amax())) <= torch.finfo(torch.float16).max:
+            return
+        self.dense_dtype = torch.float32
+        for name in ("sink_k", "sink_v", "res_k", "res_v"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.float())
+
+    def _set_row_start(self, row_start: torch.Tensor | None) -> None:
+        if row_start is None:
+            self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        else:
+            if row_start.shape != (self.batch,):
+                raise ValueError(f"row_start: shape {tuple(row_start.shape)}, expected ({self.batch},)")
+            self.row_start = row_start.to(self.device, torch.long)
+        self.sink_end = int(self.row_start.max()) + self.sink_tokens if self.sink_tokens else 0
+
+    def real_tokens(self, start: int, end: int) -> torch.Tensor:
+        """``[B, end - start]``: True where position ``start + t`` of a row is a real token (not left padding)."""
+        pos = torch.arange(start, end, device=self.device)
+        return pos[None, :] >= self.row_start[:, None]
+
+    def sink_slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The sink tokens among positions ``[start, end)``: index tensors (row, offset from ``start``,
+        slot of the row's sink buffer), or None. A row's sinks are its first ``sink_tokens`` real tokens."""
+        if start >= self.sink_end:
+            return None
+        slot = torch.arange(start, end, device=self.device)[None, :] - self.row_start[:, None]
+        rows, offs = ((slot >= 0) & (slot < self.sink_tokens)).nonzero(as_tuple=True)
+        return rows, offs, slot[rows, offs]
+
     def _keep_sinks(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
-        n = min(self.sink_tokens - past, keys.shape[2])
         if self.sink_k is None:
             shape = (self.batch, self.num_heads, self.sink_tokens, self.head_dim)
             self.sink_k = torch.zeros(shape, dtype=self.dense_dtype, device=self.device)
             self.sink_v = torch.zeros_like(self.sink_k)
-        self.sink_k[:, :, past:past + n] = keys[:, :, :n]
-        self.sink_v[:, :, past:past + n] = values[:, :, :n]
+        sel = self.sink_slots(past, past + keys.shape[2])
+        if sel is not None:
+            rows, offs, slots = sel
+            self.sink_k[rows, :, slots] = keys[rows, :, offs].to(self.dense_dtype)
+            self.sink_v[rows, :, slots] = values[rows, :, offs].to(self.dense_dtype)
 
     def _write_pool(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> None:
         """Quantize a chunk into the pool at ``pos`` (sink rows zeroed: they are read from the sink buffer)."""
-        if pos < self.sink_tokens:
-            n = min(self.sink_tokens - pos, keys.shape[2])
+        sel = self.sink_slots(pos, pos + keys.shape[2])
+        if sel is not None:
+            rows, offs, _ = sel
             keys, values = keys.clone(), values.clone()
-            keys[:, :, :n] = 0
-            values[:, :, :n] = 0
+            keys[rows, :, offs] = 0
+            values[rows, :, offs] = 0
         plan = self._place(keys, values, pos)
         for g in self.groups:
             k = keys if g.all_heads else keys.index_select(1, g.head_index)
             v = values if g.all_heads else values.index_select(1, g.head_index)
-            g.key.write(k, plan)
-            g.value.write(v, plan)
+            g.key.write(k, plan, self.config.check_finite)
+            g.value.write(v, plan, self.config.check_finite)
         self.q_end = pos + keys.shape[2]
 
     def _place(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> WritePlan:
@@ -325,7 +464,7 @@ class LayerStore:
         bs, T = self.block_size, keys.shape[2]
         end = pos + T
         j0, j1 = pos // bs, -(-end // bs)
-        if self.residual_mode and (pos % bs or T % bs):
+        if self.per_block and (pos % bs or T % bs):
             raise AssertionError("per-channel quantizers write whole, aligned blocks")
         # 1) classes of rows per block: same table prefix (and block), same new tokens
         work = []  # (j, a, c, existing block or -1, [rows], in_place)
@@ -440,34 +579,50 @@ class LayerStore:
                 x = src if g.all_heads else src.index_select(1, g.head_index)
                 y = s.quantizer.dequantize(s.quantizer.quantize(x, s.state), s.state, src.dtype)
                 dst[:, g.head_index] = y
-        n = max(0, min(self.sink_tokens - self.cache_pos, ks.shape[2]))
-        k_out[:, :, :n], v_out[:, :, :n] = ks[:, :, :n], vs[:, :, :n]
+        if self.cache_pos == 0:
+            self._set_row_start(None)
+        sel = self.sink_slots(self.cache_pos, self.cache_pos + ks.shape[2])
+        if sel is not None:
+            rows, offs, _ = sel
+            k_out[rows, :, offs], v_out[rows, :, offs] = ks[rows, :, offs], vs[rows, :, offs]
         self.cache_pos += ks.shape[2]
         k_out = fwht(k_out) if self.rotate_keys else k_out
         v_out = fwht(v_out) if self.rotate_values else v_out
         return k_out, v_out
 
     def _calibrate(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
-        """Set the static per-(layer, head) scales, from a scales file or from this first chunk.
+        """Set the static scales per (sequence, KV head), from a scales file or from this first chunk.
 
-        Sink tokens (read in full precision) are left out of the max when the chunk has other tokens.
+        Each row's scale comes from its own real tokens: never from batch-mates or left padding. Sink
+        tokens (read in full precision) are left out of the max when the chunk has other tokens.
         """
         if self._static_amax is not None:
-            k_amax = self._static_amax["key"].to(self.device)
-            v_amax = self._static_amax["value"].to(self.device)
+            k_amax = self._static_amax["key"].to(self.device).expand(self.batch, -1)
+            v_amax = self._static_amax["value"].to(self.device).expand(self.batch, -1)
         else:
-            skip = max(0, self.sink_tokens - past)
-            if skip >= keys.shape[2]:
-                skip = 0
-            k_amax = keys[:, :, skip:].detach().float().abs().amax(dim=(0, 2, 3))
-            v_amax = values[:, :, skip:].detach().float().abs().amax(dim=(0, 2, 3))
+            T = keys.shape[2]
+            use = self.real_tokens(past, past + T)
+            sel = self.sink_slots(past, past + T)
+            if sel is not None:
+                not_sink = torch.ones_like(use)
+                not_sink[sel[0], sel[1]] = False
+                # sinks are left out of a row's max when the chunk holds other real tokens of that row
+                use = torch.where((use & not_sink).any(dim=1, keepdim=True), use & not_sink, use)
+            k_amax = safe_amax(row_amax(keys, use))
+            v_amax = safe_amax(row_amax(values, use))
         for g in self.groups:
-            ka, va = k_amax[g.head_index], v_amax[g.head_index]
+            ka, va = k_amax[:, g.head_index], v_amax[:, g.head_index]
             both_int8 = g.key.quantizer.name == g.value.quantizer.name == "int8"
             if both_int8 and self.config.share_kv_scale:
                 ka = va = torch.maximum(ka, va)
             g.key.state = g.key.quantizer.calibrate(ka)
             g.value.state = g.value.quantizer.calibrate(va)
+            for st in (g.key, g.value):
+                if not stored_finite(st.state):
+                    raise StoredOverflow(
+                        f"headroom: {self.config.headroom!r} times the calibrated max overflows the static "
+                        f"{st.quantizer.name} scale (float32)"
+                    )
         self.calibrated = True
 
     # ---------------------------------------------------------------- reading (storage space)
@@ -492,12 +647,13 @@ class LayerStore:
                 k, v = k.index_select(1, group.head_index), v.index_select(1, group.head_index)
             return k.float(), v.float()
         k, v = self.read_pool(group, start, end)
-        if start < self.sink_tokens and self.sink_k is not None:
-            n = min(self.sink_tokens, end) - start
-            sk, sv = self.sink_k[:, :, start:start + n], self.sink_v[:, :, start:start + n]
+        sel = self.sink_slots(start, end) if self.sink_k is not None else None
+        if sel is not None:
+            rows, offs, slots = sel
+            sk, sv = self.sink_k[rows, :, slots], self.sink_v[rows, :, slots]  # [n, Hkv, D]
             if not group.all_heads:
                 sk, sv = sk.index_select(1, group.head_index), sv.index_select(1, group.head_index)
-            k[:, :, :n], v[:, :, :n] = sk.float(), sv.float()
+            k[rows, :, offs], v[rows, :, offs] = sk.float(), sv.float()
         return k, v
 
     def table(self) -> torch.Tensor:
@@ -530,21 +686,29 @@ class LayerStore:
 
     # ---------------------------------------------------------------- cache operations
     def crop(self, tokens: int) -> None:
-        """Keep the first ``tokens`` tokens; blocks wholly past them go back to the pool."""
+        """Keep the first ``tokens`` tokens; blocks wholly past them go back to the pool.
+
+        Nothing is quantized again: kept tokens are read exactly as before. In residual mode a crop
+        that reaches into the quantized pool empties the residual window and keeps the pool's first
+        ``tokens`` tokens (the window refills with new tokens). Per-channel (``int*-channel``) blocks
+        share one scale per block, so their pool can only be cut at a block boundary: a crop to the
+        middle of a quantized block is refused (keeping its head would mean re-quantizing it).
+        """
         tokens = max(0, min(tokens, self.cache_pos))
-        if self.residual_mode and tokens < self.q_end:
-            raise ValueError(
-                f"crop: cannot drop tokens that were already quantized by whole blocks in residual mode "
-                f"(keep >= {self.q_end}, asked {tokens})"
-            )
         if tokens < self.first_live * self.block_size:
             raise ValueError(f"crop: tokens before {self.first_live * self.block_size} left the sliding window")
-        if self.residual_mode:
-            keep = tokens - self.q_end
-            self.res_k, self.res_v = self.res_k[:, :, :keep], self.res_v[:, :, :keep]
-        else:
+        if tokens < self.q_end:
+            if self.per_block and tokens % self.block_size:
+                raise ValueError(
+                    f"crop: keeping {tokens} tokens would split a quantized per-channel block of {self.block_size} "
+                    f"(its scales cover the whole block); keep a multiple of {self.block_size} tokens or at "
+                    f"least {self.q_end} (the full-precision window)"
+                )
             self.q_end = tokens
             self._truncate(-(-tokens // self.block_size))
+        if self.res_k is not None:
+            keep = tokens - self.q_end
+            self.res_k, self.res_v = self.res_k[:, :, :keep], self.res_v[:, :, :keep]
         self.cache_pos = tokens
 
     def _truncate(self, blocks: int) -> None:
@@ -561,13 +725,15 @@ class LayerStore:
     def reset(self) -> None:
         """Forget all tokens and static scales; the blocks go back to the pool."""
         self.release()
-        self.cache_pos = self.q_end = 0
+        self.cache_pos = self.q_end = self.sink_end = 0
+        self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self.calibrated = False
         self.res_k = self.res_v = None
         self.sink_k = self.sink_v = None
         for g in self.groups:
             for s in (g.key, g.value):
                 s.clipped.zero_()
+                s.static_values = 0
                 s.state = {}
 
     def adopt(self, tables: list[list[int]], tokens: int) -> None:
@@ -614,6 +780,10 @@ class LayerStore:
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
+        self.row_start = self.row_start.index_select(0, idx)
+        for g in self.groups:  # per-sequence static scales [B, H] follow their rows
+            for st in (g.key, g.value):
+                st.state = {n: t.index_select(0, idx) if t.dim() == 2 else t for n, t in st.state.items()}
         self.batch = int(idx.numel())
 
     # ---------------------------------------------------------------- accounting
@@ -650,3 +820,7 @@ class LayerStore:
 
     def clipped(self) -> int:
         return int(sum(int(g.key.clipped) + int(g.value.clipped) for g in self.groups))
+
+    def static_values(self) -> int:
+        """Values written through static scales so far (what :meth:`clipped` counts against)."""
+        return sum(g.key.static_values + g.value.static_values for g in self.groups)

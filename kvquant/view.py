@@ -7,7 +7,8 @@ Nothing is attached to the tensors (the hand-off is one slot per thread, matched
 tensor's identity), and a view published by a cache whose model does not run the ``kvquant``
 attention is detected at the next update instead of being silently ignored.
 
-The view names what the attention reads: the layer's store (head groups with their quantizer
+The chunk itself is written when the attention commits the view (it knows each row's padding from
+the mask). The view names what the attention reads: the layer's store (head groups with their quantizer
 layout and block tensors, one block table per row, the dense sink / residual segments) and the
 history length ``past_len`` (the tokens before this chunk).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +27,17 @@ import torch
 @dataclass(frozen=True)
 class LayerView:
     """What one attention call reads: ``store`` (a :class:`~kvquant.store.LayerStore`: block tensors,
-    block tables, quantizer layout, dense segments) and the history length ``past_len``."""
+    block tables, quantizer layout, dense segments) and the history length ``past_len``.
+
+    ``commit(row_start)``: the attention calls it first; it writes the chunk of this update into the
+    store (``row_start[B]``: each row's first real token, from the mask, which the first write needs
+    for per-row sinks and scales under left padding; ``None``: no padding)."""
 
     layer_idx: int
     store: Any
     past_len: int
     strict: bool = True  # the cache is bound to a model: the attention must take this view
+    commit: Callable[[torch.Tensor | None], None] | None = None
 
 
 _slot = threading.local()

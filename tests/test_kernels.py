@@ -62,11 +62,11 @@ def query(B, Hq, Tq, D, seed=1, dtype=torch.float32):
     return (torch.randn(B, Hq, Tq, D, generator=g) * 1.5).to(DEV, dtype)
 
 
-def check(q, fk, fv, layer, past, mask=None, tol=TOL, **kw):
+def check(q, fk, fv, layer, past, mask=None, tol=TOL, softcap=None, **kw):
     scaling = q.shape[-1] ** -0.5
-    out = attend_triton(q, fk, fv, layer, past, mask, scaling, **kw)
-    ref = attend_naive(q.float(), fk, fv, layer, past, mask, scaling)
-    walk = attend_torch(q, fk, fv, layer, past, mask, scaling)
+    out = attend_triton(q, fk, fv, layer, past, mask, scaling, softcap=softcap, **kw)
+    ref = attend_naive(q.float(), fk, fv, layer, past, mask, scaling, softcap)
+    walk = attend_torch(q, fk, fv, layer, past, mask, scaling, softcap)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     err = (out.float() - ref).abs().max().item()

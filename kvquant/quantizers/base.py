@@ -60,7 +60,8 @@ class Quantizer(ABC):
 
     # -- static scales ----------------------------------------------------------------------
     def calibrate(self, amax: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Static state (e.g. one scale per head) from the per-head absolute max ``amax[H]``."""
+        """Static state (e.g. one scale per head) from the absolute max ``amax[H]`` per head, or
+        ``amax[B, H]`` per sequence and head (scales then broadcast as :func:`head_view`)."""
         return {}
 
     # -- math -------------------------------------------------------------------------------
@@ -72,6 +73,12 @@ class Quantizer(ABC):
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Parts ``{name: [B, H, T, *shape]}`` -> ``[B, H, T, D]`` in ``dtype``."""
 
+    def widen_scales(self) -> bool:
+        """Store per-token / per-block scales and zeros in fp32 from now on (they overflowed fp16).
+
+        Returns False when there is nothing to widen (no fp16 scale parts, or already fp32)."""
+        return False
+
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """How many elements of ``x`` exceed the representable range (static scales only)."""
         return torch.zeros((), dtype=torch.int64, device=x.device)
@@ -81,6 +88,24 @@ class Quantizer(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(head_dim={self.head_dim}, granularity={self.granularity!r})"
+
+
+def head_view(scale: torch.Tensor) -> torch.Tensor:
+    """A static scale as a ``[B or 1, H, 1, 1]`` factor: ``[H]`` (one per head) or ``[B, H]`` (per sequence)."""
+    return scale.view(1, -1, 1, 1) if scale.dim() == 1 else scale[..., None, None]
+
+
+class WidenableScales:
+    """Mixin for quantizers whose scale (and zero) parts are fp16 by default: ``scale_dtype`` becomes
+    fp32 when a value overflows fp16 (|x| > 65504), see :meth:`Quantizer.widen_scales`."""
+
+    scale_dtype: torch.dtype = torch.float16
+
+    def widen_scales(self) -> bool:
+        if self.scale_dtype == torch.float32:
+            return False
+        self.scale_dtype = torch.float32
+        return True
 
 
 def _dtype_bits(dtype: torch.dtype) -> int:

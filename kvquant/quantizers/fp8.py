@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Parts, PartSpec, Quantizer
+from .base import Parts, PartSpec, Quantizer, head_view
 
 FP8_DTYPES = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
 
@@ -36,12 +36,13 @@ class Fp8(Quantizer):
         return {"scale": scale}
 
     def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
-        scaled = (x.float() / state["scale"].view(1, -1, 1, 1)).clamp_(-self.fp8_max, self.fp8_max)
+        scaled = (x.float() / head_view(state["scale"])).clamp_(-self.fp8_max, self.fp8_max)
         return {"q": scaled.to(self.dtype)}
 
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        return (parts["q"].float() * state["scale"].view(1, -1, 1, 1)).to(dtype)
+        return (parts["q"].float() * head_view(state["scale"])).to(dtype)
 
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
-        limit = (state["scale"] * self.fp8_max).view(1, -1, 1, 1)
+        # beyond the largest fp8 value, with fp32 rounding slack: the calibration max itself is not clipped
+        limit = head_view(state["scale"]) * (self.fp8_max * (1 + 1e-6))
         return (x.float().abs() > limit).sum()

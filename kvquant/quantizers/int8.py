@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Parts, PartSpec, Quantizer
+from .base import Parts, PartSpec, Quantizer, WidenableScales, head_view
 
 QMAX = 127.0
 FP16_TINY = 2.0**-14  # smallest normal fp16: per-token scales are stored in fp16
@@ -39,28 +39,28 @@ class Int8SharedScale(Quantizer):
         return {"scale": scale}
 
     def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
-        scale = state["scale"].view(1, -1, 1, 1)
+        scale = head_view(state["scale"])
         q = torch.round(x.float() / scale).clamp_(-QMAX, QMAX)
         return {"q": q.to(torch.int8)}
 
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        return (parts["q"].float() * state["scale"].view(1, -1, 1, 1)).to(dtype)
+        return (parts["q"].float() * head_view(state["scale"])).to(dtype)
 
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
-        limit = (state["scale"] * (QMAX + 0.5)).view(1, -1, 1, 1)
+        limit = head_view(state["scale"]) * (QMAX + 0.5)
         return (x.float().abs() > limit).sum()
 
 
-class Int8PerToken(Quantizer):
+class Int8PerToken(WidenableScales, Quantizer):
     name = "int8-token"
     granularity = "per token and KV head (dynamic, fp16 scale)"
 
     def parts(self) -> dict[str, PartSpec]:
-        return {"q": PartSpec((self.head_dim,), torch.int8), "scale": PartSpec((1,), torch.float16)}
+        return {"q": PartSpec((self.head_dim,), torch.int8), "scale": PartSpec((1,), self.scale_dtype)}
 
     def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
         xf = x.float()
-        scale = (xf.abs().amax(dim=-1, keepdim=True) / QMAX).clamp_min(FP16_TINY).to(torch.float16)
+        scale = (xf.abs().amax(dim=-1, keepdim=True) / QMAX).clamp_min(FP16_TINY).to(self.scale_dtype)
         q = torch.round(xf / scale.float()).clamp_(-QMAX, QMAX)
         return {"q": q.to(torch.int8), "scale": scale}
 

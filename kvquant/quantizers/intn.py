@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Parts, PartSpec, Quantizer
+from .base import Parts, PartSpec, Quantizer, WidenableScales
 from .int8 import FP16_TINY
 
 
@@ -57,17 +57,19 @@ def _unpack3(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([(word >> (3 * k)) & 7 for k in range(8)], dim=-1).to(torch.uint8)
 
 
-def _minmax_codes(g: torch.Tensor, levels: float, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric codes of ``g`` with one (scale, zero) per slice along ``dim`` (fp16-rounded first)."""
+def _minmax_codes(
+    g: torch.Tensor, levels: float, dim: int, dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric codes of ``g`` with one (scale, zero) per slice along ``dim`` (rounded to ``dtype`` first)."""
     lo = g.amin(dim=dim, keepdim=True)
     hi = g.amax(dim=dim, keepdim=True)
-    scale = ((hi - lo) / levels).clamp_min(FP16_TINY).to(torch.float16)
-    zero = lo.to(torch.float16)
+    scale = ((hi - lo) / levels).clamp_min(FP16_TINY).to(dtype)
+    zero = lo.to(dtype)
     q = torch.round((g - zero.float()) / scale.float()).clamp_(0, levels)
     return q, scale, zero
 
 
-class IntNGrouped(Quantizer):
+class IntNGrouped(WidenableScales, Quantizer):
     static = False
 
     def __init__(self, head_dim: int, bits: int = 4, group_size: int = 32) -> None:
@@ -84,14 +86,14 @@ class IntNGrouped(Quantizer):
         groups = self.head_dim // self.group_size
         return {
             "q": PartSpec((self.head_dim * self.bits // 8,), torch.uint8),
-            "scale": PartSpec((groups,), torch.float16),
-            "zero": PartSpec((groups,), torch.float16),
+            "scale": PartSpec((groups,), self.scale_dtype),
+            "zero": PartSpec((groups,), self.scale_dtype),
         }
 
     def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
         *lead, d = x.shape
         g = x.float().reshape(*lead, d // self.group_size, self.group_size)
-        q, scale, zero = _minmax_codes(g, self.levels, dim=-1)
+        q, scale, zero = _minmax_codes(g, self.levels, dim=-1, dtype=self.scale_dtype)
         return {
             "q": pack_codes(q.reshape(*lead, d), self.bits),
             "scale": scale.squeeze(-1),
@@ -115,7 +117,7 @@ class Int3Grouped(IntNGrouped):
         self.granularity = f"per token and KV head, groups of {group_size} along head_dim (fp16 scale+zero)"
 
 
-class IntNChannel(Quantizer):
+class IntNChannel(WidenableScales, Quantizer):
     """Asymmetric INT4/INT3/INT2 keys quantized *per channel* over a block of tokens (KIVI's keys).
 
     Granularity: per KV head and channel of head_dim, one (scale, zero) pair per block of
@@ -142,12 +144,12 @@ class IntNChannel(Quantizer):
     def parts(self) -> dict[str, PartSpec]:
         return {
             "q": PartSpec((self.head_dim * self.bits // 8,), torch.uint8),
-            "scale": PartSpec((self.head_dim,), torch.float16, per_block=True),
-            "zero": PartSpec((self.head_dim,), torch.float16, per_block=True),
+            "scale": PartSpec((self.head_dim,), self.scale_dtype, per_block=True),
+            "zero": PartSpec((self.head_dim,), self.scale_dtype, per_block=True),
         }
 
     def bits_per_element(self) -> float:
-        return self.bits + 32 / self.token_group
+        return self.bits + 2 * torch.finfo(self.scale_dtype).bits / self.token_group
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         B, H, T, D = x.shape
@@ -159,7 +161,7 @@ class IntNChannel(Quantizer):
 
     def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
         B, H, T, D = x.shape
-        q, scale, zero = _minmax_codes(self._blocks(x), self.levels, dim=3)
+        q, scale, zero = _minmax_codes(self._blocks(x), self.levels, dim=3, dtype=self.scale_dtype)
         codes = q.reshape(B, H, -1, D)[:, :, :T]
         return {"q": pack_codes(codes, self.bits), "scale": scale.squeeze(3), "zero": zero.squeeze(3)}
 
