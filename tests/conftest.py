@@ -48,11 +48,15 @@ def stories_path():
 
 @pytest.fixture(scope="session")
 def stories(stories_path):
-    """(model, tokenizer) of the real stories260K Llama (GQA: 8 query heads, 4 KV heads, head_dim 8)."""
+    """(model, tokenizer) of the real stories260K Llama (GQA: 8 query heads, 4 KV heads, head_dim 8), with
+    the ``kvquant`` attention installed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvquant.attention import install_attention
 
     model = AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(stories_path)
+    install_attention(model)  # QuantizedKVCache needs it (as kvquant.wrap does); other caches still run SDPA
     return model, tok
 
 
