@@ -113,6 +113,9 @@ class QuantizedTensorStore:
             if self.specs[name].per_block:
                 if plan.blk_src_b.numel():
                     dst[plan.blk_dst, :, 0] = rows[plan.blk_src_b, plan.blk_src_j].to(dst.dtype)
+            elif plan.single is not None:
+                b, t_, blk, off = plan.single
+                dst[blk, :, off] = rows[b, t_]
             else:
                 dst[plan.dst_blk, :, plan.dst_off] = rows[plan.src_b, plan.src_t].to(dst.dtype)
 
@@ -174,6 +177,7 @@ class WritePlan:
     blk_src_b: torch.Tensor
     blk_src_j: torch.Tensor
     blk_dst: torch.Tensor
+    single: tuple[int, int, int, int] | None = None  # (src_b, src_t, dst_blk, dst_off) of a one-token write
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -528,6 +532,9 @@ class LayerStore:
                 bdst.append(bid)
         if changed:
             self._table_cache = None
+        if len(src_b) == 1 and not bdst:  # one token of one row (decode): basic indexing, no index tensors
+            return WritePlan(*(torch.empty(0, dtype=torch.long),) * 7,
+                             single=(src_b[0], src_t[0], dst_blk[0], dst_off[0]))  # fmt: skip
         tok = torch.tensor([src_b, src_t, dst_blk, dst_off], dtype=torch.long).to(self.device)
         if self.has_block_parts and bdst:
             blk = torch.tensor([bsrc_b, bsrc_j, bdst], dtype=torch.long).to(self.device)
