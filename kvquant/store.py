@@ -78,6 +78,9 @@ class QuantizedTensorStore:
         self.block_size = blocks.block_size
         self.state: dict[str, torch.Tensor] = {}
         self.specs = quantizer.parts()
+        self.heads = blocks.specs[group][0]
+        self.batch = 0  # rows of the owning LayerStore (kept in step by it)
+        self.device = blocks.device
         self.clipped = torch.zeros((), dtype=torch.int64, device=blocks.device)
         self.static_values = 0  # values written through a static scale (the denominator of the clip rate)
 
@@ -280,6 +283,8 @@ class LayerStore:
                     all_heads=heads == list(range(self.num_heads)),
                 )
             )
+        for g in self.groups:
+            g.key.batch = g.value.batch = batch
         per_block = any(g.key.quantizer.per_block or g.value.quantizer.per_block for g in self.groups)
         self.has_block_parts = any(spec.per_block for g in self.groups for s in (g.key, g.value)
                                    for spec in s.specs.values())  # fmt: skip
@@ -791,6 +796,7 @@ class LayerStore:
         for g in self.groups:  # per-sequence static scales [B, H] follow their rows
             for st in (g.key, g.value):
                 st.state = {n: t.index_select(0, idx) if t.dim() == 2 else t for n, t in st.state.items()}
+                st.batch = int(idx.numel())
         self.batch = int(idx.numel())
 
     # ---------------------------------------------------------------- accounting
