@@ -12,6 +12,7 @@ PIP_EXTRA   ?=
 RECIPE      ?= recipes/default.yaml
 OUT         ?= results/default
 PYTEST_ARGS ?=
+EVAL_ARGS   ?=
 
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.kvquant-installed
@@ -30,7 +31,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 eval: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/kvquant eval $(RECIPE) --out $(OUT)
+	HF_HUB_OFFLINE=1 $(BIN)/kvquant eval $(RECIPE) --out $(OUT) $(EVAL_ARGS)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from kvquant.config import KVPrecision, KVQuantConfig
 from kvquant.kernels.attention_torch import attend_torch
+from kvquant.outputs import write_text  # atomic: a re-run replaces results whole, never half
 from kvquant.store import LayerStore
 
 # peak HBM bandwidth, GB/s (vendor datasheets)
@@ -189,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         tag = "".join(c if c.isalnum() else "_" for c in name)[:40] if gpu else "cpu"
         meta = {"device": name, "peak_gbs": peak, "q_heads": Hq, "kv_heads": Hkv, "head_dim": D,
                 "impl": impl_name, "torch": torch.__version__, "argv": sys.argv[1:]}  # fmt: skip
-        (out / f"attention_decode_{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        (out / f"attention_decode_{tag}.md").write_text(markdown(meta, rows))
+        write_text(out / f"attention_decode_{tag}.json", json.dumps({"meta": meta, "rows": rows}, indent=1))
+        write_text(out / f"attention_decode_{tag}.md", markdown(meta, rows))
         print(f"wrote {out}/attention_decode_{tag}.md/.json")
     return 0
 

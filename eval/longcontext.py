@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+from kvquant.errors import RecipeError
+from kvquant.outputs import save_figure
+
 TASKS = ("passkey", "needle")
 
 _INTRO = {
@@ -77,7 +80,7 @@ def _texts(task: str, rng: random.Random) -> tuple[str, str, str, str]:
             f"The special magic number for {word} mentioned in the provided text is"
         )
         return _INTRO[task], needle, question, value
-    raise ValueError(f"task: {task!r} is not one of {', '.join(TASKS)}")
+    raise RecipeError(f"task: {task!r} is not one of {', '.join(TASKS)}")
 
 
 def build_case(
@@ -95,17 +98,17 @@ def build_case(
     The haystack's start in the corpus and the needle's key are drawn from ``(task, length, depth, trial, seed)``.
     """
     if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depths: {depth} is not a fraction in [0, 1]")
+        raise RecipeError(f"depths: {depth} is not a fraction in [0, 1]")
     rng = random.Random(f"{task}|{length}|{depth:.4f}|{trial}|{seed}")
     intro, needle, question, answer = _texts(task, rng)
     head = ([bos_id] if bos_id is not None else []) + _encode(tokenizer, intro)
     nd, qu = _encode(tokenizer, needle), _encode(tokenizer, question)
     fill = length - len(head) - len(nd) - len(qu)
     if fill < 1:
-        raise ValueError(f"lengths: {length} tokens cannot hold the {task} instruction, needle and question")
+        raise RecipeError(f"lengths: {length} tokens cannot hold the {task} instruction, needle and question")
     n = int(haystack.numel())
     if n < fill:
-        raise ValueError(f"data: the corpus has {n} tokens, fewer than the {fill} a {length}-token haystack needs")
+        raise RecipeError(f"data: the corpus has {n} tokens, fewer than the {fill} a {length}-token haystack needs")
     start = rng.randrange(0, n - fill + 1)
     hay = haystack[start : start + fill].tolist()
     cut = round(depth * fill)
@@ -257,5 +260,7 @@ def heatmap(rows: Sequence[dict[str, Any]], config: str, path: Any, title: str =
     fig.colorbar(im, ax=ax, label="exact-match accuracy")
     ax.set_title(title or config, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)

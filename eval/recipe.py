@@ -24,12 +24,13 @@ Example (every field but ``model``, ``data`` and ``configs`` has a default)::
     out: results/wikitext2-smollm2
 
 A bad field gives a :class:`RecipeError` (a ``ValueError``) whose one-line message starts with the field name,
-e.g. ``window: must be an integer >= 2, got 'big' (recipes/x.yaml)``.
+e.g. ``window: must be an integer from 2 to 1099511627776, got 'big' (recipes/x.yaml)``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,11 +38,14 @@ from typing import Any
 
 import yaml
 
+from kvquant.errors import RecipeError
+from kvquant.inputs import read_text
+
 from .protocols import PROTOCOLS
 
+__all__ = ["FIELDS", "Generation", "Recipe", "RecipeError", "load_recipe", "parse_recipe"]
 
-class RecipeError(ValueError):
-    """A recipe field is invalid; the one-line message starts with the field's name."""
+
 
 
 @dataclass
@@ -118,13 +122,18 @@ def _where(source: str) -> str:
     return f" ({source})" if source else ""
 
 
-def _int(data: Mapping[str, Any], key: str, lo: int, source: str, default: Any, nullable: bool = False) -> Any:
+MAX_INT = 1 << 40  # far above any real window, count or chunk; keeps torch and memory sizes sane
+
+
+def _int(
+    data: Mapping[str, Any], key: str, lo: int, source: str, default: Any, nullable: bool = False, hi: int = MAX_INT
+) -> Any:
     v = data.get(key, default)
     if v is None and nullable:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         null = " or null" if nullable else ""
-        raise RecipeError(f"{key}: must be an integer >= {lo}{null}, got {v!r}{_where(source)}")
+        raise RecipeError(f"{key}: must be an integer from {lo} to {hi}{null}, got {v!r}{_where(source)}")
     return v
 
 
@@ -191,7 +200,7 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
     if dtype not in DTYPES:
         raise RecipeError(f"dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}{_where(source)}")
     device = _str(data, "device", source, "cpu")
-    if not (device in ("cpu", "auto", "cuda", "mps") or device.startswith("cuda:")):
+    if not (device in ("cpu", "auto", "cuda", "mps") or re.fullmatch(r"cuda:\d+", device)):
         raise RecipeError(f"device: must be cpu, cuda, cuda:N, mps or auto, got {device!r}{_where(source)}")
     protocol = data.get("protocol", "decode")
     protocols = [protocol] if isinstance(protocol, str) else protocol
@@ -213,8 +222,8 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
     bos = data.get("bos", False)
     if not isinstance(bos, bool):
         raise RecipeError(f"bos: must be true or false, got {bos!r}{_where(source)}")
-    seed = _int(data, "seed", 0, source, 0)
-    threads = _int(data, "threads", 1, source, None, nullable=True)
+    seed = _int(data, "seed", 0, source, 0, hi=2**32 - 1)
+    threads = _int(data, "threads", 1, source, None, nullable=True, hi=1024)
     configs = data["configs"]
     if isinstance(configs, str):
         configs = [c.strip() for c in configs.split(",") if c.strip()]
@@ -283,7 +292,7 @@ def read_recipe_file(path: str | os.PathLike) -> dict[str, Any]:
     if not p.is_file():
         raise RecipeError(f"recipe: {path} not found")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        data = yaml.safe_load(read_text(p, "recipe"))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

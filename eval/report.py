@@ -11,7 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvquant.outputs import check_output_dir, save_figure, write_text
+
 from .protocols import PROTOCOLS
+
+OUTPUT_FILES = ("results.json", "report.md", "bits_vs_quality.png")  # what write_all puts in the out folder
 
 COLUMNS = [
     ("config", "config"),
@@ -131,7 +135,7 @@ def print_table(result: Any, file: Any = None) -> None:
 
 def write_json(result: Any, path: Path) -> None:
     payload = {"meta": result.meta, "results": result.rows}
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
+    write_text(path, json.dumps(payload, indent=2, default=str) + "\n")
 
 
 def plot(result: Any, path: Path) -> bool:
@@ -177,8 +181,10 @@ def plot(result: Any, path: Path) -> bool:
     data = Path(rc.data).name if "/" in rc.data else rc.data
     fig.suptitle(f"{rc.name}: {model} on {data} (lower is better)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, dpi=120)
+    finally:
+        plt.close(fig)
     return True
 
 
@@ -241,15 +247,15 @@ def _ref_ppl(rows: list[dict[str, Any]]) -> str:
     return "reference ppl: " + ", ".join(parts) if parts else "no reference"
 
 
-def write_all(result: Any, out_dir: str | Path) -> dict[str, Path]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def write_all(result: Any, out_dir: str | Path, force: bool = False) -> dict[str, Path]:
+    """Write ``OUTPUT_FILES`` into ``out_dir``, each atomically; existing ones are refused unless ``force``."""
+    out = check_output_dir(out_dir, OUTPUT_FILES, "out", force=force)
     paths = {"json": out / "results.json", "md": out / "report.md", "png": out / "bits_vs_quality.png"}
     write_json(result, paths["json"])
     has_plot = plot(result, paths["png"])
     if not has_plot:
-        paths.pop("png")
-    paths["md"].write_text(markdown(result, paths["png"].name if has_plot else None), encoding="utf-8")
+        paths.pop("png").unlink(missing_ok=True)  # (only with force can one be there) not a stale plot of another run
+    write_text(paths["md"], markdown(result, paths["png"].name if has_plot else None))
     return paths
 
 
@@ -271,5 +277,5 @@ def rerender(out_dir: str | Path) -> dict[str, Path]:
         f"\n_Re-rendered from results.json on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
         "(kvquant.eval.report.rerender): the run's numbers, the report layout of the current version._\n"
     )
-    paths["md"].write_text(markdown(result, paths["png"].name if has_plot else None) + note, encoding="utf-8")
+    write_text(paths["md"], markdown(result, paths["png"].name if has_plot else None) + note)
     return paths

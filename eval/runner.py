@@ -24,7 +24,7 @@ from .data import load_text, token_windows, tokenize
 from .metrics import DriftAccumulator, generation_agreement, token_drift
 from .models import load_model
 from .protocols import PROTOCOLS, decode_logits, greedy_continuation, simulated_logits
-from .recipe import Recipe
+from .recipe import Recipe, RecipeError
 
 
 @dataclass
@@ -110,17 +110,17 @@ def run_recipe(recipe: Recipe, command: str = "", quiet: bool = False, progress:
 def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult:
     t_start = time.perf_counter()
     torch.manual_seed(recipe.seed)
+    text = load_text(recipe.data)  # before the model: a bad data file fails fast
     _log(f"loading model {recipe.model} ...", quiet)
     lm = load_model(recipe.model, dtype=recipe.dtype, device=recipe.device, progress=not quiet)
     model, tok = lm.model, lm.tokenizer
     _log(f"model ready in {lm.load_seconds:.1f} s{' (converted from GGUF)' if lm.converted else ''}", quiet)
-    text = load_text(recipe.data)
     # the whole corpus is tokenized (not only the windows' prefix): generation prompts are drawn from all of it,
     # so a run's prompts do not depend on how many windows it scores
     ids = tokenize(text.text, tok)
     bos_id = tok.bos_token_id if recipe.bos else None
     if recipe.bos and bos_id is None:
-        raise ValueError("bos: the tokenizer has no BOS token; set bos: false")
+        raise RecipeError("bos: the tokenizer has no BOS token; set bos: false")
     methods, skipped = build_methods(recipe)
     guard = _AttnGuard(model)
     meta: dict[str, Any] = {

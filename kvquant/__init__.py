@@ -15,6 +15,7 @@ Quick start::
 from .blocks import KVCacheFull
 from .cache import QuantizedKVCache, QuantizedLayer
 from .config import PRESETS, ConfigError, KVPrecision, KVQuantConfig
+from .errors import KVQuantError
 from .pool import PagedKVPool
 from .quantizers import PRECISIONS, make_quantizer
 from .shape import ModelShape
@@ -29,6 +30,7 @@ __all__ = [
     "ConfigError",
     "KVCacheFull",
     "KVPrecision",
+    "KVQuantError",
     "KVQuantConfig",
     "ModelShape",
     "PagedKVPool",

@@ -14,6 +14,7 @@ and ``random_allocation`` (random units upgraded until the budget is spent).
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import KVPrecision, KVQuantConfig
+from .errors import ArgumentError
 from .quantizers import PRECISIONS
 from .shape import ModelShape
 
@@ -40,12 +42,12 @@ def parse_candidates(text: str | Sequence[str]) -> list[str]:
     names = [c.strip() for c in text.split(",")] if isinstance(text, str) else [str(c).strip() for c in text]
     names = [c for c in names if c]
     if not names:
-        raise ValueError("--candidates: give at least one precision, e.g. int4,int8,fp16")
+        raise ArgumentError("--candidates: give at least one precision, e.g. int4,int8,fp16")
     for c in names:
         if c not in PRECISIONS:
-            raise ValueError(f"--candidates: unknown precision {c!r} (known: {', '.join(PRECISIONS)})")
+            raise ArgumentError(f"--candidates: unknown precision {c!r} (known: {', '.join(PRECISIONS)})")
     if len(set(names)) != len(names):
-        raise ValueError(f"--candidates: {','.join(names)} names a precision twice")
+        raise ArgumentError(f"--candidates: {','.join(names)} names a precision twice")
     return names
 
 
@@ -55,10 +57,12 @@ def candidate_bits(candidates: Sequence[str], template: KVQuantConfig, head_dim:
 
 
 def check_budget(budget: float, bits: dict[str, float]) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget):
+        raise ArgumentError(f"--budget-bits: {budget!r} must be a finite number of bits, e.g. 6.0")
     lo = min(bits.values())
     if not budget >= lo:  # also catches NaN
         cheapest = min(bits, key=bits.get)
-        raise ValueError(
+        raise ArgumentError(
             f"--budget-bits: {budget} is below the cheapest candidate ({cheapest}: {lo:.3f} bits per element "
             "with its scale/zero overhead); raise the budget or add a cheaper candidate"
         )

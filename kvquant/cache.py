@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import view as handoff
-from .config import KVPrecision, KVQuantConfig
+from .config import MAX_CAPACITY, KVPrecision, KVQuantConfig, check_int
 from .shape import ModelShape, sliding_windows
 from .store import LayerStore
 
@@ -269,6 +269,8 @@ class QuantizedKVCache(Cache):
         pool: PagedKVPool | None = None,
     ) -> None:
         self.session_id = new_session_id()
+        if capacity is not None:
+            check_int(capacity, "capacity", 1, MAX_CAPACITY)
         if pool is not None:
             cfg = pool.config if config is None else KVQuantConfig.load(config)
             if cfg.to_dict() != pool.config.to_dict():

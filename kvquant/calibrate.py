@@ -27,13 +27,16 @@ from typing import Any
 import torch
 
 from .allocate import Allocation, allocate, candidate_bits, check_budget, parse_candidates, plan_to_config
-from .config import KVQuantConfig
+from .config import CONFIG_SUFFIXES, KVPrecision, KVQuantConfig, check_int
+from .errors import ArgumentError, ConfigError
+from .outputs import check_output, save_figure
 from .sensitivity import (
     METHODS,
     CalibrationTokens,
     Sensitivity,
     cache_key,
     calibration_windows,
+    check_cache_file,
     estimate_fisher,
     load_cached,
     measure_kl,
@@ -84,13 +87,11 @@ def _tokenize(text: str, tokenizer: Any) -> torch.Tensor:
     return tokenize(text, tokenizer)
 
 
-def _model_dir(spec: str) -> str:
-    """Where a model's config.json is: the converted cache of a named model, else ``spec`` itself."""
-    from kvquant.eval.models import NAMED_MODELS, resolve_named
+def _model_shape(spec: str) -> ModelShape:
+    """The shape of a model from its config alone (``kvquant.eval.models.read_model_config``); errors name --model."""
+    from kvquant.eval.models import read_model_config
 
-    if spec in NAMED_MODELS:
-        return str(resolve_named(spec, progress=False)[0])
-    return spec
+    return ModelShape.from_config(read_model_config(spec, what="--model"))
 
 
 def _load_model_and_text(model: str, data: str, dtype: str) -> tuple[Any, Any, str, str, str]:
@@ -157,16 +158,23 @@ def calibrate(
     data_name: str | None = None,
     command: str | None = None,
     progress: bool = False,
+    force: bool = False,
 ) -> CalibrationResult:
-    """Measure (or reuse) sensitivities, allocate under ``budget_bits``, optionally write the config and heatmap."""
+    """Measure (or reuse) sensitivities, allocate under ``budget_bits``, optionally write the config and heatmap.
+
+    Every check runs before the measurement: the options, the candidates against the model's head_dim, and
+    the outputs (``output`` must be a ``.yaml``/``.yml``/``.json`` path; it, its heatmap PNG and a cache
+    file that is not a kvquant cache are not overwritten unless ``force``).
+    """
     t_start = time.perf_counter()
     shape = ModelShape.of(model)  # raises for a model without KV heads
     template = template or KVQuantConfig()
     cands = parse_candidates(candidates)
-    if method not in METHODS:
-        raise ValueError(f"--method: unknown {method!r} (known: {', '.join(METHODS)})")
+    check_options(method=method, calib_window=calib_window, calib_windows=calib_windows, samples=samples, seed=seed)
+    check_candidates(cands, template, shape)
     bits = candidate_bits(cands, template, shape.head_dim)
     check_budget(budget_bits, bits)
+    out_path, heat_path, cache_path = check_outputs(output, heatmap, cache_path, force)
     base = max(cands, key=lambda c: (bits[c], c))
     # tokens
     ids = _tokenize(text, tokenizer)
@@ -188,12 +196,6 @@ def calibrate(
     # reached by another path or name reuse the measurement
     key = cache_key({**key_parts, "model": {k: v for k, v in key_parts["model"].items() if k != "name"},
                      "data": {k: v for k, v in key_parts["data"].items() if k != "name"}})
-    out_path = Path(output) if output else None
-    if out_path is not None:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-    if cache_path is None and out_path is not None:
-        cache_path = out_path.parent / CACHE_NAME
-    cache_path = Path(cache_path) if cache_path else None
     sens = load_cached(cache_path, key) if (use_cache and cache_path) else None
     cache_hit = sens is not None
     if sens is None:
@@ -211,7 +213,6 @@ def calibrate(
     achieved = cfg.avg_bits(shape)
     if achieved > budget_bits + 1e-9:  # the allocator and the config count bits the same way; guard anyway
         raise AssertionError(f"allocation: {achieved:.4f} avg bits exceeds the budget {budget_bits}")
-    heat_path = out_path.with_suffix(".png") if (out_path and heatmap) else None
     header = _header(
         shape=shape, cfg=cfg, alloc=alloc, sens=sens, tokens=tokens, bits=bits, budget=budget_bits,
         kv_separate=kv_separate, model_name=key_parts["model"]["name"], data_name=data_name,
@@ -222,13 +223,49 @@ def calibrate(
         f"calibrated: {sens.method} sensitivity, budget {budget_bits} avg bits, achieved {achieved:.3f}"
     )
     if out_path is not None:
-        cfg.save(out_path, header=header)
+        cfg.save(out_path, header=header, force=force)
         if heat_path is not None:
-            save_heatmap(sens, alloc, heat_path, title=f"{key_parts['model']['name']}: {out_path.name}")
+            save_heatmap(sens, alloc, heat_path, title=f"{key_parts['model']['name']}: {out_path.name}", force=force)
     seconds = {"tokenize": round(t_tok - t_start, 2), "sensitivity": round(t_sens - t_tok, 2),
                "allocate_and_write": round(time.perf_counter() - t_sens, 2)}
     return CalibrationResult(cfg, alloc, sens, tokens, bits, header, cache_hit, cache_path, heat_path, out_path,
                              seconds)
+
+
+def check_options(*, method: str, calib_window: int, calib_windows: int, samples: int, seed: int) -> None:
+    """The calibration options, checked before anything is loaded (errors name the option)."""
+    if method not in METHODS:
+        raise ArgumentError(f"--method: unknown {method!r} (known: {', '.join(METHODS)})")
+    check_int(calib_window, "--calib-window", 2, 1 << 20, ArgumentError)
+    check_int(calib_windows, "--calib-windows", 1, 4096, ArgumentError)
+    check_int(samples, "--samples", 1, 4096, ArgumentError)
+    check_int(seed, "--seed", 0, 2**32 - 1, ArgumentError)
+
+
+def check_candidates(cands: list[str], template: KVQuantConfig, shape: ModelShape) -> None:
+    """Every candidate must be storable for this model (group size, code packing, rotation)."""
+    for c in cands:
+        try:
+            template.with_updates(default=KVPrecision(c, c), layers={}, heads={}, model_shape=None).validate(shape)
+        except ConfigError as e:
+            field = str(e).split(":", 1)[0]
+            option = {"group_size": "--group-size"}.get(field, "--candidates")
+            raise ArgumentError(f"{option}: {c}: {str(e).split(': ', 1)[-1]}") from None
+
+
+def check_outputs(
+    output: str | Path | None, heatmap: bool, cache_path: str | Path | None, force: bool
+) -> tuple[Path | None, Path | None, Path | None]:
+    """``(config, heatmap, sensitivity cache)`` paths, each checked before work (see :func:`calibrate`)."""
+    out_path = check_output(output, CONFIG_SUFFIXES, "-o", force) if output else None
+    heat_path = None
+    if out_path is not None and heatmap:
+        heat_path = check_output(out_path.with_suffix(".png"), (".png",), "-o (its heatmap)", force)
+    if cache_path is None and out_path is not None:
+        cache_path = out_path.parent / CACHE_NAME
+    if cache_path is not None:
+        cache_path = check_cache_file(cache_path, force=force)
+    return out_path, heat_path, cache_path
 
 
 def _progress_printer(method: str):
@@ -298,7 +335,9 @@ def _header(*, shape, cfg, alloc, sens, tokens, bits, budget, kv_separate, model
 
 
 # ------------------------------------------------------------------------------------------ heatmap
-def save_heatmap(sens: Sensitivity, alloc: Allocation | None, path: str | Path, title: str = "") -> Path:
+def save_heatmap(
+    sens: Sensitivity, alloc: Allocation | None, path: str | Path, title: str = "", force: bool = True
+) -> Path:
     """Layers x heads heatmaps of the K and V sensitivity at the cheapest candidate, chosen precision in each cell."""
     import matplotlib
 
@@ -332,10 +371,10 @@ def save_heatmap(sens: Sensitivity, alloc: Allocation | None, path: str | Path, 
         fig.colorbar(im, ax=ax, fraction=0.08)
     fig.suptitle(title or "KV sensitivity", fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    try:
+        return save_figure(fig, path, dpi=120, force=force, what="-o (its heatmap)")
+    finally:
+        plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------ show-config
@@ -360,20 +399,11 @@ def config_table(cfg: KVQuantConfig, shape: ModelShape) -> str:
 
 def _shape_for(model: str | None, cfg: KVQuantConfig) -> ModelShape:
     if model:
-        from transformers import AutoConfig
-
-        try:
-            config = AutoConfig.from_pretrained(_model_dir(model))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--model: {model!r}: cannot read its config ({str(e).splitlines()[0]})") from None
-        try:
-            return ModelShape.from_config(config)
-        except ValueError as e:
-            raise ValueError(f"--model: {e}") from None
+        return _model_shape(model)
     if cfg.model_shape and {"layers", "kv_heads", "head_dim"} <= set(cfg.model_shape):
         ms = cfg.model_shape
         return ModelShape(int(ms["layers"]), int(ms["kv_heads"]), int(ms["head_dim"]))
-    raise ValueError("--model: needed, the config has no model_shape to size the table by")
+    raise ArgumentError("--model: needed, the config has no model_shape to size the table by")
 
 
 def cmd_show_config(args: argparse.Namespace) -> int:
@@ -386,41 +416,34 @@ def cmd_show_config(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------ calibrate CLI
-def _early_shape(model: str) -> ModelShape | None:
-    """The model's shape from its config alone, when that is cheap to read; raises for a model without KV heads."""
-    try:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(_model_dir(model))
-    except Exception:  # noqa: BLE001 - a GGUF file, a hub id offline...: the full load reports it
-        return None
-    try:
-        return ModelShape.from_config(config)
-    except ValueError as e:
-        raise ValueError(f"--model: {e}") from None
-
-
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    # cheap checks first: a bad option must not wait for the model to load
+    # every check first: a bad option or output path must not wait for the model to load
+    from kvquant.eval.models import parse_dtype
+
     cands = parse_candidates(args.candidates)
     if args.budget_bits is None:
-        raise ValueError("--budget-bits: required, e.g. --budget-bits 6.0")
-    template = KVQuantConfig(group_size=args.group_size) if args.group_size else KVQuantConfig()
-    template._check_options()
-    early = _early_shape(args.model)
-    if early is not None:  # the budget error without waiting for the weights
-        check_budget(args.budget_bits, candidate_bits(cands, template, early.head_dim))
-    model, tokenizer, text, model_label, data_label = _load_model_and_text(args.model, args.data, args.dtype)
+        raise ArgumentError("--budget-bits: required, e.g. --budget-bits 6.0")
+    check_options(method=args.method, calib_window=args.calib_window, calib_windows=args.calib_windows,
+                  samples=args.samples, seed=args.seed)
+    parse_dtype(args.dtype)
+    template = KVQuantConfig(group_size=args.group_size) if args.group_size is not None else KVQuantConfig()
     try:
-        ModelShape.of(model)
-    except ValueError as e:
-        raise ValueError(f"--model: {e}") from None
+        template._check_options()
+    except ConfigError as e:
+        raise ArgumentError(f"--group-size: {str(e).split(': ', 1)[-1]}") from None
+    force = getattr(args, "force", False)
+    check_outputs(args.output, not args.no_heatmap, args.sens_cache, force)
+    shape = _model_shape(args.model)  # the shape errors without waiting for the weights
+    check_candidates(cands, template, shape)
+    check_budget(args.budget_bits, candidate_bits(cands, template, shape.head_dim))
+    model, tokenizer, text, model_label, data_label = _load_model_and_text(args.model, args.data, args.dtype)
     command = _command_line(args)
     res = calibrate(
         model, tokenizer, text, args.budget_bits, candidates=cands, kv_separate=args.kv_separate, method=args.method,
         calib_window=args.calib_window, calib_windows=args.calib_windows, samples=args.samples, seed=args.seed,
         template=template, output=args.output, cache_path=args.sens_cache, use_cache=not args.no_cache,
         heatmap=not args.no_heatmap, model_name=model_label, data_name=data_label, command=command, progress=True,
+        force=force,
     )
     shape = ModelShape.of(model)
     print(f"wrote {res.output}  (avg bits {res.config.avg_bits(shape):.4f} <= budget {args.budget_bits}; "
@@ -484,7 +507,10 @@ def register(subparsers: Any) -> None:
                    help=f"sensitivity cache file (default: {CACHE_NAME} beside the output)")
     p.add_argument("--no-cache", dest="no_cache", action="store_true", help="measure again, ignore the cache")
     p.add_argument("--no-heatmap", dest="no_heatmap", action="store_true", help="skip the heatmap PNG")
-    p.add_argument("-o", "--output", required=True, help="the config to write (.yaml); the heatmap goes beside it")
+    p.add_argument("-o", "--output", required=True,
+                   help="the config to write (.yaml, .yml or .json); the heatmap PNG goes beside it")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite -o, its heatmap and a --sens-cache file that is not a kvquant cache")
     p.set_defaults(func=cmd_calibrate)
 
     p = subparsers.add_parser(

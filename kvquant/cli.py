@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from collections.abc import Sequence
 from importlib import import_module
+from typing import NoReturn
 
 from . import __version__
-from .config import PRESETS, ConfigError, KVQuantConfig
+from .config import PRESETS, KVQuantConfig, check_int
+from .errors import ArgumentError, KVQuantError
 from .memory import estimate, human, parse_bytes, plot_lengths_cdf, read_lengths
+from .outputs import check_output
 from .quantizers import PRECISIONS
 from .shape import ModelShape
 
@@ -26,7 +30,14 @@ Commands:
   inspect      run a prompt through a quantized cache and print its dump (block tables, scales, ids)
 
 Run `kvquant COMMAND --help` for the options and examples of each command.
+
+Errors: a bad config, recipe, option, file or device is one line naming it, exit status 2 (--debug
+shows the traceback); a traceback without --debug is a bug in kvquant (exit status 1). Commands that
+write files never overwrite an existing one unless --force is given, and write atomically.
 """
+
+MAX_DIM = 1 << 20  # --layers / --kv-heads / --head-dim / --batch
+MAX_TOKENS = 1 << 40  # --context
 
 ESTIMATE_EPILOG = """\
 examples:
@@ -42,34 +53,36 @@ cache by: most requests are far shorter than the model's maximum context.
 
 
 def _shape_from_args(args: argparse.Namespace) -> ModelShape:
+    dims = {n: getattr(args, n) for n in ("layers", "kv_heads", "head_dim")}
+    for n, v in dims.items():
+        if v is not None:
+            check_int(v, "--" + n.replace("_", "-"), 1, MAX_DIM, ArgumentError)
     if args.model:
-        from transformers import AutoConfig
+        given = [n for n, v in dims.items() if v is not None]
+        if given:
+            raise ArgumentError(f"--{given[0].replace('_', '-')}: give --model or the shape options, not both")
+        from kvquant.eval.models import read_model_config
 
-        source = args.model
-        try:
-            from kvquant.eval.models import NAMED_MODELS, resolve_named
-
-            if source in NAMED_MODELS:  # e.g. smollm2-135m, converted once from its wheel
-                source = str(resolve_named(source)[0])
-        except ImportError:
-            pass
-        try:
-            config = AutoConfig.from_pretrained(source)
-        except Exception as e:  # noqa: BLE001 - any loading failure is reported the same way
-            raise SystemExit(f"kvquant estimate: --model {args.model!r}: cannot read its config ({e})") from None
-        return ModelShape.from_config(config)
-    missing = [n for n in ("layers", "kv_heads", "head_dim") if getattr(args, n) is None]
+        return ModelShape.from_config(read_model_config(args.model, what="--model"))
+    missing = [n for n, v in dims.items() if v is None]
     if missing:
-        raise SystemExit(
-            "kvquant estimate: give --model, or all of --layers, --kv-heads and --head-dim "
+        raise ArgumentError(
+            "--model: give --model, or all of --layers, --kv-heads and --head-dim "
             f"(missing: {', '.join('--' + m.replace('_', '-') for m in missing)})"
         )
     return ModelShape(args.layers, args.kv_heads, args.head_dim)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
+    check_int(args.context, "--context", 1, MAX_TOKENS, ArgumentError)
+    check_int(args.batch, "--batch", 1, MAX_DIM, ArgumentError)
+    if args.plot and not args.lengths:
+        raise ArgumentError("--plot: needs --lengths (it plots the distribution of the request lengths)")
+    if args.plot:
+        check_output(args.plot, (".png",), "--plot", force=args.force)
     shape = _shape_from_args(args)
     cfg = KVQuantConfig.load(args.config)
+    cfg.validate(shape)  # the same checks as a cache would run
     budget = parse_bytes(args.budget) if args.budget else None
     lengths = read_lengths(args.lengths) if args.lengths else None
     res = estimate(shape, cfg, args.context, args.batch, budget, lengths)
@@ -95,7 +108,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             for q in ("p95", "p99"):
                 print(f"  size by {q}: fp16 {human(res[q + '_fp16_bytes'])}, config {human(res[q + '_config_bytes'])}")
     if lengths and args.plot:
-        plot_lengths_cdf(lengths, args.plot, {"p95": res["lengths"]["p95"], "p99": res["lengths"]["p99"]})
+        plot_lengths_cdf(lengths, args.plot, {"p95": res["lengths"]["p95"], "p99": res["lengths"]["p99"]},
+                         force=args.force)
         print(f"CDF plot written to {args.plot}", file=sys.stderr)
     return 0
 
@@ -110,11 +124,20 @@ def cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are :class:`ArgumentError` (one line, exit status 2 in ``main``)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ArgumentError(f"{message} (see {self.prog} --help)", prog=self.prog)
+
+
+DEBUG_HELP = "show the traceback of an error (user errors are otherwise one line)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvquant", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = Parser(prog="kvquant", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"kvquant {__version__}")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser(
@@ -135,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", help="file of observed request lengths, one per line: prints P95/P99")
     p.add_argument("--plot", help="with --lengths: save the CDF of lengths to this PNG")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --plot file")
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("presets", help="list presets and precisions", description="List presets and precisions.")
@@ -150,20 +174,49 @@ def build_parser() -> argparse.ArgumentParser:
         register = getattr(mod, "register", None)
         if register is not None:
             register(sub)
+    for p in sub.choices.values():  # every command, registered here or by a module: the same --debug
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
 
 
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kvquant ARGV``; returns the exit status (0 ok, 1 a bug or a failed run, 2 a user error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # known before parsing, so that a parse error honours it too
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 0
+    prog = "kvquant"
     try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 0
+        prog = f"kvquant {args.command}"
+        args.argv = argv  # the command line as given, for reports that record the command that made them
         return int(args.func(args) or 0)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"kvquant {args.command}: error: {e}", file=sys.stderr)
+    except KVQuantError as e:
+        if debug:
+            raise
+        print(f"{getattr(e, 'prog', None) or prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if debug or not e.filename:  # a file the user named could not be read or written
+            raise
+        print(f"{prog}: error: {e.filename}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - not a user error: a bug, shown with its traceback
+        if debug:
+            raise
+        traceback.print_exc()
+        print(f"{prog}: internal error (a bug in kvquant, please report it with the traceback above): "
+              f"{type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

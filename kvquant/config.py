@@ -27,14 +27,32 @@ from typing import Any
 
 import yaml
 
+from .errors import ConfigError, InputError
+from .inputs import read_text
+from .outputs import check_output, write_text
 from .quantizers import CHANNEL, GROUPED, PRECISIONS, make_quantizer
 from .shape import ModelShape
 
 BITS_TO_PRECISION = {2: "int2", 4: "int4", 8: "int8", 16: "fp16"}
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+# Bounds checked at load: a value outside them is a typo or a misunderstanding, never a useful setting, and
+# some of them would allocate memory in proportion (sink tokens are preallocated per sequence).
+MAX_GROUP_SIZE = 1024
+MAX_HEADROOM = 100.0
+MAX_SINK_TOKENS = 1024  # StreamingLLM keeps 4; each one is preallocated in full precision per sequence
+MAX_RESIDUAL_TOKENS = 1 << 16
+MAX_MODEL_DIM = 1 << 20  # model_shape values (layers, KV heads, head_dim)
+MAX_CAPACITY = 1 << 24  # tokens preallocated per sequence (QuantizedKVCache / wrap capacity=)
+
+__all__ = ["ConfigError", "KVPrecision", "KVQuantConfig", "PRESETS", "check_int"]
 
 
-class ConfigError(ValueError):
-    """A config field is invalid; the message starts with the field's name."""
+def check_int(value: Any, name: str, lo: int, hi: int, error: type[ValueError] = ConfigError) -> int:
+    """``value`` if it is an integer (not a bool) in ``[lo, hi]``, else ``error`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise error(f"{name}: {value!r} must be an integer from {lo} to {hi}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -147,6 +165,8 @@ class KVQuantConfig:
             return cls.from_dict(spec)
         if isinstance(spec, str) and spec in PRESETS:
             return cls.preset(spec)
+        if not isinstance(spec, (str, Path)):
+            raise ConfigError(f"config: expected a preset name, a file path, a mapping or a config, got {spec!r}")
         return cls.from_file(spec)
 
     @classmethod
@@ -157,10 +177,16 @@ class KVQuantConfig:
             if str(path) in PRESETS:
                 return cls.preset(str(path))
             raise ConfigError(f"config: {str(path)!r} is neither a file nor a preset (presets: {', '.join(PRESETS)})")
-        text = p.read_text()
+        try:
+            text = read_text(p, "config")
+        except InputError as e:  # not readable or not UTF-8: still a config error, naming the file
+            raise ConfigError(str(e)) from None
         data = _parse_text(text, p)
         cfg = cls.from_dict(data, source=str(p))
         cfg.name = cfg.name or p.stem
+        if cfg.scales_file:  # a relative path is relative to the config file, wherever the command runs
+            sf = Path(cfg.scales_file).expanduser()
+            cfg.scales_file = str(sf if sf.is_absolute() else p.resolve().parent / sf)
         return cfg
 
     @classmethod
@@ -174,7 +200,10 @@ class KVQuantConfig:
         cfg = cls()
         if "default" in data:
             cfg.default = _parse_pair(data["default"], "default")
-        for k, v in (data.get("layers") or {}).items():
+        layers = data.get("layers") or {}
+        if not isinstance(layers, Mapping):
+            raise ConfigError(f"layers: expected a mapping like {{0: int8, 5: {{key: int8}}}}, got {layers!r}")
+        for k, v in layers.items():
             layer = _parse_index(k, f"layers.{k}")
             cfg.layers[layer] = _parse_pair(v, f"layers.{k}", partial=True)
         heads = data.get("heads") or {}
@@ -184,6 +213,8 @@ class KVQuantConfig:
             if isinstance(v, Mapping) and not (set(map(str, v)) & {"key", "value", "bits", "precision"}):
                 # nested form {layer: {head: spec}}
                 layer = _parse_index(k, f"heads.{k}")
+                if not v:
+                    raise ConfigError(f"heads.{k}: empty; expected {{head: precision}}")
                 for hk, hv in v.items():
                     head = _parse_index(hk, f"heads.{k}.{hk}")
                     cfg.heads[(layer, head)] = _parse_pair(hv, f"heads.{k}.{hk}", partial=True)
@@ -197,6 +228,9 @@ class KVQuantConfig:
         for name in _OPTION_FIELDS:
             if name in data:
                 setattr(cfg, name, data[name])
+        for name in ("name", "description"):
+            if data.get(name) is not None and not isinstance(data[name], str):
+                raise ConfigError(f"{name}: {data[name]!r} must be a string")
         cfg.name = data.get("name")
         cfg.description = data.get("description")
         cfg.model_shape = data.get("model_shape")
@@ -205,30 +239,33 @@ class KVQuantConfig:
 
     def _check_options(self) -> None:
         gs = self.group_size
-        if gs is not None and (not isinstance(gs, int) or isinstance(gs, bool) or gs <= 0 or gs & (gs - 1)):
-            raise ConfigError(f"group_size: {gs!r} must be a positive power of two")
+        if gs is not None and (
+            not isinstance(gs, int) or isinstance(gs, bool) or not 0 < gs <= MAX_GROUP_SIZE or gs & (gs - 1)
+        ):
+            raise ConfigError(f"group_size: {gs!r} must be a power of two from 1 to {MAX_GROUP_SIZE}")
         hr = self.headroom
-        if not isinstance(hr, (int, float)) or isinstance(hr, bool) or not math.isfinite(hr) or hr < 1.0:
-            raise ConfigError(f"headroom: {hr!r} must be a number >= 1.0")
+        if (
+            not isinstance(hr, (int, float)) or isinstance(hr, bool) or not math.isfinite(hr)
+            or not 1.0 <= hr <= MAX_HEADROOM
+        ):
+            raise ConfigError(f"headroom: {hr!r} must be a number from 1.0 to {MAX_HEADROOM:g}")
         bs = self.block_size
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 16 or bs > 4096 or bs & (bs - 1):
             raise ConfigError(f"block_size: {bs!r} must be a power of two between 16 and 4096")
         if self.rotate not in ("none", "keys", "kv"):
             raise ConfigError(f"rotate: {self.rotate!r} must be none, keys or kv")
-        for name in ("sink_tokens", "residual_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"{name}: {v!r} must be an integer >= 0")
+        check_int(self.sink_tokens, "sink_tokens", 0, MAX_SINK_TOKENS)
+        check_int(self.residual_tokens, "residual_tokens", 0, MAX_RESIDUAL_TOKENS)
         for name in ("share_kv_scale", "check_finite"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} must be true or false")
-        if self.scales_file is not None and not isinstance(self.scales_file, str):
+        if self.scales_file is not None and (not isinstance(self.scales_file, str) or not self.scales_file.strip()):
             raise ConfigError(f"scales_file: {self.scales_file!r} must be a path")
-        if self.model_shape is not None and (
-            not isinstance(self.model_shape, Mapping)
-            or set(self.model_shape) - {"layers", "kv_heads", "head_dim"}
-        ):
-            raise ConfigError("model_shape: expected {layers: N, kv_heads: N, head_dim: N}")
+        if self.model_shape is not None:
+            if not isinstance(self.model_shape, Mapping) or set(self.model_shape) - {"layers", "kv_heads", "head_dim"}:
+                raise ConfigError("model_shape: expected {layers: N, kv_heads: N, head_dim: N}")
+            for key, v in self.model_shape.items():
+                check_int(v, f"model_shape.{key}", 1, MAX_MODEL_DIM)
 
     # ------------------------------------------------------------------ output
     def to_dict(self) -> dict[str, Any]:
@@ -257,13 +294,15 @@ class KVQuantConfig:
             body = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + body
         return body
 
-    def save(self, path: str | Path, header: str | None = None) -> None:
-        """Write YAML (``.yaml``/``.yml``) or JSON (``.json``), chosen by the suffix."""
-        p = Path(path)
-        text = json.dumps(self.to_dict(), indent=2) + "\n" if p.suffix == ".json" else self.to_yaml(header)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(p)  # nothing half-written
+    def save(self, path: str | Path, header: str | None = None, force: bool = True) -> None:
+        """Write YAML (``.yaml``/``.yml``) or JSON (``.json``), chosen by the suffix, atomically.
+
+        Any other suffix raises :class:`~kvquant.errors.OutputError`; so does an existing file when
+        ``force`` is false.
+        """
+        p = check_output(path, CONFIG_SUFFIXES, "config", force=force)
+        text = json.dumps(self.to_dict(), indent=2) + "\n" if p.suffix.lower() == ".json" else self.to_yaml(header)
+        write_text(p, text, force=force, what="config")
 
     # ------------------------------------------------------------------ resolution
     def effective_group_size(self, head_dim: int) -> int:
@@ -386,7 +425,7 @@ def _parse_precision(value: Any, where: str) -> str:
         keys = set(map(str, value))
         if keys == {"bits"}:
             bits = value["bits"]
-            if bits not in BITS_TO_PRECISION:
+            if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS_TO_PRECISION:
                 raise ConfigError(f"{where}.bits: {bits!r} is not supported (choose 2, 4, 8 or 16)")
             return BITS_TO_PRECISION[bits]
         if keys == {"precision"}:

@@ -23,6 +23,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from .errors import ConfigError
+
 
 class Scorer(Protocol):
     """kvpress's scorer interface: ``keys/values[B, H, T, D]`` -> ``scores[B, H, T]`` (higher = keep)."""
@@ -144,9 +146,9 @@ class Budget:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.keep <= 1.0:
-            raise ValueError(f"evict.keep: {self.keep} is not a fraction in (0, 1]")
+            raise ConfigError(f"evict.keep: {self.keep} is not a fraction in (0, 1]")
         if self.sinks < 0 or self.window < 0:
-            raise ValueError(f"evict.sinks / evict.window: must be >= 0, got {self.sinks} / {self.window}")
+            raise ConfigError(f"evict.sinks / evict.window: must be >= 0, got {self.sinks} / {self.window}")
 
     def tokens(self, valid: int) -> int:
         """Tokens one head keeps out of ``valid`` (never fewer than sinks + window, never more than ``valid``)."""
@@ -190,8 +192,8 @@ POLICIES: dict[str, type] = {"streaming": StreamingScorer, "knorm": KeyNormScore
 def make_scorer(name: str, **options: Any) -> Scorer:
     """A scorer by policy name (``streaming``, ``knorm``, ``snapkv``) with its options (e.g. ``window`` for SnapKV)."""
     if name not in POLICIES:
-        raise ValueError(f"evict.policy: {name!r} is not one of {', '.join(POLICIES)}")
+        raise ConfigError(f"evict.policy: {name!r} is not one of {', '.join(POLICIES)}")
     try:
         return POLICIES[name](**options)
     except TypeError as e:
-        raise ValueError(f"evict: bad option for policy {name!r} ({e})") from None
+        raise ConfigError(f"evict: bad option for policy {name!r} ({e})") from None

@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from .config import KVQuantConfig
+from .errors import ArgumentError, InputError
+from .inputs import read_text
+from .outputs import save_figure
 from .shape import ModelShape
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -30,9 +33,13 @@ def kv_bytes(batch: int, tokens: int, shape: ModelShape, bytes_per_element: floa
 def parse_bytes(text: str) -> int:
     """``"8GiB"``, ``"500MB"``, ``"1e9"`` -> bytes."""
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"budget: {text!r} is not a size like 8GiB, 500MB or 1e9")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    try:
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()] if m else math.nan
+    except (ValueError, KeyError):
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value < 2**80):
+        raise ArgumentError(f"--budget: {text!r} is not a size like 8GiB, 500MB or 1e9")
+    return int(value)
 
 
 def human(n: float) -> str:
@@ -116,20 +123,20 @@ def percentile(values: Sequence[float], q: float) -> float:
 def read_lengths(path: str | Path) -> list[int]:
     """One request length (tokens) per line, or whitespace/comma separated; ``#`` comments allowed."""
     out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(path, "--lengths").splitlines(), 1):
         line = line.split("#", 1)[0]
         for tok in re.split(r"[,\s]+", line.strip()):
             if not tok:
                 continue
             try:
                 v = int(float(tok))
-            except ValueError:
-                raise ValueError(f"lengths: {path}:{n}: {tok!r} is not a length") from None
+            except (ValueError, OverflowError):
+                raise InputError(f"--lengths: {path}:{n}: {tok!r} is not a length") from None
             if v < 0:
-                raise ValueError(f"lengths: {path}:{n}: negative length {v}")
+                raise InputError(f"--lengths: {path}:{n}: negative length {v}")
             out.append(v)
     if not out:
-        raise ValueError(f"lengths: {path} holds no lengths")
+        raise InputError(f"--lengths: {path} holds no lengths")
     return out
 
 
@@ -168,7 +175,7 @@ def estimate(
     return out
 
 
-def plot_lengths_cdf(lengths: Sequence[int], path: str | Path, marks: dict[str, float]) -> None:
+def plot_lengths_cdf(lengths: Sequence[int], path: str | Path, marks: dict[str, float], force: bool = True) -> None:
     """Save the empirical CDF of request lengths, with P95/P99 marked."""
     import matplotlib
 
@@ -185,5 +192,7 @@ def plot_lengths_cdf(lengths: Sequence[int], path: str | Path, marks: dict[str, 
     ax.set_ylabel("fraction of requests")
     ax.set_title("Request lengths: size the cache by P95/P99, not the model's max context")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, dpi=120, force=force, what="--plot")
+    finally:
+        plt.close(fig)

@@ -38,6 +38,8 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .config import KVPrecision, KVQuantConfig
+from .errors import ArgumentError, OutputError
+from .outputs import FORCE_HINT, check_output, write_text
 from .shape import ModelShape
 from .simulate import SimulatedQuantCache
 from .store import LayerStore
@@ -104,13 +106,13 @@ def calibration_windows(ids: torch.Tensor, window: int, n_windows: int) -> Calib
     two apart (the header of a calibrated config records the range).
     """
     if window < 2:
-        raise ValueError(f"--calib-window: {window} must be >= 2 tokens")
+        raise ArgumentError(f"--calib-window: {window} must be >= 2 tokens")
     if n_windows < 1:
-        raise ValueError(f"--calib-windows: {n_windows} must be >= 1")
+        raise ArgumentError(f"--calib-windows: {n_windows} must be >= 1")
     n = int(ids.numel())
     need = window * n_windows
     if n < need:
-        raise ValueError(
+        raise ArgumentError(
             f"--calib-windows: the text has {n} tokens, fewer than {n_windows} x {window} = {need}; "
             "give fewer or shorter windows"
         )
@@ -354,31 +356,41 @@ def cache_key(parts: dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def _read_cache(path: Path) -> dict[str, Any] | None:
+    """The cache file's contents if it is a kvquant sensitivity cache (``{"entries": {...}}``), else None."""
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+        return None
+    return data
+
+
+def check_cache_file(path: str | Path, force: bool = False, what: str = "--sens-cache") -> Path:
+    """Check a sensitivity cache path before work: a ``.json`` file that is absent or already a kvquant cache
+    (which is read and extended); anything else is refused unless ``force`` (then it is replaced)."""
+    p = check_output(path, (".json",), what, force=True)
+    if p.exists() and not force and _read_cache(p) is None:
+        raise OutputError(f"{what}: {p} exists and is not a kvquant sensitivity cache; {FORCE_HINT} it")
+    return p
+
+
 def load_cached(path: Path, key: str) -> Sensitivity | None:
     """The sensitivities stored under ``key`` in the JSON file ``path``, if any."""
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    entry = data.get("entries", {}).get(key)
+    data = _read_cache(path) if path.is_file() else None
+    entry = data["entries"].get(key) if data else None
     return Sensitivity.from_json(entry) if entry else None
 
 
 def save_cached(path: Path, key: str, sens: Sensitivity, description: dict[str, Any]) -> None:
-    """Add (or replace) ``key`` in the JSON cache file ``path`` (written atomically)."""
-    data: dict[str, Any] = {"entries": {}}
-    if path.is_file():
-        with contextlib.suppress(OSError, json.JSONDecodeError):
-            data = json.loads(path.read_text())
-            data.setdefault("entries", {})
+    """Add (or replace) ``key`` in the JSON cache file ``path`` (written atomically; a file that is not a
+    kvquant cache is replaced, so check it first with :func:`check_cache_file`)."""
+    data = (_read_cache(path) if path.is_file() else None) or {"entries": {}}
     entry = sens.to_json()
     entry["meta"] = {**entry["meta"], "key_parts": description}
     data["entries"][key] = entry
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    write_text(path, json.dumps(data, indent=1) + "\n", what="--sens-cache")
 
 
 def spearman(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import KVQuantConfig
+from .errors import ArgumentError
 from .memory import kv_bytes
 from .shape import ModelShape
 
@@ -98,7 +99,7 @@ def serving_estimate(
     if memory and p99:
         free = memory - cost.weight_bytes
         if free <= 0:
-            raise ValueError(f"budget: {memory:.0f} bytes do not even hold the weights ({cost.weight_bytes:.0f})")
+            raise ArgumentError(f"budget: {memory:.0f} bytes do not even hold the weights ({cost.weight_bytes:.0f})")
         for name, bpe in formats.items():
             out[f"{name}_batch_at_p99"] = int(free // kv_bytes(1, p99, shape, bpe))
         out["p99"] = p99

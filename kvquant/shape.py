@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import InputError
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -15,6 +17,12 @@ class ModelShape:
     head_dim: int
     num_query_heads: int | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InputError(f"model shape: {name} must be an integer >= 1, got {v!r}")
+
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
         """Read the shape from a transformers ``PretrainedConfig`` (text config for multimodal models)."""
@@ -24,7 +32,7 @@ class ModelShape:
         q_heads = getattr(config, "num_attention_heads", None)
         kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
         if not layers or not kv_heads:
-            raise ValueError(
+            raise InputError(
                 f"model: {type(config).__name__} has no attention KV heads "
                 "(num_hidden_layers / num_key_value_heads missing): kvquant needs a decoder with a KV cache"
             )

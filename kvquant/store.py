@@ -82,24 +82,27 @@ class QuantizedTensorStore:
         self.batch = 0  # rows of the owning LayerStore (kept in step by it)
         self.device = blocks.device
         self.clipped = torch.zeros((), dtype=torch.int64, device=blocks.device)
-        self.static_values = 0  # values written through a static scale (the denominator of the clip rate)
+        # real (non-pad) values written through a static scale: the denominator of the clip rate
+        self.static_values = torch.zeros((), dtype=torch.int64, device=blocks.device)
 
     @property
     def parts(self) -> dict[str, torch.Tensor]:
         """The block tensors of every part (looked up each time: the arena may have grown)."""
         return self.blocks.parts[self.group][self.kind]
 
-    def write(self, x: torch.Tensor, plan: WritePlan, check: bool = True) -> None:
+    def write(self, x: torch.Tensor, plan: WritePlan, check: bool = True, real: torch.Tensor | None = None) -> None:
         """Quantize ``x[B, H, T, D]`` and scatter the planned (row, token) pairs into their blocks.
 
         ``check``: verify that what is *stored* is finite (one reduction). fp16 scales / zeros that
         overflow (|x| > 65504) are widened to fp32 for this group's blocks (exact, bytes counted) and
         the chunk quantized again; anything else non-finite (fp16 passthrough storage) raises
         :class:`StoredOverflow`.
+        ``real[B, T]``: False at left-padding positions, which static-scale clipping does not count.
         """
         if self.quantizer.static:
-            self.clipped += self.quantizer.clipped(x, self.state)
-            self.static_values += x.numel()
+            counted = x if real is None else torch.where(real[:, None, :, None], x, 0.0)
+            self.clipped += self.quantizer.clipped(counted, self.state)
+            self.static_values += x.numel() if real is None else real.sum() * x.shape[1] * x.shape[3]
         q = self.quantizer.quantize(x, self.state)
         if check and not stored_finite(q):
             if self.quantizer.widen_scales():
@@ -255,6 +258,7 @@ class LayerStore:
         # per row, the position of its first real token (left padding before it), set by the first append
         self.row_start = torch.zeros(batch, dtype=torch.long, device=device)
         self.sink_end = 0  # sink tokens lie below this position in every row
+        self.pad_end = 0  # left padding lies below this position in every row
         self.calibrated = False
         self._static_amax = static_amax
         self.rotate_keys = config.rotate in ("keys", "kv")
@@ -419,7 +423,8 @@ class LayerStore:
             if row_start.shape != (self.batch,):
                 raise ValueError(f"row_start: shape {tuple(row_start.shape)}, expected ({self.batch},)")
             self.row_start = row_start.to(self.device, torch.long)
-        self.sink_end = int(self.row_start.max()) + self.sink_tokens if self.sink_tokens else 0
+        self.pad_end = int(self.row_start.max())  # one read, at the first write
+        self.sink_end = self.pad_end + self.sink_tokens if self.sink_tokens else 0
 
     def real_tokens(self, start: int, end: int) -> torch.Tensor:
         """``[B, end - start]``: True where position ``start + t`` of a row is a real token (not left padding)."""
@@ -454,12 +459,13 @@ class LayerStore:
             keys, values = keys.clone(), values.clone()
             keys[rows, :, offs] = 0
             values[rows, :, offs] = 0
+        real = self.real_tokens(pos, pos + keys.shape[2]) if pos < self.pad_end else None
         plan = self._place(keys, values, pos)
         for g in self.groups:
             k = keys if g.all_heads else keys.index_select(1, g.head_index)
             v = values if g.all_heads else values.index_select(1, g.head_index)
-            g.key.write(k, plan, self.config.check_finite)
-            g.value.write(v, plan, self.config.check_finite)
+            g.key.write(k, plan, self.config.check_finite, real)
+            g.value.write(v, plan, self.config.check_finite, real)
         self.q_end = pos + keys.shape[2]
 
     def _place(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> WritePlan:
@@ -737,7 +743,7 @@ class LayerStore:
     def reset(self) -> None:
         """Forget all tokens and static scales; the blocks go back to the pool."""
         self.release()
-        self.cache_pos = self.q_end = self.sink_end = 0
+        self.cache_pos = self.q_end = self.sink_end = self.pad_end = 0
         self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self.calibrated = False
         self.res_k = self.res_v = None
@@ -745,7 +751,7 @@ class LayerStore:
         for g in self.groups:
             for s in (g.key, g.value):
                 s.clipped.zero_()
-                s.static_values = 0
+                s.static_values.zero_()
                 s.state = {}
 
     def adopt(self, tables: list[list[int]], tokens: int) -> None:
@@ -771,6 +777,7 @@ class LayerStore:
                 c = _copy.copy(s)
                 c.state = dict(s.state)
                 c.clipped = s.clipped.clone()
+                c.static_values = s.static_values.clone()
                 kv.append(c)
             new.groups.append(HeadGroup(g.precision, g.heads, kv[0], kv[1], g.head_index, g.all_heads))
         for name in ("sink_k", "sink_v", "res_k", "res_v"):
@@ -835,5 +842,5 @@ class LayerStore:
         return int(sum(int(g.key.clipped) + int(g.value.clipped) for g in self.groups))
 
     def static_values(self) -> int:
-        """Values written through static scales so far (what :meth:`clipped` counts against)."""
-        return sum(g.key.static_values + g.value.static_values for g in self.groups)
+        """Real (non-pad) values written through static scales so far (what :meth:`clipped` counts against)."""
+        return int(sum(int(g.key.static_values) + int(g.value.static_values) for g in self.groups))

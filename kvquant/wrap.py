@@ -10,7 +10,7 @@ from typing import Any
 
 from .attention import install_attention
 from .cache import QuantizedKVCache
-from .config import KVQuantConfig
+from .config import MAX_CAPACITY, KVQuantConfig, check_int
 
 
 def wrap(model: Any, config: KVQuantConfig | str | Path = "int8", capacity: int | None = None) -> Any:
@@ -25,6 +25,8 @@ def wrap(model: Any, config: KVQuantConfig | str | Path = "int8", capacity: int 
     other caches (``DynamicCache``, transformers' ``QuantizedCache``) or none use plain SDPA.
     :func:`unwrap` restores the model's attention implementation and ``generate``.
     """
+    if capacity is not None:
+        check_int(capacity, "capacity", 1, MAX_CAPACITY)
     cfg = KVQuantConfig.load(config)
     cfg.resolve(model)  # validate against the model now, not at the first token
     before = install_attention(model)

@@ -90,3 +90,14 @@ def test_no_clipping_no_warning():
         for layer in range(2):
             cache.update(x, x, layer)
         assert cache.memory_report()["clipped"] == 0.0
+
+
+def test_pad_positions_do_not_count_as_clipped():
+    """Left padding is quantized with its row's scale but is never read: it is not counted as clipped."""
+    cfg = KVQuantConfig.from_dict({"default": "int8", "headroom": 1.0})
+    store = LayerStore([KVPrecision("int8", "int8")] * 2, cfg, 32, 2, torch.device("cpu"))
+    x = torch.randn(2, 2, 24, 32)
+    x[1, :, :4] = 100.0  # row 1's pads: far beyond its real tokens' scale
+    store.append(x, x, row_start=torch.tensor([0, 4]))
+    assert store.clipped() == 0
+    assert store.static_values() == 2 * (24 + 20) * 2 * 32  # K and V x real tokens x heads x head_dim

@@ -125,3 +125,9 @@ def test_error_config_for_another_model(tmp_path):
 def test_error_bad_options():
     assert _error(lambda: KVQuantConfig.from_dict({"headroom": 0.5})).startswith("headroom")
     assert _error(lambda: KVQuantConfig.from_dict({"block_size": 100})).startswith("block_size")
+
+
+@pytest.mark.parametrize("spec", [None, 3, 2.5, ["int8"]])
+def test_config_load_of_a_non_spec_is_a_config_error(spec):
+    with pytest.raises(ConfigError, match="^config: expected a preset name"):
+        KVQuantConfig.load(spec)

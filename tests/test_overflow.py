@@ -85,7 +85,10 @@ def test_fp32_model_dense_buffers_widen():
 
 
 def test_headroom_overflow_is_refused():
-    cfg = KVQuantConfig.from_dict({"default": "int8", "block_size": 16, "headroom": 1e40})
+    with pytest.raises(ValueError, match="^headroom: "):  # refused at load (bounded) ...
+        KVQuantConfig.from_dict({"default": "int8", "block_size": 16, "headroom": 1e40})
+    # ... and by the store, for a config built around the checks
+    cfg = KVQuantConfig(default=KVPrecision("int8", "int8"), block_size=16, headroom=1e40)
     store = LayerStore([KVPrecision("int8", "int8")], cfg, 64, 1, torch.device("cpu"))
     with pytest.raises(ValueError, match="^headroom: "):
         store.append(torch.randn(1, 1, 20, 64), torch.randn(1, 1, 20, 64))
