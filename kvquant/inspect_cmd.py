@@ -23,11 +23,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import kvquant
     from kvquant.eval.models import load_model  # the CLI front end loads models; the library does not
 
-    loaded = load_model(args.model, progress=False)
-    model, tok = loaded.model, loaded.tokenizer
-    cfg = kvquant.KVQuantConfig.load(args.config)
+    cfg = kvquant.KVQuantConfig.load(args.config)  # bad arguments fail before the model loads
     if args.block_size:
         cfg = kvquant.KVQuantConfig.load({**cfg.to_dict(), "block_size": args.block_size})
+    loaded = load_model(args.model, progress=False)
+    model, tok = loaded.model, loaded.tokenizer
     if args.text is not None:
         ids = tok(args.text, return_tensors="pt").input_ids
     else:
