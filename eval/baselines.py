@@ -5,13 +5,22 @@ Every entry of a recipe's ``configs`` becomes a :class:`Method`:
 ==================  ==========================================================================================
 ``reference``       transformers' ``DynamicCache`` in the model's dtype: the unquantized run every metric is
                     measured against (always run first; listing it just adds its row, which is 0 by definition)
+``vllm:DIR``        a serving engine's FP8 e4m3 KV cache as exported by ``kvquant export --format vllm -o DIR``
+                    (the engine's per-tensor or per-head scales, saturating cast), run through kvquant's store
 preset / file       a kvquant config (``fp16``, ``int8``, ``int8-token``, ``int4``, ``fp8-e4m3``, a YAML path ...)
                     through ``kvquant.QuantizedKVCache`` (``decode``) or ``kvquant.SimulatedQuantCache``
                     (``simulated``)
-``hf-hqq-int{2,4,8}``   transformers ``QuantizedCache(backend="hqq", nbits=N)`` with its defaults (axis 0,
-                    q_group_size 64, residual_length 128: the newest <= 128 tokens stay unquantized, and the
-                    whole history is re-quantized each time the residual fills)
-``hf-quanto-int{2,4}``  the same with ``backend="quanto"`` (optimum-quanto supports 2 and 4 bits only)
+``hf-hqq-int{1,2,3,4,8}``  transformers ``QuantizedCache(backend="hqq", nbits=N)`` at its strongest documented
+                    setting: ``axis_key=1, axis_value=1`` (what transformers' docs recommend for HQQ; groups of
+                    ``q_group_size`` consecutive channels of one token), ``q_group_size`` 64, ``residual_length``
+                    128 (the newest <= 128 tokens stay unquantized, and the whole history is re-quantized each
+                    time the residual fills)
+``hf-quanto-int{2,4}``  the same with ``backend="quanto"`` (optimum-quanto supports 2 and 4 bits only; axis 0, the
+                    setting transformers recommends for quanto, which is also its default)
+``...:key=value``   options after the name, separated by colons, override the settings above: ``axis`` (both),
+                    ``axis_key``, ``axis_value``, ``group`` (``q_group_size``) and ``residual``
+                    (``residual_length``); e.g. ``hf-hqq-int4:axis=0`` is transformers' default HQQ setting,
+                    labelled as such in reports
 ``hf-fp8``          transformers ``QuantizedCache(backend="fp8")``: float8_e4m3fn, one scale per layer tensor,
                     calibrated on the first chunk and frozen
 ``bnb-int8``, ``bnb-nf4``, ``bnb-fp4``   bitsandbytes blockwise quantization (dynamic 8-bit, NF4, FP4), blocks of
@@ -36,12 +45,15 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from kvquant.export import ENGINE_PREFIX, engine_config
+
 BASELINES: dict[str, str] = {
-    "hf-hqq-int2": "transformers QuantizedCache, HQQ backend, 2 bits (axis 0, group 64, residual 128 unquantized)",
-    "hf-hqq-int4": "transformers QuantizedCache, HQQ backend, 4 bits (axis 0, group 64, residual 128 unquantized)",
-    "hf-hqq-int8": "transformers QuantizedCache, HQQ backend, 8 bits (axis 0, group 64, residual 128 unquantized)",
-    "hf-quanto-int2": "transformers QuantizedCache, quanto backend, 2 bits (axis 0, group 64, residual 128)",
-    "hf-quanto-int4": "transformers QuantizedCache, quanto backend, 4 bits (axis 0, group 64, residual 128)",
+    "hf-hqq-int2": "transformers QuantizedCache, HQQ backend, 2 bits",
+    "hf-hqq-int3": "transformers QuantizedCache, HQQ backend, 3 bits",
+    "hf-hqq-int4": "transformers QuantizedCache, HQQ backend, 4 bits",
+    "hf-hqq-int8": "transformers QuantizedCache, HQQ backend, 8 bits",
+    "hf-quanto-int2": "transformers QuantizedCache, quanto backend, 2 bits",
+    "hf-quanto-int4": "transformers QuantizedCache, quanto backend, 4 bits",
     "hf-fp8": "transformers QuantizedCache, fp8 backend (e4m3fn, one scale per layer tensor, frozen at 1st chunk)",
     "bnb-int8": "bitsandbytes blockwise dynamic 8-bit, block 64, fp32 absmax per block",
     "bnb-nf4": "bitsandbytes blockwise NF4, block 64, fp32 absmax per block",
@@ -50,6 +62,28 @@ BASELINES: dict[str, str] = {
 
 #: nbits each transformers backend accepts (transformers 5.x); other requests are skipped with this reason.
 HF_SUPPORTED_BITS = {"hqq": (1, 2, 3, 4, 8), "quanto": (2, 4)}
+
+#: transformers' own defaults for its group-wise quantized caches (``QuantizedLayer.__init__``).
+HF_DEFAULTS: dict[str, int] = {"axis_key": 0, "axis_value": 0, "q_group_size": 64, "residual_length": 128}
+
+#: The strongest documented setting of each backend, used unless a spec overrides it. transformers' KV-cache
+#: docs recommend ``axis_key=axis_value=1`` for HQQ (per-token groups; axis 0 is 8x worse in KL on SmolLM2) and
+#: axis 0 for quanto (whose transformers layer accepts only 0 or -1); group size and residual stay at the defaults.
+HF_STRONGEST: dict[str, dict[str, int]] = {
+    "hqq": {**HF_DEFAULTS, "axis_key": 1, "axis_value": 1},
+    "quanto": dict(HF_DEFAULTS),
+}
+
+#: Spellings accepted after ``:`` in a baseline spec, and the QuantizedCache argument each sets.
+HF_OPTIONS: dict[str, tuple[str, ...]] = {
+    "axis": ("axis_key", "axis_value"),
+    "axis_key": ("axis_key",),
+    "axis_value": ("axis_value",),
+    "group": ("q_group_size",),
+    "q_group_size": ("q_group_size",),
+    "residual": ("residual_length",),
+    "residual_length": ("residual_length",),
+}
 
 REFERENCE = "reference"
 
@@ -80,11 +114,31 @@ def elements_per_token(model: Any) -> int:
 
 @dataclass
 class Storage:
-    """Measured KV storage: bytes per token (batch 1) and the equivalent bits per value."""
+    """Measured KV storage of one window (batch 1).
+
+    ``bytes_held``: bytes the cache holds after the last token of the window (``tokens`` tokens), fixed-size
+    full-precision parts (residual window, sinks) included; ``bytes_per_token``: that divided by ``tokens``;
+    ``asymptotic_bytes_per_token``: the cost of one more token at long context, where fixed-size parts no longer
+    matter; ``avg_bits``: the asymptotic bits per stored K/V value (scales and zero-points included).
+    """
 
     bytes_per_token: float
     avg_bits: float
     note: str = ""
+    bytes_held: float = 0.0
+    tokens: int = 0
+    asymptotic_bytes_per_token: float = 0.0
+
+
+def _storage(model: Any, held: float, tokens: int, asymptotic_bpt: float, note: str) -> Storage:
+    return Storage(
+        bytes_per_token=held / max(tokens, 1),
+        avg_bits=asymptotic_bpt * 8 / elements_per_token(model),
+        note=note,
+        bytes_held=float(held),
+        tokens=tokens,
+        asymptotic_bytes_per_token=float(asymptotic_bpt),
+    )
 
 
 class Method:
@@ -120,8 +174,8 @@ class ReferenceMethod(Method):
     simulated_cache = decode_cache
 
     def storage(self, model: Any, cache: Cache | None, tokens: int) -> Storage:
-        bits = torch.finfo(model.dtype).bits
-        return Storage(elements_per_token(model) * bits / 8, float(bits))
+        bpt = elements_per_token(model) * torch.finfo(model.dtype).bits / 8
+        return _storage(model, bpt * tokens, tokens, bpt, "the model's dtype")
 
 
 class KVQuantMethod(Method):
@@ -134,7 +188,10 @@ class KVQuantMethod(Method):
         from kvquant import KVQuantConfig
 
         self.spec = spec
-        self.config = KVQuantConfig.load(spec)
+        if spec.startswith(ENGINE_PREFIX):  # a serving engine's FP8 cache, from a `kvquant export --format vllm` dir
+            self.config = engine_config(spec[len(ENGINE_PREFIX):])
+        else:
+            self.config = KVQuantConfig.load(spec)
         self.name = spec if spec in _presets() else (self.config.name or Path(spec).stem)
         from kvquant import PRESETS
 
@@ -157,13 +214,14 @@ class KVQuantMethod(Method):
         return SimulatedQuantCache(model, self.config)
 
     def storage(self, model: Any, cache: Cache | None, tokens: int) -> Storage:
-        bits = float(self.config.avg_bits(model))
+        asym = elements_per_token(model) * float(self.config.avg_bits(model)) / 8
         report = getattr(cache, "memory_report", None)
         if report is not None:
             r = report()
-            if r.get("bytes_per_token"):
-                return Storage(float(r["bytes_per_token"]), bits, "measured (memory_report)")
-        return Storage(elements_per_token(model) * bits / 8, bits, "from the config's avg bits")
+            if r.get("bytes_total"):
+                return _storage(model, float(r["bytes_total"]), int(r["tokens"]), asym,
+                                "held: measured (memory_report); asymptotic: the config's bits")
+        return _storage(model, asym * tokens, tokens, asym, "from the config's bits (simulated: nothing is stored)")
 
 
 def _presets() -> set[str]:
@@ -206,15 +264,38 @@ class RoundTripCache(Cache):
 
 @dataclass
 class HFQuantizedMethod(Method):
+    """transformers' ``QuantizedCache`` with ``backend`` and ``nbits``; ``options`` are its group-wise arguments."""
+
     backend: str
     nbits: int | None = None
     name: str = ""
     kind: str = "baseline"
     description: str = ""
-    _helper: dict = field(default_factory=dict)
+    options: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.description = BASELINES.get(self.name, f"transformers QuantizedCache({self.backend})")
+        if self.backend != "fp8":
+            self.options = {**HF_STRONGEST[self.backend], **self.options}
+        self.description = self.describe()
+
+    def describe(self) -> str:
+        """What runs, from the effective settings (and whether they are the strongest or transformers' default)."""
+        base = BASELINES.get(f"hf-{self.backend}" + (f"-int{self.nbits}" if self.nbits else ""))
+        base = base or f"transformers QuantizedCache, {self.backend} backend, {self.nbits} bits"
+        if self.backend == "fp8":
+            return base
+        o = self.options
+        text = (
+            f"{base}: axis_key {o['axis_key']}, axis_value {o['axis_value']}, q_group_size {o['q_group_size']}, "
+            f"residual_length {o['residual_length']} (the newest tokens stay unquantized; the whole history is "
+            "re-quantized whenever the residual fills)"
+        )
+        labels = []
+        if o == HF_STRONGEST[self.backend]:
+            labels.append("the strongest documented setting")
+        if o == HF_DEFAULTS:
+            labels.append("transformers' default setting")
+        return text + (f" [{' = '.join(labels)}]" if labels else "")
 
     def unavailable(self) -> str | None:
         pkg = {"hqq": "hqq", "quanto": "optimum.quanto", "fp8": None}[self.backend]
@@ -232,7 +313,7 @@ class HFQuantizedMethod(Method):
         return None
 
     def _kwargs(self) -> dict[str, Any]:
-        return {} if self.backend == "fp8" else {"nbits": self.nbits}
+        return {} if self.backend == "fp8" else {"nbits": self.nbits, **self.options}
 
     def decode_cache(self, model: Any) -> Cache:
         from transformers import QuantizedCache
@@ -260,21 +341,22 @@ class HFQuantizedMethod(Method):
         return layer._dequantize(q), nbytes(q)
 
     def storage(self, model: Any, cache: Cache | None, tokens: int) -> Storage:
-        per_tok_elems = elements_per_token(model)
         if isinstance(cache, RoundTripCache):
-            b = cache.stored_bytes() / max(tokens, 1)
-            return Storage(b, b * 8 / per_tok_elems, "measured on the quantized round trip (no residual)")
-        total = 0
+            held = cache.stored_bytes()
+            return _storage(model, held, tokens, held / max(tokens, 1),
+                            "measured on the quantized round trip (no residual)")
+        quantized = residual = 0
+        residual_tokens = 0
         for layer in cache.layers:
-            total += nbytes(getattr(layer, "_quantized_keys", None)) + nbytes(getattr(layer, "_quantized_values", None))
-            if self.backend != "fp8":  # the unquantized residual window
-                total += nbytes(layer.keys if layer.keys is not None and layer.keys.dim() == 4 else None)
-                total += nbytes(layer.values if layer.values is not None and layer.values.dim() == 4 else None)
-        b = total / max(tokens, 1)
-        note = (
-            "measured at the end of the window, unquantized residual included" if self.backend != "fp8" else "measured"
-        )
-        return Storage(b, b * 8 / per_tok_elems, note)
+            quantized += nbytes(getattr(layer, "_quantized_keys", None))
+            quantized += nbytes(getattr(layer, "_quantized_values", None))
+            if self.backend != "fp8" and layer.keys is not None and layer.keys.dim() == 4:  # the unquantized residual
+                residual += nbytes(layer.keys) + nbytes(layer.values)
+                residual_tokens = layer.keys.shape[-2]
+        # the quantized part covers the tokens not in the residual: its bytes per token are the long-context cost
+        asym = quantized / max(tokens - residual_tokens, 1)
+        note = "measured at the end of the window: quantized part + unquantized residual; asymptotic: quantized part"
+        return _storage(model, quantized + residual, tokens, asym, note if self.backend != "fp8" else "measured")
 
 
 # --- bitsandbytes blockwise -------------------------------------------------------------------------------
@@ -317,11 +399,44 @@ class BnbMethod(Method):
     simulated_cache = decode_cache
 
     def storage(self, model: Any, cache: Cache | None, tokens: int) -> Storage:
-        b = cache.stored_bytes() / max(tokens, 1)
-        return Storage(b, b * 8 / elements_per_token(model), "measured (codes + fp32 absmax per block)")
+        held = cache.stored_bytes()
+        return _storage(model, held, tokens, held / max(tokens, 1), "measured (codes + fp32 absmax per block)")
 
 
 # --- the registry -----------------------------------------------------------------------------------------
+
+
+def parse_hf_spec(spec: str) -> HFQuantizedMethod:
+    """``hf-BACKEND-intN[:option=value...]`` or ``hf-fp8`` -> the method (raises ValueError naming the problem)."""
+    head, *opts = spec.split(":")
+    parts = head.split("-")
+    if len(parts) == 2 and parts[1] == "fp8":
+        if opts:
+            raise ValueError(f"{spec!r}: the fp8 backend takes no options (it quantizes per tensor)")
+        return HFQuantizedMethod("fp8", None, name=spec)
+    bits = parts[2][3:] if len(parts) == 3 and parts[2].startswith("int") else ""
+    if not (parts[1:2] and parts[1] in HF_SUPPORTED_BITS and bits.isdigit()):
+        raise ValueError(f"unknown baseline {spec!r} (known: {', '.join(BASELINES)}, with :option=value suffixes)")
+    options: dict[str, int] = {}
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if not sep or key not in HF_OPTIONS:
+            raise ValueError(f"{spec!r}: option {opt!r} must be one of {', '.join(k + '=N' for k in HF_OPTIONS)}")
+        try:
+            v = int(value)
+        except ValueError:
+            raise ValueError(f"{spec!r}: option {key}: {value!r} is not an integer") from None
+        if key in ("group", "q_group_size", "residual", "residual_length") and v < 1:
+            raise ValueError(f"{spec!r}: option {key}: must be >= 1, got {v}")
+        for name in HF_OPTIONS[key]:
+            options[name] = v
+    backend = parts[1]
+    axes_ok = {"hqq": (0, 1), "quanto": (0, -1)}[backend]
+    for name in ("axis_key", "axis_value"):
+        if name in options and options[name] not in axes_ok:
+            raise ValueError(f"{spec!r}: {name} must be one of {axes_ok} for the {backend} backend, "
+                             f"got {options[name]}")
+    return HFQuantizedMethod(backend, int(bits), name=spec, options=options)
 
 
 def make_method(spec: str) -> Method:
@@ -329,12 +444,7 @@ def make_method(spec: str) -> Method:
     if spec == REFERENCE:
         return ReferenceMethod()
     if spec.startswith("hf-"):
-        parts = spec.split("-")
-        if len(parts) == 2 and parts[1] == "fp8":
-            return HFQuantizedMethod("fp8", None, name=spec)
-        if len(parts) == 3 and parts[1] in HF_SUPPORTED_BITS and parts[2].startswith("int") and parts[2][3:].isdigit():
-            return HFQuantizedMethod(parts[1], int(parts[2][3:]), name=spec)
-        raise ValueError(f"unknown baseline {spec!r} (known: {', '.join(BASELINES)})")
+        return parse_hf_spec(spec)
     if spec.startswith("bnb-"):
         qt = spec[4:]
         if qt not in ("int8", "nf4", "fp4"):

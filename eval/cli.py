@@ -29,10 +29,16 @@ agreement, mean |delta p| of the correct token, KV bytes per token vs FP16, toke
 generation agreement with the first divergence position (reported, not asserted).
 
 Configs (recipe `configs:` or --configs a,b,c):
-  presets      fp16 bf16 fp32 int8 int8-token int4 int2 fp8-e4m3 fp8-e5m2 mixed-int4-int8
+  presets      fp16 bf16 fp32 int8-shared int8-separate int8-token int4 int2 fp8-e4m3 ... (kvquant presets;
+               int8 is int8-shared)
   files        a kvquant YAML/JSON config, e.g. recipes/configs/mixed-int4-int8.yaml
+  engines      vllm:DIR: a serving engine's FP8 cache with the scales of `kvquant export --format vllm -o DIR`
   baselines    hf-hqq-int2 hf-hqq-int4 hf-hqq-int8 hf-quanto-int2 hf-quanto-int4 hf-fp8
                bnb-int8 bnb-nf4 bnb-fp4   (skipped, with the reason, when not installed)
+               transformers' caches run at their strongest documented setting (HQQ: axis 1; quanto: axis 0;
+               group 64, fp16 residual of 128 tokens); override with :option=value suffixes, e.g.
+               hf-hqq-int4:axis=0 (transformers' default), hf-quanto-int4:group=32:residual=64
+               (options: axis, axis_key, axis_value, group, residual)
   reference    the unquantized DynamicCache (always run; list it to show its row)
 
 Outputs, in --out (default: the recipe's `out`, else results/NAME): results.json (one object per
@@ -48,6 +54,8 @@ examples:
   kvquant eval recipes/tinystories-stories260k.yaml --configs fp16,int8,int4,hf-hqq-int4 --protocol simulated
   kvquant eval recipes/default.yaml --model ./my-llama --data notes.txt --out results/mine
   kvquant eval recipes/default.yaml --configs int8,recipes/configs/mixed-int4-int8.yaml --window 512
+  kvquant eval results/default/results.json --compare int8-shared,int8-separate
+      paired test on a finished run: do the two differ beyond noise on the same tokens?
 
 Data (recipe `data:` or --data): kjv (offline corpus), wikitext-2 (from $KVQUANT_SHARED/data, else the
 hub), tinystories, hub:NAME[/CONFIG][:SPLIT], or a local UTF-8 text file.
@@ -57,8 +65,19 @@ under the user cache dir, or $KVQUANT_CACHE), a local checkpoint directory, a .g
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="recipe YAML file (see recipes/; every option below overrides a recipe field)")
-    p.add_argument("--model", help="model: smollm2-135m, a checkpoint directory, a .gguf file or a hub id")
+    p.add_argument(
+        "recipe",
+        help="recipe YAML file (see recipes/; every option below overrides a recipe field), or a results.json "
+        "with --compare",
+    )
+    p.add_argument(
+        "--model",
+        help="model: smollm2-135m, a checkpoint directory, a .gguf file or a hub id, optionally with stress "
+        "variants (smollm2-135m+kbias); comma-separated for several",
+    )
+    p.add_argument(
+        "--jobs", type=int, default=1, help="several models: run this many models at once, one process each"
+    )
     p.add_argument("--data", help="text: kjv, wikitext-2, tinystories, hub:NAME[/CONFIG][:SPLIT] or a local .txt file")
     p.add_argument("--configs", help="comma-separated configs to compare (presets, config files, baselines)")
     p.add_argument("--protocol", help="decode, simulated, or both as decode,simulated")
@@ -79,9 +98,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-generation", dest="no_generation", action="store_true", help="skip the free-generation drift check"
     )
+    p.add_argument(
+        "--procs",
+        type=int,
+        default=1,
+        help="split the configs over N processes (torch.distributed, gloo) and gather one report; with "
+        "device cuda, process r uses cuda:r. Metric rows are identical to a 1-process run",
+    )
     p.add_argument("--out", help="output folder for results.json, report.md and the plot")
     p.add_argument("--force", action="store_true", help="overwrite results.json, report.md and the plot in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bars or log lines; only the table")
+    p.add_argument(
+        "--compare",
+        metavar="A,B",
+        help="after the run (or on a finished run: give its results.json instead of a recipe), say whether "
+        "configs A and B differ beyond noise, window by window on the same tokens (paired t test, 95%%)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -116,6 +148,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
         v = getattr(args, k, None)
         if v is not None:
             o[k] = v
+    if args.model and "," in args.model:
+        o["model"] = [m.strip() for m in args.model.split(",") if m.strip()]
     if args.configs:
         o["configs"] = [c.strip() for c in args.configs.split(",") if c.strip()]
     if args.protocol:
@@ -133,14 +167,26 @@ def command_line(argv: Sequence[str] | None) -> str:
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     """Run the recipe named by ``args``; prints the table and writes the reports. Returns the exit code."""
+    from kvquant.errors import ArgumentError
     from kvquant.outputs import check_output_dir
 
+    from .compare import compare_text, load_rows, parse_pair
     from .models import NAMED_MODELS, check_device, check_model_path
     from .recipe import load_recipe
     from .report import OUTPUT_FILES, print_table, write_all
     from .runner import run_recipe
 
+    pair = parse_pair(args.compare) if args.compare else None
+    if str(args.recipe).endswith(".json"):  # a finished run: compare only
+        if pair is None:
+            raise ArgumentError(f"recipe: {args.recipe} is a results file; give --compare A,B to compare two configs")
+        print(compare_text(load_rows(args.recipe), *pair))
+        return 0
     recipe = load_recipe(args.recipe, _overrides(args))
+    if pair is not None:
+        missing = [c for c in pair if c not in recipe.configs]
+        if missing:
+            raise ArgumentError(f"--compare: {missing[0]!r} is not among the configs ({', '.join(recipe.configs)})")
     force = getattr(args, "force", False)
     # before the (long) run: the device exists and the outputs can be written without destroying anything
     check_device(recipe.device)
@@ -148,10 +194,29 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         check_model_path(recipe.model)
     check_output_dir(recipe.out, OUTPUT_FILES, "out", force=force)
     cmd = command_line(argv if argv is not None else getattr(args, "argv", None))
+    if getattr(args, "procs", 1) != 1:
+        import json
+
+        from .parallel import run_parallel
+
+        out = run_parallel(recipe, args.procs, command=cmd, quiet=args.quiet, force=force)
+        rows = json.loads((out / "results.json").read_text())["results"]
+        if pair is not None:
+            print("\n" + compare_text(rows, *pair))
+        return 1 if any(r["status"] == "error" for r in rows) else 0
+    if len(recipe.models) > 1:
+        from .suite import run_models, write_summary
+
+        summary = run_models(recipe, cmd, quiet=args.quiet, progress=not args.quiet, jobs=args.jobs)
+        paths = write_summary(summary, recipe.out)
+        print(f"\nwrote {', '.join(str(p) for p in paths)} (and one folder per model)")
+        return 1 if any(r["status"] == "error" for r in summary["rows"]) else 0
     result = run_recipe(recipe, command=cmd, quiet=args.quiet, progress=not args.quiet)
     print_table(result)
     paths = write_all(result, Path(recipe.out), force=force)
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
+    if pair is not None:
+        print("\n" + compare_text(result.rows, *pair))
     errors = [r for r in result.rows if r["status"] == "error"]
     return 1 if errors else 0
 

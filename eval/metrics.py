@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,28 +58,62 @@ def token_drift(ref_logits: torch.Tensor, q_logits: torch.Tensor, targets: torch
     return {k: torch.cat(v).cpu() for k, v in out.items()}
 
 
+#: The metrics that get a per-window paired standard error (``<metric>_se`` beside each).
+SE_METRICS = ("delta_ppl", "kl_mean", "top1")
+
+
+def window_metrics(drift: dict[str, torch.Tensor]) -> dict[str, float]:
+    """One window's summary: perplexities of both runs, their difference, mean KL and top-1 agreement."""
+    ppl_ref = math.exp(drift["nll_ref"].mean().item())
+    ppl = math.exp(drift["nll_q"].mean().item())
+    return {
+        "n": int(drift["kl"].numel()),
+        "ppl": ppl,
+        "ppl_ref": ppl_ref,
+        "delta_ppl": ppl - ppl_ref,
+        "kl_mean": drift["kl"].mean().item(),
+        "top1": drift["top1"].double().mean().item(),
+    }
+
+
+def standard_error(values: list[float]) -> float | None:
+    """Standard error of the mean of ``values`` (sample standard deviation / sqrt(n)); None for n < 2."""
+    n = len(values)
+    if n < 2:
+        return None
+    return float(np.std(np.asarray(values, dtype=np.float64), ddof=1) / math.sqrt(n))
+
+
 @dataclass
 class DriftAccumulator:
-    """Collects :func:`token_drift` over windows and summarizes it."""
+    """Collects :func:`token_drift` over windows (one :meth:`add` per window) and summarizes it.
+
+    Every window is compared with the reference on the same tokens, so the per-window differences are paired:
+    ``<metric>_se`` is the standard error of the per-window values of ``delta_ppl``, ``kl_mean`` and ``top1``
+    (sample standard deviation over windows / sqrt(windows)); None with a single window.
+    """
 
     parts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    windows: list[dict[str, float]] = field(default_factory=list)
 
-    def add(self, drift: dict[str, torch.Tensor]) -> None:
+    def add(self, drift: dict[str, torch.Tensor], window: int | None = None) -> None:
         for k, v in drift.items():
             self.parts.setdefault(k, []).append(v)
+        w = window_metrics(drift)
+        self.windows.append({"window": len(self.windows) if window is None else window, **w})
 
     @property
     def n_tokens(self) -> int:
         return int(sum(t.numel() for t in self.parts.get("kl", [])))
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, Any]:
         if not self.parts:
             raise ValueError("no tokens scored")
         cat = {k: torch.cat(v) for k, v in self.parts.items()}
         ppl_ref = math.exp(cat["nll_ref"].mean().item())
         ppl = math.exp(cat["nll_q"].mean().item())
         kl = cat["kl"]
-        return {
+        out: dict[str, Any] = {
             "ppl": ppl,
             "ppl_ref": ppl_ref,
             "delta_ppl": ppl - ppl_ref,
@@ -89,13 +124,20 @@ class DriftAccumulator:
             "mean_abs_dp": cat["abs_dp"].mean().item(),
             "n_tokens": int(kl.numel()),
         }
+        for m in SE_METRICS:
+            out[f"{m}_se"] = standard_error([w[m] for w in self.windows])
+        out["n_windows"] = len(self.windows)
+        out["windows"] = [dict(w) for w in self.windows]
+        return out
 
 
-def summarize(ref_logits: torch.Tensor, q_logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+def summarize(ref_logits: torch.Tensor, q_logits: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
     """All metrics for one pair of logit tensors ([n, vocab]) and their targets [n]."""
     acc = DriftAccumulator()
     acc.add(token_drift(ref_logits, q_logits, targets))
-    return acc.summary()
+    out = acc.summary()
+    out.pop("windows")
+    return out
 
 
 def generation_agreement(ref: list[list[int]], other: list[list[int]]) -> dict[str, object]:

@@ -8,7 +8,9 @@
   directory under the user cache folder (``$KVQUANT_CACHE`` or platformdirs' ``user_cache_dir("kvquant")``);
 - a **local directory** holding a transformers checkpoint (``config.json`` + weights);
 - a **GGUF file** (``path/to/model.gguf``), loaded with transformers' GGUF support;
-- a **hub id** (``HuggingFaceTB/SmolLM2-135M``), for machines that reach the hub.
+- a **hub id** (``HuggingFaceTB/SmolLM2-135M``), for machines that reach the hub;
+- any of these followed by **stress variants**, ``smollm2-135m+kbias``: outlier keys built from the
+  real model (:mod:`kvquant.eval.stress`), each its own reference.
 
 The conversion is guarded by a file lock and lands with an atomic rename, so two processes started at once
 convert once and never see a half-written directory.
@@ -248,8 +250,10 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .stress import apply_variants, split_spec
+
     t0 = time.perf_counter()
-    spec_s = str(spec)
+    spec_s, variants = split_spec(str(spec))
     torch_dtype = parse_dtype(dtype)
     check_device(device)
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation}
@@ -278,6 +282,9 @@ def load_model(
     if device not in ("auto", "cpu"):
         model = model.to(device)
     model.eval()
+    if variants:
+        apply_variants(model, tok, variants)
+        source = f"{source} + stress variants {'+'.join(variants)} (kvquant.eval.stress)"
     return LoadedModel(model, tok, source, time.perf_counter() - t0, converted)
 
 

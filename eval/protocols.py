@@ -1,9 +1,13 @@
 """The two perplexity protocols, and free-generation drift. Every number a report shows names its protocol.
 
 ``simulated`` (the KVQuant paper's protocol)
-    One forward over the whole window through a cache whose ``update`` returns quantize-then-dequantized K/V
-    at every position, the current chunk included: every attention layer sees quantized K/V everywhere, even
-    for the token's own position. Targets from the window's ``score_from`` on are scored. Cheap: one forward.
+    The window goes through a cache whose ``update`` returns quantize-then-dequantized K/V at every position,
+    the current chunk included: every attention layer sees quantized K/V everywhere, even for the token's own
+    position. Targets from the window's ``score_from`` on are scored. Static scales (``int8``, ``fp8-*``, the
+    fp8 baseline) must not see the future: the first ``calibrate`` tokens go through as one forward (the
+    "prefill", where static scales are taken, as a real cache takes them), the rest as a second forward that
+    reuses them; a config's ``scales_file`` replaces the prefill's scales. The reference runs the same two
+    forwards. Cheap: two forwards.
 
 ``decode`` (as generation uses the cache)
     Prefill the first ``prefill`` tokens, then feed the rest ``chunk`` tokens at a time through the real cache
@@ -12,6 +16,9 @@
     returns unquantized K/V on its first call, so they would measure nothing. With ``chunk = 1`` this is exactly
     token-by-token generation; with ``chunk > 1`` tokens inside one chunk see each other unquantized (kvquant) —
     faster, and slightly optimistic. The reference runs the same steps with an unquantized ``DynamicCache``.
+    Windows run one at a time (batch 1): batching them would change numbers (measured on SmolLM2: reference
+    logits move by 2e-5 with the batch size, and int8-token's by up to 0.05 once a rounding flips), and static
+    scales, baselines such as HQQ axis 0 and HQQ's optimizer look at the whole batch.
 
 ``generation`` (reported, not asserted)
     Greedy continuations of N prompts with each method's real cache against the reference's continuations:
@@ -30,7 +37,8 @@ from .data import Window
 from .models import model_device
 
 PROTOCOLS = {
-    "simulated": "fake-quantized K/V at every position, one forward per window",
+    "simulated": "fake-quantized K/V at every position; static scales from the prefill (or a scales file), "
+    "never from later tokens",
     "decode": "prefill, then score the remaining tokens step by step through the real cache",
 }
 
@@ -46,13 +54,22 @@ class Scored:
 
 
 @torch.no_grad()
-def simulated_logits(model: Any, window: Window, cache: Any) -> Scored:
-    """One forward over the window through ``cache`` (see module doc)."""
+def simulated_logits(model: Any, window: Window, cache: Any, calibrate: int = 0) -> Scored:
+    """The window through ``cache`` in two forwards: tokens ``[0, calibrate)``, then the rest (see module doc).
+
+    ``calibrate = 0`` (or >= the window) runs one forward over the whole window: static scales then come from
+    every token of it, later ones included; the eval runner always passes the recipe's prefill.
+    """
     dev = model_device(model)
     ids = window.ids.unsqueeze(0).to(dev)
+    n = ids.shape[1]
+    cuts = [0, calibrate, n] if 0 < calibrate < n else [0, n]
     t0 = time.perf_counter()
-    out = model(ids, cache=cache, use_cache=True)
-    logits = out.logits[0, window.score_from - 1 : -1].float().cpu()
+    pieces = [
+        model(ids[:, a:b], cache=cache, use_cache=True).logits[0].float().cpu()
+        for a, b in zip(cuts, cuts[1:], strict=False)
+    ]
+    logits = torch.cat(pieces)[window.score_from - 1 : -1]
     dt = time.perf_counter() - t0
     return Scored(logits, window.ids[window.score_from :].clone(), dt, cache)
 

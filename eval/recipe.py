@@ -3,7 +3,8 @@
 Example (every field but ``model``, ``data`` and ``configs`` has a default)::
 
     name: wikitext2-smollm2
-    model: smollm2-135m          # named model, local dir, .gguf file or hub id
+    model: smollm2-135m          # named model, local dir, .gguf file or hub id, optionally +stress variants;
+                                 # a list runs the recipe on each model (results in out/<model>/, summary in out/)
     dtype: float32               # float32 | float16 | bfloat16 | auto
     device: cpu                  # cpu | cuda | cuda:N | auto (device_map="auto")
     data: wikitext-2             # kjv | wikitext-2 | tinystories | hub:NAME[/CONFIG][:SPLIT] | path/to/file.txt
@@ -11,7 +12,7 @@ Example (every field but ``model``, ``data`` and ``configs`` has a default)::
     window: 1024                 # tokens per window (BOS included when bos: true)
     stride: null                 # tokens between window starts (default: the window, no overlap)
     max_windows: 4               # windows to score (null: all)
-    prefill: 256                 # decode: tokens prefilled before scoring starts
+    prefill: 256                 # tokens before scoring (decode: prefilled; simulated: static scales taken there)
     decode_chunk: 1              # decode: tokens per forward step (1 = exact token-by-token generation)
     bos: false                   # prepend the tokenizer's BOS token to every window
     seed: 0
@@ -77,6 +78,7 @@ class Recipe:
     out: str = ""
     source: str = ""  # the file it was read from (not a YAML field)
     resolved_configs: dict[str, str] = field(default_factory=dict)  # entry -> file path for config files
+    models: list[str] = field(default_factory=list)  # every model when ``model:`` lists several
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -154,7 +156,7 @@ def _resolve_config_file(entry: str, base: Path | None) -> Path | None:
 
 def validate_config_entry(entry: Any, i: int, base: Path | None, source: str) -> tuple[str, str | None]:
     """Check one ``configs`` entry; returns (entry, resolved file path or None)."""
-    from .baselines import BASELINES, REFERENCE, make_method
+    from .baselines import BASELINES, ENGINE_PREFIX, REFERENCE, make_method
 
     where = f"configs[{i}]"
     if not isinstance(entry, str) or not entry.strip():
@@ -169,6 +171,19 @@ def validate_config_entry(entry: Any, i: int, base: Path | None, source: str) ->
 
     if entry in PRESETS:
         return entry, None
+    if entry.startswith(ENGINE_PREFIX):
+        from kvquant.scales import read_engine_scales
+
+        d = entry[len(ENGINE_PREFIX):]
+        path = next((r / d for r in [Path.cwd()] + ([base] if base else []) if (r / d).is_dir()), None)
+        if path is None:
+            raise RecipeError(f"{where}: {d!r} is not a directory (vllm:DIR names a `kvquant export --format vllm` "
+                              f"output){_where(source)}")
+        try:
+            read_engine_scales(path)
+        except ValueError as e:
+            raise RecipeError(f"{where}: {e}{_where(source)}") from None
+        return entry, ENGINE_PREFIX + str(path)
     path = _resolve_config_file(entry, base)
     if path is None:
         raise RecipeError(
@@ -193,6 +208,18 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
     for k in REQUIRED:
         if data.get(k) in (None, "", []):
             raise RecipeError(f"{k}: required{_where(source)}")
+    models = data["model"] if isinstance(data["model"], list) else [data["model"]]
+    for i, m in enumerate(models):
+        if not isinstance(m, str) or not m.strip():
+            raise RecipeError(f"model[{i}]: must be a non-empty string, got {m!r}{_where(source)}")
+        if "+" in m:
+            from .stress import split_spec
+
+            try:
+                split_spec(m)
+            except ValueError as e:
+                raise RecipeError(f"{e}{_where(source)}") from None
+    models = [expand(m) for m in models]
     name = data.get("name") or (Path(source).stem if source else "eval")
     if not isinstance(name, str):
         raise RecipeError(f"name: must be a string, got {name!r}{_where(source)}")
@@ -216,7 +243,7 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
         )
     max_windows = _int(data, "max_windows", 1, source, 4, nullable=True)
     prefill = _int(data, "prefill", 1, source, min(256, window // 4) or 1)
-    if "decode" in protocols and prefill >= window - 1:
+    if prefill >= window - 1:
         raise RecipeError(f"prefill: {prefill} must be smaller than window - 1 ({window - 1}){_where(source)}")
     decode_chunk = _int(data, "decode_chunk", 1, source, 1)
     bos = data.get("bos", False)
@@ -264,7 +291,8 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
     if not isinstance(description, str):
         raise RecipeError(f"description: must be a string{_where(source)}")
     return Recipe(
-        model=expand(_str(data, "model", source)),
+        model=models[0],
+        models=models,
         data=expand(_str(data, "data", source)),
         configs=list(configs),
         name=name,

@@ -19,8 +19,9 @@ OUTPUT_FILES = ("results.json", "report.md", "bits_vs_quality.png")  # what writ
 
 COLUMNS = [
     ("config", "config"),
-    ("avg_bits", "avg bits"),
-    ("kv_vs_fp16", "KV B/tok vs FP16"),
+    ("avg_bits", "bits/value"),
+    ("kv_vs_fp16", "KV held vs FP16"),
+    ("asymptotic_vs_fp16", "KV/token vs FP16, long ctx"),
     ("ppl", "ppl"),
     ("delta_ppl", "Δppl"),
     ("kl_mean", "KL mean"),
@@ -30,6 +31,9 @@ COLUMNS = [
     ("tok_per_s", "tok/s"),
 ]
 
+#: Columns shown as ``value ± standard error`` (the error is the row's ``<key>_se``, over windows, paired).
+WITH_SE = ("delta_ppl", "kl_mean", "top1")
+
 
 def _fmt(key: str, v: Any) -> str:
     if v is None:
@@ -38,7 +42,7 @@ def _fmt(key: str, v: Any) -> str:
         return v
     if key in ("avg_bits",):
         return f"{v:.2f}"
-    if key == "kv_vs_fp16":
+    if key in ("kv_vs_fp16", "asymptotic_vs_fp16"):
         return f"{v:.3f}x"
     if key == "ppl":
         return f"{v:.3f}"
@@ -53,6 +57,21 @@ def _fmt(key: str, v: Any) -> str:
     if isinstance(v, float) and math.isfinite(v):
         return f"{v:.4g}"
     return str(v)
+
+
+def _fmt_se(key: str, se: Any) -> str:
+    if key == "delta_ppl":
+        return f"{se:.4f}"
+    return _fmt(key, se)
+
+
+def cell(row: dict[str, Any], key: str) -> str:
+    """One table cell: the value, with ``± se`` for the columns that have a standard error."""
+    text = _fmt(key, row.get(key))
+    se = row.get(f"{key}_se")
+    if key in WITH_SE and se is not None and row.get(key) is not None:
+        text += f" ± {_fmt_se(key, se)}"
+    return text
 
 
 def _gen_cell(row: dict[str, Any]) -> tuple[str, str]:
@@ -71,7 +90,7 @@ def table_rows(rows: list[dict[str, Any]], protocol: str, with_gen: bool) -> tup
     for r in rows:
         if r["protocol"] != protocol or r["status"] != "ok":
             continue
-        cells = [_fmt(k, r.get(k)) for k, _ in COLUMNS]
+        cells = [cell(r, k) for k, _ in COLUMNS]
         if with_gen:
             cells += list(_gen_cell(r))
         body.append(cells)
@@ -106,16 +125,26 @@ def _not_run(rows: list[dict[str, Any]], protocol: str) -> list[str]:
 
 
 def _protocol_line(meta: dict[str, Any], protocol: str) -> str:
+    """What ran, generated from the effective settings (command-line overrides included), never from free text."""
     rc = meta["recipe"]
     nwin = meta.get("windows", {}).get(protocol, "?")
+    scored = rc["window"] - 1 - rc["prefill"]
+    se = f"; ± is one standard error over the {nwin} windows (paired: same tokens as the reference)"
     if protocol == "decode":
+        step = (
+            "then one token per step (exact token-by-token decode)"
+            if rc["decode_chunk"] == 1
+            else f"then {rc['decode_chunk']} tokens per step (fast mode: tokens inside a step see each other "
+            "unquantized, so it is optimistic)"
+        )
         return (
             f"protocol **decode** ({PROTOCOLS['decode']}): {nwin} windows of {rc['window']} tokens, prefill "
-            f"{rc['prefill']}, then {rc['decode_chunk']} token(s) per step; scored: the targets after the prefill"
+            f"{rc['prefill']}, {step}; scored: the {scored} targets after the prefill of each window" + se
         )
     return (
         f"protocol **simulated** ({PROTOCOLS['simulated']}): {nwin} windows of {rc['window']} tokens, "
-        f"stride {rc['stride'] or rc['window']}"
+        f"stride {rc['stride'] or rc['window']}, prefill {rc['prefill']} (one forward, where static scales are "
+        f"taken), then the rest in a second forward; scored: the {scored} targets after the prefill" + se
     )
 
 
@@ -159,9 +188,13 @@ def plot(result: Any, path: Path) -> bool:
             y = r[key]
             if key == "kl_mean":
                 y = max(y, 1e-7)
-            ax.scatter(r["avg_bits"], y, marker=markers.get(r["protocol"], "x"), color=colors.get(r["kind"], "gray"))
+            se = r.get(f"{key}_se")
+            # one standard error over windows; on the log axis the lower bar is clipped above zero
+            yerr = None if se is None else [[min(se, y * 0.999) if key == "kl_mean" else se], [se]]
+            ax.errorbar(r["avg_bits"], y, yerr=yerr, marker=markers.get(r["protocol"], "x"),
+                        color=colors.get(r["kind"], "gray"), capsize=2, linestyle="")
             ax.annotate(r["config"], (r["avg_bits"], y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_xlabel("average bits per K/V value (measured, overhead included)")
+        ax.set_xlabel("bits per K/V value at long context (overhead included); bars: ± 1 standard error")
         ax.set_ylabel(label)
         if key == "kl_mean":
             ax.set_yscale("log")
@@ -215,15 +248,20 @@ def markdown(result: Any, plot_name: str | None) -> str:
     lines += [
         "## Columns",
         "",
-        "- **avg bits**: bits per stored K/V value, scales and zero-points included (kvquant: from the config; "
-        "baselines: measured from the bytes their cache holds at the end of a window, which for transformers' "
-        "HQQ/quanto caches includes the unquantized residual of up to 128 tokens).",
-        "- **KV B/tok vs FP16**: bytes per token of KV cache divided by an FP16 cache's (kvquant: `memory_report()`, "
-        "block granularity included).",
+        "- **bits/value**: bits per stored K/V value at long context, scales and zero-points included "
+        "(kvquant: from the config; baselines: measured on the quantized part of their cache).",
+        f"- **KV held vs FP16**: bytes the cache actually holds after the last token of a window ({_held(rows)}), "
+        "fixed-size full-precision parts (fp16 residual window, sinks) and block rounding included, divided by an "
+        "FP16 cache of the same tokens. **KV/token vs FP16, long ctx**: the cost of one more token at long "
+        "context (asymptotic bytes per token), where fixed-size parts no longer count.",
         f"- **ppl / Δppl**: perplexity of the scored tokens and its difference to the reference's ({_ref_ppl(rows)}).",
         "- **KL mean / p99**: KL(reference ‖ quantized) of the next-token distributions, mean and 99th percentile "
         "over scored positions. **top-1**: fraction of positions with the same argmax. **mean |Δp|**: mean absolute "
         "change of the probability of the correct next token.",
+        "- **±**: one standard error of the per-window values (sample standard deviation over windows / "
+        "sqrt(windows)); every window is scored on the same tokens by the reference and each config, so the "
+        "differences are paired. Two configs differ beyond noise only if their difference does: "
+        "`kvquant eval RESULTS.json --compare A,B` tests that per window.",
         "- **tok/s**: scored tokens per second of forward time on this machine (quantization overhead included; "
         "CPU numbers depend on the machine's load).",
     ]
@@ -240,6 +278,11 @@ def markdown(result: Any, plot_name: str | None) -> str:
     if plot_name:
         lines += ["", "## Bits vs quality", "", f"![delta ppl and KL against bits]({plot_name})"]
     return "\n".join(lines) + "\n"
+
+
+def _held(rows: list[dict[str, Any]]) -> str:
+    tokens = sorted({r["held_tokens"] for r in rows if r.get("held_tokens")})
+    return f"{', '.join(map(str, tokens))} tokens" if tokens else "the window's tokens"
 
 
 def _ref_ppl(rows: list[dict[str, Any]]) -> str:
@@ -279,3 +322,34 @@ def rerender(out_dir: str | Path) -> dict[str, Path]:
     )
     write_text(paths["md"], markdown(result, paths["png"].name if has_plot else None) + note)
     return paths
+
+
+README_COLUMNS = [
+    ("config", "config"),
+    ("avg_bits", "bits/value"),
+    ("kv_vs_fp16", "KV held vs FP16"),
+    ("asymptotic_vs_fp16", "KV/token vs FP16, long ctx"),
+    ("delta_ppl", "Δppl"),
+    ("kl_mean", "KL(FP16 ‖ q)"),
+    ("top1", "top-1"),
+]
+
+
+def readme_table(results_json: str | Path, protocol: str = "decode") -> str:
+    """The README's results table (markdown) from a run's ``results.json``, with the protocol it ran."""
+    payload = json.loads(Path(results_json).read_text(encoding="utf-8"))
+    meta, rows = payload["meta"], payload["results"]
+    ok = [r for r in rows if r["protocol"] == protocol and r["status"] == "ok" and r["kind"] != "reference"]
+    head = [h for _, h in README_COLUMNS]
+    body = [[f"`{r['config']}`" if k == "config" else cell(r, k) for k, _ in README_COLUMNS] for r in ok]
+    ref = next((r for r in rows if r["protocol"] == protocol and r["kind"] == "reference"), None)
+    lines = [_protocol_line(meta, protocol).replace("**", "") + ".", ""]
+    if ref is not None:
+        lines += [f"Reference perplexity {ref['ppl']:.3f} ({ref['n_tokens']} scored tokens).", ""]
+    return "\n".join(lines) + "\n" + md_table(head, body)
+
+
+if __name__ == "__main__":  # python -m kvquant.eval.report RESULTS.json: print the README table
+    import sys
+
+    print(readme_table(sys.argv[1]))

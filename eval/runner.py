@@ -144,7 +144,8 @@ def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult
     fp16_bpt = meta["fp16_bytes_per_token"]
 
     for protocol in recipe.protocol:
-        min_score = recipe.prefill + 1 if protocol == "decode" else 1
+        # both protocols score the targets after the prefill: no scored position's static scales saw its future
+        min_score = recipe.prefill + 1
         windows = token_windows(ids, recipe.window, recipe.stride, recipe.max_windows, bos_id, min_score)
         meta.setdefault("windows", {})[protocol] = len(windows)
         accs = {m.name: DriftAccumulator() for m in methods}
@@ -169,9 +170,10 @@ def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult
                             sc = decode_logits(model, w, cache, recipe.prefill, recipe.decode_chunk, progress=bar)
                         else:
                             cache = m.simulated_cache(model)
-                            sc = simulated_logits(model, w, cache)
+                            sc = simulated_logits(model, w, cache, calibrate=recipe.prefill)
                             bar.update(1)
-                        storage[m.name] = m.storage(model, cache, int(w.ids.numel()))
+                        held = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+                        storage[m.name] = m.storage(model, cache, int(held) or int(w.ids.numel()))
                     except Exception as e:  # noqa: BLE001 - one broken method must not stop the comparison
                         if m.kind == "reference":
                             raise
@@ -183,7 +185,7 @@ def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult
                             guard.restore()
                     if ref_logits is None:
                         ref_logits = sc.logits
-                    accs[m.name].add(token_drift(ref_logits, sc.logits, sc.targets))
+                    accs[m.name].add(token_drift(ref_logits, sc.logits, sc.targets), window=w.index)
                     secs[m.name] += sc.seconds
                     del sc, cache
         bar.close()
@@ -200,6 +202,10 @@ def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult
                 avg_bits=st.avg_bits,
                 bytes_per_token=st.bytes_per_token,
                 kv_vs_fp16=st.bytes_per_token / fp16_bpt,
+                kv_bytes_held=st.bytes_held,
+                held_tokens=st.tokens,
+                asymptotic_bytes_per_token=st.asymptotic_bytes_per_token,
+                asymptotic_vs_fp16=st.asymptotic_bytes_per_token / fp16_bpt,
                 storage_note=st.note,
                 **s,
                 seconds=secs[m.name],

@@ -126,6 +126,8 @@ def _fresh_extent(mask: torch.Tensor | None, q_range: tuple[int, int], past_len:
     q0, q1 = q_range
     if mask is None:
         return q1
+    if tq == 1:  # decode: the one fresh key (read from the mask it would need a host synchronisation)
+        return 1
     cols = mask[:, :, q0:q1, past_len:past_len + tq].any(dim=2).any(dim=1).any(dim=0)
     idx = cols.nonzero()
     return int(idx[-1]) + 1 if idx.numel() else 1  # >= 1 key: a fully masked tile still has a (masked) tile
@@ -198,14 +200,19 @@ def attend_torch(
     return out.view(B, Hq, Tq, D).to(query.dtype)
 
 
-def dequantize_history(layer: LayerStore, past_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def dequantize_history(
+    layer: LayerStore, past_len: int, head_space: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole history as float32 ``[B, Hkv, past_len, D]`` K and V, in storage space (rotated if
-    the config rotates), sinks and residual included (tests and debugging only)."""
+    the config rotates), sinks and residual included (tests and debugging only). ``head_space``: codebook
+    heads stay in their rotated head space (what the attention functions read)."""
     B, D = layer.batch, layer.head_dim
     k = torch.empty((B, layer.num_heads, past_len, D), device=layer.device)
     v = torch.empty_like(k)
     for g in layer.groups:
         k[:, g.head_index], v[:, g.head_index] = layer.read(g, 0, past_len)
+    if not head_space and getattr(layer, "has_head_space", False):
+        k, v = layer.kv_from_head_space(k, v)
     return k, v
 
 
@@ -222,7 +229,7 @@ def attend_naive(
     """Reference: dequantize the whole history, concatenate the fresh chunk, softmax attention in fp32."""
     B, Hq, Tq, D = query.shape
     rep = Hq // layer.num_heads
-    hk, hv = dequantize_history(layer, past_len)
+    hk, hv = dequantize_history(layer, past_len, head_space=True)  # same space as the query it is given
     k = torch.cat([hk, fresh_k.float()], dim=2).repeat_interleave(rep, dim=1)
     v = torch.cat([hv, fresh_v.float()], dim=2).repeat_interleave(rep, dim=1)
     L = past_len + Tq

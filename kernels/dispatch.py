@@ -49,11 +49,31 @@ def attend(
     before masking and softmax.
 
     With ``rotate`` on, queries and the fresh K (and V) are rotated into the store's space first
-    and the output rotated back (the Hadamard matrix is its own inverse).
+    and the output rotated back (the Hadamard matrix is its own inverse); with ``center_keys`` the
+    fresh K loses the same per-channel mean as the stored keys (softmax ignores the common shift).
+    Heads stored by a codebook quantizer (``tq*``) are then mapped into their own head space the same way
+    (:meth:`~kvquant.store.LayerStore.query_to_head_space`), once per call; the Triton kernels do not read
+    codebook codes yet, so such layers take the torch path.
     """
-    if layer.rotate_keys or layer.rotate_values:
+    if softcap is not None and layer.key_mean is not None:
+        # softcapping is not shift-invariant: q.(k - mu) would change the capped scores
+        raise NotImplementedError(
+            "center_keys: key centering is exact only without attention logit softcapping; "
+            "set center_keys: false for this model"
+        )
+    if layer.transforms:
         query = fwht(query) if layer.rotate_keys else query
         fresh_k, fresh_v = layer.to_storage_space(fresh_k, fresh_v)
+    head_space = getattr(layer, "has_head_space", False)
+    if head_space and softcap is not None and layer.centered_keys:
+        # q . (k - mu) shifts every score of a query alike: exact for softmax, not under tanh capping
+        raise NotImplementedError(
+            "softcap: codebook (tq*) keys remove a per-channel key mean, which is not exact under attention "
+            "logit softcapping; use int*/fp8 keys on this model"
+        )
+    if head_space:  # codebook heads: queries rotated once per step, stored rows never un-rotated
+        query = layer.query_to_head_space(query)
+        fresh_k, fresh_v = layer.kv_to_head_space(fresh_k, fresh_v)
     out = None
     if backend_for(query.device) == "triton":
         try:
@@ -67,4 +87,6 @@ def attend(
                 logger.warning("kvquant: Triton attention unavailable, using the torch path (%s)", reason)
     if out is None:
         out = attend_torch(query, fresh_k, fresh_v, layer, past_len, mask, scaling, softcap)
+    if head_space:
+        out = layer.output_from_head_space(out)
     return fwht(out) if layer.rotate_values else out

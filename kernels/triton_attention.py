@@ -41,8 +41,8 @@ import torch
 from kvquant.store import LayerStore
 
 from .attention_torch import cap_scores
-from .triton_chunk import BLOCK_M, _chunk_attn, chunk
-from .triton_decode import decode
+from .triton_chunk import BLOCK_M, _chunk_attn, chunk_launches
+from .triton_decode import decode_launches
 from .triton_dequant import dot_kind, native_fp8, operand
 from .unsupported import Unsupported
 
@@ -112,15 +112,23 @@ def key_ranges(
     ):
         raise Unsupported(f"mask shape {tuple(mask.shape)}: expected [{batch}|1, 1|{q_heads}, {q_len}, {L}]")
     m = mask[..., :L]
-    if m.shape[1] > 1 and not bool((m == m[:, :1]).all()):
-        raise Unsupported("mask differs between heads")
-    m = m[:, 0].expand(batch, q_len, L)
+    m0 = m[:, :1]
     idx = torch.arange(L, device=m.device, dtype=torch.int32)
-    lo = torch.where(m, idx, L).amin(-1)
-    hi = torch.where(m, idx + 1, 0).amax(-1)
-    count = m.sum(-1, dtype=torch.int32)
-    if not bool((count == (hi - lo).clamp_min(0)).all()):
-        raise Unsupported("mask rows are not contiguous key ranges (e.g. packed sequences); torch path")
+    lo = torch.where(m0, idx, L).amin(-1)
+    hi = torch.where(m0, idx + 1, 0).amax(-1)
+    count = m0.sum(-1, dtype=torch.int32)
+    ok = (count == (hi - lo).clamp_min(0)).all()
+    if m.shape[1] > 1:
+        ok = ok & (m == m0).all()
+    if q_len == 1:
+        # decode: checked on the device, without a host synchronisation (a failure raises at the next
+        # synchronisation on CUDA, at once on CPU); prefill: checked here, the torch path takes over
+        torch._assert_async(ok, "attention_mask: rows must be one contiguous key range, the same for every "
+                                "head (packed sequences are not; set KVQUANT_ATTENTION=torch)")  # fmt: skip
+    elif not bool(ok):
+        raise Unsupported("mask rows are not contiguous key ranges (e.g. packed sequences) or differ between "
+                          "heads; torch path")  # fmt: skip
+    lo, hi, count = (t[:, 0].expand(batch, q_len) for t in (lo, hi, count))
     empty = count == 0
     lo = torch.where(empty, 0, lo).to(torch.int32).contiguous()
     hi = torch.where(empty, 0, hi).to(torch.int32).contiguous()
@@ -191,9 +199,12 @@ def block_table(layer: LayerStore, hist: int, batch: int, device: torch.device) 
     table = layer.table()
     if table.shape[1] * layer.block_size < hist:
         raise Unsupported(f"the block tables cover {table.shape[1] * layer.block_size} tokens, the history {hist}")
-    if table.shape[1] == 0:
-        return torch.zeros((batch, 1), dtype=torch.int32, device=device)
-    return table.to(device=device, dtype=torch.int32)
+    # padded (block 0, never visible) to the layer's capacity: the decode grid then depends on the
+    # capacity, not on the length (the same at every step of a fixed pool: CUDA-graph capturable)
+    width = max(1, table.shape[1], -(-layer.capacity // layer.block_size))
+    out = torch.zeros((batch, width), dtype=torch.int32, device=device)
+    out[:, : table.shape[1]] = table.to(device=device, dtype=torch.int32)
+    return out
 
 
 def attend_dense(
@@ -304,13 +315,15 @@ def attend_triton(
     res = torch.empty(out.shape, device=out.device) if fp32_res else out
     lse = torch.empty((B, Hq, Tq), dtype=torch.float32, device=query.device) if segments is not None else None
     if Tq == 1:
-        decode(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling, res, dk,
-               splits=splits, lse=lse, table=table, block_size=layer.block_size,
-               softcap=softcap)  # fmt: skip
+        launches = decode_launches(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling,
+                                   res, dk, splits=splits, lse=lse, softcap=softcap, table=table,
+                                   block_size=layer.block_size)  # fmt: skip
     else:
-        chunk(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling, res, dk,
-              block_m=block_m or BLOCK_M, lse=lse, table=table, block_size=layer.block_size,
-              softcap=softcap)  # fmt: skip
+        launches = chunk_launches(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling,
+                                  res, dk, block_m=block_m or BLOCK_M, lse=lse, softcap=softcap, table=table,
+                                  block_size=layer.block_size)  # fmt: skip
+    for launch in launches:
+        launch.run()
     if segments is not None:
         d_out, d_lse = attend_dense(query, *segments, ranges, scaling, softcap)
         res = merge_lse(res, lse * LN2, d_out, d_lse)

@@ -37,6 +37,7 @@ from .triton_dequant import (
     reduce_min,
     reduce_sum,
 )
+from .triton_launch import Launch
 from .unsupported import Unsupported
 
 
@@ -156,7 +157,7 @@ def block_n_for(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-def chunk(
+def chunk_launches(
     query: torch.Tensor,
     fresh_k: torch.Tensor,
     fresh_v: torch.Tensor,
@@ -175,8 +176,9 @@ def chunk(
     *,
     table: torch.Tensor,
     block_size: int,
-) -> torch.Tensor:
-    """Chunk attention (any ``Tq``) into ``out[B, Hq, Tq, D]``; ``groups`` = (head_index int32, K, V).
+) -> list[Launch]:
+    """The launches (one per head group) of chunk attention (any ``Tq``) into ``out[B, Hq, Tq, D]``;
+    ``groups`` = (head_index int32, K, V); as data, see :func:`~kvquant.kernels.triton_decode.decode_launches`.
 
     The history is read through ``table[B, max_blocks]`` (int32 block ids of each row, ``block_size``
     tokens per block) from the groups' block tensors.
@@ -191,16 +193,19 @@ def chunk(
     block_n = block_n or block_n_for(D)
     lo, hi = ranges if ranges is not None else (query, query)
     lo_sb, lo_st = (lo.stride(0), lo.stride(1)) if ranges is not None else (0, 0)
+    launches = []
     for head_index, kop, vop in groups:
         Hg = head_index.numel()
         grid = (B * Hg, triton.cdiv(rep * Tq, block_m))
-        _chunk_attn[grid](
+        args = (
             query, query.stride(0), query.stride(1), query.stride(2),
             *kop.args(), *vop.args(), table, table.stride(0),
             fresh_k, fresh_k.stride(0), fresh_k.stride(1), fresh_k.stride(2),
             fresh_v, fresh_v.stride(0), fresh_v.stride(1), fresh_v.stride(2),
             head_index, lo, hi, lo_sb, lo_st, out, out.stride(0), out.stride(1), out.stride(2),
             lse if lse is not None else out, scaling * LOG2E, past_len, Tq, Hg, Hq,
+        )  # fmt: skip
+        meta = dict(
             REP=rep, BLOCK_M=block_m, D=D, BLOCK_N=block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
             SOFTCAP=(softcap or 0.0) * LOG2E,
             HAS_LSE=lse is not None,
@@ -208,4 +213,5 @@ def chunk(
             V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group, BS=block_size,
             num_warps=num_warps,
         )  # fmt: skip
-    return out
+        launches.append(Launch(_chunk_attn, grid, args, meta))
+    return launches

@@ -13,100 +13,96 @@ Must run with ``TRITON_INTERPRET`` unset (the kernels must be compiled functions
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import os
-import re
-import subprocess
 import sys
-import tempfile
 import time
 
-BLOCK_SIZE = 128
+import torch
 
-KINDS = {  # name -> (kind, bits, group, part pointer type, scale pointer type)
-    "fp16": (0, 8, 1, "*fp16", "*fp16"),
-    "bf16": (0, 8, 1, "*bf16", "*bf16"),
-    "int8": (1, 8, 1, "*i8", "*i8"),
-    "int8-token": (2, 8, 1, "*i8", "*fp16"),
-    "int4": (3, 4, 32, "*u8", "*fp16"),
-    "int3": (3, 3, 32, "*u8", "*fp16"),
-    "int2": (3, 2, 32, "*u8", "*fp16"),
-    "int4-channel": (7, 4, 1, "*u8", "*fp16"),  # one scale per channel; tokens by block address (BS)
-    "int3-channel": (7, 3, 1, "*u8", "*fp16"),
-    "int2-channel": (7, 2, 1, "*u8", "*fp16"),
-    "fp8-e4m3": (4, 8, 1, "*fp8e4nv", "*u8"),
-    "fp8-e5m2": (4, 8, 1, "*fp8e5", "*u8"),
-    "fp8-e4m3-bits": (5, 8, 1, "*u8", "*u8"),
-    "fp8-e5m2-bits": (6, 8, 1, "*u8", "*u8"),
-}
-QTYPE = {0: "*fp32", 1: "*fp16", 2: "*bf16"}
+from kvquant.blocks import LayerBlocks
+from kvquant.quantizers import make_quantizer
+from kvquant.store import QuantizedTensorStore
 
+from .triton_dequant import operand
+from .triton_launch import compile_launch, resource_usage
 
-def _signature(fn, ptrs: dict[str, str], consts: dict) -> dict[str, str]:
-    sig = {}
-    for n in inspect.signature(fn.fn).parameters:
-        sig[n] = "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "qk_scale" else "i32")
-    return sig
+# name -> (store precision, native fp8 loads); "-bits": the integer fp8 decode used below sm_89
+KINDS = {
+    **{p: (p, True) for p in ("fp16", "bf16", "int8", "int8-token", "int4", "int3", "int2", "int4-channel",
+                              "int3-channel", "int2-channel", "fp8-e4m3", "fp8-e5m2")},
+    "fp8-e4m3-bits": ("fp8-e4m3", False),
+    "fp8-e5m2-bits": ("fp8-e5m2", False),
+}  # fmt: skip
+QDTYPE = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
+META = torch.device("meta")
+BLOCK_SIZE = 128  # the store's block size (tokens per scale row of the per-channel kinds)
 
 
-def _kv_ptrs(prefix: str, name: str) -> dict[str, str]:
-    _, _, _, part, scale = KINDS[name]
-    return {prefix: part, prefix + "S": scale, prefix + "Z": scale, prefix + "H": "*fp32"}
+def meta_store(precision: str, batch: int, heads: int, head_dim: int, capacity: int) -> QuantizedTensorStore:
+    """A store of ``precision`` on the ``meta`` device: the runtime's part shapes, dtypes and strides, no data."""
+    quantizer = make_quantizer(precision, head_dim, block_size=BLOCK_SIZE)
+    blocks = LayerBlocks([(heads, quantizer.parts(), quantizer.parts())], BLOCK_SIZE, META,
+                         num_blocks=batch * -(-capacity // BLOCK_SIZE))  # fmt: skip
+    store = QuantizedTensorStore(quantizer, blocks, 0, "key")
+    store.batch = batch
+    if store.quantizer.static:
+        store.state["scale"] = torch.empty(heads, device=META)
+    return store
+
+
+def meta_groups(pairs: list[tuple[str, str, int]], batch: int, head_dim: int, capacity: int):
+    """Head groups ``(head_index, K operand, V operand)`` of a layer whose groups are ``pairs`` =
+    (K kind, V kind, KV heads) (kinds: :data:`KINDS`), on the ``meta`` device."""
+    groups, first = [], 0
+    for k, v, heads in pairs:
+        ops = []
+        for name in (k, v):
+            precision, native = KINDS[name]
+            ops.append(operand(meta_store(precision, batch, heads, head_dim, capacity), head_dim, native))
+        idx = torch.arange(first, first + heads, dtype=torch.int32, device=META)
+        groups.append((idx, *ops))
+        first += heads
+    return groups
+
+
+def meta_launches(kernel: str, pairs: list[tuple[str, str, int]], dot: int, D: int, rep: int, has_range: bool,
+                  batch: int = 2, past_len: int = 4095, capacity: int = 4096, q_len: int = 16, sms: int = 132,
+                  **overrides) -> list:
+    """The launches the runtime launcher (``decode_launches`` / ``chunk_launches``) makes for these
+    shapes, on ``meta`` tensors. ``overrides`` (num_warps, BLOCK_N, BLOCK_M) replace launch options."""
+    from . import triton_chunk, triton_decode
+
+    kv_heads = sum(h for _, _, h in pairs)
+    tq = 1 if kernel in ("decode", "reduce") else q_len
+    query = torch.empty((batch, kv_heads * rep, tq, D), dtype=QDTYPE[dot], device=META)
+    fresh = torch.empty((batch, kv_heads, tq, D), dtype=QDTYPE[dot], device=META)
+    out = torch.empty_like(query)
+    ranges = None
+    if has_range:
+        ranges = tuple(torch.empty((batch, tq), dtype=torch.int32, device=META) for _ in range(2))
+    groups = meta_groups(pairs, batch, D, capacity)
+    table = torch.empty((batch, -(-capacity // BLOCK_SIZE)), dtype=torch.int32, device=META)
+    paged = dict(table=table, block_size=BLOCK_SIZE)
+    if kernel == "chunk":
+        launches = triton_chunk.chunk_launches(query, fresh, fresh, groups, kv_heads, past_len, ranges, D**-0.5,
+                                               out, dot, **paged)  # fmt: skip
+    else:
+        launches = triton_decode.decode_launches(query, fresh, fresh, groups, kv_heads, past_len, ranges, D**-0.5,
+                                                 out, dot, sms=sms, **paged)  # fmt: skip
+        launches = launches[-1:] if kernel == "reduce" else launches[:-1]
+    for launch in launches:
+        launch.meta.update({k: v for k, v in overrides.items() if v is not None})
+    return launches
 
 
 def compile_one(kernel: str, k: str, v: str, dot: int, D: int, rep: int, has_range: bool, arch: int,
                 num_warps: int | None = None, block_n: int | None = None, block_m: int | None = None):
-    """Compile one specialisation; returns the compiled kernel (raises on a compile error)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from . import triton_chunk, triton_decode
-
-    kk, kb, kg, _, _ = KINDS[k]
-    vk, vb, vg, _, _ = KINDS[v]
-    kv = dict(K_KIND=kk, K_BITS=kb, K_GROUP=kg, V_KIND=vk, V_BITS=vb, V_GROUP=vg)
-    ptrs = {"Q": QTYPE[min(dot, 2)], "HEAD_IDX": "*i64", "LO": "*i32", "HI": "*i32", "OUT": QTYPE[min(dot, 2)],
-            "FK": QTYPE[min(dot, 2)], "FV": QTYPE[min(dot, 2)], "O_PART": "*fp32", "LSE_PART": "*fp32",
-            "LSE_OUT": "*fp32", "TBL": "*i32", **_kv_ptrs("K", k), **_kv_ptrs("V", v)}  # fmt: skip
-    kv["BS"] = BLOCK_SIZE  # tokens per pool block (the default block_size; per-channel parts: their token group)
-    block_h = max(16, triton.next_power_of_2(rep))
-    if kernel == "decode":
-        bn, nw = triton_decode.launch_config(kk, vk, dot, D)
-        num_warps, block_n = num_warps or nw, block_n or bn
-        fn = triton_decode._decode_partial
-        consts = dict(REP=rep, BLOCK_H=block_h, D=D, BLOCK_N=block_n, HAS_RANGE=has_range, DOT=dot, **kv)
-    elif kernel == "reduce":
-        num_warps = num_warps or 4
-        fn = triton_decode._decode_reduce
-        consts = dict(REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=has_range, HAS_LSE=False)  # reads no block
-    else:
-        num_warps = num_warps or triton_chunk.NUM_WARPS
-        block_m = block_m or triton_chunk.BLOCK_M
-        fn = triton_chunk._chunk_attn
-        block_n = block_n or triton_chunk.block_n_for(D)
-        consts = dict(REP=rep, BLOCK_M=block_m, D=D, BLOCK_N=block_n, HAS_RANGE=has_range, DOT=dot, HAS_LSE=False,
-                      **kv)
-    src = ASTSource(fn, _signature(fn, ptrs, consts), consts)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
-
-
-def ptxas_usage(compiled, arch: int) -> tuple[int, int]:
-    """(registers per thread, spill stores in bytes) reported by ptxas for the compiled PTX."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    ptxas = get_ptxas(arch).path
-    with tempfile.TemporaryDirectory() as d:
-        p = os.path.join(d, "k.ptx")
-        with open(p, "w") as f:
-            f.write(compiled.asm["ptx"])
-        out = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a" if arch == 90 else f"--gpu-name=sm_{arch}",
-                              p, "-o", os.path.join(d, "k.cubin")], capture_output=True, text=True)  # fmt: skip
-    text = out.stdout + out.stderr
-    regs = re.search(r"Used (\d+) registers", text)
-    spill = re.search(r"(\d+) bytes spill stores", text)
-    return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1
+    """Compile one specialisation (2 KV heads of K/V kinds ``k``/``v``) exactly as the runtime launcher
+    would launch it; returns the compiled kernel (raises on a compile error)."""
+    overrides = dict(num_warps=num_warps, BLOCK_N=block_n, BLOCK_M=block_m if kernel == "chunk" else None)
+    (launch,) = meta_launches(kernel, [(k, v, 2)], dot, D, rep, has_range, **overrides)
+    return compile_launch(launch, arch)
 
 
 def matrix(full: bool):
@@ -140,9 +136,10 @@ def main() -> int:
         t0 = time.perf_counter()
         try:
             c = compile_one(*spec)
-            regs, spill = ptxas_usage(c, spec[-1])
+            use = resource_usage(c.asm["cubin"])
             dt = time.perf_counter() - t0
-            print(f"ok   {spec}  regs {regs} spill {spill} B  smem {c.metadata.shared} B  {dt:.1f}s")
+            print(f"ok   {spec}  regs {use['reg']} spill {use['local'] + use['stack']} B  smem {c.metadata.shared} B  "
+                  f"{dt:.1f}s")
         except Exception as e:  # noqa: BLE001 - report every failing specialisation
             failed += 1
             print(f"FAIL {spec}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

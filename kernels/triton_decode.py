@@ -34,19 +34,32 @@ import triton
 import triton.language as tl
 
 from .triton_dequant import (
+    DOT_IEEE,
+    KIND_CHANNEL,
+    KIND_FP8,
+    KIND_FP8_E4M3_BITS,
+    KIND_FP8_E5M2_BITS,
+    KIND_HEAD,
+    KIND_INTN,
+    KIND_TOKEN,
     Operand,
     cap_scores,
     dot_pv,
     dot_qk,
     head_ptrs,
     load_head_scale,
+    load_q_halves,
     load_tile,
     load_token_scale,
     online_rescale,
     paged_rows,
+    pv_fold4,
+    qk_channel4,
+    qk_fold4,
     reduce_max,
     reduce_sum,
 )
+from .triton_launch import Launch
 from .unsupported import Unsupported
 
 LOG2E = 1.4426950408889634
@@ -63,6 +76,7 @@ def _decode_partial(
     HAS_RANGE: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
+    K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -92,6 +106,20 @@ def _decode_partial(
     # per-head K scale folded into the softmax scale
     scale = qk_scale * load_head_scale(KH, pid, K_KIND)
 
+    # grouped int4 K / V (K_FOLD / V_FOLD: Operand.folds4): folded scales, codes as MMA operands
+    if K_FOLD == 1:
+        q_lo, q_hi, qs_lo, qs_hi = load_q_halves(Q + b64 * q_sb, qh, q_sh, mask_h, D, K_GROUP, DOT)
+    elif K_FOLD == 2:  # per-channel int4 keys: the query's halves in fp32 (the block scale multiplies them)
+        q_half = Q + b64 * q_sb + qh[:, None] * q_sh + tl.arange(0, D // 2)[None, :]
+        q_lo = tl.load(q_half, mask=mask_h[:, None], other=0.0).to(tl.float32)
+        q_hi = tl.load(q_half + D // 2, mask=mask_h[:, None], other=0.0).to(tl.float32)
+    if V_FOLD:
+        VG2: tl.constexpr = D // 2 // V_GROUP
+        acc_lo = tl.full([VG2, BLOCK_H, V_GROUP], 0, tl.float32)
+        acc_hi = tl.full([VG2, BLOCK_H, V_GROUP], 0, tl.float32)
+        zacc_lo = tl.full([VG2, BLOCK_H, 1], 0, tl.float32)
+        zacc_hi = tl.full([VG2, BLOCK_H, 1], 0, tl.float32)
+
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_H], 0, tl.float32)
     acc = tl.full([BLOCK_H, D], 0, tl.float32)
@@ -102,8 +130,16 @@ def _decode_partial(
         mask_n = (offs_n >= start) & (offs_n < end)
         k_rows, ks_rows = paged_rows(tbl, offs_n, mask_n, k_sb, k_st, ks_sb, ks_st, BS, K_KIND)
         v_rows, vs_rows = paged_rows(tbl, offs_n, mask_n, v_sb, v_st, vs_sb, vs_st, BS, V_KIND)
-        k = load_tile(k_base, ks_base, kz_base, k_rows, ks_rows, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D)
-        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
+        if K_FOLD == 2:
+            # the tile lies in one pool block: its scale row
+            ks_row = tl.load(tbl + n0 // BS).to(tl.int64) * ks_sb
+            s = qk_channel4(q_lo, q_hi, k_base, ks_base, kz_base, k_rows, ks_row, mask_n, D, DOT) * scale
+        elif K_FOLD == 1:
+            s = qk_fold4(q_lo, q_hi, qs_lo, qs_hi, k_base, ks_base, kz_base, k_rows, ks_rows, mask_n, D,
+                         K_GROUP, DOT) * scale  # fmt: skip
+        else:
+            k = load_tile(k_base, ks_base, kz_base, k_rows, ks_rows, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D, DOT)
+            s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
         if K_KIND == 2:
             s = s * load_token_scale(ks_base, ks_rows, mask_n)[None, :]
         s = cap_scores(s, SOFTCAP)
@@ -111,20 +147,33 @@ def _decode_partial(
         m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + reduce_sum(p, 1)
-        v = load_tile(v_base, vs_base, vz_base, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D)
-        if V_KIND == 2:
-            p = p * load_token_scale(vs_base, vs_rows, mask_n)[None, :]
-        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
+        if V_FOLD:
+            a3 = alpha[None, :, None]
+            acc_lo, acc_hi, zacc_lo, zacc_hi = pv_fold4(
+                p, acc_lo * a3, acc_hi * a3, zacc_lo * a3, zacc_hi * a3, v_base, vs_base, vz_base, v_rows, vs_rows,
+                mask_n, D, V_GROUP, DOT)  # fmt: skip
+        else:
+            v = load_tile(v_base, vs_base, vz_base, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D, DOT)
+            if V_KIND == 2:
+                p = p * load_token_scale(vs_base, vs_rows, mask_n)[None, :]
+            acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
         m_i = m_new
 
-    # per-head V scale, once after the loop
-    acc = acc * load_head_scale(VH, pid, V_KIND)
     has = l_i != 0  # rows with no visible key; a NaN sum (corrupt history) stays NaN
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     # partial buffers [B, Hq, S, D] and [B, Hq, S] (contiguous), indexed by the layer's query head
     prow = (b64 * n_qheads + qh) * S + split
-    tl.store(O_PART + prow[:, None] * D + offs_d[None, :], o, mask=mask_h[:, None])
+    if V_FOLD:
+        den = tl.where(has, l_i, 1.0)[None, :, None]
+        g3 = tl.arange(0, VG2)[:, None, None] * V_GROUP + tl.arange(0, V_GROUP)[None, None, :]
+        o_ptr = O_PART + prow[None, :, None] * D + g3
+        tl.store(o_ptr, (acc_lo + zacc_lo) / den, mask=mask_h[None, :, None])
+        tl.store(o_ptr + D // 2, (acc_hi + zacc_hi) / den, mask=mask_h[None, :, None])
+    else:
+        # per-head V scale, once after the loop
+        acc = acc * load_head_scale(VH, pid, V_KIND)
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        tl.store(O_PART + prow[:, None] * D + offs_d[None, :], o, mask=mask_h[:, None])
     tl.store(LSE_PART + prow, lse, mask=mask_h)
 
 
@@ -185,20 +234,30 @@ def _decode_reduce(
 
 
 # ------------------------------------------------------------------------------------------- launcher
-def launch_config(k_kind: int, v_kind: int, dot: int, head_dim: int) -> tuple[int, int]:
+def launch_config(kop: Operand, vop: Operand, dot: int, head_dim: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps) of one group's partial kernel.
 
-    Chosen from ptxas register / spill counts (sm_90, head_dim 128; ``python -m
-    kvquant.kernels.triton_compile_check``), not from timings: no GPU was available. With 4 warps and
-    BLOCK_N 64, int8 / fp8 / fp16 with half-precision MMAs use 128-168 registers and no spills, but
-    packed int4/3/2 (extra MMAs for the high/low splits) hit 255 registers and spill 0.3-1 KB, and
-    fp32 MMAs spill 0.4-1.1 KB; 8 warps with BLOCK_N 32 (packed ints: 201-230 registers) or 64 (fp32:
-    127 registers) have no spills.
+    Chosen with ``benchmarks/kernel_static.py`` (sm_90a SASS of the loop, head_dim 128, GQA 4:
+    warp-instructions per token, registers, spills; docs/results/kernel_static.md), not from timings:
+    no GPU was available. int8 / fp8 with half-precision MMAs: 2 warps x 64 tokens (the fewest
+    instructions per token without spills: the per-tile softmax work is shared by fewer warps);
+    folded int4 (:meth:`Operand.folds4`): 4 x 64 (8 x 32 spilled); folded per-channel int4 keys 4 x 32;
+    other packed int4/3/2 and per-channel kinds: 8 x 32 (4 x 64 hit 255 registers and spilled);
+    fp32 MMAs 8 x 64; fp16/bf16 4 x 64.
     """
-    if {3, 7} & {k_kind, v_kind}:  # packed int codes (grouped or per-channel)
+    kinds = {kop.kind, vop.kind}
+    folded = [kop.folds4(head_dim) or kop.folds_channel4(), vop.folds4(head_dim)]
+    unfolded = {op.kind for op, f in zip((kop, vop), folded, strict=True) if not f}
+    if {KIND_INTN, KIND_CHANNEL} & unfolded:  # packed int codes dequantized in registers
         block_n, warps = 32, 8
-    elif dot == 0:
+    elif dot == DOT_IEEE:
         block_n, warps = 64, 8
+    elif kop.folds_channel4():  # 4 x 64 spilled 124 B
+        block_n, warps = 32, 4
+    elif any(folded):
+        block_n, warps = 64, 4
+    elif kinds <= {KIND_HEAD, KIND_TOKEN, KIND_FP8, KIND_FP8_E4M3_BITS, KIND_FP8_E5M2_BITS}:
+        block_n, warps = 64, 2
     else:
         block_n, warps = 64, 4
     if head_dim > 128:
@@ -211,15 +270,19 @@ def block_n_for(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-def num_splits(batch: int, kv_heads: int, past_len: int, block_n: int, device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 off CUDA: the interpreter tests)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def num_splits(batch: int, kv_heads: int, past_len: int, block_n: int, sms: int) -> int:
     """Partitions of the history: enough programs to fill the GPU about twice, no empty partition."""
     tiles = max(1, math.ceil(past_len / block_n))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     want = math.ceil(2 * sms / max(1, batch * kv_heads))
     return max(1, min(tiles, want, 128))
 
 
-def decode(
+def decode_launches(
     query: torch.Tensor,
     fresh_k: torch.Tensor,
     fresh_v: torch.Tensor,
@@ -233,17 +296,26 @@ def decode(
     splits: int | None = None,
     lse: torch.Tensor | None = None,
     softcap: float | None = None,
+    sms: int | None = None,
     *,
     table: torch.Tensor,
     block_size: int,
-) -> torch.Tensor:
-    """Decode attention (``Tq == 1``) into ``out[B, Hq, 1, D]``; ``groups`` = (head_index int32, K, V).
+) -> list[Launch]:
+    """The kernel launches of decode attention (``Tq == 1``) into ``out[B, Hq, 1, D]`` (one partial launch
+    per head group, then the reduction; ``groups`` = (head_index int32, K, V)), with every argument,
+    constexpr and launch option: ``attend_triton`` runs them (``Launch.run``), and the ahead-of-time
+    tools (``triton_compile_check``, ``benchmarks/kernel_static.py``) compile exactly these (on
+    ``meta`` tensors), so that what they measure is the binary the runtime would build.
 
     The history is read through ``table[B, max_blocks]`` (int32 block ids of each row, ``block_size``
     tokens per block) from the groups' block tensors.
 
     ``lse`` (optional, fp32 contiguous ``[B, Hq, 1]``) receives each row's base-2 log-sum-exp of the
-    scores times ``scaling * log2(e)`` (``-inf`` for rows with no visible key).
+    scores times ``scaling * log2(e)`` (``-inf`` for rows with no visible key). ``sms``: the SM count
+    the split heuristic fills (default: the query's device). The grid depends on
+    the shapes and the pool's capacity only (not on ``past_len``), and nothing here reads a device
+    value: a step can be captured in a CUDA graph (``past_len`` is still a scalar argument, so a
+    captured graph serves one length; lengths in a device tensor would lift that).
     """
     B, Hq, Tq, D = query.shape
     if Tq != 1:
@@ -251,36 +323,44 @@ def decode(
     rep = Hq // num_kv
     block_h = max(16, triton.next_power_of_2(rep))
     block_n = block_n_for(D)
-    S = splits or num_splits(B, num_kv, past_len, block_n, query.device)
-    tiles = max(1, math.ceil(past_len / block_n))
+    # partitions of the pool's capacity, not of past_len: the grid and the buffers are the same at
+    # every step of a fixed pool (CUDA-graph capturable); partitions past the history exit at once
+    capacity = max(past_len, table.shape[1] * block_size)  # the tokens the block tables address
+    S = splits or num_splits(B, num_kv, capacity, block_n, sms or sm_count(query.device))
+    tiles = max(1, math.ceil(capacity / block_n))
     part_len = math.ceil(tiles / S) * block_n
-    S = max(1, math.ceil(past_len / part_len))
+    S = max(1, math.ceil(capacity / part_len))
     o_part = torch.empty((B, Hq, S, D), dtype=torch.float32, device=query.device)
     lse_part = torch.empty((B, Hq, S), dtype=torch.float32, device=query.device)
     qk_scale = scaling * LOG2E
     lo, hi = ranges if ranges is not None else (query, query)  # dummies when there is no mask
     lo_sb = lo.stride(0) if ranges is not None else 0
+    launches = []
     for head_index, kop, vop in groups:
         Hg = head_index.numel()
-        group_block_n, num_warps = launch_config(kop.kind, vop.kind, dot_kind, D)
-        _decode_partial[(B * Hg, S)](
+        group_block_n, num_warps = launch_config(kop, vop, dot_kind, D)
+        args = (
             query, query.stride(0), query.stride(1),
             *kop.args(), *vop.args(), table, table.stride(0),
             head_index, lo, hi, lo_sb, o_part, lse_part,
             qk_scale, past_len, part_len, Hg, S, Hq,
+        )  # fmt: skip
+        meta = dict(
             REP=rep, BLOCK_H=block_h, D=D, BLOCK_N=group_block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
             SOFTCAP=(softcap or 0.0) * LOG2E,
             K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group,
             V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group, BS=block_size,
+            K_FOLD=1 if kop.folds4(D) else 2 if kop.folds_channel4() else 0, V_FOLD=vop.folds4(D),
             num_warps=num_warps,
         )  # fmt: skip
-    _decode_reduce[(B * num_kv,)](
+        launches.append(Launch(_decode_partial, (B * Hg, S), args, meta))
+    args = (
         o_part, lse_part, query, query.stride(0), query.stride(1),
         fresh_k, fresh_k.stride(0), fresh_k.stride(1), fresh_v, fresh_v.stride(0), fresh_v.stride(1),
         out, out.stride(0), out.stride(1), lse if lse is not None else lse_part,
         lo, hi, lo_sb, qk_scale, past_len, num_kv, S,
-        REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=ranges is not None, HAS_LSE=lse is not None,
-        SOFTCAP=(softcap or 0.0) * LOG2E,
-        num_warps=4,
     )  # fmt: skip
-    return out
+    meta = dict(REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=ranges is not None, HAS_LSE=lse is not None,
+                SOFTCAP=(softcap or 0.0) * LOG2E, num_warps=4)
+    launches.append(Launch(_decode_reduce, (B * num_kv,), args, meta))
+    return launches

@@ -37,6 +37,7 @@ This module also holds the host-side description of a part (:func:`operand`) and
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -75,10 +76,13 @@ def load_tile(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     D: tl.constexpr,
+    DOT: tl.constexpr = 0,
 ):
     """Float32 ``[BLOCK_N, D]`` tile of the tokens whose rows start at element offsets ``rows[BLOCK_N]``
     (rows outside ``mask_n`` read as 0); ``sc_rows``: the offsets of their scale/zero rows (CHANNEL:
-    their block's one row). See :func:`paged_rows`.
+    their block's one row). See :func:`paged_rows`. With ``DOT`` a half-precision MMA kind, tiles whose
+    values are exact in that type (int8 codes, fp8 into fp16, stored values of that very type) come back
+    in it, skipping the fp32 round trip.
 
     Per-group (INTN) and per-channel-per-block (CHANNEL) scale/zero are applied here; per-head and
     per-token scales are not (the kernels fold them, see the module doc). ``ptr``/``sc_ptr``/``zp_ptr``
@@ -119,12 +123,149 @@ def load_tile(
         b = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
         x = (b << 8).to(tl.float16, bitcast=True).to(tl.float32)
     elif KIND == 4:
-        # native fp8: no `other` (an int/float literal cannot be cast to fp8); masked lanes zeroed after
-        x = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2).to(tl.float32)
-        x = tl.where(m2, x, 0.0)
+        if DOT == 1:
+            # fp8 -> fp16 is exact: the bytes (masked rows: 0 = +0.0) converted by the hardware, no select
+            b = tl.load(ptr.to(tl.pointer_type(tl.uint8)) + rows[:, None] + offs_d[None, :], mask=m2, other=0)
+            x = b.to(ptr.dtype.element_ty, bitcast=True).to(tl.float16)
+        else:
+            # native fp8: no `other` (an int/float literal cannot be cast to fp8); masked lanes zeroed after
+            x = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2).to(tl.float32)
+            x = tl.where(m2, x, 0.0)
     else:
-        x = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0).to(tl.float32)
+        x = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0)
+        if DOT == 1 and (KIND == 1 or KIND == 2):
+            # int8 code c -> fp16 without a conversion instruction: the bits 0x6400 | (c + 128) are the
+            # fp16 1024 + (c + 128), exactly; minus 1152 (exact) leaves c
+            u = (x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x80) | 0x6400
+            x = u.to(tl.float16, bitcast=True) - 1152.0
+        elif DOT == 1 and ptr.dtype.element_ty == tl.float16:
+            x = x.to(tl.float16)  # fp16 values are exact MMA operands: no fp32 round trip
+        elif DOT == 2 and (KIND == 1 or KIND == 2 or ptr.dtype.element_ty == tl.bfloat16):
+            x = x.to(tl.bfloat16)
+        else:
+            x = x.to(tl.float32)
     return x
+
+
+# ------------------------------------------------------------ int4 grouped, folded (decode inner loop)
+# The packed int4 decode path does not dequantize tiles: the codes are exact MMA operands, and the
+# per-(token, group) scale and zero are applied to the per-group partial dots (one multiply-add per
+# (query head, token, group) instead of per element):
+#
+#   K:  q . k[t] = sum_g s[t,g] (q_g . c[t,g]) + z[t,g] sum(q_g)
+#   V:  sum_t p[t] v[t,d] = sum_t (p[t] s[t,g(d)]) c[t,d] + sum_t p[t] z[t,g(d)]
+#
+# Each packed byte is loaded once: its low nibbles are the channels [0, D/2) (split packing), its
+# high nibbles [D/2, D), dotted against the two halves of the query (or of the output). Groups are
+# the leading axis of 3-D (batched) dots. Exact up to fp32 rounding order; more exact than
+# dequantizing into a half-precision operand, which the low-half split had to repair.
+
+
+@triton.jit
+def codes_operand(c, DOT: tl.constexpr):
+    """Unsigned codes < 128 as an exact MMA operand of kind ``DOT``, without a conversion instruction:
+    the fp16 bits ``0x6400 | c`` are 1024 + c (bf16 ``0x4300 | c``: 128 + c), minus the constant."""
+    if DOT == 1:
+        r = (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    elif DOT == 2:
+        r = (c.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
+    else:
+        r = c.to(tl.float32)
+    return r
+
+
+@triton.jit
+def load_q_halves(q_ptr, qh, q_sh, mask_h, D: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr):
+    """The query heads ``qh`` as two ``[G2, BLOCK_H, GROUP]`` halves (channels [0, D/2) and [D/2, D),
+    grouped) in the MMA operand type, and their per-group sums ``[G2, BLOCK_H, 1]`` in fp32."""
+    G2: tl.constexpr = D // 2 // GROUP
+    g = tl.arange(0, G2)[:, None, None]
+    j = tl.arange(0, GROUP)[None, None, :]
+    ptr = q_ptr + qh[None, :, None] * q_sh + g * GROUP + j
+    m = mask_h[None, :, None]
+    lo = tl.load(ptr, mask=m, other=0.0)
+    hi = tl.load(ptr + D // 2, mask=m, other=0.0)
+    if DOT == 0 or DOT == 3:
+        lo = lo.to(tl.float32)
+        hi = hi.to(tl.float32)
+    return lo, hi, reduce_sum(lo.to(tl.float32), 2)[:, :, None], reduce_sum(hi.to(tl.float32), 2)[:, :, None]
+
+
+@triton.jit
+def _load_group_scales(sc_ptr, zp_ptr, sc_rows, mask_n, G2: tl.constexpr):
+    """Scale and zero of the tokens whose scale rows start at ``sc_rows``, groups of the low half and of the
+    high half: ``[G2, 1, BLOCK_N]``."""
+    off = sc_rows[None, None, :] + tl.arange(0, G2)[:, None, None]
+    m = mask_n[None, None, :]
+    s_lo = tl.load(sc_ptr + off, mask=m, other=0.0).to(tl.float32)
+    s_hi = tl.load(sc_ptr + off + G2, mask=m, other=0.0).to(tl.float32)
+    z_lo = tl.load(zp_ptr + off, mask=m, other=0.0).to(tl.float32)
+    z_hi = tl.load(zp_ptr + off + G2, mask=m, other=0.0).to(tl.float32)
+    return s_lo, s_hi, z_lo, z_hi
+
+
+@triton.jit
+def qk_fold4(q_lo, q_hi, qs_lo, qs_hi, ptr, sc_ptr, zp_ptr, rows, sc_rows, mask_n,
+             D: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    """Scores ``[BLOCK_H, BLOCK_N]`` of the queries (:func:`load_q_halves`) against grouped int4 keys."""
+    G2: tl.constexpr = D // 2 // GROUP
+    g = tl.arange(0, G2)[:, None, None]
+    j = tl.arange(0, GROUP)[None, :, None]
+    b = tl.load(ptr + rows[None, None, :] + g * GROUP + j, mask=mask_n[None, None, :], other=0)
+    s_lo, s_hi, z_lo, z_hi = _load_group_scales(sc_ptr, zp_ptr, sc_rows, mask_n, G2)
+    t = _mma(q_lo, codes_operand(b & 15, DOT), DOT) * s_lo + qs_lo * z_lo
+    t += _mma(q_hi, codes_operand(b >> 4, DOT), DOT) * s_hi + qs_hi * z_hi
+    return reduce_sum(t, 0)
+
+
+@triton.jit
+def pv_fold4(p, acc_lo, acc_hi, zacc_lo, zacc_hi, ptr, sc_ptr, zp_ptr, rows, sc_rows, mask_n,
+             D: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    """Add ``p [BLOCK_H, BLOCK_N] @ v`` for grouped int4 values to the output halves ``acc_lo/acc_hi``
+    (``[G2, BLOCK_H, GROUP]``: code terms) and ``zacc_lo/zacc_hi`` (``[G2, BLOCK_H, 1]``: zero terms)."""
+    G2: tl.constexpr = D // 2 // GROUP
+    g = tl.arange(0, G2)[:, None, None]
+    j = tl.arange(0, GROUP)[None, None, :]
+    b = tl.load(ptr + rows[None, :, None] + g * GROUP + j, mask=mask_n[None, :, None], other=0)
+    s_lo, s_hi, z_lo, z_hi = _load_group_scales(sc_ptr, zp_ptr, sc_rows, mask_n, G2)
+    p3 = p[None, :, :]
+    acc_lo += dot_pv(p3 * s_lo, codes_operand(b & 15, DOT), DOT, False)
+    acc_hi += dot_pv(p3 * s_hi, codes_operand(b >> 4, DOT), DOT, False)
+    zacc_lo += reduce_sum(p3 * z_lo, 2)[:, :, None]
+    zacc_hi += reduce_sum(p3 * z_hi, 2)[:, :, None]
+    return acc_lo, acc_hi, zacc_lo, zacc_hi
+
+
+@triton.jit
+def dot_split_a(a, b, DOT: tl.constexpr):
+    """``a @ b`` for an fp32 ``a`` and an exact operand ``b``: in half precision ``a`` is split into
+    high + low halves (two MMAs), so that its rounding costs ~2^-22 relative, as in :func:`dot_pv`."""
+    if DOT == 0:
+        r = tl.dot(a, b, input_precision="ieee")
+    else:
+        ah = _half(a, DOT)
+        r = _mma(ah, b, DOT) + _mma(_half(a - ah.to(tl.float32), DOT), b, DOT)
+    return r
+
+
+@triton.jit
+def qk_channel4(q_lo, q_hi, ptr, sc_ptr, zp_ptr, rows, sc_row, mask_n, D: tl.constexpr, DOT: tl.constexpr):
+    """Scores ``[BLOCK_H, BLOCK_N]`` against per-channel int4 keys (``int4-channel``) when the tile lies in
+    one pool block (``sc_row``: the offset of that block's scale row): the block's scale is folded into
+    the query and its zero into one
+    term per query head (``q . k = (q * s) . c + q . z``), the codes are exact MMA operands, each packed
+    byte loaded once (low nibbles: channels [0, D/2) against ``q_lo``, high: [D/2, D) against ``q_hi``)."""
+    DH: tl.constexpr = D // 2
+    j = tl.arange(0, DH)
+    row = sc_row
+    s_lo = tl.load(sc_ptr + row + j).to(tl.float32)[None, :]
+    s_hi = tl.load(sc_ptr + row + DH + j).to(tl.float32)[None, :]
+    z_lo = tl.load(zp_ptr + row + j).to(tl.float32)[None, :]
+    z_hi = tl.load(zp_ptr + row + DH + j).to(tl.float32)[None, :]
+    b = tl.load(ptr + rows[None, :] + j[:, None], mask=mask_n[None, :], other=0)  # [D/2, BLOCK_N]
+    r = dot_split_a(q_lo * s_lo, codes_operand(b & 15, DOT), DOT)
+    r += dot_split_a(q_hi * s_hi, codes_operand(b >> 4, DOT), DOT)
+    return r + (reduce_sum(q_lo * z_lo, 1) + reduce_sum(q_hi * z_hi, 1))[:, None]
 
 
 @triton.jit
@@ -221,24 +362,38 @@ def dot_pv(p, v, DOT: tl.constexpr, SPLIT: tl.constexpr):
     return r
 
 
-# Reductions as tl.reduce with triton's own combine functions rather than tl.max / tl.sum / tl.zeros:
-# those are @triton.jit functions of triton's standard library, built compiled (not interpreted) when
-# `triton` was imported before TRITON_INTERPRET=1 was set (transformers imports it), and the interpreter
-# cannot call them then. tl.reduce is a builtin; with these combine functions the interpreter takes its
-# numpy fast path, and compiled code is exactly what tl.max / tl.min / tl.sum generate.
-@triton.jit
-def reduce_max(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_max)
+# Reductions. Compiled: the public tl.max / tl.min / tl.sum (no private tl.* helper, so the kernels
+# compile on older triton releases too). Interpreted: tl.reduce with triton's own combine functions,
+# because tl.max / tl.sum are @triton.jit functions of triton's standard library, built compiled (not
+# interpreted) when `triton` was imported before TRITON_INTERPRET=1 was set (transformers imports it),
+# and the interpreter cannot call them then; with these combine functions it takes its numpy fast path.
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 
+    @triton.jit
+    def reduce_max(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, tl.standard._elementwise_max)
 
-@triton.jit
-def reduce_min(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_min)
+    @triton.jit
+    def reduce_min(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, tl.standard._elementwise_min)
 
+    @triton.jit
+    def reduce_sum(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, tl.standard._sum_combine)
 
-@triton.jit
-def reduce_sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._sum_combine)
+else:
+
+    @triton.jit
+    def reduce_max(x, axis: tl.constexpr):
+        return tl.max(x, axis)
+
+    @triton.jit
+    def reduce_min(x, axis: tl.constexpr):
+        return tl.min(x, axis)
+
+    @triton.jit
+    def reduce_sum(x, axis: tl.constexpr):
+        return tl.sum(x, axis)
 
 
 @triton.jit
@@ -274,6 +429,7 @@ class Operand:
     kind: int
     bits: int = 8
     group: int = 1
+    block: int = 0  # tokens per pool block (CHANNEL: the scale's token group)
 
     def args(self) -> tuple:
         """Pointer and stride arguments (block, head, token strides), in the order the kernels declare them."""
@@ -283,6 +439,16 @@ class Operand:
 
     def meta(self) -> tuple:
         return (self.kind, self.bits, self.group)
+
+    def folds_channel4(self) -> bool:
+        """True when the decode kernel reads this part with :func:`qk_channel4` (per-channel int4 keys in
+        pool blocks of a multiple of 64 tokens: a 64- or 32-token tile lies in one block)."""
+        return self.kind == KIND_CHANNEL and self.bits == 4 and self.block % 64 == 0
+
+    def folds4(self, head_dim: int) -> bool:
+        """True when the decode kernel reads this part on the folded int4 path (:func:`qk_fold4`,
+        :func:`pv_fold4`): grouped 4-bit codes, whole groups (of >= 16 channels, an MMA's K) per half of D."""
+        return self.kind == KIND_INTN and self.bits == 4 and self.group >= 16 and (head_dim // 2) % self.group == 0
 
 
 def native_fp8(device: torch.device) -> bool:
@@ -315,7 +481,7 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
             raise Unsupported(f"{qz.describe()}: scale/zero parts not laid out alike")
         return Operand(main, sc, zp, main, KIND_INTN, bits=qz.bits, group=qz.group_size)
     if isinstance(qz, IntNChannel):  # per channel over blocks of tokens (KIVI keys); codes packed as INTN
-        if qz.bits not in (2, 3, 4):
+        if qz.bits not in (2, 3, 4, 8):
             raise Unsupported(f"{qz.describe()}: {qz.bits}-bit codes have no Triton path")
         if head_dim % 8:
             raise Unsupported(f"{qz.describe()}: head_dim {head_dim} not a multiple of the packing")
@@ -324,7 +490,8 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
         sc, zp = parts["scale"], parts["zero"]
         if sc.dim() != 4 or sc.shape[-1] != head_dim or sc.stride(-1) != 1 or zp.stride() != sc.stride():
             raise Unsupported(f"{qz.describe()}: scale/zero parts not [blocks, H, 1, D] laid out alike")
-        return Operand(main, sc, zp, main, KIND_CHANNEL, bits=qz.bits, group=1)  # tokens: by block address
+        # tokens: by block address
+        return Operand(main, sc, zp, main, KIND_CHANNEL, bits=qz.bits, group=1, block=qz.token_group)
     if isinstance(qz, Fp8):
         if fp8_native:
             kind, data = KIND_FP8, main

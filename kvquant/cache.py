@@ -11,7 +11,6 @@ copy of the history.
 from __future__ import annotations
 
 import copy
-import json
 import secrets
 import warnings
 import weakref
@@ -22,7 +21,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import view as handoff
-from .config import MAX_CAPACITY, KVPrecision, KVQuantConfig, check_int
+from .config import DEFAULT_PRESET, MAX_CAPACITY, KVPrecision, KVQuantConfig, check_int
+from .outliers import OutlierWatch
+from .scales import load_static_amax
 from .shape import ModelShape, sliding_windows
 from .store import LayerStore
 
@@ -95,8 +96,10 @@ class QuantizedLayer(CacheLayerMixin):
         capacity: int | None = None,
         pool: PagedKVPool | None = None,
         window: int | None = None,
+        watch: OutlierWatch | None = None,
     ) -> None:
         super().__init__()
+        self.watch = watch
         self.layer_idx = layer_idx
         self.row = row
         self.config = config
@@ -153,6 +156,8 @@ class QuantizedLayer(CacheLayerMixin):
             )
         if self.owner is not None and self.pool is not None and self.layer_idx == 0:
             self.owner.admit(key_states.shape[2], key_states.shape[0], key_states.device)
+        if self.watch is not None and self.store.cache_pos == 0:
+            self.watch.observe(self.layer_idx, key_states)
         past = self.store.cache_pos
         if self.strict:
             self._pending = (key_states, value_states)
@@ -247,8 +252,8 @@ class QuantizedKVCache(Cache):
             ``with kvquant.wrapped(model, config):``; building a cache changes nothing on the model).
             A :class:`~kvquant.ModelShape` builds a free-standing cache (``update`` / ``memory_report``
             without a model).
-        config: a :class:`KVQuantConfig`, a preset name (``"int8"``) or a YAML/JSON path; with ``pool``,
-            ``None`` (the pool's config) or the same config.
+        config: a :class:`KVQuantConfig`, a preset name (``"int8-kchannel"``, the default) or a YAML/JSON path;
+            with ``pool``, ``None`` (the pool's config) or the same config.
         capacity: tokens to preallocate per sequence (optional; otherwise blocks are added on demand).
         pool: a :class:`~kvquant.PagedKVPool` to take blocks from (shared with its other caches);
             ``None``: private blocks.
@@ -264,7 +269,7 @@ class QuantizedKVCache(Cache):
     def __init__(
         self,
         model: Any,
-        config: KVQuantConfig | str | Path | None = "int8",
+        config: KVQuantConfig | str | Path | None = None,
         capacity: int | None = None,
         pool: PagedKVPool | None = None,
     ) -> None:
@@ -277,7 +282,7 @@ class QuantizedKVCache(Cache):
                 raise ValueError("config: differs from the pool's config (pass config=None to use the pool's)")
             cfg = pool.config
         else:
-            cfg = KVQuantConfig.load("int8" if config is None else config)
+            cfg = KVQuantConfig.load(DEFAULT_PRESET if config is None else config)
         self.kv_config = cfg
         self.shape = ModelShape.of(model)
         self.plan = self.kv_config.resolve(self.shape)
@@ -292,9 +297,11 @@ class QuantizedKVCache(Cache):
         self.pool = pool
         windows = sliding_windows(model, self.shape.num_layers)
         static = load_static_amax(self.kv_config.scales_file, self.shape)
+        #: checks the prefill's keys for outlier / offset channels; logs one warning if the config cannot hold them
+        self.outlier_watch = OutlierWatch(self.kv_config, self.plan)
         layers = [
             QuantizedLayer(i, row, self.kv_config, self.shape.head_dim, static[i] if static else None, capacity,
-                           pool, windows[i])
+                           pool, windows[i], self.outlier_watch)
             for i, row in enumerate(self.plan)
         ]  # fmt: skip
         self.clip_monitor = ClipMonitor(layers, self.session_id)
@@ -448,27 +455,3 @@ class QuantizedKVCache(Cache):
             "layers": layers,
         }
 
-
-def load_static_amax(path: str | None, shape: ModelShape) -> list[dict[str, torch.Tensor]] | None:
-    """Per-layer ``{"key": amax[H], "value": amax[H]}`` from a scales JSON file (``kvquant calibrate``)."""
-    if not path:
-        return None
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"scales_file: {path!r} does not exist")
-    try:
-        data = json.loads(p.read_text())
-        layers = data["layers"]
-        out = [
-            {"key": torch.tensor(x["key_amax"], dtype=torch.float32),
-             "value": torch.tensor(x["value_amax"], dtype=torch.float32)}
-            for x in layers
-        ]
-    except (KeyError, TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"scales_file: {path!r} is not a kvquant scales file ({e})") from None
-    if len(out) != shape.num_layers or any(t["key"].numel() != shape.num_kv_heads for t in out):
-        raise ValueError(
-            f"scales_file: {path!r} holds {len(out)} layers; the model has {shape.num_layers} layers "
-            f"x {shape.num_kv_heads} KV heads"
-        )
-    return out

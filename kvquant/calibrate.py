@@ -44,7 +44,9 @@ from .sensitivity import (
 )
 from .shape import ModelShape
 
-DEFAULT_CANDIDATES = "int4,int8,fp16"
+#: per-token and per-channel candidates at 4 and 8 bits, K and V separately with --kv-separate: per-channel
+#: keys hold outlier / offset channels (docs/results/stress-outliers.md), the static int8 scale does not
+DEFAULT_CANDIDATES = "int4,int4-channel,int8-token,int8-channel,fp16"
 CACHE_NAME = "kvquant-sensitivity.json"
 
 CALIBRATE_EPILOG = """\
@@ -53,6 +55,8 @@ examples:
   kvquant calibrate --model smollm2-135m --data wikitext-2 --budget-bits 5.5 --kv-separate -o smollm2-5.5.yaml
   kvquant calibrate --model ./my-model --data corpus.txt --budget-bits 7 --candidates int4,int8-token,fp16 \\
       --method kl --calib-windows 4 --calib-window 512 -o my.yaml
+  kvquant calibrate --model smollm2-135m+kbias --budget-bits 5 --kv-separate \\
+      --candidates int4,int4-channel,int8-token,int8-channel,fp16 -o kbias-5bit.yaml
 
 What it does:
   1. takes the LAST calib-windows x calib-window tokens of --data (evaluation windows are cut from the
@@ -66,7 +70,8 @@ What it does:
      (scale/zero overhead included) would exceed --budget-bits; K and V of a head share a precision
      unless --kv-separate;
   5. writes -o (commented YAML, editable by hand) and a heatmap PNG beside it.
-Bits per element with head_dim 64: int4 5.0 (4 + fp16 scale and zero per 32), int8 8.0, fp16 16.0.
+Bits per element with head_dim 64: int4 5.0 (4 + fp16 scale and zero per 32), int4-channel 4.25 (fp16 scale
+and zero per channel and 128-token block), int8 8.0, int8-token 8.25, int8-channel 8.25, fp16 16.0.
 """
 
 SHOW_EPILOG = """\

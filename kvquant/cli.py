@@ -11,11 +11,11 @@ from importlib import import_module
 from typing import NoReturn
 
 from . import __version__
-from .config import PRESETS, KVQuantConfig, check_int
+from .config import DEFAULT_PRESET, PRESETS, KVQuantConfig, check_int
 from .errors import ArgumentError, KVQuantError
 from .memory import estimate, human, parse_bytes, plot_lengths_cdf, read_lengths
 from .outputs import check_output
-from .quantizers import PRECISIONS
+from .quantizers import PRECISIONS, make_quantizer
 from .shape import ModelShape
 
 DESCRIPTION = """\
@@ -25,6 +25,7 @@ Commands:
   estimate     size a KV cache: FP16 vs a config, what fits a memory budget, P95/P99 lengths
   eval         run an evaluation recipe (perplexity and drift vs FP16, with baselines)
   calibrate    measure per-head sensitivity and write a mixed-precision config for a bit budget
+  export       write calibrated K/V scales: a kvquant scales file, or a checkpoint vLLM / SGLang load
   show-config  print a config's per-layer precisions and average bits
   presets      list the named presets and precisions
   inspect      run a prompt through a quantized cache and print its dump (block tables, scales, ids)
@@ -115,9 +116,25 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    print("presets:")
+    from .outliers import MEASURED_ON_OUTLIERS, key_is_per_channel
+
+    d = check_int(args.head_dim, "--head-dim", 8, 1024, ArgumentError)
+    if d & (d - 1):
+        raise ArgumentError(f"--head-dim: {d} must be a power of two (as real models' head_dim is)")
+    print(f"presets (stored bits per element at head_dim {d}, scale/zero overhead included; "
+          f"default: {DEFAULT_PRESET}):")
     for name, (_, desc, _) in PRESETS.items():
+        cfg = KVQuantConfig.preset(name)
+        gs, p = cfg.effective_group_size(d), cfg.default
+        parts = []
+        for kind, prec in (("K", p.key), ("V", p.value)):
+            q = make_quantizer(prec, d, gs, cfg.headroom, cfg.block_size)
+            parts.append(f"{kind} {prec} {q.bits_per_element():.2f} b ({q.granularity})")
         print(f"  {name:16s} {desc}")
+        print(f"  {'':16s}   {'; '.join(parts)}")
+        if not key_is_per_channel(p.key):
+            note = MEASURED_ON_OUTLIERS.get(p.key, "")
+            print(f"  {'':16s}   outlier/offset key channels: keys per token or per head{': ' + note if note else ''}")
     print("precisions (per layer / per KV head, K and V separately):")
     for name, desc in PRECISIONS.items():
         print(f"  {name:16s} {desc}")
@@ -161,10 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite an existing --plot file")
     p.set_defaults(func=cmd_estimate)
 
-    p = sub.add_parser("presets", help="list presets and precisions", description="List presets and precisions.")
+    p = sub.add_parser(
+        "presets",
+        help="list presets and precisions",
+        description="List presets (granularity and stored bits of K and V, outlier behaviour) and precisions.",
+    )
+    p.add_argument("--head-dim", dest="head_dim", type=int, default=64, help="head_dim for the bit counts (default 64)")
     p.set_defaults(func=cmd_presets)
 
-    for module in ("kvquant.eval.cli", "kvquant.calibrate", "kvquant.inspect_cmd"):
+    for module in ("kvquant.eval.cli", "kvquant.calibrate", "kvquant.inspect_cmd", "kvquant.export"):
         try:
             mod = import_module(module)
         except ImportError as e:  # a broken optional piece must not take the whole CLI down

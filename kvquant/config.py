@@ -30,7 +30,7 @@ import yaml
 from .errors import ConfigError, InputError
 from .inputs import read_text
 from .outputs import check_output, write_text
-from .quantizers import CHANNEL, GROUPED, PRECISIONS, make_quantizer
+from .quantizers import CHANNEL, CODEBOOK, GROUPED, PRECISIONS, make_quantizer
 from .shape import ModelShape
 
 BITS_TO_PRECISION = {2: "int2", 4: "int4", 8: "int8", 16: "fp16"}
@@ -72,17 +72,40 @@ class KVPrecision:
         return KVPrecision(self.key or base.key, self.value or base.value)
 
 
+#: The preset ``kvquant.wrap(model)`` and ``QuantizedKVCache(model)`` use when given no config: chosen by
+#: measurement, it holds within +0.1% perplexity and KL <= 1e-3 on SmolLM2 and on every outlier stress
+#: model (docs/results/stress-outliers.md).
+DEFAULT_PRESET = "int8-kchannel"
+
 # Presets: name -> (default precision(s), description, extra fields).
 PRESETS: dict[str, tuple[Any, str, dict[str, Any]]] = {
     "fp16": ("fp16", "float16 passthrough: the FP16 reference, through kvquant's own store", {}),
     "bf16": ("bf16", "bfloat16 passthrough", {}),
     "fp32": ("fp32", "float32 passthrough (exact for fp32 models)", {}),
-    "int8": ("int8", "INT8, one scale per (layer, KV head) shared by K and V", {}),
+    "int8": ("int8", "INT8, one scale per (layer, KV head) shared by K and V (alias of int8-shared)", {}),
+    "int8-shared": ("int8", "INT8, one static scale per (layer, KV head) shared by K and V (the seed design)", {}),
+    "int8-separate": (
+        "int8",
+        "INT8, separate static K and V scales per (layer, KV head)",
+        {"share_kv_scale": False},
+    ),
     "int8-token": ("int8-token", "INT8, one scale per token and KV head", {}),
     "int4": ("int4", "INT4 asymmetric, groups of 32 along head_dim", {}),
     "int2": ("int2", "INT2 asymmetric, groups of 32 along head_dim", {}),
     "fp8-e4m3": ("fp8-e4m3", "FP8 e4m3, one scale per (layer, KV head)", {}),
     "fp8-e5m2": ("fp8-e5m2", "FP8 e5m2, one scale per (layer, KV head)", {}),
+    "int8-kchannel": (
+        {"key": "int8-channel", "value": "int8-token"},
+        "keys INT8 per channel over blocks of block_size tokens (the newest, unfilled block in fp16), "
+        "values INT8 per token",
+        {},
+    ),
+    "int4-kchannel": (
+        {"key": "int4-channel", "value": "int4"},
+        "keys INT4 per channel over blocks of block_size tokens (the newest, unfilled block in fp16), "
+        "values INT4 per token, groups of 32 along head_dim (KIVI)",
+        {},
+    ),
     "mixed-int4-int8": (
         {"key": "int8-token", "value": "int4"},
         "keys INT8 per token (keys carry outlier channels), values INT4 g32",
@@ -100,6 +123,7 @@ _OPTION_FIELDS = {
     "rotate",
     "sink_tokens",
     "residual_tokens",
+    "center_keys",
 }
 _TOP_LEVEL = {"default", "layers", "heads", "name", "description", "model_shape"} | _OPTION_FIELDS
 
@@ -118,13 +142,21 @@ class KVQuantConfig:
             scales from a 5-token prompt clip later tokens at 1.0 (93% top-1 vs FP16) but not at 1.5 (98%).
         share_kv_scale: ``int8`` keys and values of a head share one scale (the seed design).
         block_size: tokens per storage block (memory grows by whole blocks).
-        scales_file: optional JSON file of static scales from ``kvquant calibrate`` (skips prefill calibration).
-        check_finite: reject NaN/Inf K/V when written (one reduction per write).
+        scales_file: static K/V scales measured on calibration text instead of each prefill: a kvquant scales
+            file (``kvquant export --format kvquant``) or a serving-engine export directory (``--format vllm``);
+            see :mod:`kvquant.scales`.
+        check_finite: reject NaN/Inf K/V when written (one reduction per write; on CUDA an asynchronous
+            device-side check, no host synchronisation: it raises at the next synchronisation).
         rotate: ``none``, ``keys`` or ``kv``: store K (and V) Hadamard-rotated per head; queries are rotated
             alike and the output un-rotated, so attention is unchanged while outlier channels are spread.
         sink_tokens: the first N tokens of each sequence are kept in full precision (attention sinks).
         residual_tokens: the newest R tokens stay in full precision; older ones are quantized a whole
             block at a time, once (KIVI's residual). Per-channel key precisions imply this mode.
+        center_keys: subtract one per-channel key mean per (sequence, KV head), fixed from the prefill
+            (sink tokens left out), from every stored key before rotating and quantizing. Exact: a query
+            sees ``q.(k - mu) = q.k - q.mu`` for every key, a shift common to all of its scores, which
+            softmax ignores. ``None`` (default): on when ``rotate`` rotates keys, so a bias offset is
+            not spread over every channel.
         name: preset or file name, for reports.
     """
 
@@ -140,6 +172,7 @@ class KVQuantConfig:
     rotate: str = "none"
     sink_tokens: int = 0
     residual_tokens: int = 0
+    center_keys: bool | None = None
     name: str | None = None
     description: str | None = None
     model_shape: dict[str, int] | None = None
@@ -259,6 +292,8 @@ class KVQuantConfig:
         for name in ("share_kv_scale", "check_finite"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} must be true or false")
+        if self.center_keys is not None and not isinstance(self.center_keys, bool):
+            raise ConfigError(f"center_keys: {self.center_keys!r} must be true, false or null")
         if self.scales_file is not None and (not isinstance(self.scales_file, str) or not self.scales_file.strip()):
             raise ConfigError(f"scales_file: {self.scales_file!r} must be a path")
         if self.model_shape is not None:
@@ -305,6 +340,11 @@ class KVQuantConfig:
         write_text(p, text, force=force, what="config")
 
     # ------------------------------------------------------------------ resolution
+    @property
+    def centers_keys(self) -> bool:
+        """Whether stored keys have the prefill's per-channel mean removed (``center_keys``, default: with rotation)."""
+        return self.rotate in ("keys", "kv") if self.center_keys is None else self.center_keys
+
     def effective_group_size(self, head_dim: int) -> int:
         return self.group_size if self.group_size is not None else min(32, head_dim)
 
@@ -350,6 +390,10 @@ class KVQuantConfig:
             if shape.head_dim % codes_per_unit:
                 raise ConfigError(f"default: {p} packs {codes_per_unit} codes together; head_dim {shape.head_dim} "
                                   f"is not a multiple of {codes_per_unit}")
+        for p in sorted(self.precisions() & set(CODEBOOK)):
+            if shape.head_dim & (shape.head_dim - 1) or shape.head_dim < 8:
+                raise ConfigError(f"default: {p} rotates by Hadamard and needs a power-of-two head_dim >= 8, "
+                                  f"not {shape.head_dim}")
         if self.rotate != "none" and shape.head_dim & (shape.head_dim - 1):
             raise ConfigError(f"rotate: the Hadamard rotation needs a power-of-two head_dim, not {shape.head_dim}")
 

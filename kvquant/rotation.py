@@ -11,16 +11,35 @@ loses far less. Rotating V too is undone on the attention output: ``(P (V H)) H 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
+MATMUL_MAX_DIM = 512  # up to this head_dim the transform is one product with a cached matrix
+
+
+@functools.lru_cache(maxsize=16)
+def hadamard(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The normalised ``d x d`` Walsh-Hadamard matrix (``d`` a power of two), Sylvester's construction."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"head_dim: {d} is not a power of two; the Hadamard rotation needs one")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(d)).to(device=device, dtype=dtype)
+
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
-    """Fast Walsh-Hadamard transform along the last dim (a power of two), normalised: ``x @ H``."""
+    """Normalised Walsh-Hadamard transform along the last dim (a power of two): ``x @ H``.
+
+    One matrix product with a cached ``H`` up to :data:`MATMUL_MAX_DIM` (a decode step rotates a few
+    rows per layer, where the butterfly's many small ops cost ~6x more on CPU), the butterfly beyond."""
     d = x.shape[-1]
     if d & (d - 1):
         raise ValueError(f"head_dim: {d} is not a power of two; the Hadamard rotation needs one")
+    if d <= MATMUL_MAX_DIM:
+        return x @ hadamard(d, x.dtype, x.device)
     lead = x.shape[:-1]
     y = x.reshape(-1, d)
     h = 1

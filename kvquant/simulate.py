@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .config import KVPrecision, KVQuantConfig
+from .scales import load_static_amax
 from .shape import ModelShape
 from .store import LayerStore
 
@@ -22,9 +23,10 @@ from .store import LayerStore
 class SimulatedLayer(DynamicLayer):
     """A ``DynamicLayer`` that stores fake-quantized K/V (static scales from its first chunk)."""
 
-    def __init__(self, row: list[KVPrecision], config: KVQuantConfig, head_dim: int) -> None:
+    def __init__(self, row: list[KVPrecision], config: KVQuantConfig, head_dim: int,
+                 static_amax: dict[str, torch.Tensor] | None = None) -> None:
         super().__init__()
-        self.row, self.kv_config, self.head_dim = row, config, head_dim
+        self.row, self.kv_config, self.head_dim, self.static_amax = row, config, head_dim, static_amax
         self.quant: LayerStore | None = None
 
     def update(
@@ -32,7 +34,7 @@ class SimulatedLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.quant is None:
             self.quant = LayerStore(self.row, self.kv_config, self.head_dim, key_states.shape[0],
-                                    key_states.device)
+                                    key_states.device, static_amax=self.static_amax)
         k, v = self.quant.fake_quantize(key_states, value_states)
         return super().update(k, v)
 
@@ -48,4 +50,6 @@ class SimulatedQuantCache(Cache):
         self.kv_config = KVQuantConfig.load(config)
         shape = ModelShape.of(model)
         plan = self.kv_config.resolve(shape)
-        super().__init__(layers=[SimulatedLayer(row, self.kv_config, shape.head_dim) for row in plan])
+        static = load_static_amax(self.kv_config.scales_file, shape)  # calibration text, never the window scored
+        super().__init__(layers=[SimulatedLayer(row, self.kv_config, shape.head_dim, static[i] if static else None)
+                                 for i, row in enumerate(plan)])

@@ -14,6 +14,12 @@ Outlier options (all in the config, composable with per-head precision):
 
 * ``rotate``: K (and V) are stored Hadamard-rotated (:mod:`kvquant.rotation`); the attention
   rotates the queries alike and un-rotates the output, so scores are unchanged.
+* ``center_keys`` (default with ``rotate``): one per-channel key mean per (sequence, KV head),
+  ``key_mean``, taken from the first chunk written (the prefill, sink tokens left out), is
+  subtracted from every key before rotation and quantization. Every key a query sees is shifted
+  by the same ``mu``, so each score moves by the same ``q.mu`` and softmax is unchanged; a large
+  per-channel offset (q/k/v bias) is then neither spread over every channel by the rotation nor
+  spent in the quantization range.
 * ``sink_tokens = N``: the first N tokens are also kept in full precision (fp16; the model's
   dtype if that is 16-bit) and read from there; their quantized rows are zeroed so that they do
   not widen any scale.
@@ -157,6 +163,8 @@ class QuantizedTensorStore:
                     raise AssertionError("per-block parts are read from a block boundary")
             else:
                 parts[name] = parts[name][:, :, offset:offset + length]
+        if self.quantizer.space:  # codebook rows stay in their head space (see LayerStore.read)
+            return self.quantizer.decode_space(parts, self.state).to(dtype)
         return self.quantizer.dequantize(parts, self.state, dtype)
 
     def block_nbytes(self) -> dict[str, int]:
@@ -263,6 +271,8 @@ class LayerStore:
         self._static_amax = static_amax
         self.rotate_keys = config.rotate in ("keys", "kv")
         self.rotate_values = config.rotate == "kv"
+        self.center_keys = config.centers_keys
+        self.key_mean: torch.Tensor | None = None  # [B, H, 1, D] float32, set by the first write
         self.sink_tokens = config.sink_tokens
         self.window = window
         made = make_groups(row, config, head_dim)
@@ -336,8 +346,22 @@ class LayerStore:
         return self.batch * (j1 - j0)  # new blocks, or a copy of a shared partial block
 
     # ---------------------------------------------------------------- writing
+    @property
+    def transforms(self) -> bool:
+        """True when K or V are stored transformed (rotated and/or centered): fresh K/V must be mapped too."""
+        return self.rotate_keys or self.rotate_values or self.center_keys
+
+    def _set_key_mean(self, keys: torch.Tensor, past: int) -> None:
+        """Fix the per-channel key mean of each sequence and head from its first chunk (sinks left out)."""
+        skip = max(0, self.sink_tokens - past)
+        if skip >= keys.shape[2]:
+            skip = 0
+        self.key_mean = keys[:, :, skip:].detach().float().mean(dim=2, keepdim=True)
+
     def to_storage_space(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Apply the configured Hadamard rotation (identity when ``rotate: none``)."""
+        """Apply the configured key centering and Hadamard rotation (identity when both are off)."""
+        if self.key_mean is not None:
+            keys = (keys.float() - self.key_mean).to(keys.dtype)
         return (fwht(keys) if self.rotate_keys else keys), (fwht(values) if self.rotate_values else values)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None = None) -> int:
@@ -346,10 +370,18 @@ class LayerStore:
         ``row_start[B]`` (first append only): each row's first real token; the positions before it are
         left padding. Sink tokens are then each row's first real tokens, and static scales ignore pads.
         """
-        if self.config.check_finite and not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):
-            raise ValueError("key_states/value_states: NaN or Inf values cannot be quantized")
-        keys, values = self.to_storage_space(keys, values)
+        if self.config.check_finite:
+            finite = torch.isfinite(keys).all() & torch.isfinite(values).all()
+            msg = "key_states/value_states: NaN or Inf values cannot be quantized"
+            if keys.device.type == "cpu":
+                if not bool(finite):
+                    raise ValueError(msg)
+            else:  # asynchronous: no host synchronisation per append (raises at the next synchronisation)
+                torch._assert_async(finite, msg)
         past = self.cache_pos
+        if self.center_keys and self.key_mean is None:
+            self._set_key_mean(keys, past)
+        keys, values = self.to_storage_space(keys, values)
         T = keys.shape[2]
         if past == 0:
             self._set_row_start(row_start)
@@ -586,8 +618,11 @@ class LayerStore:
     def fake_quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize-then-dequantize ``keys/values[B, H, T, D]`` without storing them (``simulated`` protocol).
 
-        Rotation and sink tokens apply; the residual window does not (it is a property of decoding).
+        Centering, rotation and sink tokens apply; the residual window does not (it is a property of
+        decoding).
         """
+        if self.center_keys and self.key_mean is None:
+            self._set_key_mean(keys, self.cache_pos)
         ks, vs = self.to_storage_space(keys, values)
         if not self.calibrated:
             self._calibrate(ks, vs, self.cache_pos)
@@ -606,6 +641,8 @@ class LayerStore:
         self.cache_pos += ks.shape[2]
         k_out = fwht(k_out) if self.rotate_keys else k_out
         v_out = fwht(v_out) if self.rotate_values else v_out
+        if self.key_mean is not None:
+            k_out = (k_out.float() + self.key_mean).to(k_out.dtype)
         return k_out, v_out
 
     def _calibrate(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
@@ -614,6 +651,7 @@ class LayerStore:
         Each row's scale comes from its own real tokens: never from batch-mates or left padding. Sink
         tokens (read in full precision) are left out of the max when the chunk has other tokens.
         """
+        use = self.real_tokens(past, past + keys.shape[2])  # data-fitted state (codebook): real, non-sink tokens
         if self._static_amax is not None:
             k_amax = self._static_amax["key"].to(self.device).expand(self.batch, -1)
             v_amax = self._static_amax["value"].to(self.device).expand(self.batch, -1)
@@ -633,8 +671,9 @@ class LayerStore:
             both_int8 = g.key.quantizer.name == g.value.quantizer.name == "int8"
             if both_int8 and self.config.share_kv_scale:
                 ka = va = torch.maximum(ka, va)
-            g.key.state = g.key.quantizer.calibrate(ka)
-            g.value.state = g.value.quantizer.calibrate(va)
+            for s, x, amax in ((g.key, keys, ka), (g.value, values, va)):
+                fitted = s.quantizer.fit(self._group_rows(x, g), use) if s.quantizer.space else None
+                s.state = fitted if fitted is not None else s.quantizer.calibrate(amax)
             for st in (g.key, g.value):
                 if not stored_finite(st.state):
                     raise StoredOverflow(
@@ -642,6 +681,67 @@ class LayerStore:
                         f"{st.quantizer.name} scale (float32)"
                     )
         self.calibrated = True
+
+    # ---------------------------------------------------------------- head spaces (codebook heads)
+    @staticmethod
+    def _group_rows(x: torch.Tensor, group: HeadGroup) -> torch.Tensor:
+        return x if group.all_heads else x.index_select(1, group.head_index)
+
+    @property
+    def has_head_space(self) -> bool:
+        """True when some head's K or V is read in a rotated head space (codebook quantizers; once fitted:
+        while calibration is deferred every token is held dense, in storage space)."""
+        return self.calibrated and any(g.key.quantizer.space or g.value.quantizer.space for g in self.groups)
+
+    @property
+    def centered_keys(self) -> bool:
+        """True when some head's keys are stored with a per-channel mean removed (codebook quantizers)."""
+        return any(g.key.quantizer.space and getattr(g.key.quantizer, "center", False) for g in self.groups)
+
+    def _map_heads(self, x: torch.Tensor, side: str, method: str) -> torch.Tensor:
+        """Apply the ``side`` (``key``/``value``) quantizer's ``method`` (``to_space``, ...) to the heads of
+        ``x[B, Hkv, ...]`` whose K/V has a head space; other heads are returned unchanged."""
+        out = x
+        for g in self.groups:
+            s = getattr(g, side)
+            if not s.quantizer.space:
+                continue
+            y = getattr(s.quantizer, method)(self._group_rows(x, g), s.state).to(x.dtype)
+            if g.all_heads:
+                return y
+            out = x.clone() if out is x else out
+            out.index_copy_(1, g.head_index, y)
+        return out
+
+    def kv_to_head_space(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-precision ``keys/values[B, Hkv, T, D]`` (storage space) -> each head's K / V space."""
+        return self._map_heads(keys, "key", "to_space"), self._map_heads(values, "value", "to_space")
+
+    def kv_from_head_space(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of :meth:`kv_to_head_space` (tests and debugging)."""
+        return self._map_heads(keys, "key", "from_space"), self._map_heads(values, "value", "from_space")
+
+    def query_to_head_space(self, query: torch.Tensor) -> torch.Tensor:
+        """Queries ``[B, Hq, T, D]`` -> each KV head's key space (rotated once per step, never the keys)."""
+        B, Hq, T, D = query.shape
+        q5 = query.reshape(B, self.num_heads, Hq // self.num_heads, T, D)
+        return self._map_heads(q5, "key", "query_to_space").reshape(B, Hq, T, D)
+
+    def output_from_head_space(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[B, Hq, T, D]`` in each head's value space -> storage space (once per step)."""
+        B, Hq, T, D = out.shape
+        o5 = out.reshape(B, self.num_heads, Hq // self.num_heads, T, D)
+        return self._map_heads(o5, "value", "from_space").reshape(B, Hq, T, D)
+
+    def _dense_to_group_space(
+        self, group: HeadGroup, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-precision rows of ``group`` -> its head space (float32)."""
+        if not self.calibrated:
+            return k.float(), v.float()
+        k = group.key.quantizer.to_space(k, group.key.state) if group.key.quantizer.space else k.float()
+        v = group.value.quantizer.to_space(v, group.value.state) if group.value.quantizer.space else v.float()
+        return k, v
 
     # ---------------------------------------------------------------- reading (storage space)
     def tiles(self, past_len: int, size: int) -> list[tuple[int, int]]:
@@ -653,7 +753,8 @@ class LayerStore:
         return out
 
     def read(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``group`` for tokens ``[start, end)`` as float32 ``[B, Hg, t, D]`` (storage space)."""
+        """K and V of ``group`` for tokens ``[start, end)`` as float32 ``[B, Hg, t, D]`` (storage space; for
+        codebook K or V, that head space: the attention maps queries / outputs, see ``query_to_head_space``)."""
         if start < self.q_end < end:
             k1, v1 = self.read(group, start, self.q_end)
             k2, v2 = self.read(group, self.q_end, end)
@@ -661,17 +762,17 @@ class LayerStore:
         if start >= self.q_end:  # residual buffer (dense)
             a, b = start - self.q_end, end - self.q_end
             k, v = self.res_k[:, :, a:b], self.res_v[:, :, a:b]
-            if not group.all_heads:
-                k, v = k.index_select(1, group.head_index), v.index_select(1, group.head_index)
-            return k.float(), v.float()
+            return self._dense_to_group_space(group, self._group_rows(k, group), self._group_rows(v, group))
         k, v = self.read_pool(group, start, end)
-        sel = self.sink_slots(start, end) if self.sink_k is not None else None
-        if sel is not None:
-            rows, offs, slots = sel
-            sk, sv = self.sink_k[rows, :, slots], self.sink_v[rows, :, slots]  # [n, Hkv, D]
-            if not group.all_heads:
-                sk, sv = sk.index_select(1, group.head_index), sv.index_select(1, group.head_index)
-            k[rows, :, offs], v[rows, :, offs] = sk.float(), sv.float()
+        if self.sink_k is not None and start < self.sink_end:
+            # each row's sink tokens from the sink buffer, selected on the device (no host synchronisation)
+            slot = torch.arange(start, end, device=self.device)[None, :] - self.row_start[:, None]  # [B, t]
+            is_sink = ((slot >= 0) & (slot < self.sink_tokens))[:, None, :, None]
+            idx = slot.clamp(0, self.sink_tokens - 1)
+            rows = torch.arange(self.batch, device=self.device)[:, None]
+            sk, sv = self.sink_k[rows, :, idx].transpose(1, 2), self.sink_v[rows, :, idx].transpose(1, 2)
+            sk, sv = self._dense_to_group_space(group, self._group_rows(sk, group), self._group_rows(sv, group))
+            k, v = torch.where(is_sink, sk.float(), k), torch.where(is_sink, sv.float(), v)
         return k, v
 
     def table(self) -> torch.Tensor:
@@ -748,6 +849,7 @@ class LayerStore:
         self.calibrated = False
         self.res_k = self.res_v = None
         self.sink_k = self.sink_v = None
+        self.key_mean = None
         for g in self.groups:
             for s in (g.key, g.value):
                 s.clipped.zero_()
@@ -780,7 +882,7 @@ class LayerStore:
                 c.static_values = s.static_values.clone()
                 kv.append(c)
             new.groups.append(HeadGroup(g.precision, g.heads, kv[0], kv[1], g.head_index, g.all_heads))
-        for name in ("sink_k", "sink_v", "res_k", "res_v"):
+        for name in ("sink_k", "sink_v", "res_k", "res_v", "key_mean"):
             t = getattr(self, name)
             setattr(new, name, None if t is None else t.clone())
         return new
@@ -795,7 +897,7 @@ class LayerStore:
             self.blocks.decref(t)
         self._table_cache = None
         idx = idx.to(self.device)
-        for name in ("sink_k", "sink_v", "res_k", "res_v"):
+        for name in ("sink_k", "sink_v", "res_k", "res_v", "key_mean"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
@@ -832,8 +934,10 @@ class LayerStore:
         for g in self.groups:
             for kind, s in (("keys", g.key), ("values", g.value)):
                 for name, b in s.block_nbytes().items():
-                    out["scales" if name in ("scale", "zero") else kind] += b * n
+                    out["scales" if name in ("scale", "zero", "norm") else kind] += b * n
                 out["scales"] += s.state_nbytes()
+        if self.key_mean is not None:
+            out["scales"] += self.key_mean.numel() * self.key_mean.element_size()
         for k, v in self.dense_buffers().values():
             out["dense"] += k.numel() * k.element_size() + v.numel() * v.element_size()
         return out

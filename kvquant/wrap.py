@@ -10,15 +10,17 @@ from typing import Any
 
 from .attention import install_attention
 from .cache import QuantizedKVCache
-from .config import MAX_CAPACITY, KVQuantConfig, check_int
+from .config import DEFAULT_PRESET, MAX_CAPACITY, KVQuantConfig, check_int
 
 
-def wrap(model: Any, config: KVQuantConfig | str | Path = "int8", capacity: int | None = None) -> Any:
+def wrap(model: Any, config: KVQuantConfig | str | Path = DEFAULT_PRESET, capacity: int | None = None) -> Any:
     """Install the ``kvquant`` attention and make ``model.generate()`` use a :class:`QuantizedKVCache`.
 
     Args:
         model: a transformers decoder (Llama, Mistral, Qwen2/3, ...). Modified in place and returned.
-        config: a :class:`KVQuantConfig`, a preset name or a YAML/JSON config path.
+        config: a :class:`KVQuantConfig`, a preset name or a YAML/JSON config path. Default:
+            :data:`~kvquant.config.DEFAULT_PRESET` (``int8-kchannel``: keys INT8 per channel, values INT8
+            per token), chosen because it holds on models with outlier and offset key channels.
         capacity: tokens to preallocate per sequence in each new cache (optional).
 
     ``generate()`` builds a fresh cache per call unless ``cache=`` is passed. Forward calls with

@@ -206,7 +206,7 @@ def test_register_adds_both_commands(first_run, stories_path, capsys):
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["calibrate", "--model", "m", "--budget-bits", "6", "--kv-separate", "-o", "c.yaml"])
     assert args.func.__name__ == "cmd_calibrate" and args.kv_separate and args.budget_bits == 6.0
-    assert args.candidates == "int4,int8,fp16"
+    assert args.candidates == "int4,int4-channel,int8-token,int8-channel,fp16"
     args = parser.parse_args(["show-config", str(first_run.output), "--model", str(stories_path)])
     assert args.func(args) == 0
     assert "layer" in capsys.readouterr().out

@@ -78,7 +78,9 @@ def test_eval_end_to_end(shared, tmp_path, capsys):
     assert "## simulated" in md and "## decode" in md and "hf-quanto-int8: skipped" in md
     assert (out / "bits_vs_quality.png").stat().st_size > 1000
     header = next(line for line in md.splitlines() if line.startswith("| config"))
-    assert header.count(" | ") == 11  # 12 columns: the "|" of "mean |Δp|" is escaped
+    assert header.count(" | ") == 12  # 13 columns: the "|" of "mean |Δp|" is escaped
+    assert " ± " in md and "KV held vs FP16" in md and "long ctx" in md
+    assert all(r["kv_bytes_held"] > 0 and r["asymptotic_bytes_per_token"] > 0 for r in ok)
 
     from kvquant.eval.report import rerender
 

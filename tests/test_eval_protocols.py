@@ -118,3 +118,41 @@ def test_storage_is_measured(stories, windows):
             model.set_attn_implementation("sdpa")
         st = m.storage(model, cache, int(w.ids.numel()))
         assert lo <= st.avg_bits <= hi, (name, st)
+
+
+def test_simulated_static_scales_never_see_the_future(stories, windows):
+    """Static int8 scales come from the prefill: the logits up to a position do not depend on later tokens."""
+    from kvquant.eval.data import Window
+
+    model, _ = stories
+    w = windows["simulated"][0]
+    cut = PREFILL + 20
+    other = windows["simulated"][1].ids
+    changed = Window(w.index, w.start, torch.cat([w.ids[:cut], other[cut:]]), w.score_from)
+    method = make_method("int8")
+    keep = cut - w.score_from  # scored rows predicting targets before `cut` see only tokens before it
+
+    def rows(window, calibrate):
+        return simulated_logits(model, window, method.simulated_cache(model), calibrate=calibrate).logits[:keep]
+
+    torch.testing.assert_close(rows(changed, PREFILL), rows(w, PREFILL), atol=1e-5, rtol=0)
+    # scales over the whole window (calibrate=0) would let later tokens change earlier predictions
+    assert (rows(changed, 0) - rows(w, 0)).abs().max() > 1e-3
+
+
+def test_chunked_decode_is_optimistic_and_labelled(stories, windows):
+    """Chunked decode (a fast mode) lets tokens inside a step see each other unquantized: for int4 it reports
+    less drift than exact one-token decode on the same tokens."""
+    model, _ = stories
+    ref = ReferenceMethod()
+    q = make_method("int4")
+    out = {}
+    for chunk in (1, 16):
+        r, t = [], []
+        for w in windows["decode"]:
+            r.append(decode_logits(model, w, ref.decode_cache(model), PREFILL, chunk).logits)
+            t.append(decode_logits(model, w, q.decode_cache(model), PREFILL, chunk).logits)
+            model.set_attn_implementation("sdpa")
+        targets = torch.cat([w.ids[w.score_from:] for w in windows["decode"]])
+        out[chunk] = summarize(torch.cat(r), torch.cat(t), targets)["kl_mean"]
+    assert out[16] < out[1], out

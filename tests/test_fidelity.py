@@ -40,7 +40,9 @@ def test_int8_tracks_fp16_and_beats_int4(stories):
         results[name] = (top1, kl)
         print(f"{name:11s} teacher-forced top1={top1:.3f} KL={kl:.5f} | free-running agreement {agree:.3f}")
     assert results["fp16"][0] == 1.0 and results["fp16"][1] < 1e-6
-    best = max(("int8", "int8-token"), key=lambda n: results[n][0])
-    assert results[best][0] >= 0.97
-    assert results[best][1] < results["int4"][1]
+    # each INT8 scheme held to its own bound (measured: int8-token top-1 0.995, KL 0.00075; the static
+    # shared-scale int8 top-1 0.980, KL 0.0051; int4 top-1 0.835, KL 0.187)
+    assert results["int8-token"][0] >= 0.985 and results["int8-token"][1] < 0.003
+    assert results["int8"][0] >= 0.96 and results["int8"][1] < 0.02
+    assert results["int4"][0] >= 0.75 and results["int4"][1] < 0.4
     assert results["int8"][1] < results["int4"][1] and results["int8-token"][1] < results["int4"][1]

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 import kvquant  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+E2E_TOL = 2e-5  # max |logit difference| triton vs torch, fp32 model (measured <= 5e-6; was 2e-3)
 
 
 def tiny_llama(heads=6, kv_heads=2, head_dim=64, layers=2, vocab=96, seed=0):
@@ -113,7 +114,7 @@ def test_greedy_same_tokens_and_logits(model, name, monkeypatch):
     assert torch.equal(seq_t, seq_k)
     assert differing_codes(cache_t, cache_k) == 0, "a rounding-boundary flip: pick other fixed inputs"
     err = (logits_t - logits_k).abs().max().item()
-    assert err <= 2e-3, f"{name}: max abs logit difference {err:.2e}"
+    assert err <= E2E_TOL, f"{name}: max abs logit difference {err:.2e}"
     kvquant.unwrap(model)
 
 
@@ -126,5 +127,5 @@ def test_unbatched_no_mask(model, monkeypatch):
     assert len(calls) == 2 * 4
     assert torch.equal(seq_t, seq_k)
     assert differing_codes(cache_t, cache_k) == 0, "a rounding-boundary flip: pick other fixed inputs"
-    assert (logits_t - logits_k).abs().max().item() <= 2e-3
+    assert (logits_t - logits_k).abs().max().item() <= E2E_TOL
     kvquant.unwrap(model)

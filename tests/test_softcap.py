@@ -171,6 +171,10 @@ def test_gemma2_every_precision_generates(gemma2_reference, precision):
     """Every precision generates on Gemma 2 (softcap + sliding layers), teacher-forced close to DynamicCache."""
     model, seq, logits = gemma2_reference
     cache = _quantized(model, KVQuantConfig.from_dict({"default": precision, "block_size": 16}))
+    if precision.startswith("tq"):  # codebook keys drop a per-channel key mean: exact for softmax, not for tanh
+        with pytest.raises(NotImplementedError, match="^softcap:"), torch.no_grad():
+            model(seq[:, :-1], cache=cache)
+        return
     with torch.no_grad():
         got = model(seq[:, :-1], cache=cache).logits[:, PROMPT.shape[1] - 1:]
     assert torch.isfinite(got).all()

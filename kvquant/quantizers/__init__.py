@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from .base import Parts, PartSpec, Quantizer
+from .codebook import Codebook, lloyd_max_levels, uniform_levels
 from .fp8 import FP8_DTYPES, Fp8
 from .int8 import Int8PerToken, Int8SharedScale
 from .intn import Int3Grouped, IntNChannel, IntNGrouped, pack_codes, unpack_codes
@@ -21,15 +22,20 @@ PRECISIONS: dict[str, str] = {
     "int4": "asymmetric INT4 packed 2 per byte, fp16 scale+zero per token and group along head_dim",
     "int3": "asymmetric INT3 packed 8 per 3 bytes, fp16 scale+zero per token and group along head_dim",
     "int2": "asymmetric INT2 packed 4 per byte, fp16 scale+zero per token and group along head_dim",
+    "int8-channel": "asymmetric INT8 per channel over each block of tokens, newest tokens fp16",
     "int4-channel": "asymmetric INT4 per channel over each block of tokens (KIVI keys), newest tokens fp16",
     "int3-channel": "asymmetric INT3 per channel over each block of tokens (KIVI keys), newest tokens fp16",
     "int2-channel": "asymmetric INT2 per channel over each block of tokens (KIVI keys), newest tokens fp16",
+    "tq4": "4-bit Lloyd-Max codebook on randomized-Hadamard-rotated rows, one 8-bit log norm per token and KV head",
+    "tq3": "3-bit Lloyd-Max codebook on randomized-Hadamard-rotated rows, one 8-bit log norm per token and KV head",
+    "tq2": "2-bit Lloyd-Max codebook on randomized-Hadamard-rotated rows, one 8-bit log norm per token and KV head",
     "fp8-e4m3": "FP8 e4m3 storage, one scale per (layer, KV head)",
     "fp8-e5m2": "FP8 e5m2 storage, one scale per (layer, KV head)",
 }
 
 GROUPED = {"int4": 4, "int3": 3, "int2": 2}
-CHANNEL = {"int4-channel": 4, "int3-channel": 3, "int2-channel": 2}
+CHANNEL = {"int8-channel": 8, "int4-channel": 4, "int3-channel": 3, "int2-channel": 2}
+CODEBOOK = {"tq4": 4, "tq3": 3, "tq2": 2}
 
 
 def make_quantizer(
@@ -48,13 +54,17 @@ def make_quantizer(
         return IntNGrouped(head_dim, bits=GROUPED[precision], group_size=group_size)
     if precision in CHANNEL:
         return IntNChannel(head_dim, bits=CHANNEL[precision], token_group=block_size)
+    if precision in CODEBOOK:
+        return Codebook(head_dim, bits=CODEBOOK[precision])
     if precision in FP8_DTYPES:
         return Fp8(head_dim, precision, headroom=headroom)
     raise ValueError(f"precision: unknown {precision!r} (known: {', '.join(PRECISIONS)})")
 
 
 __all__ = [
+    "CODEBOOK",
     "PRECISIONS",
+    "Codebook",
     "Fp8",
     "Int8PerToken",
     "Int8SharedScale",
@@ -65,7 +75,9 @@ __all__ = [
     "Parts",
     "Passthrough",
     "Quantizer",
+    "lloyd_max_levels",
     "make_quantizer",
     "pack_codes",
+    "uniform_levels",
     "unpack_codes",
 ]

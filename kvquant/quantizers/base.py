@@ -39,6 +39,7 @@ class Quantizer(ABC):
     granularity: str = "?"
     static: bool = False
     per_block = False  # True: quantizes whole blocks of tokens at once (per-channel granularity)
+    space = False  # True: rows are read in a per-head rotated space (codebook quantizers, see ``fit``)
 
     def __init__(self, head_dim: int) -> None:
         self.head_dim = head_dim
@@ -63,6 +64,15 @@ class Quantizer(ABC):
         """Static state (e.g. one scale per head) from the absolute max ``amax[H]`` per head, or
         ``amax[B, H]`` per sequence and head (scales then broadcast as :func:`head_view`)."""
         return {}
+
+    def fit(self, x: torch.Tensor, use: torch.Tensor | None = None) -> dict[str, torch.Tensor] | None:
+        """Static state per (sequence, head) fitted on the first chunk written, ``x[B, H, T, D]``, over the
+        tokens where ``use[B, T]`` is True (None: all; returns None: use :meth:`calibrate`).
+
+        Quantizers with ``space = True`` also provide ``to_space`` / ``query_to_space`` /
+        ``from_space`` / ``decode_space`` (see :mod:`kvquant.quantizers.codebook`).
+        """
+        return None
 
     # -- math -------------------------------------------------------------------------------
     @abstractmethod

@@ -32,7 +32,10 @@ class Fp8(Quantizer):
         return {"q": PartSpec((self.head_dim,), self.dtype)}
 
     def calibrate(self, amax: torch.Tensor) -> dict[str, torch.Tensor]:
-        scale = (amax.float() * self.headroom / self.fp8_max).clamp_min(torch.finfo(torch.float32).tiny)
+        # computed in float64 and rounded once: the scale a serving engine stores for the same amax
+        # (kvquant.scales), and an engine's float32 scale read back as amax = scale * fp8_max maps onto itself
+        wide = amax.detach().to(torch.float32 if amax.device.type == "mps" else torch.float64)  # MPS: no float64
+        scale = (wide * self.headroom / self.fp8_max).float().clamp_min(torch.finfo(torch.float32).tiny)
         return {"scale": scale}
 
     def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:

@@ -118,7 +118,7 @@ class Int3Grouped(IntNGrouped):
 
 
 class IntNChannel(WidenableScales, Quantizer):
-    """Asymmetric INT4/INT3/INT2 keys quantized *per channel* over a block of tokens (KIVI's keys).
+    """Asymmetric INT8/INT4/INT3/INT2 keys quantized *per channel* over a block of tokens (KIVI's keys).
 
     Granularity: per KV head and channel of head_dim, one (scale, zero) pair per block of
     ``token_group`` tokens (the store's block size), stored once per block in fp16::
@@ -135,8 +135,8 @@ class IntNChannel(WidenableScales, Quantizer):
 
     def __init__(self, head_dim: int, bits: int = 4, token_group: int = 128) -> None:
         super().__init__(head_dim)
-        if bits not in (2, 3, 4):
-            raise ValueError(f"bits: {bits} is not supported by the per-channel quantizer (2, 3 or 4)")
+        if bits not in (2, 3, 4, 8):
+            raise ValueError(f"bits: {bits} is not supported by the per-channel quantizer (2, 3, 4 or 8)")
         self.bits, self.token_group, self.levels = bits, token_group, float(2**bits - 1)
         self.name = f"int{bits}-channel"
         self.granularity = f"per channel and KV head, over blocks of {token_group} tokens (fp16 scale+zero)"

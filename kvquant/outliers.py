@@ -1,0 +1,92 @@
+"""Outlier and offset key channels: detect them in a prefill, and warn when the config cannot hold them.
+
+Per-token and per-head key scales (``int8``, ``int8-token``, ``int4``, ``fp8-*``, ...) spend their
+range on a few large channels or on a per-channel offset (q/k/v bias), and lose everything else;
+per-channel keys (``int*-channel``) do not. On a model whose keys show such channels, a cache whose
+keys are quantized per token or per head logs one warning naming a per-channel preset.
+
+Statistics, per (layer, KV head), over the first chunk written (the prefill; its first token, often
+an attention sink, left out), with ``mean_c``, ``std_c``, ``rms_c`` of key channel ``c`` over tokens:
+
+* offset ratio  ``max_c |mean_c| / median_c std_c``  (a bias-like per-channel offset)
+* outlier ratio ``max_c rms_c / median_c rms_c``       (a few channels of large magnitude)
+
+Thresholds are set from measurement (docs/results/stress-outliers.md; 128 WikiText-2 tokens): the
+largest values over every layer and head were 18.0 (offset) and 14.2 (outlier) on SmolLM2-135M,
+17.1 / 9.8 on its wide-head variant, 42.1 / 35.3 and 55.5 / 40.8 on its outlier-channel and
+key-bias variants.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .config import KVPrecision, KVQuantConfig
+from .quantizers import CHANNEL, FLOAT_DTYPES
+
+logger = logging.getLogger("kvquant")
+
+OFFSET_RATIO = 24.0
+OUTLIER_RATIO = 24.0
+MIN_TOKENS = 16  # fewer prefill tokens give no usable channel statistics
+
+#: What the per-token / per-head key presets lost on the outlier stress models (exact one-token
+#: decode; docs/results/stress-outliers.md has every number with its standard error).
+MEASURED_ON_OUTLIERS: dict[str, str] = {
+    "int8": "static int8 measured KL 0.15 (key bias) and 0.56, +16% ppl (outlier channels), vs 4e-5 for int8-kchannel.",
+    "int4": "int4 g32 measured +92% ppl (outlier channels) and +216% (key bias), vs +1.2% / +1.9% for int4-kchannel.",
+    "int8-token": "int8-token measured KL 4.5e-3 to 5.1e-3 on outlier / key-bias models (5e-4 on SmolLM2).",
+}
+
+
+def key_channel_ratios(keys: torch.Tensor) -> tuple[float, float]:
+    """``(offset ratio, outlier ratio)``, the largest over batch rows and heads, of ``keys[B, H, T, D]``."""
+    k = keys[:, :, 1:].detach().float() if keys.shape[2] > 1 else keys.detach().float()
+    mean, std = k.mean(dim=2), k.std(dim=2)
+    rms = k.pow(2).mean(dim=2).sqrt()
+    tiny = torch.finfo(torch.float32).tiny
+    offset = mean.abs().amax(dim=-1) / std.median(dim=-1).values.clamp_min(tiny)
+    outlier = rms.amax(dim=-1) / rms.median(dim=-1).values.clamp_min(tiny)
+    return float(offset.max()), float(outlier.max())
+
+
+def key_is_per_channel(precision: str | None) -> bool:
+    """True for key precisions that hold outlier / offset channels: per channel, or not quantized."""
+    return precision is None or precision in CHANNEL or precision in FLOAT_DTYPES
+
+
+def safer_preset(plan: list[list[KVPrecision]]) -> str:
+    """The per-channel preset of about the same key width as ``plan``'s quantized keys."""
+    wide = any(p.key in ("int8", "int8-token", "fp8-e4m3", "fp8-e5m2") for row in plan for p in row)
+    return "int8-kchannel" if wide else "int4-kchannel"
+
+
+class OutlierWatch:
+    """One per cache: checks each layer's first chunk of keys and logs at most one warning."""
+
+    def __init__(self, config: KVQuantConfig, plan: list[list[KVPrecision]]) -> None:
+        self.config_name = config.name or "this config"
+        self.risky = sorted({p.key for row in plan for p in row if not key_is_per_channel(p.key)})
+        self.active = bool(self.risky)
+        self.safer = safer_preset(plan) if self.active else None
+        self.finding: str | None = None  # the warning's text, once logged
+
+    def observe(self, layer_idx: int, keys: torch.Tensor) -> None:
+        """Look at the first keys written to layer ``layer_idx`` (model space, before any transform)."""
+        if not self.active or self.finding is not None or keys.shape[2] < MIN_TOKENS:
+            return
+        offset, outlier = key_channel_ratios(keys)
+        if offset <= OFFSET_RATIO and outlier <= OUTLIER_RATIO:
+            return
+        kind = "offset" if offset / OFFSET_RATIO >= outlier / OUTLIER_RATIO else "outlier"
+        note = " ".join(MEASURED_ON_OUTLIERS.get(p, "") for p in self.risky).strip()
+        self.finding = (
+            f"kvquant: layer {layer_idx}'s keys show {kind} channels (offset ratio {offset:.0f}, outlier ratio "
+            f"{outlier:.0f}; thresholds {OFFSET_RATIO:.0f} / {OUTLIER_RATIO:.0f}) and {self.config_name!r} "
+            f"quantizes keys per token or per head ({', '.join(self.risky)}), which loses accuracy on such "
+            f"models{': ' + note if note else ''}. Use a per-channel key preset such as {self.safer!r}."
+        )
+        logger.warning(self.finding)
+        self.active = False

@@ -1,0 +1,222 @@
+"""Rotated codebook quantizers ``tq2``, ``tq3``, ``tq4`` (TurboQuant / HIGGS class), per token and KV head.
+
+Each K or V row ``x`` (``head_dim = D`` channels, a power of two) is stored as::
+
+    y     = H (s * (x - mu))          randomized Hadamard rotation: s = seeded +-1 signs per head,
+                                      mu = per-channel mean of the head (fitted on the first chunk)
+    code  = nearest level of a Lloyd-Max codebook c[0..2^b) to each coordinate of y / |y|
+    norm  = <y, c[code]> / |c[code]|^2, stored as an 8-bit log code (one byte per row)
+    x_hat = mu + s * H (norm * c[code])
+
+The coordinates of a randomly rotated vector are close to i.i.d. with the density of one
+coordinate of a uniform unit vector in ``D`` dims (~N(0, 1/D)), so one data-oblivious codebook of
+``2^b`` MSE-optimal (Lloyd-Max) levels for that density serves every head; the codes are packed
+``b`` bits per value exactly like ``int4/3/2`` (:func:`pack_codes`). Stored bits per element:
+``b + 8 / D`` (4.125 / 3.125 / 2.125 at D = 64).
+
+**Head space.** Attention never un-rotates a stored row. A head whose K (or V) is codebook-stored
+lives in its own *head space* ``y = H (s * (x - mu))``: :meth:`Codebook.decode_space` returns the
+rows there (``norm * c[code]``), the store maps its few full-precision rows (sinks, residual, the
+fresh chunk) there with :meth:`Codebook.to_space`, queries are rotated once per step
+(:meth:`Codebook.query_to_space`: ``H (s * q)``, no mean) and the attention output of a V head is
+mapped back once (:meth:`Codebook.from_space`). Both are exact:
+
+* ``(H s q) . (H s (k - mu)) = q . k - q . mu``: the same shift for every key a query sees, so the
+  softmax is unchanged (this is what removes a q/k-bias model's large per-channel key offset
+  before it is spread over every channel by the rotation);
+* the probabilities sum to one, so ``sum p_i (mu + y_i) = mu + sum p_i y_i``.
+
+The signs (int8, per head), the mean (fp32: a q/k-bias offset may exceed fp16) and ``params``
+(log2 of the smallest norm code, the log2 step, the ``2^b`` levels; what the kernels read), both
+per sequence and head, are the quantizer's static state, set from each sequence's real tokens of
+the first chunk written (like the static INT8 scales: a request does not depend on its
+batch-mates) and counted in the bytes held.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..rotation import fwht
+from .base import Parts, PartSpec, Quantizer
+from .intn import pack_codes, unpack_codes
+
+NORM_CODES = 256  # 8-bit log-scaled norm; code 0 = a zero row
+NORM_MARGIN = 2.0  # log2 margin on both sides of the first chunk's norm range (x4 / x0.25)
+SHORT_CHUNK = 64  # first chunks with fewer rows per head get NORM_MARGIN + 4
+SIGN_SEED = 0x7155
+
+
+def _lloyd_max(density: torch.Tensor, grid: torch.Tensor, levels: int, iters: int = 300) -> torch.Tensor:
+    """MSE-optimal ``levels`` scalar quantizer for a density sampled on ``grid`` (Lloyd's algorithm)."""
+    w = density / density.sum()
+    cdf = torch.cumsum(w, 0)
+    # start from the quantiles of the density (midpoints of equal-mass cells)
+    c = grid[torch.searchsorted(cdf, (torch.arange(levels, dtype=grid.dtype) + 0.5) / levels).clamp_max(len(grid) - 1)]
+    for _ in range(iters):
+        edges = (c[1:] + c[:-1]) / 2
+        cell = torch.bucketize(grid, edges)
+        mass = torch.zeros(levels, dtype=grid.dtype).index_add_(0, cell, w)
+        mom = torch.zeros(levels, dtype=grid.dtype).index_add_(0, cell, w * grid)
+        c = torch.where(mass > 0, mom / mass.clamp_min(1e-300), c)
+    return c
+
+
+@functools.cache
+def lloyd_max_levels(bits: int, head_dim: int) -> tuple[float, ...]:
+    """The ``2^bits`` Lloyd-Max levels for one coordinate of a uniformly random unit vector in
+    ``head_dim`` dims (density ``(1 - x^2)^((D - 3) / 2)`` on ``[-1, 1]``, ~N(0, 1/D)), ascending."""
+    d = head_dim
+    grid = torch.linspace(-1.0, 1.0, 20_001, dtype=torch.float64)[1:-1]
+    dens = torch.exp((d - 3) / 2 * torch.log1p(-grid * grid)) if d > 3 else torch.ones_like(grid)
+    return tuple(_lloyd_max(dens, grid, 2**bits).tolist())
+
+
+def uniform_levels(bits: int, head_dim: int) -> tuple[float, ...]:
+    """The MSE-optimal *uniform* grid of ``2^bits`` levels for the same density (step chosen by a scan):
+    the same-bits baseline that :func:`lloyd_max_levels` is compared against."""
+    d, n = head_dim, 2**bits
+    grid = torch.linspace(-1.0, 1.0, 20_001, dtype=torch.float64)[1:-1]
+    w = torch.exp((d - 3) / 2 * torch.log1p(-grid * grid)) if d > 3 else torch.ones_like(grid)
+    w = w / w.sum()
+    best, best_mse = None, math.inf
+    for step in torch.linspace(0.05, 4.0, 400, dtype=torch.float64) / math.sqrt(d):
+        lv = (torch.arange(n, dtype=torch.float64) - (n - 1) / 2) * step
+        q = lv[torch.bucketize(grid, (lv[1:] + lv[:-1]) / 2)]
+        mse = float((w * (grid - q) ** 2).sum())
+        if mse < best_mse:
+            best, best_mse = lv, mse
+    return tuple(best.tolist())
+
+
+def head_signs(heads: int, head_dim: int, seed: int = SIGN_SEED) -> torch.Tensor:
+    """Seeded random +-1 signs ``[heads, head_dim]`` of the randomized Hadamard rotation (one row per head)."""
+    g = torch.Generator().manual_seed(seed * 1009 + head_dim)
+    return torch.randint(0, 2, (heads, head_dim), generator=g).float() * 2 - 1
+
+
+def _per_head(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """State ``t[H, D]`` (per head) or ``t[B, H, D]`` (per sequence and head) shaped to broadcast against
+    ``x[B, H, ..., D]``."""
+    t = t.to(x.device)
+    lead = (1, t.shape[0]) if t.dim() == 2 else (t.shape[0], t.shape[1])
+    return t.view(*lead, *([1] * (x.dim() - 3)), t.shape[-1])
+
+
+def norm_of_code(ncode: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Row norms ``[B, H, T, 1]`` from their 8-bit codes: 0 -> 0, c -> 2^(lo + step * (c - 1)) per sequence
+    and head (``params[B, H, 2 + levels]``)."""
+    lo = params[..., 0].unsqueeze(-1).unsqueeze(-1)
+    step = params[..., 1].unsqueeze(-1).unsqueeze(-1)
+    c = ncode.float()
+    return torch.where(c > 0, torch.exp2(lo + step * (c - 1)), torch.zeros_like(c))
+
+
+class Codebook(Quantizer):
+    """``tq{bits}``: randomized-Hadamard-rotated rows, one 8-bit log norm, a ``2^bits``-level codebook.
+
+    ``levels`` overrides the data-oblivious Lloyd-Max codebook (e.g. :func:`uniform_levels`, or
+    levels refitted on calibration data); ``center`` (default True) removes a per-channel mean
+    fitted on the first chunk (see the module doc: exact for attention).
+    """
+
+    static = True
+    space = True
+
+    def __init__(
+        self, head_dim: int, bits: int = 4, levels: tuple[float, ...] | None = None, center: bool = True
+    ) -> None:
+        super().__init__(head_dim)
+        if bits not in (2, 3, 4):
+            raise ValueError(f"bits: {bits} is not supported by the codebook quantizer (2, 3 or 4)")
+        if head_dim & (head_dim - 1) or head_dim < 8:
+            raise ValueError(f"head_dim: {head_dim} is not a power of two >= 8; tq{bits} rotates by Hadamard")
+        self.bits = bits
+        self.center = center
+        self.levels = torch.tensor(levels or lloyd_max_levels(bits, head_dim), dtype=torch.float32)
+        if self.levels.numel() != 2**bits:
+            raise ValueError(f"levels: {self.levels.numel()} given, tq{bits} needs {2**bits}")
+        self.name = f"tq{bits}"
+        self.granularity = (
+            f"per token and KV head: randomized Hadamard rotation, 8-bit log norm, {2**bits}-level Lloyd-Max codebook"
+        )
+
+    def parts(self) -> dict[str, PartSpec]:
+        return {
+            "q": PartSpec((self.head_dim * self.bits // 8,), torch.uint8),
+            "norm": PartSpec((1,), torch.uint8),
+        }
+
+    # -- static state -----------------------------------------------------------------------
+    def fit(self, x: torch.Tensor, use: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Static state from the first chunk ``x[B, H, T, D]``, per sequence and head over the tokens where
+        ``use[B, T]`` (real, non-sink tokens; None: all): mean, norm code range; signs per head."""
+        B, H, T, D = x.shape
+        xf = x.detach().float()
+        w = torch.ones(B, T, device=x.device) if use is None else use.float()
+        w = torch.where(w.sum(1, keepdim=True) > 0, w, torch.ones_like(w)).view(B, 1, T, 1)
+        mean = (xf * w).sum(2) / w.sum(2) if self.center else torch.zeros(B, H, D, device=x.device)
+        state = {"sign": head_signs(H, D).to(device=x.device, dtype=torch.int8), "mean": mean}
+        n = self.to_space(xf, state).norm(dim=-1)  # [B, H, T]
+        ok = (n > 0) & (w.view(B, 1, T) > 0)
+        logn = torch.log2(n.clamp_min(1e-30))
+        lo = torch.where(ok, logn, torch.full_like(logn, math.inf)).amin(dim=2)
+        hi = torch.where(ok, logn, torch.full_like(logn, -math.inf)).amax(dim=2)
+        # a short first chunk says little about later norms: a wider range (coarser steps) for it
+        margin = NORM_MARGIN if T >= SHORT_CHUNK else NORM_MARGIN + 4.0
+        lo = torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo)) - margin
+        hi = torch.where(torch.isfinite(hi), hi, torch.zeros_like(hi)) + margin
+        step = (hi - lo) / (NORM_CODES - 2)
+        # what the kernels read, one row per (sequence, head): [log2 of norm code 1, log2 step, the 2^b levels]
+        levels = self.levels.to(x.device).expand(B, H, -1)
+        state["params"] = torch.cat([lo[..., None], step[..., None], levels], dim=2).contiguous()
+        return state
+
+    # -- head space ---------------------------------------------------------------------------
+    def to_space(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Model-space rows ``x[B, H, ..., D]`` -> head space ``H (s * (x - mu))`` (float32)."""
+        return fwht((x.float() - _per_head(state["mean"].float(), x)) * _per_head(state["sign"].float(), x))
+
+    def query_to_space(self, q: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Queries ``[B, H, ..., D]`` (grouped by KV head) -> ``H (s * q)``, so that scores are exact."""
+        return fwht(q.float() * _per_head(state["sign"].float(), q)).to(q.dtype)
+
+    def from_space(self, y: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Head space ``y[B, H, ..., D]`` -> model space ``mu + s * H y`` (float32)."""
+        return fwht(y.float()) * _per_head(state["sign"].float(), y) + _per_head(state["mean"].float(), y)
+
+    # -- math -------------------------------------------------------------------------------
+    def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
+        y = self.to_space(x, state)
+        n = y.norm(dim=-1, keepdim=True)
+        u = y / n.clamp_min(1e-30)
+        lv = self.levels.to(x.device)
+        codes = torch.bucketize(u, (lv[1:] + lv[:-1]) / 2)
+        c = lv[codes]
+        # the norm that minimises |y - norm * c|^2 (not |y|): corrects the codebook's shrinkage
+        norm = (y * c).sum(-1, keepdim=True) / (c * c).sum(-1, keepdim=True).clamp_min(1e-30)
+        lo, step = _per_head(state["params"][..., :1], x), _per_head(state["params"][..., 1:2], x)
+        ncode = torch.round((torch.log2(norm.clamp_min(1e-30)) - lo) / step) + 1
+        ncode = torch.where(norm > 0, ncode.clamp(1, NORM_CODES - 1), torch.zeros_like(ncode))
+        return {"q": pack_codes(codes, self.bits), "norm": ncode.to(torch.uint8)}
+
+    def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Rows of ``x`` whose norm falls outside the 8-bit norm code's range (stored at its nearest end)."""
+        logn = torch.log2(self.to_space(x, state).norm(dim=-1).clamp_min(1e-30))
+        lo, step = state["params"][..., 0].unsqueeze(-1), state["params"][..., 1].unsqueeze(-1)
+        hi = lo + step * (NORM_CODES - 2)
+        real = x.abs().amax(dim=-1) > 0  # the store's zeroed sink rows are read from the sink buffer
+        return (real & ((logn < lo - step / 2) | (logn > hi + step / 2))).sum()
+
+    def decode_space(self, parts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Stored rows in head space: ``norm * c[code]``, float32 ``[B, H, T, D]`` (what the kernels compute)."""
+        codes = unpack_codes(parts["q"], self.bits).long()
+        params = state["params"]
+        cb = params[..., 2:].unsqueeze(2).expand(*codes.shape[:3], -1)
+        return torch.gather(cb, 3, codes) * norm_of_code(parts["norm"], params)
+
+    def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return self.from_space(self.decode_space(parts, state), state).to(dtype)
