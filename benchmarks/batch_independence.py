@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvquant import KVQuantConfig, QuantizedKVCache
+from kvquant import KVQuantConfig, QuantizedKVCache, wrap
 from kvquant.paths import shared_dir
 from kvquant.quantizers import PRECISIONS
 
@@ -22,6 +22,7 @@ def main() -> None:
     path = shared_dir() / "models" / "stories260K" / "hf"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
+    wrap(model, "fp32")  # the kvquant attention reads the caches built below
     tok.padding_side = "left"
     tok.pad_token = tok.pad_token or tok.unk_token or tok.eos_token
 

@@ -203,7 +203,9 @@ class KVQuantMethod(Method):
 
     def decode_cache(self, model: Any) -> Cache:
         from kvquant import QuantizedKVCache
+        from kvquant.attention import install_attention
 
+        install_attention(model)  # the cache is read by the kvquant attention (SDPA for every other cache)
         return QuantizedKVCache(model, self.config)
 
     def simulated_cache(self, model: Any) -> Cache:

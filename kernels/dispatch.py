@@ -16,13 +16,12 @@ from kvquant.rotation import fwht
 from kvquant.store import LayerStore
 
 from .attention_torch import attend_torch
+from .unsupported import Unsupported
 
 logger = logging.getLogger("kvquant")
 _logged: set[str] = set()
 
-
-class Unsupported(Exception):
-    """Raised by a Triton launcher for inputs it cannot serve; the torch path takes over."""
+__all__ = ["Unsupported", "attend", "backend_for"]
 
 
 def backend_for(device: torch.device) -> str:

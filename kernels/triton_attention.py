@@ -12,7 +12,7 @@
   ``sink_tokens + residual_tokens + block_size`` of them) are attended in torch
   (:func:`attend_dense`), and the two partials merged by log-sum-exp (:func:`merge_lse`).
 
-Raises :class:`~kvquant.kernels.dispatch.Unsupported` (the dispatcher then runs the torch path and
+Raises :class:`~kvquant.kernels.unsupported.Unsupported` (the dispatcher then runs the torch path and
 logs the reason once) for: head_dim not a power of two in [16, 256]; a device Triton cannot run on
 (CPU without ``TRITON_INTERPRET=1``); masks that are not one contiguous key range per query row,
 or that differ between heads; quantizers without a kernel path (none of the built-in ones:
@@ -41,10 +41,10 @@ import torch
 from kvquant.store import LayerStore
 
 from .attention_torch import cap_scores
-from .dispatch import Unsupported
 from .triton_chunk import BLOCK_M, _chunk_attn, chunk_launches
 from .triton_decode import decode_launches
 from .triton_dequant import dot_kind, native_fp8, operand
+from .unsupported import Unsupported
 
 MAX_REP = 128  # query heads per KV head held in one program
 LN2 = 0.6931471805599453  # the kernels' log-sum-exp is base 2
@@ -193,6 +193,20 @@ def dense_segments(layer: LayerStore, past_len: int) -> tuple[torch.Tensor, torc
     return torch.cat(ks, dim=2).float(), torch.cat(vs, dim=2).float(), torch.cat(pos, dim=1).to(ks[0].device)
 
 
+def block_table(layer: LayerStore, hist: int, batch: int, device: torch.device) -> torch.Tensor:
+    """The rows' block tables as int32 ``[B, max(1, blocks)]`` on ``device``; raises :class:`Unsupported`
+    when they do not cover ``hist`` tokens."""
+    table = layer.table()
+    if table.shape[1] * layer.block_size < hist:
+        raise Unsupported(f"the block tables cover {table.shape[1] * layer.block_size} tokens, the history {hist}")
+    # padded (block 0, never visible) to the layer's capacity: the decode grid then depends on the
+    # capacity, not on the length (the same at every step of a fixed pool: CUDA-graph capturable)
+    width = max(1, table.shape[1], -(-layer.capacity // layer.block_size))
+    out = torch.zeros((batch, width), dtype=torch.int32, device=device)
+    out[:, : table.shape[1]] = table.to(device=device, dtype=torch.int32)
+    return out
+
+
 def attend_dense(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -286,8 +300,9 @@ def attend_triton(
         hist, segments, kernel_ranges = past_len, None, ranges
     for _, k, v in groups:
         for op in (k, v):
-            if op.data.device != query.device or op.data.shape[2] < hist:
-                raise Unsupported("store parts on another device or shorter than past_len")
+            if op.data.device != query.device:
+                raise Unsupported("store parts on another device")
+    table = block_table(layer, hist, B, query.device)
     if segments is not None and segments[0].device != query.device:
         raise Unsupported("dense segments on another device")
     # written as [B, Tq, Hq, D] and returned as its [B, Hq, Tq, D] view: the caller's
@@ -301,10 +316,12 @@ def attend_triton(
     lse = torch.empty((B, Hq, Tq), dtype=torch.float32, device=query.device) if segments is not None else None
     if Tq == 1:
         launches = decode_launches(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling,
-                                   res, dk, splits=splits, lse=lse, softcap=softcap)  # fmt: skip
+                                   res, dk, splits=splits, lse=lse, softcap=softcap, table=table,
+                                   block_size=layer.block_size)  # fmt: skip
     else:
         launches = chunk_launches(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling,
-                                  res, dk, block_m=block_m or BLOCK_M, lse=lse, softcap=softcap)  # fmt: skip
+                                  res, dk, block_m=block_m or BLOCK_M, lse=lse, softcap=softcap, table=table,
+                                  block_size=layer.block_size)  # fmt: skip
     for launch in launches:
         launch.run()
     if segments is not None:

@@ -21,36 +21,38 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import Unsupported
 from .triton_decode import LOG2E
 from .triton_dequant import (
     Operand,
     cap_scores,
     dot_pv,
     dot_qk,
+    head_ptrs,
     load_head_scale,
     load_tile,
     load_token_scale,
     online_rescale,
+    paged_rows,
     reduce_max,
     reduce_min,
     reduce_sum,
 )
 from .triton_launch import Launch
+from .unsupported import Unsupported
 
 
 @triton.jit
 def _chunk_attn(
     Q, q_sb, q_sh, q_st,
     K, KS, KZ, KH, k_sb, k_sh, k_st, ks_sb, ks_sh, ks_st,
-    V, VS, VZ, VH, v_sb, v_sh, v_st, vs_sb, vs_sh, vs_st,
+    V, VS, VZ, VH, v_sb, v_sh, v_st, vs_sb, vs_sh, vs_st, TBL, tbl_sb,
     FK, fk_sb, fk_sh, fk_st, FV, fv_sb, fv_sh, fv_st,
     HEAD_IDX, LO, HI, lo_sb, lo_st, OUT, o_sb, o_sh, o_st, LSE_OUT,
     qk_scale, past_len, Tq, Hg, n_qheads,
     REP: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_RANGE: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_LSE: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
-    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pm = tl.program_id(1)
@@ -78,12 +80,10 @@ def _chunk_attn(
     k_lo = reduce_min(lo_r, 0)
     k_hi = reduce_max(hi_r, 0)
 
-    k_base = K + b64 * k_sb + hg * k_sh
-    ks_base = KS + b64 * ks_sb + hg * ks_sh
-    kz_base = KZ + b64 * ks_sb + hg * ks_sh
-    v_base = V + b64 * v_sb + hg * v_sh
-    vs_base = VS + b64 * vs_sb + hg * vs_sh
-    vz_base = VZ + b64 * vs_sb + hg * vs_sh
+    # block tensors [num_blocks, Hg, block_size, ...]: one head's base; rows come from the block table
+    k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
+    v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
+    tbl = TBL + b64 * tbl_sb
     scale = qk_scale * load_head_scale(KH, pid, K_KIND)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -97,18 +97,20 @@ def _chunk_attn(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= h_start) & (offs_n < h_end)
         vis = (offs_n[None, :] >= lo_r[:, None]) & (offs_n[None, :] < hi_r[:, None]) & mask_n[None, :]
-        k = load_tile(k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D)
+        k_rows, ks_rows = paged_rows(tbl, offs_n, mask_n, k_sb, k_st, ks_sb, ks_st, BS, K_KIND)
+        v_rows, vs_rows = paged_rows(tbl, offs_n, mask_n, v_sb, v_st, vs_sb, vs_st, BS, V_KIND)
+        k = load_tile(k_base, ks_base, kz_base, k_rows, ks_rows, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D)
         s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
         if K_KIND == 2:
-            s = s * load_token_scale(ks_base, ks_st, offs_n, mask_n)[None, :]
+            s = s * load_token_scale(ks_base, ks_rows, mask_n)[None, :]
         s = cap_scores(s, SOFTCAP)
         s = tl.where(vis, s, float("-inf"))
         m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + reduce_sum(p, 1)
-        v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D)
+        v = load_tile(v_base, vs_base, vz_base, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D)
         if V_KIND == 2:
-            p = p * load_token_scale(vs_base, vs_st, offs_n, mask_n)[None, :]
+            p = p * load_token_scale(vs_base, vs_rows, mask_n)[None, :]
         acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
         m_i = m_new
     # per-head V scale, once, before the (unscaled) fresh values join the accumulator
@@ -171,9 +173,15 @@ def chunk_launches(
     num_warps: int = NUM_WARPS,
     lse: torch.Tensor | None = None,
     softcap: float | None = None,
+    *,
+    table: torch.Tensor,
+    block_size: int,
 ) -> list[Launch]:
     """The launches (one per head group) of chunk attention (any ``Tq``) into ``out[B, Hq, Tq, D]``;
     ``groups`` = (head_index int32, K, V); as data, see :func:`~kvquant.kernels.triton_decode.decode_launches`.
+
+    The history is read through ``table[B, max_blocks]`` (int32 block ids of each row, ``block_size``
+    tokens per block) from the groups' block tensors.
 
     ``lse`` (optional, fp32 contiguous ``[B, Hq, Tq]``) receives each row's base-2 log-sum-exp of the
     scores times ``scaling * log2(e)`` (``-inf`` for rows with no visible key).
@@ -191,7 +199,7 @@ def chunk_launches(
         grid = (B * Hg, triton.cdiv(rep * Tq, block_m))
         args = (
             query, query.stride(0), query.stride(1), query.stride(2),
-            *kop.args(), *vop.args(),
+            *kop.args(), *vop.args(), table, table.stride(0),
             fresh_k, fresh_k.stride(0), fresh_k.stride(1), fresh_k.stride(2),
             fresh_v, fresh_v.stride(0), fresh_v.stride(1), fresh_v.stride(2),
             head_index, lo, hi, lo_sb, lo_st, out, out.stride(0), out.stride(1), out.stride(2),
@@ -202,7 +210,7 @@ def chunk_launches(
             SOFTCAP=(softcap or 0.0) * LOG2E,
             HAS_LSE=lse is not None,
             K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group,
-            V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group,
+            V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group, BS=block_size,
             num_warps=num_warps,
         )  # fmt: skip
         launches.append(Launch(_chunk_attn, grid, args, meta))

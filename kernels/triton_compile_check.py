@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from kvquant.blocks import LayerBlocks
 from kvquant.quantizers import make_quantizer
 from kvquant.store import QuantizedTensorStore
 
@@ -40,9 +41,11 @@ BLOCK_SIZE = 128  # the store's block size (tokens per scale row of the per-chan
 
 def meta_store(precision: str, batch: int, heads: int, head_dim: int, capacity: int) -> QuantizedTensorStore:
     """A store of ``precision`` on the ``meta`` device: the runtime's part shapes, dtypes and strides, no data."""
-    store = QuantizedTensorStore(make_quantizer(precision, head_dim, block_size=BLOCK_SIZE), batch, heads, META,
-                                 BLOCK_SIZE)  # fmt: skip
-    store.grow(capacity, 0)
+    quantizer = make_quantizer(precision, head_dim, block_size=BLOCK_SIZE)
+    blocks = LayerBlocks([(heads, quantizer.parts(), quantizer.parts())], BLOCK_SIZE, META,
+                         num_blocks=batch * -(-capacity // BLOCK_SIZE))  # fmt: skip
+    store = QuantizedTensorStore(quantizer, blocks, 0, "key")
+    store.batch = batch
     if store.quantizer.static:
         store.state["scale"] = torch.empty(heads, device=META)
     return store
@@ -79,12 +82,14 @@ def meta_launches(kernel: str, pairs: list[tuple[str, str, int]], dot: int, D: i
     if has_range:
         ranges = tuple(torch.empty((batch, tq), dtype=torch.int32, device=META) for _ in range(2))
     groups = meta_groups(pairs, batch, D, capacity)
+    table = torch.empty((batch, -(-capacity // BLOCK_SIZE)), dtype=torch.int32, device=META)
+    paged = dict(table=table, block_size=BLOCK_SIZE)
     if kernel == "chunk":
         launches = triton_chunk.chunk_launches(query, fresh, fresh, groups, kv_heads, past_len, ranges, D**-0.5,
-                                               out, dot)  # fmt: skip
+                                               out, dot, **paged)  # fmt: skip
     else:
         launches = triton_decode.decode_launches(query, fresh, fresh, groups, kv_heads, past_len, ranges, D**-0.5,
-                                                 out, dot, sms=sms)  # fmt: skip
+                                                 out, dot, sms=sms, **paged)  # fmt: skip
         launches = launches[-1:] if kernel == "reduce" else launches[:-1]
     for launch in launches:
         launch.meta.update({k: v for k, v in overrides.items() if v is not None})

@@ -33,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import Unsupported
 from .triton_dequant import (
     DOT_IEEE,
     KIND_CHANNEL,
@@ -47,11 +46,13 @@ from .triton_dequant import (
     cap_scores,
     dot_pv,
     dot_qk,
+    head_ptrs,
     load_head_scale,
     load_q_halves,
     load_tile,
     load_token_scale,
     online_rescale,
+    paged_rows,
     pv_fold4,
     qk_channel4,
     qk_fold4,
@@ -59,6 +60,7 @@ from .triton_dequant import (
     reduce_sum,
 )
 from .triton_launch import Launch
+from .unsupported import Unsupported
 
 LOG2E = 1.4426950408889634
 
@@ -67,13 +69,13 @@ LOG2E = 1.4426950408889634
 def _decode_partial(
     Q, q_sb, q_sh,
     K, KS, KZ, KH, k_sb, k_sh, k_st, ks_sb, ks_sh, ks_st,
-    V, VS, VZ, VH, v_sb, v_sh, v_st, vs_sb, vs_sh, vs_st,
+    V, VS, VZ, VH, v_sb, v_sh, v_st, vs_sb, vs_sh, vs_st, TBL, tbl_sb,
     HEAD_IDX, LO, HI, lo_sb, O_PART, LSE_PART,
     qk_scale, past_len, part_len, Hg, S, n_qheads,
     REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_RANGE: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
-    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
     K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -97,12 +99,10 @@ def _decode_partial(
     qh = h * REP + offs_h  # query heads of this KV head
     q = tl.load(Q + b64 * q_sb + qh[:, None] * q_sh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
 
-    k_base = K + b64 * k_sb + hg * k_sh
-    ks_base = KS + b64 * ks_sb + hg * ks_sh
-    kz_base = KZ + b64 * ks_sb + hg * ks_sh
-    v_base = V + b64 * v_sb + hg * v_sh
-    vs_base = VS + b64 * vs_sb + hg * vs_sh
-    vz_base = VZ + b64 * vs_sb + hg * vs_sh
+    # block tensors [num_blocks, Hg, block_size, ...]: one head's base; rows come from the block table
+    k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
+    v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
+    tbl = TBL + b64 * tbl_sb
     # per-head K scale folded into the softmax scale
     scale = qk_scale * load_head_scale(KH, pid, K_KIND)
 
@@ -128,18 +128,20 @@ def _decode_partial(
     for n0 in range(first, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= start) & (offs_n < end)
+        k_rows, ks_rows = paged_rows(tbl, offs_n, mask_n, k_sb, k_st, ks_sb, ks_st, BS, K_KIND)
+        v_rows, vs_rows = paged_rows(tbl, offs_n, mask_n, v_sb, v_st, vs_sb, vs_st, BS, V_KIND)
         if K_FOLD == 2:
-            s = qk_channel4(q_lo, q_hi, k_base, ks_base, kz_base, k_st, ks_st, n0, offs_n, mask_n, D, K_GROUP,
-                            DOT) * scale  # fmt: skip
+            # the tile lies in one pool block: its scale row
+            ks_row = tl.load(tbl + n0 // BS).to(tl.int64) * ks_sb
+            s = qk_channel4(q_lo, q_hi, k_base, ks_base, kz_base, k_rows, ks_row, mask_n, D, DOT) * scale
         elif K_FOLD == 1:
-            s = qk_fold4(q_lo, q_hi, qs_lo, qs_hi, k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, D,
+            s = qk_fold4(q_lo, q_hi, qs_lo, qs_hi, k_base, ks_base, kz_base, k_rows, ks_rows, mask_n, D,
                          K_GROUP, DOT) * scale  # fmt: skip
         else:
-            k = load_tile(k_base, ks_base, kz_base, k_st, ks_st, offs_n, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D,
-                          DOT)  # fmt: skip
+            k = load_tile(k_base, ks_base, kz_base, k_rows, ks_rows, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D, DOT)
             s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
         if K_KIND == 2:
-            s = s * load_token_scale(ks_base, ks_st, offs_n, mask_n)[None, :]
+            s = s * load_token_scale(ks_base, ks_rows, mask_n)[None, :]
         s = cap_scores(s, SOFTCAP)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
@@ -148,13 +150,12 @@ def _decode_partial(
         if V_FOLD:
             a3 = alpha[None, :, None]
             acc_lo, acc_hi, zacc_lo, zacc_hi = pv_fold4(
-                p, acc_lo * a3, acc_hi * a3, zacc_lo * a3, zacc_hi * a3, v_base, vs_base, vz_base, v_st, vs_st,
-                offs_n, mask_n, D, V_GROUP, DOT)  # fmt: skip
+                p, acc_lo * a3, acc_hi * a3, zacc_lo * a3, zacc_hi * a3, v_base, vs_base, vz_base, v_rows, vs_rows,
+                mask_n, D, V_GROUP, DOT)  # fmt: skip
         else:
-            v = load_tile(v_base, vs_base, vz_base, v_st, vs_st, offs_n, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D,
-                          DOT)  # fmt: skip
+            v = load_tile(v_base, vs_base, vz_base, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D, DOT)
             if V_KIND == 2:
-                p = p * load_token_scale(vs_base, vs_st, offs_n, mask_n)[None, :]
+                p = p * load_token_scale(vs_base, vs_rows, mask_n)[None, :]
             acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
         m_i = m_new
 
@@ -296,12 +297,18 @@ def decode_launches(
     lse: torch.Tensor | None = None,
     softcap: float | None = None,
     sms: int | None = None,
+    *,
+    table: torch.Tensor,
+    block_size: int,
 ) -> list[Launch]:
     """The kernel launches of decode attention (``Tq == 1``) into ``out[B, Hq, 1, D]`` (one partial launch
     per head group, then the reduction; ``groups`` = (head_index int32, K, V)), with every argument,
     constexpr and launch option: ``attend_triton`` runs them (``Launch.run``), and the ahead-of-time
     tools (``triton_compile_check``, ``benchmarks/kernel_static.py``) compile exactly these (on
     ``meta`` tensors), so that what they measure is the binary the runtime would build.
+
+    The history is read through ``table[B, max_blocks]`` (int32 block ids of each row, ``block_size``
+    tokens per block) from the groups' block tensors.
 
     ``lse`` (optional, fp32 contiguous ``[B, Hq, 1]``) receives each row's base-2 log-sum-exp of the
     scores times ``scaling * log2(e)`` (``-inf`` for rows with no visible key). ``sms``: the SM count
@@ -318,7 +325,7 @@ def decode_launches(
     block_n = block_n_for(D)
     # partitions of the pool's capacity, not of past_len: the grid and the buffers are the same at
     # every step of a fixed pool (CUDA-graph capturable); partitions past the history exit at once
-    capacity = max([past_len] + [op.data.shape[2] for _, kop, vop in groups for op in (kop, vop)])
+    capacity = max(past_len, table.shape[1] * block_size)  # the tokens the block tables address
     S = splits or num_splits(B, num_kv, capacity, block_n, sms or sm_count(query.device))
     tiles = max(1, math.ceil(capacity / block_n))
     part_len = math.ceil(tiles / S) * block_n
@@ -334,7 +341,7 @@ def decode_launches(
         group_block_n, num_warps = launch_config(kop, vop, dot_kind, D)
         args = (
             query, query.stride(0), query.stride(1),
-            *kop.args(), *vop.args(),
+            *kop.args(), *vop.args(), table, table.stride(0),
             head_index, lo, hi, lo_sb, o_part, lse_part,
             qk_scale, past_len, part_len, Hg, S, Hq,
         )  # fmt: skip
@@ -342,7 +349,7 @@ def decode_launches(
             REP=rep, BLOCK_H=block_h, D=D, BLOCK_N=group_block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
             SOFTCAP=(softcap or 0.0) * LOG2E,
             K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group,
-            V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group,
+            V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group, BS=block_size,
             K_FOLD=1 if kop.folds4(D) else 2 if kop.folds_channel4() else 0, V_FOLD=vop.folds4(D),
             num_warps=num_warps,
         )  # fmt: skip

@@ -23,8 +23,8 @@ fp32 up to rounding order. Per-group (INTN) and per-channel-per-block (CHANNEL, 
 KIVI's keys) scales and zeros vary along head_dim, so they cannot be folded out of the dot: they
 are applied to the tile on load (``code * scale + zero`` in fp32, exactly the dequantizer's math).
 CHANNEL codes use the same packing as INTN (split layout for 4/2 bits, three byte planes for 3
-bits); their scale/zero row is ``token // block_size`` (``GROUP`` holds the block size), the column
-the channel.
+bits); their scale/zero row is the one row of the token's pool block (the pool's block size is
+the token group), their column the channel (``GROUP`` is 1).
 
 FP8: on GPUs with native fp8 conversions (compute capability >= 8.9: Ada, Hopper) the part is loaded
 as ``tl.float8e4nv`` / ``tl.float8e5``. Elsewhere (Ampere, and the CPU interpreter tests of this
@@ -46,7 +46,7 @@ import triton.language as tl
 
 from kvquant.quantizers import Fp8, Int8PerToken, Int8SharedScale, IntNChannel, IntNGrouped, Passthrough
 
-from .dispatch import Unsupported
+from .unsupported import Unsupported
 
 KIND_FLOAT = 0
 KIND_HEAD = 1
@@ -55,7 +55,7 @@ KIND_INTN = 3
 KIND_FP8 = 4  # native: loaded as tl.float8e4nv / tl.float8e5
 KIND_FP8_E4M3_BITS = 5  # uint8 view, integer decode (value / 256; the 256 folded into the head scale)
 KIND_FP8_E5M2_BITS = 6  # uint8 view, integer decode (exact)
-KIND_CHANNEL = 7  # int4/3/2 codes as INTN; scale/zero per (block of GROUP tokens, channel): int*-channel
+KIND_CHANNEL = 7  # int4/3/2 codes as INTN; scale/zero per (pool block, channel): int*-channel
 
 DOT_IEEE = 0  # fp32 operands, exact fp32 products (fp32 queries: the 2e-3 contract vs the fp32 reference)
 DOT_FP16 = 1  # fp16 operands, fp32 accumulation (tensor cores)
@@ -68,9 +68,8 @@ def load_tile(
     ptr,
     sc_ptr,
     zp_ptr,
-    stride_t,
-    sc_stride_t,
-    offs_n,
+    rows,
+    sc_rows,
     mask_n,
     offs_d,
     KIND: tl.constexpr,
@@ -79,14 +78,15 @@ def load_tile(
     D: tl.constexpr,
     DOT: tl.constexpr = 0,
 ):
-    """Float32 ``[BLOCK_N, D]`` tile of tokens ``offs_n`` (rows outside ``mask_n`` read as 0). With
-    ``DOT`` a half-precision MMA kind, tiles whose values are exact in that type (int8 codes, fp8 into
-    fp16, stored values of that very type) come back in it, skipping the fp32 round trip.
+    """Float32 ``[BLOCK_N, D]`` tile of the tokens whose rows start at element offsets ``rows[BLOCK_N]``
+    (rows outside ``mask_n`` read as 0); ``sc_rows``: the offsets of their scale/zero rows (CHANNEL:
+    their block's one row). See :func:`paged_rows`. With ``DOT`` a half-precision MMA kind, tiles whose
+    values are exact in that type (int8 codes, fp8 into fp16, stored values of that very type) come back
+    in it, skipping the fp32 round trip.
 
-    Per-group (INTN) and per-channel-per-block (CHANNEL: ``GROUP`` = tokens per block, ``sc_stride_t``
-    = the stride between blocks) scale/zero are applied here; per-head and per-token scales are not
-    (the kernels fold them, see the module doc). ``ptr``/``sc_ptr``/``zp_ptr`` point at token 0 of one
-    (batch, head) of the part tensors.
+    Per-group (INTN) and per-channel-per-block (CHANNEL) scale/zero are applied here; per-head and
+    per-token scales are not (the kernels fold them, see the module doc). ``ptr``/``sc_ptr``/``zp_ptr``
+    point at one head of the part tensors (block 0).
     """
     m2 = mask_n[:, None]
     if KIND == 3 or KIND == 7:
@@ -95,7 +95,7 @@ def load_tile(
             # lo[j] | mid[j] << 8 | hi[j] << 16 of three byte planes of D/8 bytes; code k at bit 3k
             D8: tl.constexpr = D // 8
             col = offs_d % D8
-            row = ptr + offs_n[:, None] * stride_t + col[None, :]
+            row = ptr + rows[:, None] + col[None, :]
             b0 = tl.load(row, mask=m2, other=0).to(tl.int32)
             b1 = tl.load(row + D8, mask=m2, other=0).to(tl.int32)
             b2 = tl.load(row + 2 * D8, mask=m2, other=0).to(tl.int32)
@@ -107,34 +107,32 @@ def load_tile(
             DP: tl.constexpr = D // PER_BYTE
             col = offs_d % DP
             shift = (offs_d // DP) * BITS
-            byte = tl.load(ptr + offs_n[:, None] * stride_t + col[None, :], mask=m2, other=0)
+            byte = tl.load(ptr + rows[:, None] + col[None, :], mask=m2, other=0)
             code = (byte.to(tl.int32) >> shift[None, :]) & ((1 << BITS) - 1)
-        if KIND == 7:
-            s_off = (offs_n // GROUP)[:, None] * sc_stride_t + offs_d[None, :]
-        else:
-            s_off = offs_n[:, None] * sc_stride_t + (offs_d // GROUP)[None, :]
+        # INTN: one scale per GROUP channels of the token's row; CHANNEL (GROUP 1): one per channel of
+        # the block's row
+        s_off = sc_rows[:, None] + (offs_d // GROUP)[None, :]
         s = tl.load(sc_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
         z = tl.load(zp_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
         x = code.to(tl.float32) * s + z
     elif KIND == 5:
-        b = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
+        b = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
         bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
         x = bits.to(tl.float16, bitcast=True).to(tl.float32)
     elif KIND == 6:
-        b = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
+        b = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
         x = (b << 8).to(tl.float16, bitcast=True).to(tl.float32)
     elif KIND == 4:
         if DOT == 1:
             # fp8 -> fp16 is exact: the bytes (masked rows: 0 = +0.0) converted by the hardware, no select
-            b = tl.load(ptr.to(tl.pointer_type(tl.uint8)) + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2,
-                        other=0)  # fmt: skip
+            b = tl.load(ptr.to(tl.pointer_type(tl.uint8)) + rows[:, None] + offs_d[None, :], mask=m2, other=0)
             x = b.to(ptr.dtype.element_ty, bitcast=True).to(tl.float16)
         else:
             # native fp8: no `other` (an int/float literal cannot be cast to fp8); masked lanes zeroed after
-            x = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2).to(tl.float32)
+            x = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2).to(tl.float32)
             x = tl.where(m2, x, 0.0)
     else:
-        x = tl.load(ptr + offs_n[:, None] * stride_t + offs_d[None, :], mask=m2, other=0)
+        x = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0)
         if DOT == 1 and (KIND == 1 or KIND == 2):
             # int8 code c -> fp16 without a conversion instruction: the bits 0x6400 | (c + 128) are the
             # fp16 1024 + (c + 128), exactly; minus 1152 (exact) leaves c
@@ -194,9 +192,10 @@ def load_q_halves(q_ptr, qh, q_sh, mask_h, D: tl.constexpr, GROUP: tl.constexpr,
 
 
 @triton.jit
-def _load_group_scales(sc_ptr, zp_ptr, sc_stride_t, offs_n, mask_n, G2: tl.constexpr):
-    """Scale and zero of tokens ``offs_n``, groups of the low half and of the high half: ``[G2, 1, BLOCK_N]``."""
-    off = offs_n[None, None, :] * sc_stride_t + tl.arange(0, G2)[:, None, None]
+def _load_group_scales(sc_ptr, zp_ptr, sc_rows, mask_n, G2: tl.constexpr):
+    """Scale and zero of the tokens whose scale rows start at ``sc_rows``, groups of the low half and of the
+    high half: ``[G2, 1, BLOCK_N]``."""
+    off = sc_rows[None, None, :] + tl.arange(0, G2)[:, None, None]
     m = mask_n[None, None, :]
     s_lo = tl.load(sc_ptr + off, mask=m, other=0.0).to(tl.float32)
     s_hi = tl.load(sc_ptr + off + G2, mask=m, other=0.0).to(tl.float32)
@@ -206,29 +205,29 @@ def _load_group_scales(sc_ptr, zp_ptr, sc_stride_t, offs_n, mask_n, G2: tl.const
 
 
 @triton.jit
-def qk_fold4(q_lo, q_hi, qs_lo, qs_hi, ptr, sc_ptr, zp_ptr, stride_t, sc_stride_t, offs_n, mask_n,
+def qk_fold4(q_lo, q_hi, qs_lo, qs_hi, ptr, sc_ptr, zp_ptr, rows, sc_rows, mask_n,
              D: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
     """Scores ``[BLOCK_H, BLOCK_N]`` of the queries (:func:`load_q_halves`) against grouped int4 keys."""
     G2: tl.constexpr = D // 2 // GROUP
     g = tl.arange(0, G2)[:, None, None]
     j = tl.arange(0, GROUP)[None, :, None]
-    b = tl.load(ptr + offs_n[None, None, :] * stride_t + g * GROUP + j, mask=mask_n[None, None, :], other=0)
-    s_lo, s_hi, z_lo, z_hi = _load_group_scales(sc_ptr, zp_ptr, sc_stride_t, offs_n, mask_n, G2)
+    b = tl.load(ptr + rows[None, None, :] + g * GROUP + j, mask=mask_n[None, None, :], other=0)
+    s_lo, s_hi, z_lo, z_hi = _load_group_scales(sc_ptr, zp_ptr, sc_rows, mask_n, G2)
     t = _mma(q_lo, codes_operand(b & 15, DOT), DOT) * s_lo + qs_lo * z_lo
     t += _mma(q_hi, codes_operand(b >> 4, DOT), DOT) * s_hi + qs_hi * z_hi
     return reduce_sum(t, 0)
 
 
 @triton.jit
-def pv_fold4(p, acc_lo, acc_hi, zacc_lo, zacc_hi, ptr, sc_ptr, zp_ptr, stride_t, sc_stride_t, offs_n, mask_n,
+def pv_fold4(p, acc_lo, acc_hi, zacc_lo, zacc_hi, ptr, sc_ptr, zp_ptr, rows, sc_rows, mask_n,
              D: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
     """Add ``p [BLOCK_H, BLOCK_N] @ v`` for grouped int4 values to the output halves ``acc_lo/acc_hi``
     (``[G2, BLOCK_H, GROUP]``: code terms) and ``zacc_lo/zacc_hi`` (``[G2, BLOCK_H, 1]``: zero terms)."""
     G2: tl.constexpr = D // 2 // GROUP
     g = tl.arange(0, G2)[:, None, None]
     j = tl.arange(0, GROUP)[None, None, :]
-    b = tl.load(ptr + offs_n[None, :, None] * stride_t + g * GROUP + j, mask=mask_n[None, :, None], other=0)
-    s_lo, s_hi, z_lo, z_hi = _load_group_scales(sc_ptr, zp_ptr, sc_stride_t, offs_n, mask_n, G2)
+    b = tl.load(ptr + rows[None, :, None] + g * GROUP + j, mask=mask_n[None, :, None], other=0)
+    s_lo, s_hi, z_lo, z_hi = _load_group_scales(sc_ptr, zp_ptr, sc_rows, mask_n, G2)
     p3 = p[None, :, :]
     acc_lo += dot_pv(p3 * s_lo, codes_operand(b & 15, DOT), DOT, False)
     acc_hi += dot_pv(p3 * s_hi, codes_operand(b >> 4, DOT), DOT, False)
@@ -250,29 +249,52 @@ def dot_split_a(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def qk_channel4(q_lo, q_hi, ptr, sc_ptr, zp_ptr, stride_t, sc_stride_t, n0, offs_n, mask_n,
-                D: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+def qk_channel4(q_lo, q_hi, ptr, sc_ptr, zp_ptr, rows, sc_row, mask_n, D: tl.constexpr, DOT: tl.constexpr):
     """Scores ``[BLOCK_H, BLOCK_N]`` against per-channel int4 keys (``int4-channel``) when the tile lies in
-    one block of ``GROUP`` tokens: the block's scale is folded into the query and its zero into one
+    one pool block (``sc_row``: the offset of that block's scale row): the block's scale is folded into
+    the query and its zero into one
     term per query head (``q . k = (q * s) . c + q . z``), the codes are exact MMA operands, each packed
     byte loaded once (low nibbles: channels [0, D/2) against ``q_lo``, high: [D/2, D) against ``q_hi``)."""
     DH: tl.constexpr = D // 2
     j = tl.arange(0, DH)
-    row = (n0 // GROUP) * sc_stride_t
+    row = sc_row
     s_lo = tl.load(sc_ptr + row + j).to(tl.float32)[None, :]
     s_hi = tl.load(sc_ptr + row + DH + j).to(tl.float32)[None, :]
     z_lo = tl.load(zp_ptr + row + j).to(tl.float32)[None, :]
     z_hi = tl.load(zp_ptr + row + DH + j).to(tl.float32)[None, :]
-    b = tl.load(ptr + offs_n[None, :] * stride_t + j[:, None], mask=mask_n[None, :], other=0)  # [D/2, BLOCK_N]
+    b = tl.load(ptr + rows[None, :] + j[:, None], mask=mask_n[None, :], other=0)  # [D/2, BLOCK_N]
     r = dot_split_a(q_lo * s_lo, codes_operand(b & 15, DOT), DOT)
     r += dot_split_a(q_hi * s_hi, codes_operand(b >> 4, DOT), DOT)
     return r + (reduce_sum(q_lo * z_lo, 1) + reduce_sum(q_hi * z_hi, 1))[:, None]
 
 
 @triton.jit
-def load_token_scale(sc_ptr, sc_stride_t, offs_n, mask_n):
-    """Per-token scales ``[BLOCK_N]`` (int8-token), 0 outside ``mask_n``."""
-    return tl.load(sc_ptr + offs_n * sc_stride_t, mask=mask_n, other=0.0).to(tl.float32)
+def load_token_scale(sc_ptr, sc_rows, mask_n):
+    """Per-token scales ``[BLOCK_N]`` (int8-token) at row offsets ``sc_rows``, 0 outside ``mask_n``."""
+    return tl.load(sc_ptr + sc_rows, mask=mask_n, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def head_ptrs(P, S, Z, sh, ssh, hg):
+    """Pointers to head ``hg`` (block 0) of a part, its scale and its zero (head strides ``sh``, ``ssh``)."""
+    h = hg.to(tl.int64)  # head strides of a head-major pool can exceed 2^31 elements
+    return P + h * sh, S + h * ssh, Z + h * ssh
+
+
+@triton.jit
+def paged_rows(tbl_ptr, offs_n, mask_n, sb, st, ss_b, ss_t, BS: tl.constexpr, KIND: tl.constexpr):
+    """Block-table addressing (vLLM's layout): token ``n`` of a row lives in block ``tbl[n // BS]`` at
+    offset ``n % BS``. Returns the element offsets of the tokens' part rows and of their scale rows
+    (``sb``/``st``, ``ss_b``/``ss_t``: block and token strides of the part and of its scale part;
+    CHANNEL scales have one row per block)."""
+    blk = tl.load(tbl_ptr + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
+    inner = (offs_n % BS).to(tl.int64)
+    rows = blk * sb + inner * st
+    if KIND == 7:  # noqa: SIM108 (a constexpr branch)
+        sc_rows = blk * ss_b
+    else:
+        sc_rows = blk * ss_b + inner * ss_t
+    return rows, sc_rows
 
 
 @triton.jit
@@ -400,16 +422,17 @@ def online_rescale(m_i, m_blk):
 class Operand:
     """One quantized K or V of a head group, as kernel arguments."""
 
-    data: torch.Tensor  # [B, Hg, cap, D or D*bits/8]
+    data: torch.Tensor  # block tensor [num_blocks, Hg, block_size, D or D*bits/8]
     scale: torch.Tensor  # per-token/per-group scale part, or a dummy
     zero: torch.Tensor  # per-group zero part, or a dummy
     head_scale: torch.Tensor  # state["scale"] as fp32 [B, Hg], or a dummy
     kind: int
     bits: int = 8
     group: int = 1
+    block: int = 0  # tokens per pool block (CHANNEL: the scale's token group)
 
     def args(self) -> tuple:
-        """Pointer and stride arguments, in the order the kernels declare them."""
+        """Pointer and stride arguments (block, head, token strides), in the order the kernels declare them."""
         d, s = self.data, self.scale
         return (d, s, self.zero, self.head_scale, d.stride(0), d.stride(1), d.stride(2),
                 s.stride(0), s.stride(1), s.stride(2))
@@ -419,8 +442,8 @@ class Operand:
 
     def folds_channel4(self) -> bool:
         """True when the decode kernel reads this part with :func:`qk_channel4` (per-channel int4 keys in
-        blocks of a multiple of 64 tokens: a 64- or 32-token tile lies in one block)."""
-        return self.kind == KIND_CHANNEL and self.bits == 4 and self.group % 64 == 0
+        pool blocks of a multiple of 64 tokens: a 64- or 32-token tile lies in one block)."""
+        return self.kind == KIND_CHANNEL and self.bits == 4 and self.block % 64 == 0
 
     def folds4(self, head_dim: int) -> bool:
         """True when the decode kernel reads this part on the folded int4 path (:func:`qk_fold4`,
@@ -441,7 +464,7 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
     parts = store.parts
     main = parts.get("q", parts.get("x"))
     if main is None or main.dim() != 4 or main.stride(-1) != 1:
-        raise Unsupported(f"{qz.describe()}: part layout not [B, H, T, D] with unit channel stride")
+        raise Unsupported(f"{qz.describe()}: part layout not [blocks, H, block_size, D] with unit channel stride")
     if isinstance(qz, Passthrough):
         return Operand(main, main, main, main, KIND_FLOAT)
     if isinstance(qz, Int8SharedScale):
@@ -466,8 +489,9 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
             raise Unsupported(f"{qz.describe()}: token group {qz.token_group} != store block {store.block_size}")
         sc, zp = parts["scale"], parts["zero"]
         if sc.dim() != 4 or sc.shape[-1] != head_dim or sc.stride(-1) != 1 or zp.stride() != sc.stride():
-            raise Unsupported(f"{qz.describe()}: scale/zero parts not [B, H, blocks, D] laid out alike")
-        return Operand(main, sc, zp, main, KIND_CHANNEL, bits=qz.bits, group=qz.token_group)
+            raise Unsupported(f"{qz.describe()}: scale/zero parts not [blocks, H, 1, D] laid out alike")
+        # tokens: by block address
+        return Operand(main, sc, zp, main, KIND_CHANNEL, bits=qz.bits, group=1, block=qz.token_group)
     if isinstance(qz, Fp8):
         if fp8_native:
             kind, data = KIND_FP8, main

@@ -1,8 +1,9 @@
 """The ``kvquant`` attention implementation, registered with transformers' ``AttentionInterface``.
 
-When the key states carry a :class:`~kvquant.cache.StoreView` (they come from a
-:class:`~kvquant.cache.QuantizedKVCache`), attention reads the quantized history from the store
-(Triton on CUDA, the torch block walk elsewhere: :func:`kvquant.kernels.attend`). Otherwise
+When a :class:`~kvquant.view.LayerView` was published for the key states (they come from a
+:class:`~kvquant.QuantizedKVCache`; the contract is :mod:`kvquant.view`), attention reads the
+quantized history through the layer's block tables (Triton on CUDA, the torch block walk
+elsewhere: :func:`kvquant.kernels.attend`). Otherwise
 (no cache, ``DynamicCache``, transformers' own quantized caches) it is plain SDPA, so a wrapped
 model still runs every other cache correctly.
 """
@@ -17,7 +18,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .cache import VIEW_ATTR, StoreView
+from . import view as handoff
+from .view import LayerView
 
 ATTN_NAME = "kvquant"
 
@@ -33,7 +35,7 @@ def kvquant_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention signature; returns ``(out[B, Tq, Hq, D], None)``."""
-    view: StoreView | None = getattr(key, VIEW_ATTR, None)
+    view: LayerView | None = handoff.take(key)
     softcap = kwargs.get("softcap")
     if view is None and softcap is None:
         return sdpa_attention_forward(
@@ -49,8 +51,8 @@ def kvquant_attention_forward(
         return _softcapped_attention(query, key, value, mask, scaling, softcap), None
     from kvquant.kernels import attend
 
-    delattr(key, VIEW_ATTR)
-    view.layer.commit(first_real_token(mask, query.shape[0]) if view.past_len == 0 else None)
+    if view.commit is not None:
+        view.commit(first_real_token(mask, query.shape[0]) if view.past_len == 0 else None)
     out = attend(query, key, value, view.store, view.past_len, mask, scaling, softcap)
     return out.transpose(1, 2).contiguous(), None
 
@@ -120,9 +122,11 @@ def check_supported(model: Any) -> None:
         )
 
 
-def install_attention(model: Any) -> None:
-    """Switch ``model`` to the ``kvquant`` attention implementation (idempotent)."""
+def install_attention(model: Any) -> str | None:
+    """Switch ``model`` to the ``kvquant`` attention implementation; returns the implementation it had."""
     check_supported(model)
     register()
-    if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
+    before = getattr(model.config, "_attn_implementation", None)
+    if before != ATTN_NAME:
         model.set_attn_implementation(ATTN_NAME)
+    return before

@@ -1,32 +1,42 @@
-"""``QuantizedKVCache``: a transformers 5.x ``Cache`` whose layers store K/V quantized.
+"""``QuantizedKVCache``: a transformers 5.x ``Cache`` whose layers store K/V quantized, in blocks.
 
 One ``QuantizedLayer`` per model layer (the ``CacheLayerMixin`` interface: ``update``,
 ``get_seq_length``, ``get_mask_sizes``, ``reorder_cache``, ``crop``, ``reset``). ``update`` quantizes
-the new tokens into the layer's :class:`~kvquant.store.LayerStore` and returns the fresh K/V
-tagged with a :class:`StoreView`; the ``kvquant`` attention implementation reads the history from
-the store through that view, so the cache never hands out a full-precision copy of the history.
+the new tokens into the layer's :class:`~kvquant.store.LayerStore` (block tables over the blocks of
+a :class:`~kvquant.PagedKVPool`, or private blocks) and publishes a :class:`~kvquant.view.LayerView`
+for the ``kvquant`` attention (:mod:`kvquant.view`), so the cache never hands out a full-precision
+copy of the history.
 """
 
 from __future__ import annotations
 
-import itertools
+import copy
+import secrets
 import warnings
-from dataclasses import dataclass
+import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import view as handoff
 from .config import DEFAULT_PRESET, MAX_CAPACITY, KVPrecision, KVQuantConfig, check_int
 from .outliers import OutlierWatch
 from .scales import load_static_amax
-from .shape import ModelShape
+from .shape import ModelShape, sliding_windows
 from .store import LayerStore
 
-_session_ids = itertools.count(1)
-VIEW_ATTR = "_kvquant_view"
+if TYPE_CHECKING:
+    from .pool import PagedKVPool
+
+ATTN_NAME = "kvquant"
 CLIP_WARN_RATE = 1e-3  # warn (once per cache) when static scales clip more than this fraction of values
+
+
+def new_session_id() -> str:
+    """A fresh random id for one sequence's cache (creation, reset, deep copy)."""
+    return f"kvq-{secrets.token_hex(6)}"
 
 
 class ClipMonitor:
@@ -64,24 +74,11 @@ class ClipMonitor:
             )
 
 
-@dataclass
-class StoreView:
-    """What the attention needs to read one layer: the store and the history length."""
-
-    layer: QuantizedLayer
-    past_len: int
-
-    @property
-    def store(self) -> LayerStore:
-        assert self.layer.store is not None
-        return self.layer.store
-
-
 class QuantizedLayer(CacheLayerMixin):
     """One layer of a :class:`QuantizedKVCache`: a :class:`LayerStore` created on the first update."""
 
     is_compileable = False
-    is_sliding = False
+    is_sliding = False  # sliding layers keep absolute positions (the mask hides old keys); see ``window``
 
     @property
     def is_croppable(self) -> bool:
@@ -97,6 +94,8 @@ class QuantizedLayer(CacheLayerMixin):
         head_dim: int,
         static_amax: dict[str, torch.Tensor] | None = None,
         capacity: int | None = None,
+        pool: PagedKVPool | None = None,
+        window: int | None = None,
         watch: OutlierWatch | None = None,
     ) -> None:
         super().__init__()
@@ -107,18 +106,29 @@ class QuantizedLayer(CacheLayerMixin):
         self.head_dim = head_dim
         self.static_amax = static_amax
         self.capacity = capacity
+        self.pool = pool
+        self.window = window
         self.store: LayerStore | None = None
-        self._unread = False
         # bound to a model: the chunk of the last update, written when the kvquant attention reads it
         # (the attention has the mask, hence each row's left padding, which the first write needs)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.monitor: ClipMonitor | None = None  # set by the cache: clipping over all layers
         # when bound to a model, every update must be read by the kvquant attention before the next one
         self.strict = True
+        self.owner: QuantizedKVCache | None = None
 
     def __repr__(self) -> str:
         pos = self.store.cache_pos if self.store else 0
         return f"QuantizedLayer(layer={self.layer_idx}, cache_pos={pos})"
+
+    def make_store(self, batch: int, device: torch.device) -> LayerStore:
+        blocks = self.pool.layer_blocks(self.layer_idx, device) if self.pool is not None else None
+        self.store = LayerStore(
+            self.row, self.config, self.head_dim, batch=batch, device=device, static_amax=self.static_amax,
+            capacity=self.capacity, blocks=blocks, window=self.window,
+        )  # fmt: skip
+        self.is_initialized = True
+        return self.store
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape[1] != len(self.row):
@@ -130,45 +140,39 @@ class QuantizedLayer(CacheLayerMixin):
             raise ValueError(f"key_states: head_dim {key_states.shape[-1]}, expected {self.head_dim}")
         self.device = key_states.device
         self.dtype = key_states.dtype
-        self.store = LayerStore(
-            self.row,
-            self.config,
-            self.head_dim,
-            batch=key_states.shape[0],
-            device=key_states.device,
-            static_amax=self.static_amax,
-            capacity=self.capacity,
-        )
-        self.is_initialized = True
+        self.make_store(key_states.shape[0], key_states.device)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize and store the new tokens; return them tagged with a :class:`StoreView`."""
-        if not self.is_initialized:
+        """Quantize and store the new tokens; publish the layer's view for the attention."""
+        if self.store is None:
             self.lazy_initialization(key_states, value_states)
         assert self.store is not None
-        if self._unread and self.strict:
-            raise RuntimeError(
-                f"layer {self.layer_idx}: the previous update was not read by the kvquant attention. "
-                "Call kvquant.wrap(model, config) (or build QuantizedKVCache(model, config)) so that "
-                "attention reads the quantized store."
-            )
+        self.device, self.dtype = key_states.device, key_states.dtype
         if key_states.shape[0] != self.store.batch:
             raise ValueError(
                 f"key_states: batch {key_states.shape[0]} does not match the cache's batch {self.store.batch}"
             )
+        if self.owner is not None and self.pool is not None and self.layer_idx == 0:
+            self.owner.admit(key_states.shape[2], key_states.shape[0], key_states.device)
         if self.watch is not None and self.store.cache_pos == 0:
             self.watch.observe(self.layer_idx, key_states)
         past = self.store.cache_pos
         if self.strict:
             self._pending = (key_states, value_states)
         else:
-            self.store.append(key_states, value_states)
-            self._check_clipping(key_states.shape[2])
-        setattr(key_states, VIEW_ATTR, StoreView(self, past))
-        self._unread = True
+            self._write(key_states, value_states)
+        handoff.publish(key_states, handoff.LayerView(self.layer_idx, self.store, past, self.strict, self.commit))
         return key_states, value_states
+
+    def _write(self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None = None) -> None:
+        assert self.store is not None
+        q_end = self.store.q_end
+        self.store.append(keys, values, row_start)
+        if self.owner is not None:
+            self.owner.index_new_blocks(self.layer_idx, q_end)
+        self._check_clipping(keys.shape[2])
 
     def commit(self, row_start: torch.Tensor | None = None) -> None:
         """Write the chunk of the last :meth:`update` (called by the kvquant attention, which reads it).
@@ -178,10 +182,7 @@ class QuantizedLayer(CacheLayerMixin):
         if self._pending is not None:
             keys, values = self._pending
             self._pending = None
-            assert self.store is not None
-            self.store.append(keys, values, row_start)
-            self._check_clipping(keys.shape[2])
-        self._unread = False
+            self._write(keys, values, row_start)
 
     def _check_clipping(self, chunk: int) -> None:
         """After the last layer's write of a chunk, or every ``block_size`` decode steps: warn if clipping."""
@@ -189,9 +190,6 @@ class QuantizedLayer(CacheLayerMixin):
         last = self.monitor is not None and self.monitor.layers[-1] is self
         if last and store is not None and (chunk > 1 or store.cache_pos % store.block_size == 0):
             self.monitor.check()
-
-    def mark_read(self) -> None:
-        self.commit()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -207,7 +205,6 @@ class QuantizedLayer(CacheLayerMixin):
     def reset(self) -> None:
         if self.store is not None:
             self.store.reset()
-        self._unread = False
         self._pending = None
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -220,17 +217,18 @@ class QuantizedLayer(CacheLayerMixin):
             self.store.crop(self.store.cache_pos + tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Rows take the block tables of ``beam_idx``: references change, no quantized byte moves."""
         if self.store is not None and self.store.cache_pos:
             self.store.index_batch(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.store is not None:
-            idx = torch.arange(self.store.batch, device=self.store.device).repeat_interleave(repeats)
+            idx = torch.arange(self.store.batch).repeat_interleave(repeats)
             self.store.index_batch(idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.store is not None:
-            self.store.index_batch(torch.as_tensor(indices, device=self.store.device).long())
+            self.store.index_batch(torch.as_tensor(indices).long().cpu())
 
     def offload(self) -> None:  # offloading a quantized store is not supported (kept resident)
         return None
@@ -239,58 +237,163 @@ class QuantizedLayer(CacheLayerMixin):
         return None
 
 
+def _release(layers: list[QuantizedLayer]) -> None:
+    for layer in layers:
+        if layer.store is not None:
+            layer.store.release()
+
+
 class QuantizedKVCache(Cache):
     """A KV cache that stores each (layer, KV head)'s K and V in the precision a config assigns.
 
     Args:
-        model: the transformers model (its config gives layers, KV heads and head_dim). The
-            ``kvquant`` attention is installed on it if it is not already (see :func:`kvquant.wrap`).
+        model: the transformers model (its config gives layers, KV heads, head_dim and sliding
+            windows); its attention must be ``kvquant`` (:func:`kvquant.wrap` or
+            ``with kvquant.wrapped(model, config):``; building a cache changes nothing on the model).
             A :class:`~kvquant.ModelShape` builds a free-standing cache (``update`` / ``memory_report``
             without a model).
-        config: a :class:`KVQuantConfig`, a preset name (``"int8-kchannel"``, the default) or a YAML/JSON path.
+        config: a :class:`KVQuantConfig`, a preset name (``"int8-kchannel"``, the default) or a YAML/JSON path;
+            with ``pool``, ``None`` (the pool's config) or the same config.
         capacity: tokens to preallocate per sequence (optional; otherwise blocks are added on demand).
+        pool: a :class:`~kvquant.PagedKVPool` to take blocks from (shared with its other caches);
+            ``None``: private blocks.
 
     Example::
 
+        model = kvquant.wrap(model, "int8")
         cache = kvquant.QuantizedKVCache(model, "int8")
         out = model.generate(**inputs, cache=cache, max_new_tokens=200)
         print(cache.memory_report()["ratio_vs_fp16"])
     """
 
     def __init__(
-        self, model: Any, config: KVQuantConfig | str | Path = DEFAULT_PRESET, capacity: int | None = None
+        self,
+        model: Any,
+        config: KVQuantConfig | str | Path | None = None,
+        capacity: int | None = None,
+        pool: PagedKVPool | None = None,
     ) -> None:
-        from .attention import install_attention
-
+        self.session_id = new_session_id()
         if capacity is not None:
             check_int(capacity, "capacity", 1, MAX_CAPACITY)
-        self.kv_config = KVQuantConfig.load(config)
+        if pool is not None:
+            cfg = pool.config if config is None else KVQuantConfig.load(config)
+            if cfg.to_dict() != pool.config.to_dict():
+                raise ValueError("config: differs from the pool's config (pass config=None to use the pool's)")
+            cfg = pool.config
+        else:
+            cfg = KVQuantConfig.load(DEFAULT_PRESET if config is None else config)
+        self.kv_config = cfg
         self.shape = ModelShape.of(model)
         self.plan = self.kv_config.resolve(self.shape)
-        if model is not None and hasattr(model, "config") and hasattr(model, "set_attn_implementation"):
-            install_attention(model)
+        bound = model is not None and hasattr(model, "config") and not isinstance(model, ModelShape)
+        if bound and hasattr(model, "set_attn_implementation"):
+            impl = getattr(model.config, "_attn_implementation", None)
+            if impl != ATTN_NAME:
+                raise ValueError(
+                    f"model: its attention implementation is {impl!r}, which cannot read a quantized cache; "
+                    "call kvquant.wrap(model, config) first, or use `with kvquant.wrapped(model, config):`"
+                )
+        self.pool = pool
+        windows = sliding_windows(model, self.shape.num_layers)
         static = load_static_amax(self.kv_config.scales_file, self.shape)
         #: checks the prefill's keys for outlier / offset channels; logs one warning if the config cannot hold them
         self.outlier_watch = OutlierWatch(self.kv_config, self.plan)
         layers = [
-            QuantizedLayer(
-                i, row, self.kv_config, self.shape.head_dim, static[i] if static else None, capacity,
-                self.outlier_watch,
-            )
+            QuantizedLayer(i, row, self.kv_config, self.shape.head_dim, static[i] if static else None, capacity,
+                           pool, windows[i], self.outlier_watch)
             for i, row in enumerate(self.plan)
-        ]
-        bound = model is not None and hasattr(model, "config")
-        self.session_id = f"kvq-{next(_session_ids):04d}"
+        ]  # fmt: skip
         self.clip_monitor = ClipMonitor(layers, self.session_id)
         for layer in layers:
             layer.strict = bound
+            layer.owner = self
             layer.monitor = self.clip_monitor
         super().__init__(layers=layers)
+        self.token_ids: list[list[int]] | None = None
+        self._hashes: list[list[bytes]] = []
+        self._finalizer = weakref.finalize(self, _release, layers) if pool is not None else None
 
+    # ------------------------------------------------------------------ pool / prefix reuse
+    def bind_ids(self, rows: list[list[int]]) -> None:
+        """Index the full blocks this cache writes under ``rows`` (the token ids of each row)."""
+        self.token_ids = rows
+        reusable = self.pool is not None and self.pool.reusable
+        self._hashes = [self.pool.block_hashes(r) for r in rows] if reusable else []
+
+    def adopt_prefix(self, tables: list[list[list[int]]], tokens: int) -> None:
+        """Start every layer from shared blocks: ``tables[b][j]`` = block ids per layer of row ``b``'s block ``j``."""
+        assert self.pool is not None
+        device = next((b.device for b in self.pool.layers if b is not None), torch.device("cpu"))
+        for layer in self.layers:
+            store = layer.make_store(len(tables), device)
+            rows = [[blk[layer.layer_idx] for blk in row] for row in tables]
+            for r in rows:
+                store.blocks.incref(r)
+            store.adopt(rows, tokens)
+
+    def index_new_blocks(self, layer_idx: int, old_q_end: int) -> None:
+        """After a write: index the newly completed full blocks of this layer under the bound ids."""
+        if not self._hashes:
+            return
+        store = self.layers[layer_idx].store
+        bs = store.block_size
+        if store.batch != len(self._hashes):
+            return  # rows were reordered or expanded: the bound ids no longer describe them
+        for j in range(old_q_end // bs, store.q_end // bs):
+            for b, hashes in enumerate(self._hashes):
+                if j < len(hashes) and j < len(store.tables[b]) and store.tables[b][j] >= 0:
+                    self.pool.record(hashes[j], layer_idx, store.tables[b][j])
+
+    def admit(self, tokens: int, batch: int, device: torch.device) -> None:
+        """Check, before any layer writes, that a bounded pool can hold ``tokens`` more tokens per row."""
+        if self.pool is None or self.pool.blocks_per_layer is None:
+            return
+        for layer in self.layers:
+            if layer.store is None:
+                layer.make_store(batch, device)
+        self.pool.admit([layer.store for layer in self.layers], tokens)
+
+    def release(self) -> None:
+        """Give every block back to the pool (the cache is empty afterwards; ``reset`` also forgets scales)."""
+        _release(self.layers)
+        for layer in self.layers:
+            if layer.store is not None:
+                layer.store.reset()
+
+    # ------------------------------------------------------------------ cache API
     @property
     def cache_pos(self) -> int:
         """Tokens written so far (the write cursor)."""
         return self.get_seq_length()
+
+    def reset(self) -> None:
+        """Forget every token (blocks back to the pool) and start a new session id."""
+        super().reset()
+        self.session_id = new_session_id()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> QuantizedKVCache:
+        """A copy sharing the blocks (references, no quantized byte copied), with a new session id."""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k in ("pool", "layers", "_finalizer", "clip_monitor"):
+                continue
+            setattr(new, k, copy.deepcopy(v, memo))
+        new.pool = self.pool
+        new.layers = []
+        for layer in self.layers:
+            lc = copy.copy(layer)
+            lc.owner = new
+            if layer.store is not None:
+                lc.store = layer.store.copy()
+            new.layers.append(lc)
+        new.session_id = new_session_id()
+        new.clip_monitor = ClipMonitor(new.layers, new.session_id)
+        for lc in new.layers:
+            lc.monitor = new.clip_monitor
+        new._finalizer = weakref.finalize(new, _release, new.layers) if self.pool is not None else None
+        return new
 
     def __repr__(self) -> str:
         name = self.kv_config.name or "custom"
@@ -300,7 +403,8 @@ class QuantizedKVCache(Cache):
         )
 
     def memory_report(self) -> dict[str, Any]:
-        """Bytes held for K, V and scales, per layer and per precision, and the ratio to FP16."""
+        """Bytes held for K, V and scales (a block shared by rows or caches counted once), per layer
+        and per precision, bytes shared, blocks, bytes moved by copy-on-write, and the ratio to FP16."""
         from .memory import memory_report
 
         self.clip_monitor.check()
@@ -313,4 +417,41 @@ class QuantizedKVCache(Cache):
     def clipped_rate(self) -> float:
         """Fraction of the values written through static scales that were clipped (0.0 if none)."""
         return self.clip_monitor.rate()
+
+    def dump(self) -> dict[str, Any]:
+        """A JSON-serialisable summary for debugging: session, config, and per layer the block tables,
+        shared blocks, cursors, static-scale statistics and clipped counts."""
+        layers = []
+        for layer in self.layers:
+            st = layer.store
+            if st is None:
+                layers.append({"layer": layer.layer_idx, "cache_pos": 0})
+                continue
+            scales = {}
+            for g in st.groups:
+                for kind, s in (("key", g.key), ("value", g.value)):
+                    if "scale" in s.state:
+                        t = s.state["scale"].float()
+                        scales[f"{g.precision}/{kind}"] = {"heads": g.heads, "min": float(t.min()),
+                                                           "max": float(t.max()), "mean": float(t.mean())}
+            layers.append({
+                "layer": layer.layer_idx,
+                "cache_pos": st.cache_pos,
+                "q_end": st.q_end,
+                "window": st.window,
+                "first_live_block": st.first_live,
+                "block_tables": [list(t) for t in st.tables],
+                "shared_blocks": [b for b in st.block_ids() if st.blocks.refs[b] > 1],
+                "static_scales": scales,
+                "clipped": st.clipped(),
+                "bytes_moved": st.bytes_moved,
+            })  # fmt: skip
+        return {
+            "session_id": self.session_id,
+            "config": self.kv_config.name or "custom",
+            "block_size": self.kv_config.block_size,
+            "cache_pos": self.cache_pos,
+            "pool": self.pool.stats() if self.pool is not None else None,
+            "layers": layers,
+        }
 

@@ -28,6 +28,7 @@ Commands:
   export       write calibrated K/V scales: a kvquant scales file, or a checkpoint vLLM / SGLang load
   show-config  print a config's per-layer precisions and average bits
   presets      list the named presets and precisions
+  inspect      run a prompt through a quantized cache and print its dump (block tables, scales, ids)
 
 Run `kvquant COMMAND --help` for the options and examples of each command.
 
@@ -185,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", dest="head_dim", type=int, default=64, help="head_dim for the bit counts (default 64)")
     p.set_defaults(func=cmd_presets)
 
-    for module in ("kvquant.eval.cli", "kvquant.calibrate", "kvquant.export"):
+    for module in ("kvquant.eval.cli", "kvquant.calibrate", "kvquant.inspect_cmd", "kvquant.export"):
         try:
             mod = import_module(module)
         except ImportError as e:  # a broken optional piece must not take the whole CLI down

@@ -51,27 +51,32 @@ def human(n: float) -> str:
 
 
 def memory_report(cache: Any) -> dict[str, Any]:
-    """Bytes held by a :class:`~kvquant.cache.QuantizedKVCache` (see its ``memory_report``)."""
+    """Bytes held by a :class:`~kvquant.cache.QuantizedKVCache` (see its ``memory_report``).
+
+    Blocks shared by several rows (beams) or caches (prefix reuse) count once: per layer, the distinct
+    blocks of all rows. ``bytes_shared``: those referenced more than once; ``bytes_moved``: quantized
+    bytes copied by copy-on-write (a shared partial block written after a reorder)."""
     shape: ModelShape = cache.shape
     per_layer: list[dict[str, Any]] = []
     per_precision: dict[str, int] = {}
-    totals = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "reserved": 0}
-    batch = 0
+    totals = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "reserved": 0, "shared": 0, "blocks": 0}
+    batch = moved = 0
     for i, layer in enumerate(cache.layers):
         store = layer.store
         if store is None:
             per_layer.append({"layer": i, "bytes": 0})
             continue
         batch = store.batch
+        moved += store.bytes_moved
         mem = store.memory()
         for k in totals:
             totals[k] += mem[k]
         per_layer.append({"layer": i, "bytes": mem["keys"] + mem["values"] + mem["scales"] + mem["dense"], **mem})
-        used = store.used_tokens()
         for g in store.groups:
             for kind, s in (("key", g.key), ("value", g.value)):
                 name = f"{s.quantizer.name} ({kind}s)"
-                per_precision[name] = per_precision.get(name, 0) + s.nbytes(used) + s.state_nbytes()
+                held = sum(s.block_nbytes().values()) * mem["blocks"] + s.state_nbytes()
+                per_precision[name] = per_precision.get(name, 0) + held
         for what, (k, _v) in store.dense_buffers().items():
             name = f"{str(k.dtype).removeprefix('torch.')} ({what})"
             per_precision[name] = per_precision.get(name, 0) + k.numel() * k.element_size() * 2
@@ -81,6 +86,7 @@ def memory_report(cache: Any) -> dict[str, Any]:
     per_token = total / (tokens * batch) if tokens and batch else 0.0
     return {
         "config": cache.kv_config.name,
+        "session_id": getattr(cache, "session_id", None),
         "tokens": tokens,
         "batch": batch,
         "bytes_total": total,
@@ -88,7 +94,12 @@ def memory_report(cache: Any) -> dict[str, Any]:
         "bytes_values": totals["values"],
         "bytes_scales": totals["scales"],
         "bytes_dense": totals["dense"],
+        "bytes_shared": totals["shared"],
         "bytes_reserved": totals["reserved"],
+        "bytes_moved": moved,
+        "blocks": totals["blocks"],
+        "bytes_per_block_all_layers": sum(la.store.blocks.bytes_per_block for la in cache.layers
+                                          if la.store is not None),
         "bytes_per_token": per_token,
         "fp16_bytes_per_token": fp16_per_token,
         "ratio_vs_fp16": per_token / fp16_per_token if per_token else 0.0,

@@ -47,3 +47,23 @@ class ModelShape:
 
     def as_dict(self) -> dict[str, int]:
         return {"layers": self.num_layers, "kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+
+
+def sliding_windows(model_or_config: Any, num_layers: int) -> list[int | None]:
+    """Per-layer sliding-window length from a transformers config, ``None`` for full-attention layers.
+
+    ``layer_types`` (Gemma 2/3, Qwen2/3, ...) marks ``sliding_attention`` layers; without it a set
+    ``sliding_window`` (Mistral) applies to every layer, as transformers' ``DynamicCache`` does.
+    """
+    if isinstance(model_or_config, ModelShape):
+        return [None] * num_layers
+    config = getattr(model_or_config, "config", model_or_config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window:
+        return [None] * num_layers
+    if types is None:
+        return [int(window)] * num_layers
+    return [int(window) if t == "sliding_attention" else None for t in list(types)[:num_layers]]

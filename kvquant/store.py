@@ -1,17 +1,14 @@
 """Block-granular quantized KV storage for one layer.
 
 Layout: the KV heads of a layer are split into *head groups*, one per distinct (key precision,
-value precision) pair. Each group stores its K and V as the parts of its quantizers, one
-preallocated tensor per part::
-
-    per-token part:  [batch, heads_in_group, capacity_tokens, *part_shape]
-    per-block part:  [batch, heads_in_group, capacity_tokens / block_size, *part_shape]
-
-``capacity_tokens`` is a whole number of blocks (``block_size`` tokens). Blocks are added on
-demand when the cursor reaches the end, so memory follows the real length, never a max_seq_len;
-pass ``capacity`` to preallocate (then nothing is ever copied). When the capacity must grow, the
-pool grows by at least a quarter (amortised O(1) per token, O(log n) copies of the *quantized*
-bytes). A token is written once, quantized once, never re-quantized.
+value precision) pair. Each group stores its K and V as the parts of its quantizers, in the
+layer's block tensors (:mod:`kvquant.blocks`: ``[num_blocks, heads_in_group, block_size, ...]``,
+one row per block for per-block parts). Each batch row has a *block table*: the ids of the blocks
+that hold its tokens ``[j * block_size, (j + 1) * block_size)``. Blocks are taken from the arena
+on demand, so memory follows the real length, never a max_seq_len; rows (beams) and caches (a
+:class:`~kvquant.PagedKVPool`'s requests) share whole blocks by reference. A full block is
+immutable (a token is written once, quantized once, never re-quantized); writing into a partial
+block that is shared copies it first (copy-on-write).
 
 Outlier options (all in the config, composable with per-head precision):
 
@@ -33,16 +30,18 @@ Outlier options (all in the config, composable with per-head precision):
 
 from __future__ import annotations
 
+import copy as _copy
 import math
 from dataclasses import dataclass, field
 
 import torch
 
+from .blocks import LayerBlocks, part_rows
 from .config import KVPrecision, KVQuantConfig
 from .quantizers import Quantizer, make_quantizer
+from .quantizers.base import PartSpec
 from .rotation import fwht
 
-GROWTH = 1.25
 # Static (per-head) scales are calibrated on at least this many real tokens of every row; until then the
 # tokens are held in full precision (a 1-token prompt says little about later magnitudes) ...
 CALIB_MIN_TOKENS = 16
@@ -75,51 +74,37 @@ def stored_finite(parts: dict[str, torch.Tensor]) -> bool:
 
 
 class QuantizedTensorStore:
-    """The K (or V) of one head group: quantizer, static state and preallocated part tensors."""
+    """The K (or V) of one head group: quantizer, static state, and the group's part tensors in the
+    layer's :class:`~kvquant.blocks.LayerBlocks` (``[num_blocks, heads, block_size or 1, *shape]``)."""
 
-    def __init__(
-        self, quantizer: Quantizer, batch: int, heads: int, device: torch.device, block_size: int
-    ) -> None:
+    def __init__(self, quantizer: Quantizer, blocks: LayerBlocks, group: int, kind: str) -> None:
         self.quantizer = quantizer
-        self.block_size = block_size
-        self.batch, self.heads, self.device = batch, heads, device
+        self.blocks = blocks
+        self.group, self.kind = group, kind
+        self.block_size = blocks.block_size
         self.state: dict[str, torch.Tensor] = {}
         self.specs = quantizer.parts()
-        self.parts: dict[str, torch.Tensor] = {
-            name: torch.empty((batch, heads, 0, *spec.shape), dtype=spec.dtype, device=device)
-            for name, spec in self.specs.items()
-        }
-        self.clipped = torch.zeros((), dtype=torch.int64, device=device)
+        self.heads = blocks.specs[group][0]
+        self.batch = 0  # rows of the owning LayerStore (kept in step by it)
+        self.device = blocks.device
+        self.clipped = torch.zeros((), dtype=torch.int64, device=blocks.device)
         # real (non-pad) values written through a static scale: the denominator of the clip rate
-        self.static_values = torch.zeros((), dtype=torch.int64, device=device)
-
-    def _rows(self, name: str, tokens: int) -> int:
-        """Rows of part ``name`` that cover ``tokens`` tokens."""
-        return -(-tokens // self.block_size) if self.specs[name].per_block else tokens
+        self.static_values = torch.zeros((), dtype=torch.int64, device=blocks.device)
 
     @property
-    def capacity(self) -> int:
-        return next(t.shape[2] for n, t in self.parts.items() if not self.specs[n].per_block)
+    def parts(self) -> dict[str, torch.Tensor]:
+        """The block tensors of every part (looked up each time: the arena may have grown)."""
+        return self.blocks.parts[self.group][self.kind]
 
-    def grow(self, capacity: int, used: int) -> None:
-        """Reallocate every part to ``capacity`` tokens (whole blocks), keeping the first ``used``."""
-        for name, old in self.parts.items():
-            rows, keep = self._rows(name, capacity), self._rows(name, used)
-            new = torch.empty((*old.shape[:2], rows, *old.shape[3:]), dtype=old.dtype, device=old.device)
-            if keep:
-                new[:, :, :keep].copy_(old[:, :, :keep])
-            self.parts[name] = new
-
-    def write(self, x: torch.Tensor, pos: int, check: bool = True, real: torch.Tensor | None = None) -> None:
-        """Quantize ``x[B, H, T, D]`` and write it at token positions ``pos .. pos+T``.
+    def write(self, x: torch.Tensor, plan: WritePlan, check: bool = True, real: torch.Tensor | None = None) -> None:
+        """Quantize ``x[B, H, T, D]`` and scatter the planned (row, token) pairs into their blocks.
 
         ``check``: verify that what is *stored* is finite (one reduction). fp16 scales / zeros that
-        overflow (|x| > 65504) are widened to fp32 for this store (exact, bytes counted) and the chunk
-        quantized again; anything else non-finite (fp16 passthrough storage) raises :class:`StoredOverflow`.
+        overflow (|x| > 65504) are widened to fp32 for this group's blocks (exact, bytes counted) and
+        the chunk quantized again; anything else non-finite (fp16 passthrough storage) raises
+        :class:`StoredOverflow`.
         ``real[B, T]``: False at left-padding positions, which static-scale clipping does not count.
         """
-        if self.quantizer.per_block and (pos % self.block_size or x.shape[2] % self.block_size):
-            raise AssertionError("per-channel quantizers write whole, aligned blocks")
         if self.quantizer.static:
             counted = x if real is None else torch.where(real[:, None, :, None], x, 0.0)
             self.clipped += self.quantizer.clipped(counted, self.state)
@@ -135,43 +120,105 @@ class QuantizedTensorStore:
                     "(the stored values overflow); use bf16 or fp32 storage for this layer / head"
                 )
         for name, t in q.items():
-            start = self._rows(name, pos) if self.specs[name].per_block else pos
-            self.parts[name][:, :, start:start + t.shape[2]].copy_(t)
+            dst = self.parts[name]
+            rows = t.transpose(1, 2)  # [B, T or blocks, H, *shape]
+            if self.specs[name].per_block:
+                if plan.blk_src_b.numel():
+                    dst[plan.blk_dst, :, 0] = rows[plan.blk_src_b, plan.blk_src_j].to(dst.dtype)
+            elif plan.single is not None:
+                b, t_, blk, off = plan.single
+                dst[blk, :, off] = rows[b, t_]
+            else:
+                dst[plan.dst_blk, :, plan.dst_off] = rows[plan.src_b, plan.src_t].to(dst.dtype)
 
     def _widen_parts(self) -> None:
-        """Re-type the parts whose dtype the quantizer changed (fp16 scales -> fp32; values kept exactly)."""
+        """Re-type the block tensors whose dtype the quantizer changed (fp16 scales -> fp32; values kept)."""
         self.specs = self.quantizer.parts()
-        for name, t in self.parts.items():
-            if t.dtype != self.specs[name].dtype:
-                self.parts[name] = t.to(self.specs[name].dtype)
+        for name, spec in self.specs.items():
+            self.blocks.retype(self.group, self.kind, name, spec)
 
-    def read(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantize tokens ``start .. end`` -> ``[B, H, end-start, D]`` (block-aligned for per-block parts)."""
-        parts = {}
-        for n, t in self.parts.items():
-            if self.specs[n].per_block:
-                parts[n] = t[:, :, start // self.block_size:self._rows(n, end)]
+    def gather(self, table: torch.Tensor, run: int | None = None) -> dict[str, torch.Tensor]:
+        """The parts of the blocks ``table[B, nb]`` as ``[B, H, nb * rows, *shape]``: one copy of the
+        quantized bytes, or a view when ``run`` says the (single) row's blocks are ``run, run + 1, ...``."""
+        out = {}
+        B, nb = table.shape
+        for name, t in self.parts.items():
+            base = t.transpose(0, 1)  # [H, num_blocks, rows, *shape], contiguous
+            H, _, rows = base.shape[:3]
+            g = base[:, run:run + nb] if run is not None else base.index_select(1, table.reshape(-1))
+            out[name] = g.reshape(H, B, nb * rows, *base.shape[3:]).transpose(0, 1)
+        return out
+
+    def read(
+        self, table: torch.Tensor, offset: int, length: int, dtype: torch.dtype = torch.float32,
+        run: int | None = None,
+    ) -> torch.Tensor:
+        """Dequantize ``length`` tokens from ``offset`` of the blocks ``table[B, nb]`` -> ``[B, H, length, D]``.
+
+        Per-block parts need ``offset == 0`` (reads start at a block boundary)."""
+        parts = self.gather(table, run)
+        for name in parts:
+            if self.specs[name].per_block:
+                if offset:
+                    raise AssertionError("per-block parts are read from a block boundary")
             else:
-                parts[n] = t[:, :, start:end]
+                parts[name] = parts[name][:, :, offset:offset + length]
         if self.quantizer.space:  # codebook rows stay in their head space (see LayerStore.read)
             return self.quantizer.decode_space(parts, self.state).to(dtype)
         return self.quantizer.dequantize(parts, self.state, dtype)
 
-    def index_batch(self, idx: torch.Tensor) -> None:
-        self.parts = {n: t.index_select(0, idx) for n, t in self.parts.items()}
-        # per-sequence static scales [B, H] follow their rows
-        self.state = {n: t.index_select(0, idx) if t.dim() == 2 else t for n, t in self.state.items()}
-        self.batch = int(idx.numel())
-
-    def nbytes(self, tokens: int) -> int:
-        """Bytes held by ``tokens`` tokens of every part (no static state)."""
-        return sum(t[:, :, :self._rows(n, tokens)].numel() * t.element_size() for n, t in self.parts.items())
-
-    def part_nbytes(self, tokens: int) -> dict[str, int]:
-        return {n: t[:, :, :self._rows(n, tokens)].numel() * t.element_size() for n, t in self.parts.items()}
+    def block_nbytes(self) -> dict[str, int]:
+        """Bytes of one block of each part."""
+        heads = self.blocks.specs[self.group][0]
+        return {
+            n: heads * part_rows(spec, self.block_size) * math.prod(spec.shape) * _itemsize(spec.dtype)
+            for n, spec in self.specs.items()
+        }
 
     def state_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state.values())
+
+
+@dataclass
+class WritePlan:
+    """Where one write goes: per-token rows ``(src_b, src_t) -> (dst_blk, dst_off)`` and, for per-block
+    parts, ``(blk_src_b, blk_src_j) -> blk_dst`` (``blk_src_j`` counts blocks from the write's start)."""
+
+    src_b: torch.Tensor
+    src_t: torch.Tensor
+    dst_blk: torch.Tensor
+    dst_off: torch.Tensor
+    blk_src_b: torch.Tensor
+    blk_src_j: torch.Tensor
+    blk_dst: torch.Tensor
+    single: tuple[int, int, int, int] | None = None  # (src_b, src_t, dst_blk, dst_off) of a one-token write
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def make_groups(
+    row: list[KVPrecision], config: KVQuantConfig, head_dim: int
+) -> list[tuple[KVPrecision, list[int], Quantizer, Quantizer]]:
+    """Split a layer's KV heads by (key, value) precision: ``(pair, heads, key quantizer, value quantizer)``."""
+    gs = config.effective_group_size(head_dim)
+    by_pair: dict[KVPrecision, list[int]] = {}
+    for h, p in enumerate(row):
+        by_pair.setdefault(p, []).append(h)
+    return [
+        (pair, heads,
+         make_quantizer(pair.key, head_dim, gs, config.headroom, config.block_size),
+         make_quantizer(pair.value, head_dim, gs, config.headroom, config.block_size))
+        for pair, heads in by_pair.items()
+    ]  # fmt: skip
+
+
+def block_specs(
+    groups: list[tuple[KVPrecision, list[int], Quantizer, Quantizer]],
+) -> list[tuple[int, dict[str, PartSpec], dict[str, PartSpec]]]:
+    """``(heads, key part specs, value part specs)`` per group: what :class:`LayerBlocks` allocates."""
+    return [(len(heads), kq.parts(), vq.parts()) for _, heads, kq, vq in groups]
 
 
 @dataclass
@@ -187,7 +234,14 @@ class HeadGroup:
 
 
 class LayerStore:
-    """All K/V of one layer: head groups, the ``cache_pos`` cursor, block-granular capacity."""
+    """All K/V of one layer of one cache: head groups, one block table per batch row over the layer's
+    :class:`~kvquant.blocks.LayerBlocks` (shared with other caches of a pool), the ``cache_pos`` cursor.
+
+    Args:
+        blocks: the layer's blocks in a :class:`~kvquant.PagedKVPool` (a private arena when None).
+        window: sliding-window length of this layer (``None``: full attention). Blocks wholly outside
+            the window of every later query are released.
+    """
 
     def __init__(
         self,
@@ -198,6 +252,8 @@ class LayerStore:
         device: torch.device,
         static_amax: dict[str, torch.Tensor] | None = None,
         capacity: int | None = None,
+        blocks: LayerBlocks | None = None,
+        window: int | None = None,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -218,25 +274,34 @@ class LayerStore:
         self.center_keys = config.centers_keys
         self.key_mean: torch.Tensor | None = None  # [B, H, 1, D] float32, set by the first write
         self.sink_tokens = config.sink_tokens
-        gs = config.effective_group_size(head_dim)
-        by_pair: dict[KVPrecision, list[int]] = {}
-        for h, p in enumerate(row):
-            by_pair.setdefault(p, []).append(h)
+        self.window = window
+        made = make_groups(row, config, head_dim)
+        if blocks is None:
+            blocks = LayerBlocks(block_specs(made), self.block_size, device)
+        if blocks.block_size != self.block_size:
+            raise ValueError(f"block_size: pool blocks hold {blocks.block_size} tokens, the config {self.block_size}")
+        self.blocks = blocks
+        self.tables: list[list[int]] = [[] for _ in range(batch)]  # block ids per row (-1: released)
+        self.first_live = 0  # blocks [0, first_live) of every row were released (sliding window)
+        self.bytes_moved = 0  # quantized bytes copied by copy-on-write (beam reorders, shared partial blocks)
+        self._table_cache: torch.Tensor | None = None
         self.groups: list[HeadGroup] = []
-        for pair, heads in by_pair.items():
-            kq = make_quantizer(pair.key, head_dim, gs, config.headroom, self.block_size)
-            vq = make_quantizer(pair.value, head_dim, gs, config.headroom, self.block_size)
+        for gi, (pair, heads, kq, vq) in enumerate(made):
             self.groups.append(
                 HeadGroup(
                     precision=pair,
                     heads=heads,
-                    key=QuantizedTensorStore(kq, batch, len(heads), device, self.block_size),
-                    value=QuantizedTensorStore(vq, batch, len(heads), device, self.block_size),
+                    key=QuantizedTensorStore(kq, blocks, gi, "key"),
+                    value=QuantizedTensorStore(vq, blocks, gi, "value"),
                     head_index=torch.tensor(heads, dtype=torch.long, device=device),
                     all_heads=heads == list(range(self.num_heads)),
                 )
             )
+        for g in self.groups:
+            g.key.batch = g.value.batch = batch
         per_block = any(g.key.quantizer.per_block or g.value.quantizer.per_block for g in self.groups)
+        self.has_block_parts = any(spec.per_block for g in self.groups for s in (g.key, g.value)
+                                   for spec in s.specs.values())  # fmt: skip
         self.per_block = per_block
         # residual mode: newest tokens in full precision, quantized a whole block at a time
         self.residual_tokens = config.residual_tokens
@@ -255,21 +320,30 @@ class LayerStore:
     # ---------------------------------------------------------------- capacity
     @property
     def capacity(self) -> int:
-        return self.groups[0].key.capacity
+        """Tokens the rows' block tables cover plus the free blocks, per row (whole blocks)."""
+        held = max((len(t) for t in self.tables), default=0)
+        return (held + len(self.blocks.free) // max(1, self.batch)) * self.block_size
 
     def reserve(self, tokens: int) -> None:
-        """Make room for ``tokens`` tokens in total (whole blocks)."""
-        if tokens <= self.capacity:
-            return
-        new_cap = math.ceil(tokens / self.block_size) * self.block_size
-        for g in self.groups:
-            g.key.grow(new_cap, self.q_end)
-            g.value.grow(new_cap, self.q_end)
+        """Make room for ``tokens`` tokens per row (whole blocks) in the arena."""
+        need = self.batch * math.ceil(tokens / self.block_size) - sum(len(t) for t in self.tables)
+        if need > 0:
+            self.blocks.ensure_free(need)
 
-    def _ensure(self, tokens: int) -> None:
-        if tokens > self.capacity:
-            grown = self.capacity and int(self.capacity * GROWTH)
-            self.reserve(max(tokens, grown))
+    def blocks_needed(self, tokens: int) -> int:
+        """Free blocks a write of ``tokens`` more tokens per row may need (an upper bound, no dedup)."""
+        if tokens <= 0:
+            return 0
+        if self.residual_mode:
+            pending = (self.res_k.shape[2] if self.res_k is not None else 0) + tokens
+            flush = (pending - self.residual_tokens) // self.block_size * self.block_size
+            if flush <= 0:
+                return 0
+            start, end = self.q_end, self.q_end + flush
+        else:
+            start, end = self.cache_pos, self.cache_pos + tokens
+        j0, j1 = start // self.block_size, -(-end // self.block_size)
+        return self.batch * (j1 - j0)  # new blocks, or a copy of a shared partial block
 
     # ---------------------------------------------------------------- writing
     @property
@@ -328,6 +402,7 @@ class LayerStore:
                 self._calibrate(hk, hv, self.q_end)
             else:
                 self._calibrate(keys, values, past)
+        self.release_window()
         if self.residual_mode:
             self._append_residual(keys, values)
         else:
@@ -416,14 +491,116 @@ class LayerStore:
             keys, values = keys.clone(), values.clone()
             keys[rows, :, offs] = 0
             values[rows, :, offs] = 0
-        self._ensure(pos + keys.shape[2])
         real = self.real_tokens(pos, pos + keys.shape[2]) if pos < self.pad_end else None
+        plan = self._place(keys, values, pos)
         for g in self.groups:
             k = keys if g.all_heads else keys.index_select(1, g.head_index)
             v = values if g.all_heads else values.index_select(1, g.head_index)
-            g.key.write(k, pos, self.config.check_finite, real)
-            g.value.write(v, pos, self.config.check_finite, real)
+            g.key.write(k, plan, self.config.check_finite, real)
+            g.value.write(v, plan, self.config.check_finite, real)
         self.q_end = pos + keys.shape[2]
+
+    def _place(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> WritePlan:
+        """Choose a block for every (row, block) a write at ``pos`` touches, and update the tables.
+
+        Rows whose tables agree up to a block and whose new tokens for it are equal share one block
+        (beam search's identical prompts: written once). A shared partial block is copied before it
+        is written (copy-on-write); a block held only by the writing rows is written in place. All
+        blocks are reserved before any table changes, so :class:`KVCacheFull` leaves everything as it was.
+        """
+        bs, T = self.block_size, keys.shape[2]
+        end = pos + T
+        j0, j1 = pos // bs, -(-end // bs)
+        if self.per_block and (pos % bs or T % bs):
+            raise AssertionError("per-channel quantizers write whole, aligned blocks")
+        # 1) classes of rows per block: same table prefix (and block), same new tokens
+        work = []  # (j, a, c, existing block or -1, [rows], in_place)
+        new = 0
+        for j in range(j0, j1):
+            a, c = max(pos, j * bs) - pos, min(end, (j + 1) * bs) - pos
+            by_prefix: dict[tuple[int, ...], list[int]] = {}
+            if self.batch == 1:  # nothing to share with
+                t = self.tables[0]
+                by_prefix[(t[j] if j < len(t) else -1,)] = [0]
+            for b in range(self.batch if self.batch > 1 else 0):
+                t = self.tables[b]
+                key = tuple(t[:j + 1]) if j < len(t) else (*t[:j], -1)
+                by_prefix.setdefault(key, []).append(b)
+            for key, rows in by_prefix.items():
+                existing = key[-1]
+                classes: list[list[int]] = []
+                for b in rows:
+                    for cls in classes:
+                        r = cls[0]
+                        same = torch.equal(keys[b, :, a:c], keys[r, :, a:c])
+                        if same and torch.equal(values[b, :, a:c], values[r, :, a:c]):
+                            cls.append(b)
+                            break
+                    else:
+                        classes.append([b])
+                for i, cls in enumerate(classes):
+                    in_place = existing >= 0 and i == 0 and self.blocks.refs[existing] == len(rows)
+                    new += not in_place
+                    work.append((j, a, c, existing, cls, in_place))
+        self.blocks.ensure_free(new)  # may raise KVCacheFull: nothing changed yet
+        # 2) allocate / copy, update the tables, and list the scatter
+        src_b, src_t, dst_blk, dst_off, bsrc_b, bsrc_j, bdst = [], [], [], [], [], [], []
+        changed = False
+        for j, a, c, existing, cls, in_place in work:
+            if in_place:
+                bid = existing
+            elif existing >= 0:
+                bid = self.blocks.copy(existing, refs=len(cls))
+                self.blocks.decref([existing] * len(cls))
+                self.bytes_moved += self.blocks.bytes_per_block
+            else:
+                bid = self.blocks.allocate(refs=len(cls))
+            for b in cls:
+                t = self.tables[b]
+                if j < len(t):
+                    changed |= t[j] != bid
+                    t[j] = bid
+                else:
+                    t.append(bid)
+                    changed = True
+            r = cls[0]
+            n = c - a
+            src_b += [r] * n
+            src_t += range(a, c)
+            dst_blk += [bid] * n
+            dst_off += range(pos + a - j * bs, pos + c - j * bs)
+            if n == bs:
+                bsrc_b.append(r)
+                bsrc_j.append(j - j0)
+                bdst.append(bid)
+        if changed:
+            self._table_cache = None
+        if len(src_b) == 1 and not bdst:  # one token of one row (decode): basic indexing, no index tensors
+            return WritePlan(*(torch.empty(0, dtype=torch.long),) * 7,
+                             single=(src_b[0], src_t[0], dst_blk[0], dst_off[0]))  # fmt: skip
+        tok = torch.tensor([src_b, src_t, dst_blk, dst_off], dtype=torch.long).to(self.device)
+        if self.has_block_parts and bdst:
+            blk = torch.tensor([bsrc_b, bsrc_j, bdst], dtype=torch.long).to(self.device)
+        else:
+            blk = torch.empty((3, 0), dtype=torch.long, device=self.device)
+        return WritePlan(tok[0], tok[1], tok[2], tok[3], blk[0], blk[1], blk[2])
+
+    def release_window(self) -> None:
+        """Sliding window: release the blocks no later query can see.
+
+        The next query sits at ``cache_pos`` and sees keys ``> cache_pos - window``; a block whose last
+        token is ``<= cache_pos - window`` (and is in the quantized pool) is dead for every later query.
+        """
+        if self.window is None:
+            return
+        dead = min(self.cache_pos - self.window + 1, self.q_end) // self.block_size
+        if dead <= self.first_live:
+            return
+        for t in self.tables:
+            self.blocks.decref(t[self.first_live:dead])
+            t[self.first_live:dead] = [-1] * (dead - self.first_live)
+        self.first_live = dead
+        self._table_cache = None
 
     def _append_residual(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Residual mode: keep the newest tokens dense; quantize whole blocks beyond ``residual_tokens``."""
@@ -570,7 +747,8 @@ class LayerStore:
     def tiles(self, past_len: int, size: int) -> list[tuple[int, int]]:
         """Key ranges covering ``[0, past_len)`` that never straddle the pool / residual boundary."""
         q_end = min(self.q_end, past_len)
-        out = [(s, min(q_end, s + size)) for s in range(0, q_end, size)]
+        first = min(self.first_live * self.block_size, q_end)  # released blocks (sliding window) are skipped
+        out = [(s, min(q_end, s + size)) for s in range(first, q_end, size)]
         out += [(s, min(past_len, s + size)) for s in range(q_end, past_len, size)]
         return out
 
@@ -585,7 +763,7 @@ class LayerStore:
             a, b = start - self.q_end, end - self.q_end
             k, v = self.res_k[:, :, a:b], self.res_v[:, :, a:b]
             return self._dense_to_group_space(group, self._group_rows(k, group), self._group_rows(v, group))
-        k, v = group.key.read(start, end), group.value.read(start, end)
+        k, v = self.read_pool(group, start, end)
         if self.sink_k is not None and start < self.sink_end:
             # each row's sink tokens from the sink buffer, selected on the device (no host synchronisation)
             slot = torch.arange(start, end, device=self.device)[None, :] - self.row_start[:, None]  # [B, t]
@@ -597,9 +775,37 @@ class LayerStore:
             k, v = torch.where(is_sink, sk.float(), k), torch.where(is_sink, sv.float(), v)
         return k, v
 
+    def table(self) -> torch.Tensor:
+        """The rows' block tables as a ``[B, max_blocks]`` int64 tensor on the device (released and
+        missing entries point at block 0: they are never visible)."""
+        if self._table_cache is None:
+            width = max((len(t) for t in self.tables), default=0)
+            rows = [[max(b, 0) for b in t] + [0] * (width - len(t)) for t in self.tables]
+            self._table_cache = torch.tensor(rows, dtype=torch.long, device=self.device).view(self.batch, width)
+        return self._table_cache
+
+    def read_pool(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K and V of ``group``'s pool tokens ``[start, end)`` (float32 ``[B, Hg, t, D]``),
+        read through the block tables; released blocks read as 0."""
+        bs = self.block_size
+        j0, j1 = start // bs, -(-end // bs)
+        tbl = self.table()[:, j0:j1]
+        run = None
+        if self.batch == 1:  # one row whose blocks are consecutive: read them in place
+            ids = self.tables[0][j0:j1]
+            if ids and ids[0] >= 0 and ids[-1] - ids[0] == len(ids) - 1 and ids == list(range(ids[0], ids[-1] + 1)):
+                run = ids[0]
+        k = group.key.read(tbl, start - j0 * bs, end - start, run=run)
+        v = group.value.read(tbl, start - j0 * bs, end - start, run=run)
+        dead = self.first_live * bs - start
+        if dead > 0:
+            k[:, :, :dead] = 0
+            v[:, :, :dead] = 0
+        return k, v
+
     # ---------------------------------------------------------------- cache operations
     def crop(self, tokens: int) -> None:
-        """Keep the first ``tokens`` tokens (blocks stay allocated).
+        """Keep the first ``tokens`` tokens; blocks wholly past them go back to the pool.
 
         Nothing is quantized again: kept tokens are read exactly as before. In residual mode a crop
         that reaches into the quantized pool empties the residual window and keeps the pool's first
@@ -608,6 +814,8 @@ class LayerStore:
         middle of a quantized block is refused (keeping its head would mean re-quantizing it).
         """
         tokens = max(0, min(tokens, self.cache_pos))
+        if tokens < self.first_live * self.block_size:
+            raise ValueError(f"crop: tokens before {self.first_live * self.block_size} left the sliding window")
         if tokens < self.q_end:
             if self.per_block and tokens % self.block_size:
                 raise ValueError(
@@ -616,13 +824,26 @@ class LayerStore:
                     f"least {self.q_end} (the full-precision window)"
                 )
             self.q_end = tokens
+            self._truncate(-(-tokens // self.block_size))
         if self.res_k is not None:
             keep = tokens - self.q_end
             self.res_k, self.res_v = self.res_k[:, :, :keep], self.res_v[:, :, :keep]
         self.cache_pos = tokens
 
+    def _truncate(self, blocks: int) -> None:
+        for t in self.tables:
+            self.blocks.decref(t[blocks:])
+            del t[blocks:]
+        self._table_cache = None
+
+    def release(self) -> None:
+        """Give every block back to the pool (the rows become empty)."""
+        self._truncate(0)
+        self.first_live = 0
+
     def reset(self) -> None:
-        """Forget all tokens and static scales (allocations are kept for reuse)."""
+        """Forget all tokens and static scales; the blocks go back to the pool."""
+        self.release()
         self.cache_pos = self.q_end = self.sink_end = self.pad_end = 0
         self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self.calibrated = False
@@ -635,23 +856,62 @@ class LayerStore:
                 s.static_values.zero_()
                 s.state = {}
 
-    def index_batch(self, idx: torch.Tensor) -> None:
-        """Reorder / select / repeat batch rows (beam search)."""
-        idx = idx.to(self.device)
+    def adopt(self, tables: list[list[int]], tokens: int) -> None:
+        """Start from shared whole blocks (prefix reuse): ``tables[b]`` holds ``tokens / block_size`` ids
+        per row, already referenced for this store."""
+        if self.cache_pos or tokens % self.block_size:
+            raise AssertionError("adopt: an empty store and whole blocks")
+        self.tables = [list(t) for t in tables]
+        self.cache_pos = self.q_end = tokens
+        self._table_cache = None
+
+    def copy(self) -> LayerStore:
+        """A copy that shares the blocks (references taken), with its own tables, state and dense buffers."""
+        new = _copy.copy(self)
+        new.tables = [list(t) for t in self.tables]
+        for t in new.tables:
+            self.blocks.incref(t)
+        new._table_cache = None
+        new.groups = []
         for g in self.groups:
-            g.key.index_batch(idx)
-            g.value.index_batch(idx)
+            kv = []
+            for s in (g.key, g.value):
+                c = _copy.copy(s)
+                c.state = dict(s.state)
+                c.clipped = s.clipped.clone()
+                c.static_values = s.static_values.clone()
+                kv.append(c)
+            new.groups.append(HeadGroup(g.precision, g.heads, kv[0], kv[1], g.head_index, g.all_heads))
+        for name in ("sink_k", "sink_v", "res_k", "res_v", "key_mean"):
+            t = getattr(self, name)
+            setattr(new, name, None if t is None else t.clone())
+        return new
+
+    def index_batch(self, idx: torch.Tensor) -> None:
+        """Reorder / select / repeat batch rows (beam search): the tables change, no quantized byte moves."""
+        old = self.tables
+        self.tables = [list(old[i]) for i in idx.tolist()]
+        for t in self.tables:
+            self.blocks.incref(t)
+        for t in old:
+            self.blocks.decref(t)
+        self._table_cache = None
+        idx = idx.to(self.device)
         for name in ("sink_k", "sink_v", "res_k", "res_v", "key_mean"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
         self.row_start = self.row_start.index_select(0, idx)
+        for g in self.groups:  # per-sequence static scales [B, H] follow their rows
+            for st in (g.key, g.value):
+                st.state = {n: t.index_select(0, idx) if t.dim() == 2 else t for n, t in st.state.items()}
+                st.batch = int(idx.numel())
         self.batch = int(idx.numel())
 
     # ---------------------------------------------------------------- accounting
-    def used_tokens(self) -> int:
-        """Tokens held in the pool, rounded up to whole blocks."""
-        return math.ceil(self.q_end / self.block_size) * self.block_size
+    def block_ids(self) -> list[int]:
+        """The distinct live blocks of all rows (a shared block once)."""
+        return sorted({b for t in self.tables for b in t if b >= 0})
 
     def dense_buffers(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -662,14 +922,19 @@ class LayerStore:
         return out
 
     def memory(self) -> dict[str, int]:
-        """Bytes held for keys, values and scales (used blocks + full-precision buffers), and reserved."""
-        used = self.used_tokens()
-        out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "reserved": 0}
+        """Bytes held (each distinct block once, + scales state + full-precision buffers), shared and reserved.
+
+        ``shared``: bytes of blocks referenced more than once (by several rows, caches or the prefix index).
+        ``reserved``: the layer's whole arena (for a pool, shared with its other caches)."""
+        ids = self.block_ids()
+        n = len(ids)
+        shared = sum(self.blocks.refs[b] > 1 for b in ids)
+        out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "blocks": n,
+               "shared": shared * self.blocks.bytes_per_block, "reserved": self.blocks.nbytes()}  # fmt: skip
         for g in self.groups:
             for kind, s in (("keys", g.key), ("values", g.value)):
-                for name, b in s.part_nbytes(used).items():
-                    out["scales" if name in ("scale", "zero", "norm") else kind] += b
-                out["reserved"] += sum(t.numel() * t.element_size() for t in s.parts.values())
+                for name, b in s.block_nbytes().items():
+                    out["scales" if name in ("scale", "zero", "norm") else kind] += b * n
                 out["scales"] += s.state_nbytes()
         if self.key_mean is not None:
             out["scales"] += self.key_mean.numel() * self.key_mean.element_size()

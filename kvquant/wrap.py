@@ -1,8 +1,10 @@
-"""``kvquant.wrap(model, config)``: one line to make ``generate()`` use a quantized KV cache."""
+"""``kvquant.wrap(model, config)``: one line to make ``generate()`` use a quantized KV cache; reversible."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +25,15 @@ def wrap(model: Any, config: KVQuantConfig | str | Path = DEFAULT_PRESET, capaci
 
     ``generate()`` builds a fresh cache per call unless ``cache=`` is passed. Forward calls with
     other caches (``DynamicCache``, transformers' ``QuantizedCache``) or none use plain SDPA.
+    :func:`unwrap` restores the model's attention implementation and ``generate``.
     """
     if capacity is not None:
         check_int(capacity, "capacity", 1, MAX_CAPACITY)
     cfg = KVQuantConfig.load(config)
     cfg.resolve(model)  # validate against the model now, not at the first token
-    install_attention(model)
+    before = install_attention(model)
+    if getattr(model, "_kvquant_original_attn", None) is None:
+        model._kvquant_original_attn = before or "sdpa"
     model.kvquant_config = cfg
     model.kvquant_capacity = capacity
     if getattr(model, "_kvquant_original_generate", None) is None:
@@ -46,11 +51,27 @@ def wrap(model: Any, config: KVQuantConfig | str | Path = DEFAULT_PRESET, capaci
     return model
 
 
-def unwrap(model: Any, attn_implementation: str = "sdpa") -> Any:
-    """Undo :func:`wrap`: restore ``generate`` and the attention implementation."""
+def unwrap(model: Any, attn_implementation: str | None = None) -> Any:
+    """Undo :func:`wrap`: restore ``generate`` and the attention implementation the model had before
+    (or ``attn_implementation`` when given)."""
     original = getattr(model, "_kvquant_original_generate", None)
     if original is not None:
         model.generate = original
         model._kvquant_original_generate = None
-    model.set_attn_implementation(attn_implementation)
+    impl = attn_implementation or getattr(model, "_kvquant_original_attn", None) or "sdpa"
+    model._kvquant_original_attn = None
+    model.set_attn_implementation(impl)
+    for name in ("kvquant_config", "kvquant_capacity"):
+        if hasattr(model, name):
+            delattr(model, name)
     return model
+
+
+@contextlib.contextmanager
+def wrapped(model: Any, config: KVQuantConfig | str | Path = DEFAULT_PRESET, capacity: int | None = None) -> Iterator[Any]:
+    """``with kvquant.wrapped(model, cfg):`` -- :func:`wrap` on entry, :func:`unwrap` on exit."""
+    wrap(model, config, capacity)
+    try:
+        yield model
+    finally:
+        unwrap(model)

@@ -48,11 +48,15 @@ def stories_path():
 
 @pytest.fixture(scope="session")
 def stories(stories_path):
-    """(model, tokenizer) of the real stories260K Llama (GQA: 8 query heads, 4 KV heads, head_dim 8)."""
+    """(model, tokenizer) of the real stories260K Llama (GQA: 8 query heads, 4 KV heads, head_dim 8), with
+    the ``kvquant`` attention installed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvquant.attention import install_attention
 
     model = AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(stories_path)
+    install_attention(model)  # QuantizedKVCache needs it (as kvquant.wrap does); other caches still run SDPA
     return model, tok
 
 
@@ -62,8 +66,11 @@ def tinystories_text():
 
 
 def tiny_model(arch: str = "llama", kv_heads: int = 2, heads: int = 4, head_dim: int = 64, layers: int = 2,
-               vocab: int = 128, seed: int = 0, **extra):
-    """A random tiny decoder of the given architecture (fp32, eval mode)."""
+               vocab: int = 128, seed: int = 0, kvquant_attention: bool = True, **extra):
+    """A random tiny decoder of the given architecture (fp32, eval mode).
+
+    ``kvquant_attention``: switch it to the ``kvquant`` attention (what :func:`kvquant.wrap` does, without
+    changing ``generate``), so that a ``QuantizedKVCache`` can be built for it; other caches still run SDPA."""
     import transformers
 
     cls_cfg, cls_model = {
@@ -83,4 +90,8 @@ def tiny_model(arch: str = "llama", kv_heads: int = 2, heads: int = 4, head_dim:
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     model.generation_config.eos_token_id = None  # decode the full length: random weights may emit "eos"
+    if kvquant_attention:
+        from kvquant.attention import install_attention
+
+        install_attention(model)
     return model

@@ -159,8 +159,9 @@ def test_attention_must_read_the_store():
     model.set_attn_implementation("sdpa")  # a user switching attention back behind kvquant's back
     ids = torch.randint(3, 128, (1, 4))
     with torch.no_grad(), pytest.raises(RuntimeError, match="kvquant.wrap"):
-        model(ids, cache=cache, use_cache=True)
-        model(ids[:, :1], cache=cache, use_cache=True)
+        model(ids, cache=cache, use_cache=True)  # caught within the first forward (layer 1's update)
+    with pytest.raises(ValueError, match="kvquant.wrap"):  # building a cache changes nothing on the model
+        QuantizedKVCache(model, "int8")
 
 
 def test_wrapped_model_still_serves_dynamic_cache():

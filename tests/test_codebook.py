@@ -100,7 +100,7 @@ def model_space_reference(q, k, v, layer, past, scaling):
     kh, vh = k.clone(), v.clone()
     for g in layer.groups:
         for s, x in ((g.key, kh), (g.value, vh)):
-            parts = {n: t[:, :, : layer.q_end] for n, t in s.parts.items()}
+            parts = {n: t[:, :, : layer.q_end] for n, t in s.gather(layer.table()).items()}  # via the block tables
             x[:, g.head_index, : layer.q_end] = s.quantizer.dequantize(parts, s.state, torch.float32)
     n = min(layer.sink_tokens, past)
     kh[:, :, :n], vh[:, :, :n] = k[:, :, :n].half().float(), v[:, :, :n].half().float()

@@ -117,6 +117,7 @@ def test_int8_scale_presets():
 
 
 def test_int8_separate_scales_differ_from_shared(stories):
+    import kvquant
     from kvquant import QuantizedKVCache
 
     model, tok = stories
@@ -126,12 +127,11 @@ def test_int8_separate_scales_differ_from_shared(stories):
     assert ids.shape[1] > 16
     states = {}
     for name in ("int8-shared", "int8-separate"):
-        cache = QuantizedKVCache(model, name)
-        with torch.no_grad():
+        with kvquant.wrapped(model, name), torch.no_grad():
+            cache = QuantizedKVCache(model, name)
             model(ids, cache=cache, use_cache=True)
         g = cache.layers[0].store.groups[0]
         states[name] = (next(iter(g.key.state.values())), next(iter(g.value.state.values())))
-        model.set_attn_implementation("sdpa")
     k, v = states["int8-shared"]
     assert torch.equal(k, v)  # one scale for K and V of each head
     k, v = states["int8-separate"]

@@ -403,15 +403,16 @@ def test_channel_keys_folded_decode(dtype):
 
 
 def test_channel_operand():
-    """The part description of a per-channel store: kind CHANNEL, group = the block size."""
+    """The part description of a per-channel store: kind CHANNEL, one scale/zero row per pool block
+    (``[num_blocks, H, 1, D]``; the block address picks it, so the operand's group is 1)."""
     from kvquant.kernels.triton_dequant import KIND_CHANNEL, operand
 
     layer, _, _ = channel_layer(("int3-channel", "int2-channel"), {}, B=1, past=40)
     g = layer.groups[0]
     for store, bits in ((g.key, 3), (g.value, 2)):
         op = operand(store, 64, False)
-        assert (op.kind, op.bits, op.group) == (KIND_CHANNEL, bits, 16)
-        assert op.scale.shape[2] == op.data.shape[2] // 16 and op.scale.shape[-1] == 64
+        assert (op.kind, op.bits, op.group) == (KIND_CHANNEL, bits, 1)
+        assert op.scale.shape[2] == 1 and op.data.shape[2] == 16 and op.scale.shape[-1] == 64
 
 
 def test_rotated_store_through_dispatch(monkeypatch, triton_calls):

@@ -71,6 +71,7 @@ def test_exact_match_scoring():
 
 def test_passthrough_config_answers_like_dynamic_cache(stories, haystack, tmp_path):
     model, tok = stories
+    kvquant.wrap(model, "fp32")  # QuantizedKVCache needs the kvquant attention; DynamicCache runs SDPA
     caches = {
         "reference": lambda: DynamicCache(config=model.config),
         "fp32": lambda: kvquant.QuantizedKVCache(model, "fp32"),
@@ -79,7 +80,7 @@ def test_passthrough_config_answers_like_dynamic_cache(stories, haystack, tmp_pa
     seen = []
     rows = run_retrieval(model, tok, haystack, caches, task="passkey", lengths=(224, 320), depths=(0.0, 1.0),
                          on_case=seen.append)
-    model.set_attn_implementation("sdpa")
+    kvquant.unwrap(model)
     assert len(rows) == len(seen) == 2 * 2 * 3
     by = {(r["config"], r["length"], r["depth"]): r for r in rows}
     for n in (224, 320):

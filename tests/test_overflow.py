@@ -56,7 +56,7 @@ def test_widened_scales_are_counted_and_exact():
     assert g.key.parts["scale"].dtype == torch.float32 and g.key.parts["zero"].dtype == torch.float32
     assert g.value.parts["scale"].dtype == torch.float16  # values did not overflow: still fp16
     mem = store.memory()
-    used = store.used_tokens()
+    used = mem["blocks"] * store.block_size // store.batch  # tokens per row held in whole blocks
     # B x H x tokens x 2 groups x (key scale + zero in fp32, value scale + zero in fp16)
     assert mem["scales"] == 2 * 2 * used * 2 * (2 * 4 + 2 * 2)
     assert g.key.quantizer.bits_per_element() == 4 + 2 * 32 * 2 / 64

@@ -28,7 +28,7 @@ def run_snippet(code: str, model_path: Path, capsys) -> str:
 def check(namespace_out: str) -> None:
     lines = namespace_out.strip().splitlines()
     assert lines and "QuantizedKVCache(session_id=" in namespace_out
-    ratio = float(lines[-1])  # the last print: bytes held vs FP16
+    ratio = float(lines[-1])  # the last print: a ratio (bytes held vs FP16; prefix tokens reused)
     assert 0 < ratio < 2
 
 

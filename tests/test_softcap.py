@@ -110,6 +110,15 @@ def _gemma2():
 PROMPT = torch.tensor([[1, 5, 9, 17, 33, 4, 70, 12, 44, 3, 8, 91]])
 
 
+def _quantized(model, config):
+    """A QuantizedKVCache for ``model``, after switching it to the kvquant attention (as kvquant.wrap does;
+    building a cache no longer does it)."""
+    from kvquant.attention import install_attention
+
+    install_attention(model)
+    return kvquant.QuantizedKVCache(model, config)
+
+
 def _greedy(model, cache, n=10):
     out = model.generate(PROMPT, max_new_tokens=n, do_sample=False, cache=cache, output_logits=True,
                          return_dict_in_generate=True)
@@ -130,7 +139,7 @@ def gemma2_reference():
 def test_gemma2_passthrough_equals_dynamic_cache(gemma2_reference):
     """fp32 passthrough through the kvquant store + attention == DynamicCache with the eager softcap path."""
     model, seq, logits = gemma2_reference
-    got_seq, got_logits = _greedy(model, kvquant.QuantizedKVCache(model, "fp32"))
+    got_seq, got_logits = _greedy(model, _quantized(model, "fp32"))
     assert torch.equal(got_seq, seq)
     assert (got_logits - logits).abs().max() < 1e-4
     # and softcapping is really applied: without it the logits move
@@ -138,7 +147,7 @@ def test_gemma2_passthrough_equals_dynamic_cache(gemma2_reference):
     for layer in model.model.layers:
         layer.self_attn.attn_logit_softcapping = None
     try:
-        _, uncapped = _greedy(model, kvquant.QuantizedKVCache(model, "fp32"))
+        _, uncapped = _greedy(model, _quantized(model, "fp32"))
     finally:
         model.config.attn_logit_softcapping = 2.0
         for layer in model.model.layers:
@@ -152,7 +161,7 @@ def test_gemma2_fp16_passthrough_equals_dynamic_cache():
 
     model = _gemma2().half()
     seq, logits = _greedy(model, DynamicCache(config=model.config), n=6)
-    got_seq, got_logits = _greedy(model, kvquant.QuantizedKVCache(model, "fp16"), n=6)
+    got_seq, got_logits = _greedy(model, _quantized(model, "fp16"), n=6)
     assert torch.equal(got_seq, seq)
     assert (got_logits.float() - logits.float()).abs().max() < 2e-2
 
@@ -161,7 +170,7 @@ def test_gemma2_fp16_passthrough_equals_dynamic_cache():
 def test_gemma2_every_precision_generates(gemma2_reference, precision):
     """Every precision generates on Gemma 2 (softcap + sliding layers), teacher-forced close to DynamicCache."""
     model, seq, logits = gemma2_reference
-    cache = kvquant.QuantizedKVCache(model, KVQuantConfig.from_dict({"default": precision, "block_size": 16}))
+    cache = _quantized(model, KVQuantConfig.from_dict({"default": precision, "block_size": 16}))
     if precision.startswith("tq"):  # codebook keys drop a per-channel key mean: exact for softmax, not for tanh
         with pytest.raises(NotImplementedError, match="^softcap:"), torch.no_grad():
             model(seq[:, :-1], cache=cache)
@@ -183,6 +192,6 @@ def test_sliding_window_models_still_run(arch, extra):
 
     model = _tiny(arch, **extra)
     seq, logits = _greedy(model, DynamicCache(config=model.config))
-    got_seq, got_logits = _greedy(model, kvquant.QuantizedKVCache(model, "fp32"))
+    got_seq, got_logits = _greedy(model, _quantized(model, "fp32"))
     assert torch.equal(got_seq, seq)
     assert (got_logits - logits).abs().max() < 1e-4

@@ -10,6 +10,7 @@ import torch
 
 import kvquant
 from kvquant import KVPrecision, KVQuantConfig, QuantizedKVCache
+from kvquant.attention import install_attention
 from kvquant.eval.models import load_model
 from kvquant.eval.recipe import RecipeError, parse_recipe
 from kvquant.eval.stress import split_spec
@@ -30,6 +31,7 @@ def variants(stories_path):
     out = {}
     for name in ("", "+koutlier", "+kbias", "+wide256"):
         lm = load_model(f"{stories_path}{name}", progress=False)
+        install_attention(lm.model)  # QuantizedKVCache needs the kvquant attention; DynamicCache still runs SDPA
         out[name or "base"] = lm.model
     out["tok"] = lm.tokenizer
     return out

@@ -1,0 +1,181 @@
+"""The blocks of one layer: preallocated block tensors, a free list and reference counts.
+
+For every head group of the layer (heads sharing a (key, value) precision pair) and for K and V,
+one tensor per quantizer part, indexed by block id (vLLM's layout)::
+
+    per-token part:  [num_blocks, heads_in_group, block_size, *part_shape]
+    per-block part:  [num_blocks, heads_in_group, 1, *part_shape]     (per-channel scales/zeros)
+
+(stored head-major: the memory is ``[heads_in_group, num_blocks, ...]``, so that one head's run of
+consecutive blocks is contiguous; kernels address it through strides.)
+
+A block id addresses the same slot in every group and part of the layer, so one block table per
+sequence row serves them all. Reference counts let rows (beams), caches (requests) and the prefix
+index share a block; a block returns to the free list when its count drops to 0.
+
+Growth: an unbounded arena grows by whole blocks (at least a quarter more each time: amortised O(1)
+per token, the quantized bytes copied O(log n) times); a bounded arena (``fixed``) never grows and
+raises :class:`KVCacheFull` instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+
+from .quantizers.base import PartSpec
+
+GROWTH = 1.25
+
+
+class KVCacheFull(RuntimeError):
+    """A bounded :class:`~kvquant.PagedKVPool` has fewer free blocks than a write needs.
+
+    Nothing was written: the pool and every cache on it are as they were before the call.
+    """
+
+    def __init__(self, needed: int, free: int, layer: int | None = None) -> None:
+        where = f" in layer {layer}" if layer is not None else ""
+        super().__init__(
+            f"KV cache full: the write needs {needed} blocks{where}, {free} are free "
+            "(release sequences, or give the pool a larger max_bytes)"
+        )
+        self.needed, self.free, self.layer = needed, free, layer
+
+
+def part_rows(spec: PartSpec, block_size: int) -> int:
+    """Rows of a part held per block: ``block_size`` per-token rows, or one per-block row."""
+    return 1 if spec.per_block else block_size
+
+
+def block_bytes(groups: Iterable[tuple[int, dict[str, PartSpec], dict[str, PartSpec]]], block_size: int) -> int:
+    """Bytes of one block over all ``(heads, key specs, value specs)`` groups of a layer."""
+    total = 0
+    for heads, *kinds in groups:
+        for specs in kinds:
+            for spec in specs.values():
+                n = heads * part_rows(spec, block_size) * math.prod(spec.shape)
+                total += n * torch.empty((), dtype=spec.dtype).element_size()
+    return total
+
+
+class LayerBlocks:
+    """Block tensors, free list and reference counts of one layer (see the module doc)."""
+
+    def __init__(
+        self,
+        groups: list[tuple[int, dict[str, PartSpec], dict[str, PartSpec]]],
+        block_size: int,
+        device: torch.device,
+        num_blocks: int = 0,
+        fixed: bool = False,
+        layer: int | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.fixed = fixed
+        self.layer = layer
+        self.specs = groups
+        self.bytes_per_block = block_bytes(groups, block_size)
+        # parts[group]["key" | "value"][part name]
+        self.parts: list[dict[str, dict[str, torch.Tensor]]] = [
+            {kind: {name: self._empty(heads, spec, 0) for name, spec in specs.items()}
+             for kind, specs in (("key", kspecs), ("value", vspecs))}
+            for heads, kspecs, vspecs in groups
+        ]  # fmt: skip
+        self.refs: list[int] = []
+        self.free: list[int] = []
+        self.on_full: Callable[[int], None] | None = None  # the pool's eviction hook (bounded pools)
+        if num_blocks:
+            self._grow(num_blocks)
+
+    def _empty(self, heads: int, spec: PartSpec, n: int) -> torch.Tensor:
+        # head-major in memory ([heads, num_blocks, rows, ...]), seen as [num_blocks, heads, rows, ...]:
+        # a head's consecutive blocks are one contiguous run (the torch path reads them without a copy)
+        shape = (heads, n, part_rows(spec, self.block_size), *spec.shape)
+        return torch.zeros(shape, dtype=spec.dtype, device=self.device).transpose(0, 1)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.refs)
+
+    @property
+    def used(self) -> int:
+        return len(self.refs) - len(self.free)
+
+    def _grow(self, total: int) -> None:
+        old = self.num_blocks
+        for g, (heads, kspecs, vspecs) in enumerate(self.specs):
+            for kind, specs in (("key", kspecs), ("value", vspecs)):
+                for name, spec in specs.items():
+                    t = self.parts[g][kind][name]
+                    grown = self._empty(heads, spec, total)
+                    grown[:old] = t
+                    self.parts[g][kind][name] = grown
+        self.refs.extend([0] * (total - old))
+        self.free.extend(range(total - 1, old - 1, -1))  # pop() hands out low ids first
+
+    def ensure_free(self, n: int) -> None:
+        """Make ``n`` blocks free (grow, or evict through ``on_full``), else raise :class:`KVCacheFull`."""
+        if n <= len(self.free):
+            return
+        if self.fixed:
+            if self.on_full is not None:
+                self.on_full(n - len(self.free))
+            if n > len(self.free):
+                raise KVCacheFull(n, len(self.free), self.layer)
+            return
+        self._grow(max(self.num_blocks + n - len(self.free), math.ceil(self.num_blocks * GROWTH)))
+
+    def allocate(self, refs: int = 1) -> int:
+        """A free block id with ``refs`` references (call :meth:`ensure_free` first)."""
+        self.ensure_free(1)
+        b = self.free.pop()
+        self.refs[b] = refs
+        return b
+
+    def incref(self, ids: Iterable[int]) -> None:
+        for b in ids:
+            if b >= 0:
+                self.refs[b] += 1
+
+    def decref(self, ids: Iterable[int]) -> None:
+        for b in ids:
+            if b < 0:
+                continue
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
+            elif self.refs[b] < 0:
+                raise AssertionError(f"block {b}: reference count below zero")
+
+    def copy(self, src: int, refs: int = 1) -> int:
+        """Copy-on-write: a new block holding block ``src``'s bytes (every group and part)."""
+        dst = self.allocate(refs)
+        for group in self.parts:
+            for parts in group.values():
+                for t in parts.values():
+                    t[dst].copy_(t[src])
+        return dst
+
+    def retype(self, group: int, kind: str, name: str, spec: PartSpec) -> None:
+        """Give one part the dtype of ``spec`` (fp16 scales widened to fp32 after an overflow: values kept
+        exactly, for every cache on these blocks)."""
+        t = self.parts[group][kind][name]
+        if t.dtype == spec.dtype:
+            return
+        heads = self.specs[group][0]
+        new = self._empty(heads, spec, self.num_blocks)
+        new.copy_(t)
+        self.parts[group][kind][name] = new
+        kspecs, vspecs = self.specs[group][1:]
+        specs = dict(kspecs if kind == "key" else vspecs)
+        specs[name] = spec
+        self.specs[group] = (heads, specs, vspecs) if kind == "key" else (heads, kspecs, specs)
+        self.bytes_per_block = block_bytes(self.specs, self.block_size)
+
+    def nbytes(self) -> int:
+        """Bytes of every block tensor (allocated capacity)."""
+        return self.num_blocks * self.bytes_per_block

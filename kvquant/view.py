@@ -1,0 +1,73 @@
+"""The contract between a quantized cache and the ``kvquant`` attention, in one place.
+
+A :class:`~kvquant.QuantizedKVCache` layer's ``update`` quantizes the new tokens into its store and
+*publishes* a :class:`LayerView` for the key tensor it returns; the attention of that layer *takes*
+the view for the key tensor it is given. Neither side imports the other: both import this module.
+Nothing is attached to the tensors (the hand-off is one slot per thread, matched by the key
+tensor's identity), and a view published by a cache whose model does not run the ``kvquant``
+attention is detected at the next update instead of being silently ignored.
+
+The chunk itself is written when the attention commits the view (it knows each row's padding from
+the mask). The view names what the attention reads: the layer's store (head groups with their quantizer
+layout and block tensors, one block table per row, the dense sink / residual segments) and the
+history length ``past_len`` (the tokens before this chunk).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerView:
+    """What one attention call reads: ``store`` (a :class:`~kvquant.store.LayerStore`: block tensors,
+    block tables, quantizer layout, dense segments) and the history length ``past_len``.
+
+    ``commit(row_start)``: the attention calls it first; it writes the chunk of this update into the
+    store (``row_start[B]``: each row's first real token, from the mask, which the first write needs
+    for per-row sinks and scales under left padding; ``None``: no padding)."""
+
+    layer_idx: int
+    store: Any
+    past_len: int
+    strict: bool = True  # the cache is bound to a model: the attention must take this view
+    commit: Callable[[torch.Tensor | None], None] | None = None
+
+
+_slot = threading.local()
+
+
+def publish(key: torch.Tensor, view: LayerView) -> None:
+    """Hand ``view`` to the attention call that receives ``key``.
+
+    Raises RuntimeError when the previous view of a model-bound cache was never taken: the model's
+    attention is not ``kvquant``, so it ignored the quantized history."""
+    pending = getattr(_slot, "item", None)
+    _slot.item = (weakref.ref(key), view)
+    if pending is not None and pending[1].strict:
+        _slot.item = None
+        raise RuntimeError(
+            f"layer {pending[1].layer_idx}: the quantized history was not read by the kvquant attention. "
+            "Call kvquant.wrap(model, config) (or use `with kvquant.wrapped(model, config):`) so that "
+            "attention reads the quantized store."
+        )
+
+
+def take(key: torch.Tensor) -> LayerView | None:
+    """The view published for ``key`` (and clear it), or None (``key`` is not from a quantized cache)."""
+    item = getattr(_slot, "item", None)
+    if item is None or item[0]() is not key:
+        return None
+    _slot.item = None
+    return item[1]
+
+
+def clear() -> None:
+    """Drop a pending view (a forward that failed between update and attention)."""
+    _slot.item = None
