@@ -68,7 +68,9 @@ def unwrap(model: Any, attn_implementation: str | None = None) -> Any:
 
 
 @contextlib.contextmanager
-def wrapped(model: Any, config: KVQuantConfig | str | Path = DEFAULT_PRESET, capacity: int | None = None) -> Iterator[Any]:
+def wrapped(
+    model: Any, config: KVQuantConfig | str | Path = DEFAULT_PRESET, capacity: int | None = None
+) -> Iterator[Any]:
     """``with kvquant.wrapped(model, cfg):`` -- :func:`wrap` on entry, :func:`unwrap` on exit."""
     wrap(model, config, capacity)
     try:
