@@ -193,6 +193,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     if recipe.model not in NAMED_MODELS:
         check_model_path(recipe.model)
     check_output_dir(recipe.out, OUTPUT_FILES, "out", force=force)
+    _check_workers(getattr(args, "procs", 1), "--procs", len(recipe.configs), "configs")
+    _check_workers(getattr(args, "jobs", 1), "--jobs", len(recipe.models), "models")
     cmd = command_line(argv if argv is not None else getattr(args, "argv", None))
     if getattr(args, "procs", 1) != 1:
         import json
@@ -230,3 +232,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _check_workers(n: int, option: str, available: int, what: str) -> None:
+    """``--procs`` / ``--jobs``: from 1 to the number of configs / models (a process per item at most)."""
+    from kvquant.errors import ArgumentError
+
+    if n < 1 or n > max(1, available):
+        raise ArgumentError(f"{option}: {n} must be from 1 to the recipe's {available} {what} (one process each)")

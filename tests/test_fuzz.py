@@ -148,6 +148,8 @@ def _stub(mp: pytest.MonkeyPatch) -> None:
     mp.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # fuzzed hub ids must not reach the network
     mp.setattr("kvquant.calibrate._load_model_and_text", reached)
     mp.setattr("kvquant.eval.runner.run_recipe", reached)
+    mp.setattr("kvquant.eval.parallel.run_parallel", reached)  # --procs N would start N processes
+    mp.setattr("kvquant.eval.suite.run_models", reached)  # --jobs N likewise
 
 
 def _base(command: str, f: dict[str, str]) -> list[str]:
