@@ -116,7 +116,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from .measured import RECOMMENDED, STRESS, STRESS_RUN
+    from .measured import RECOMMENDED, STRESS_RUN, stress_result
     from .outliers import key_is_per_channel
 
     d = check_int(args.head_dim, "--head-dim", 8, 1024, ArgumentError)
@@ -137,8 +137,9 @@ def cmd_presets(args: argparse.Namespace) -> int:
         print(f"  {'':16s}   {'; '.join(parts + extra)}")
         if not key_is_per_channel(p.key):
             print(f"  {'':16s}   keys per token or per head: they lose accuracy on outlier / offset key channels")
-        if name in STRESS:
-            print(f"  {'':16s}   {STRESS[name].line()}")
+        measured = stress_result(name)
+        if measured is not None:
+            print(f"  {'':16s}   {measured.line()}")
     print("precisions (per layer / per KV head, K and V separately):")
     for name, desc in PRECISIONS.items():
         print(f"  {name:16s} {desc}")
