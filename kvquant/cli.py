@@ -116,13 +116,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from .outliers import MEASURED_ON_OUTLIERS, key_is_per_channel
+    from .measured import RECOMMENDED, STRESS_RUN, stress_result
+    from .outliers import key_is_per_channel
 
     d = check_int(args.head_dim, "--head-dim", 8, 1024, ArgumentError)
     if d & (d - 1):
         raise ArgumentError(f"--head-dim: {d} must be a power of two (as real models' head_dim is)")
     print(f"presets (stored bits per element at head_dim {d}, scale/zero overhead included; "
-          f"default: {DEFAULT_PRESET}):")
+          f"default: {DEFAULT_PRESET}; recommended: {', '.join(f'{v} ({k})' for k, v in RECOMMENDED.items())})")
+    print(f"  measured on {STRESS_RUN}")
     for name, (_, desc, _) in PRESETS.items():
         cfg = KVQuantConfig.preset(name)
         gs, p = cfg.effective_group_size(d), cfg.default
@@ -130,11 +132,14 @@ def cmd_presets(args: argparse.Namespace) -> int:
         for kind, prec in (("K", p.key), ("V", p.value)):
             q = make_quantizer(prec, d, gs, cfg.headroom, cfg.block_size)
             parts.append(f"{kind} {prec} {q.bits_per_element():.2f} b ({q.granularity})")
+        extra = [f"{n} {getattr(cfg, n)}" for n in ("sink_tokens", "residual_tokens") if getattr(cfg, n)]
         print(f"  {name:16s} {desc}")
-        print(f"  {'':16s}   {'; '.join(parts)}")
+        print(f"  {'':16s}   {'; '.join(parts + extra)}")
         if not key_is_per_channel(p.key):
-            note = MEASURED_ON_OUTLIERS.get(p.key, "")
-            print(f"  {'':16s}   outlier/offset key channels: keys per token or per head{': ' + note if note else ''}")
+            print(f"  {'':16s}   keys per token or per head: they lose accuracy on outlier / offset key channels")
+        measured = stress_result(name)
+        if measured is not None:
+            print(f"  {'':16s}   {measured.line()}")
     print("precisions (per layer / per KV head, K and V separately):")
     for name, desc in PRECISIONS.items():
         print(f"  {name:16s} {desc}")

@@ -106,6 +106,16 @@ PRESETS: dict[str, tuple[Any, str, dict[str, Any]]] = {
         "values INT4 per token, groups of 32 along head_dim (KIVI)",
         {},
     ),
+    "int4-kchannel-sinks": (
+        {"key": "int4-channel", "value": "int4"},
+        "int4-kchannel plus the first 4 tokens of each sequence (attention sinks) kept in fp16",
+        {"sink_tokens": 4},
+    ),
+    "int4-kchannel-g16-sinks": (
+        {"key": "int4-channel", "value": "int4"},
+        "int4-kchannel-sinks with values in groups of 16 along head_dim (finer value scales)",
+        {"sink_tokens": 4, "group_size": 16},
+    ),
     "mixed-int4-int8": (
         {"key": "int8-token", "value": "int4"},
         "keys INT8 per token (keys carry outlier channels), values INT4 g32",

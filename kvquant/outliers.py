@@ -11,10 +11,11 @@ an attention sink, left out), with ``mean_c``, ``std_c``, ``rms_c`` of key chann
 * offset ratio  ``max_c |mean_c| / median_c std_c``  (a bias-like per-channel offset)
 * outlier ratio ``max_c rms_c / median_c rms_c``       (a few channels of large magnitude)
 
-Thresholds are set from measurement (docs/results/stress-outliers.md; 128 WikiText-2 tokens): the
-largest values over every layer and head were 18.0 (offset) and 14.2 (outlier) on SmolLM2-135M,
-17.1 / 9.8 on its wide-head variant, 42.1 / 35.3 and 55.5 / 40.8 on its outlier-channel and
-key-bias variants.
+Thresholds are set from measurement (docs/results/stress-outliers.md, ``benchmarks/outlier_warning.py``;
+128 WikiText-2 tokens): the largest values over every layer and head were 18.3 (offset) and 14.6
+(outlier) on SmolLM2-135M, 17.2 / 10.3 on its wide-head variant, 56.2 / 43.5 and 55.0 / 43.1 on its
+outlier-channel and key-bias variants. The warning quotes the preset's line of the stress run
+(:mod:`kvquant.measured`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import torch
 
 from .config import KVPrecision, KVQuantConfig
+from .measured import RECOMMENDED, STRESS
 from .quantizers import CHANNEL, FLOAT_DTYPES
 
 logger = logging.getLogger("kvquant")
@@ -31,15 +33,6 @@ logger = logging.getLogger("kvquant")
 OFFSET_RATIO = 24.0
 OUTLIER_RATIO = 24.0
 MIN_TOKENS = 16  # fewer prefill tokens give no usable channel statistics
-
-#: What the per-token / per-head key presets lost on the outlier stress models (exact one-token
-#: decode; docs/results/stress-outliers.md has every number with its standard error).
-MEASURED_ON_OUTLIERS: dict[str, str] = {
-    "int8": "static int8 measured KL 0.15 (key bias) and 0.56, +16% ppl (outlier channels), vs 4e-5 for int8-kchannel.",
-    "int4": "int4 g32 measured +92% ppl (outlier channels) and +216% (key bias), vs +1.2% / +1.9% for int4-kchannel.",
-    "int8-token": "int8-token measured KL 4.5e-3 to 5.1e-3 on outlier / key-bias models (5e-4 on SmolLM2).",
-}
-
 
 def key_channel_ratios(keys: torch.Tensor) -> tuple[float, float]:
     """``(offset ratio, outlier ratio)``, the largest over batch rows and heads, of ``keys[B, H, T, D]``."""
@@ -60,7 +53,7 @@ def key_is_per_channel(precision: str | None) -> bool:
 def safer_preset(plan: list[list[KVPrecision]]) -> str:
     """The per-channel preset of about the same key width as ``plan``'s quantized keys."""
     wide = any(p.key in ("int8", "int8-token", "fp8-e4m3", "fp8-e5m2") for row in plan for p in row)
-    return "int8-kchannel" if wide else "int4-kchannel"
+    return RECOMMENDED["8-bit (the wrap() default)"] if wide else RECOMMENDED["~4.6-bit"]
 
 
 class OutlierWatch:
@@ -81,7 +74,8 @@ class OutlierWatch:
         if offset <= OFFSET_RATIO and outlier <= OUTLIER_RATIO:
             return
         kind = "offset" if offset / OFFSET_RATIO >= outlier / OUTLIER_RATIO else "outlier"
-        note = " ".join(MEASURED_ON_OUTLIERS.get(p, "") for p in self.risky).strip()
+        name = self.config_name if self.config_name in STRESS else next((p for p in self.risky if p in STRESS), None)
+        note = f"{name!r} on the {STRESS[name].line()}" if name else ""
         self.finding = (
             f"kvquant: layer {layer_idx}'s keys show {kind} channels (offset ratio {offset:.0f}, outlier ratio "
             f"{outlier:.0f}; thresholds {OFFSET_RATIO:.0f} / {OUTLIER_RATIO:.0f}) and {self.config_name!r} "

@@ -21,8 +21,8 @@ Outlier options (all in the config, composable with per-head precision):
   per-channel offset (q/k/v bias) is then neither spread over every channel by the rotation nor
   spent in the quantization range.
 * ``sink_tokens = N``: the first N tokens are also kept in full precision (fp16; the model's
-  dtype if that is 16-bit) and read from there; their quantized rows are zeroed so that they do
-  not widen any scale.
+  dtype if that is 16-bit) and read from there; their quantized rows are masked so that they do
+  not widen any scale (zeroed, or for per-channel blocks a copy of the row's first non-sink token).
 * ``residual_tokens = R`` (and per-channel key precisions): new tokens first go to a full-precision
   residual buffer; once it holds ``R + block_size`` tokens, its oldest block is quantized, once.
   The pool then holds ``[0, q_end)``, the residual ``[q_end, cache_pos)``.
@@ -231,6 +231,11 @@ class HeadGroup:
     value: QuantizedTensorStore
     head_index: torch.Tensor = field(repr=False)
     all_heads: bool = False  # the group holds every head, in order (no gather needed)
+
+    @property
+    def per_block(self) -> bool:
+        """True when the group's K or V has per-block (per-channel) scales."""
+        return bool(self.key.quantizer.per_block or self.value.quantizer.per_block)
 
 
 class LayerStore:
@@ -483,19 +488,43 @@ class LayerStore:
             self.sink_k[rows, :, slots] = keys[rows, :, offs].to(self.dense_dtype)
             self.sink_v[rows, :, slots] = values[rows, :, offs].to(self.dense_dtype)
 
-    def _write_pool(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> None:
-        """Quantize a chunk into the pool at ``pos`` (sink rows zeroed: they are read from the sink buffer)."""
+    def _mask_sinks(
+        self, keys: torch.Tensor, values: torch.Tensor, pos: int, copy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk at ``pos`` with its sink rows (read from the sink buffer, never from the pool) masked:
+        zeroed, or with ``copy`` replaced by the row's first real non-sink token of the chunk (zeros when
+        the chunk has none).
+
+        Per-channel (``int*-channel``) blocks take ``copy``: a copy of a token quantized anyway widens
+        no channel's min / max, while a zero row widens every per-channel range of a key with a large
+        offset (q/k/v bias) in the sinks' block. Other quantizers take zeros: a zero row widens no
+        per-token or static scale, and counts as no clipped value."""
         sel = self.sink_slots(pos, pos + keys.shape[2])
-        if sel is not None:
-            rows, offs, _ = sel
-            keys, values = keys.clone(), values.clone()
+        if sel is None:
+            return keys, values
+        rows, offs, _ = sel
+        keys, values = keys.clone(), values.clone()
+        if copy:
+            keep = self.real_tokens(pos, pos + keys.shape[2])
+            keep[rows, offs] = False
+            src = keep.to(torch.uint8).argmax(dim=1)[rows]  # first kept token of each sink's row
+            has = keep.any(dim=1)[rows][:, None, None]
+            keys[rows, :, offs] = torch.where(has, keys[rows, :, src], 0)
+            values[rows, :, offs] = torch.where(has, values[rows, :, src], 0)
+        else:
             keys[rows, :, offs] = 0
             values[rows, :, offs] = 0
+        return keys, values
+
+    def _write_pool(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> None:
+        """Quantize a chunk into the pool at ``pos`` (sink rows masked: they are read from the sink buffer)."""
+        masked = {c: self._mask_sinks(keys, values, pos, c) for c in {g.per_block for g in self.groups}}
         real = self.real_tokens(pos, pos + keys.shape[2]) if pos < self.pad_end else None
-        plan = self._place(keys, values, pos)
+        plan = self._place(*next(iter(masked.values())), pos)  # rows that differ only in sinks share blocks
         for g in self.groups:
-            k = keys if g.all_heads else keys.index_select(1, g.head_index)
-            v = values if g.all_heads else values.index_select(1, g.head_index)
+            gk, gv = masked[g.per_block]
+            k = gk if g.all_heads else gk.index_select(1, g.head_index)
+            v = gv if g.all_heads else gv.index_select(1, g.head_index)
             g.key.write(k, plan, self.config.check_finite, real)
             g.value.write(v, plan, self.config.check_finite, real)
         self.q_end = pos + keys.shape[2]
