@@ -66,6 +66,74 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _tile(
+    n0, start, end, MASKED: tl.constexpr,
+    q, q_lo, q_hi, qs_lo, qs_hi, scale, tbl,
+    k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st,
+    v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+    m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
+    K_FOLD: tl.constexpr, V_FOLD: tl.constexpr,
+):  # fmt: skip
+    """One tile of ``BLOCK_N`` tokens ``[n0, n0 + BLOCK_N)``, all in one pool block (``BLOCK_N`` divides
+    ``BS``): one block-table read per tile, contiguous rows. ``MASKED`` (edge tiles): tokens outside
+    ``[start, end)`` take no part; interior tiles load and score without masks."""
+    inner = n0 % BS + tl.arange(0, BLOCK_N)
+    if MASKED:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = (offs_n >= start) & (offs_n < end)
+        blk = tl.load(tbl + n0 // BS, mask=n0 < end, other=0).to(tl.int64)
+    else:
+        mask_n = tl.full([BLOCK_N], 1, tl.int1)  # a constant-true mask: the compiler drops it
+        blk = tl.load(tbl + n0 // BS).to(tl.int64)
+    kb = k_base + blk * k_sb
+    vb = v_base + blk * v_sb
+    ksb, kzb = ks_base + blk * ks_sb, kz_base + blk * ks_sb
+    vsb, vzb = vs_base + blk * vs_sb, vz_base + blk * vs_sb
+    k_rows = inner * k_st
+    v_rows = inner * v_st
+    # CHANNEL scales: the block's one row; others: one row per token
+    if K_KIND == 7:
+        ks_rows = inner * 0
+    else:
+        ks_rows = inner * ks_st
+    if V_KIND == 7:
+        vs_rows = inner * 0
+    else:
+        vs_rows = inner * vs_st
+    if K_FOLD == 2:
+        s = qk_channel4(q_lo, q_hi, kb, ksb, kzb, k_rows, 0, mask_n, D, DOT) * scale
+    elif K_FOLD == 1:
+        s = qk_fold4(q_lo, q_hi, qs_lo, qs_hi, kb, ksb, kzb, k_rows, ks_rows, mask_n, D, K_GROUP, DOT) * scale
+    else:
+        offs_d = tl.arange(0, D)
+        k = load_tile(kb, ksb, kzb, k_rows, ks_rows, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D, DOT)
+        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
+    if K_KIND == 2:
+        s = s * load_token_scale(ksb, ks_rows, mask_n)[None, :]
+    s = cap_scores(s, SOFTCAP)
+    if MASKED:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + reduce_sum(p, 1)
+    if V_FOLD:
+        a3 = alpha[None, :, None]
+        acc_lo, acc_hi, zacc_lo, zacc_hi = pv_fold4(
+            p, acc_lo * a3, acc_hi * a3, zacc_lo * a3, zacc_hi * a3, vb, vsb, vzb, v_rows, vs_rows,
+            mask_n, D, V_GROUP, DOT)  # fmt: skip
+    else:
+        offs_d = tl.arange(0, D)
+        v = load_tile(vb, vsb, vzb, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D, DOT)
+        if V_KIND == 2:
+            p = p * load_token_scale(vsb, vs_rows, mask_n)[None, :]
+        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
+    return m_new, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi
+
+
+@triton.jit
 def _decode_partial(
     Q, q_sb, q_sh,
     K, KS, KZ, KH, k_sb, k_sh, k_st, ks_sb, ks_sh, ks_st,
@@ -107,6 +175,7 @@ def _decode_partial(
     scale = qk_scale * load_head_scale(KH, pid, K_KIND)
 
     # grouped int4 K / V (K_FOLD / V_FOLD: Operand.folds4): folded scales, codes as MMA operands
+    q_lo, q_hi, qs_lo, qs_hi = q, q, q, q  # unused unless K_FOLD
     if K_FOLD == 1:
         q_lo, q_hi, qs_lo, qs_hi = load_q_halves(Q + b64 * q_sb, qh, q_sh, mask_h, D, K_GROUP, DOT)
     elif K_FOLD == 2:  # per-channel int4 keys: the query's halves in fp32 (the block scale multiplies them)
@@ -119,45 +188,40 @@ def _decode_partial(
         acc_hi = tl.full([VG2, BLOCK_H, V_GROUP], 0, tl.float32)
         zacc_lo = tl.full([VG2, BLOCK_H, 1], 0, tl.float32)
         zacc_hi = tl.full([VG2, BLOCK_H, 1], 0, tl.float32)
+        acc = tl.full([1, 1], 0, tl.float32)  # unused
+    else:
+        acc = tl.full([BLOCK_H, D], 0, tl.float32)
+        acc_lo = tl.full([1, 1, 1], 0, tl.float32)  # unused
+        acc_hi, zacc_lo, zacc_hi = acc_lo, acc_lo, acc_lo
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_H], 0, tl.float32)
-    acc = tl.full([BLOCK_H, D], 0, tl.float32)
-    # start aligned down to a tile boundary (aligned loads); keys below `lo` are masked
-    first = start - (start % BLOCK_N)
-    for n0 in range(first, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = (offs_n >= start) & (offs_n < end)
-        k_rows, ks_rows = paged_rows(tbl, offs_n, mask_n, k_sb, k_st, ks_sb, ks_st, BS, K_KIND)
-        v_rows, vs_rows = paged_rows(tbl, offs_n, mask_n, v_sb, v_st, vs_sb, vs_st, BS, V_KIND)
-        if K_FOLD == 2:
-            # the tile lies in one pool block: its scale row
-            ks_row = tl.load(tbl + n0 // BS).to(tl.int64) * ks_sb
-            s = qk_channel4(q_lo, q_hi, k_base, ks_base, kz_base, k_rows, ks_row, mask_n, D, DOT) * scale
-        elif K_FOLD == 1:
-            s = qk_fold4(q_lo, q_hi, qs_lo, qs_hi, k_base, ks_base, kz_base, k_rows, ks_rows, mask_n, D,
-                         K_GROUP, DOT) * scale  # fmt: skip
-        else:
-            k = load_tile(k_base, ks_base, kz_base, k_rows, ks_rows, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D, DOT)
-            s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
-        if K_KIND == 2:
-            s = s * load_token_scale(ks_base, ks_rows, mask_n)[None, :]
-        s = cap_scores(s, SOFTCAP)
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + reduce_sum(p, 1)
-        if V_FOLD:
-            a3 = alpha[None, :, None]
-            acc_lo, acc_hi, zacc_lo, zacc_hi = pv_fold4(
-                p, acc_lo * a3, acc_hi * a3, zacc_lo * a3, zacc_hi * a3, v_base, vs_base, vz_base, v_rows, vs_rows,
-                mask_n, D, V_GROUP, DOT)  # fmt: skip
-        else:
-            v = load_tile(v_base, vs_base, vz_base, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D, DOT)
-            if V_KIND == 2:
-                p = p * load_token_scale(vs_base, vs_rows, mask_n)[None, :]
-            acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
-        m_i = m_new
+    # tiles of BLOCK_N tokens (BLOCK_N divides the pool block): the interior ones without masks, then
+    # at most two edge tiles (around `start` and `end`) with masks
+    full_lo = tl.cdiv(start, BLOCK_N) * BLOCK_N
+    full_hi = (end // BLOCK_N) * BLOCK_N
+    for n0 in range(full_lo, full_hi, BLOCK_N):
+        m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi = _tile(
+            n0, start, end, False, q, q_lo, q_hi, qs_lo, qs_hi, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi, D, BLOCK_N, BS, DOT, SOFTCAP,
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD)  # fmt: skip
+    # the edge tiles, masked (branches, not loops: the interior loop is the kernel's one loop): the head
+    # tile holding an unaligned `start`, and the tail tile holding an unaligned `end` (not the head's)
+    if (start % BLOCK_N != 0) & (start < end):
+        n0 = start - start % BLOCK_N
+        m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi = _tile(
+            n0, start, end, True, q, q_lo, q_hi, qs_lo, qs_hi, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi, D, BLOCK_N, BS, DOT, SOFTCAP,
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD)  # fmt: skip
+    if tl.maximum(full_hi, full_lo) < end:
+        n0 = tl.maximum(full_hi, full_lo)
+        m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi = _tile(
+            n0, start, end, True, q, q_lo, q_hi, qs_lo, qs_hi, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi, D, BLOCK_N, BS, DOT, SOFTCAP,
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD)  # fmt: skip
 
     has = l_i != 0  # rows with no visible key; a NaN sum (corrupt history) stays NaN
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -339,6 +403,7 @@ def decode_launches(
     for head_index, kop, vop in groups:
         Hg = head_index.numel()
         group_block_n, num_warps = launch_config(kop, vop, dot_kind, D)
+        group_block_n = min(group_block_n, block_size)  # every tile lies in one pool block
         args = (
             query, query.stride(0), query.stride(1),
             *kop.args(), *vop.args(), table, table.stride(0),

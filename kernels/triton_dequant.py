@@ -135,8 +135,9 @@ def load_tile(
         x = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0)
         if DOT == 1 and (KIND == 1 or KIND == 2):
             # int8 code c -> fp16 without a conversion instruction: the bits 0x6400 | (c + 128) are the
-            # fp16 1024 + (c + 128), exactly; minus 1152 (exact) leaves c
-            u = (x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x80) | 0x6400
+            # fp16 1024 + (c + 128), exactly; minus 1152 (exact) leaves c. With b the code's byte,
+            # 0x6400 | (b ^ 0x80) = b ^ 0x6480: one logic op with one immediate
+            u = x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
             x = u.to(tl.float16, bitcast=True) - 1152.0
         elif DOT == 1 and ptr.dtype.element_ty == tl.float16:
             x = x.to(tl.float16)  # fp16 values are exact MMA operands: no fp32 round trip
@@ -441,9 +442,9 @@ class Operand:
         return (self.kind, self.bits, self.group)
 
     def folds_channel4(self) -> bool:
-        """True when the decode kernel reads this part with :func:`qk_channel4` (per-channel int4 keys in
-        pool blocks of a multiple of 64 tokens: a 64- or 32-token tile lies in one block)."""
-        return self.kind == KIND_CHANNEL and self.bits == 4 and self.block % 64 == 0
+        """True when the decode kernel reads this part with :func:`qk_channel4` (per-channel int4 keys: a
+        decode tile lies in one pool block, whose one scale row it folds)."""
+        return self.kind == KIND_CHANNEL and self.bits == 4
 
     def folds4(self, head_dim: int) -> bool:
         """True when the decode kernel reads this part on the folded int4 path (:func:`qk_fold4`,
