@@ -46,6 +46,9 @@ from .triton_dequant import (
     cap_scores,
     dot_pv,
     dot_qk,
+    dot_split_a,
+    codes_operand,
+    _mma,
     head_ptrs,
     load_head_scale,
     load_q_halves,
@@ -241,6 +244,195 @@ def _decode_partial(
     tl.store(LSE_PART + prow, lse, mask=mask_h)
 
 
+# ------------------------------------------------------------- int4 K and V, rows = (V group, query head)
+# The folded int4 decode with every MMA row doing work. The MMA needs >= 16 rows, GQA gives 4 query heads:
+# padding them to 16 would multiply every per-element step (scales, softmax, probability splits) by 4.
+# Instead the rows are (group g, head h), r = g * REPP + h, G = D / V_GROUP groups: row r of the
+# score MMA holds the query head h restricted to key group g (int4 g keys: its own group's channels, whose
+# per-(token, group) scale and zero then apply row-wise; per-channel int4 keys: the whole query in the
+# g = 0 rows), the G partial scores are summed into the heads' scores [REPP, BLOCK_N], the softmax runs on
+# the real heads only, and the probabilities are broadcast back to the G row copies, scaled row-wise by
+# the V group's scale: the value MMA of row (g, h) is exact for the channels of group g, which are the
+# only ones it keeps (the others are discarded at the end). V's zero term is a per-row sum.
+@triton.jit
+def _group_rows(ptr, inner, st, G: tl.constexpr, REPP: tl.constexpr, mask_n):
+    """Per-(token, group) values at ``ptr + inner[t] * st + g`` as rows ``[G * REPP, BLOCK_N]`` (row r:
+    group ``r // REPP``), fp32; 0 outside ``mask_n``."""
+    x = tl.load(ptr + inner[None, :] * st + tl.arange(0, G)[:, None], mask=mask_n[None, :], other=0.0)
+    x = tl.broadcast_to(x.to(tl.float32)[:, None, :], [G, REPP, inner.shape[0]])
+    return tl.reshape(x, [G * REPP, inner.shape[0]])
+
+
+@triton.jit
+def _to_rows(x, G: tl.constexpr):
+    """``x [REPP, ...]`` repeated for the ``G`` groups: ``[G * REPP, ...]`` (row r: ``x[r % REPP]``)."""
+    if len(x.shape) == 1:
+        r = tl.reshape(tl.broadcast_to(x[None, :], [G, x.shape[0]]), [G * x.shape[0]])
+    else:
+        r = tl.reshape(tl.broadcast_to(x[None, :, :], [G, x.shape[0], x.shape[1]]), [G * x.shape[0], x.shape[1]])
+    return r
+
+
+@triton.jit
+def _from_rows(x, G: tl.constexpr, REPP: tl.constexpr):
+    """Sum of the ``G`` row groups of ``x [G * REPP, N]``: ``[REPP, N]``."""
+    return reduce_sum(tl.reshape(x, [G, REPP, x.shape[1]]), 0)
+
+
+@triton.jit
+def _rows_tile(
+    n0, start, end, MASKED: tl.constexpr,
+    q_lo, q_hi, q_sum, scale, tbl,
+    k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st,
+    v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+    m_i, l_i, acc_lo, acc_hi, zacc,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
+    G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr,
+):  # fmt: skip
+    """One tile (see :func:`_tile`) of the rows kernel."""
+    DH: tl.constexpr = D // 2
+    inner = n0 % BS + tl.arange(0, BLOCK_N)
+    if MASKED:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = (offs_n >= start) & (offs_n < end)
+        blk = tl.load(tbl + n0 // BS, mask=n0 < end, other=0).to(tl.int64)
+    else:
+        mask_n = tl.full([BLOCK_N], 1, tl.int1)  # a constant-true mask: the compiler drops it
+        blk = tl.load(tbl + n0 // BS).to(tl.int64)
+    j = tl.arange(0, DH)
+    # K codes [D/2, BLOCK_N]: low nibbles channels [0, D/2), high nibbles [D/2, D)
+    kb = tl.load(k_base + blk * k_sb + inner[None, :] * k_st + j[:, None], mask=mask_n[None, :], other=0)
+    if K_FOLD == 1:
+        s = _mma(q_lo, codes_operand(kb & 15, DOT), DOT) + _mma(q_hi, codes_operand(kb >> 4, DOT), DOT)
+        ks = _group_rows(ks_base + blk * ks_sb, inner, ks_st, G, REPP, mask_n)
+        kz = _group_rows(kz_base + blk * ks_sb, inner, ks_st, G, REPP, mask_n)
+        s = s * ks + q_sum[:, None] * kz
+    else:
+        # per-channel keys: the block's scale row folded into the query, its zero into one term per row
+        srow = ks_base + blk * ks_sb
+        zrow = kz_base + blk * ks_sb
+        a_lo = q_lo * tl.load(srow + j).to(tl.float32)[None, :]
+        a_hi = q_hi * tl.load(srow + DH + j).to(tl.float32)[None, :]
+        zq = reduce_sum(q_lo * tl.load(zrow + j).to(tl.float32)[None, :], 1)
+        zq += reduce_sum(q_hi * tl.load(zrow + DH + j).to(tl.float32)[None, :], 1)
+        s = dot_split_a(a_lo, codes_operand(kb & 15, DOT), DOT) + dot_split_a(a_hi, codes_operand(kb >> 4, DOT), DOT)
+        s = s + zq[:, None]
+    s = cap_scores(_from_rows(s, G, REPP) * scale, SOFTCAP)
+    if MASKED:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + reduce_sum(p, 1)
+    # V: codes [BLOCK_N, D/2]; probabilities on the group rows, scaled by each row's group scale
+    vb = tl.load(v_base + blk * v_sb + inner[:, None] * v_st + j[None, :], mask=mask_n[:, None], other=0)
+    pr = _to_rows(p, G)
+    vs = _group_rows(vs_base + blk * vs_sb, inner, vs_st, G, REPP, mask_n)
+    vz = _group_rows(vz_base + blk * vs_sb, inner, vs_st, G, REPP, mask_n)
+    a = _to_rows(alpha, G)
+    ps = pr * vs
+    acc_lo = acc_lo * a[:, None] + dot_pv(ps, codes_operand(vb & 15, DOT), DOT, False)
+    acc_hi = acc_hi * a[:, None] + dot_pv(ps, codes_operand(vb >> 4, DOT), DOT, False)
+    zacc = zacc * a + reduce_sum(pr * vz, 1)
+    return m_new, l_i, acc_lo, acc_hi, zacc
+
+
+@triton.jit
+def _decode_partial_rows(
+    Q, q_sb, q_sh,
+    K, KS, KZ, KH, k_sb, k_sh, k_st, ks_sb, ks_sh, ks_st,
+    V, VS, VZ, VH, v_sb, v_sh, v_st, vs_sb, vs_sh, vs_st, TBL, tbl_sb,
+    HEAD_IDX, LO, HI, lo_sb, O_PART, LSE_PART,
+    qk_scale, past_len, part_len, Hg, S, n_qheads,
+    REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RANGE: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
+    K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False,
+):  # fmt: skip
+    """``_decode_partial`` for int4 K (grouped, ``K_FOLD`` 1, groups of ``V_GROUP`` channels; or per channel,
+    ``K_FOLD`` 2) and grouped int4 V, on (group, head) rows (``BLOCK_H`` = REPP, heads per row group)."""
+    G: tl.constexpr = D // V_GROUP
+    REPP: tl.constexpr = BLOCK_H
+    R: tl.constexpr = G * REPP
+    DH: tl.constexpr = D // 2
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // Hg
+    hg = pid % Hg
+    b64 = b.to(tl.int64)
+    h = tl.load(HEAD_IDX + hg)
+
+    lo = 0
+    hi = past_len
+    if HAS_RANGE:
+        lo = tl.load(LO + b * lo_sb)
+        hi = tl.minimum(tl.load(HI + b * lo_sb), past_len)
+    start = tl.maximum(lo, split * part_len)
+    end = tl.minimum(hi, (split + 1) * part_len)
+
+    r = tl.arange(0, R)
+    rh = r % REPP  # the row's query head (of this KV head)
+    rg = r // REPP  # the row's group
+    valid = rh < REP
+    j = tl.arange(0, DH)
+    q_ptr = Q + b64 * q_sb + (h * REP + rh)[:, None] * q_sh + j[None, :]
+    if K_FOLD == 1:  # row (g, h): head h on the channels of group g
+        m_lo = valid[:, None] & ((j[None, :] // V_GROUP) == rg[:, None])
+        m_hi = valid[:, None] & ((j[None, :] + DH) // V_GROUP == rg[:, None])
+    else:  # per-channel keys: the whole query in the g = 0 rows
+        m_lo = valid[:, None] & (rg[:, None] == 0) & (j[None, :] >= 0)
+        m_hi = m_lo
+    q_lo = tl.load(q_ptr, mask=m_lo, other=0.0)
+    q_hi = tl.load(q_ptr + DH, mask=m_hi, other=0.0)
+    q_sum = reduce_sum(q_lo.to(tl.float32), 1) + reduce_sum(q_hi.to(tl.float32), 1)
+    if K_FOLD == 2 or DOT == 0 or DOT == 3:
+        q_lo = q_lo.to(tl.float32)
+        q_hi = q_hi.to(tl.float32)
+
+    k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
+    v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
+    tbl = TBL + b64 * tbl_sb
+    scale = qk_scale
+    m_i = tl.full([REPP], float("-inf"), tl.float32)
+    l_i = tl.full([REPP], 0, tl.float32)
+    acc_lo = tl.full([R, DH], 0, tl.float32)
+    acc_hi = tl.full([R, DH], 0, tl.float32)
+    zacc = tl.full([R], 0, tl.float32)
+    full_lo = tl.cdiv(start, BLOCK_N) * BLOCK_N
+    full_hi = (end // BLOCK_N) * BLOCK_N
+    for n0 in range(full_lo, full_hi, BLOCK_N):
+        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile(
+            n0, start, end, False, q_lo, q_hi, q_sum, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, DOT, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+    if (start % BLOCK_N != 0) & (start < end):
+        n0 = start - start % BLOCK_N
+        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile(
+            n0, start, end, True, q_lo, q_hi, q_sum, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, DOT, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+    if tl.maximum(full_hi, full_lo) < end:
+        n0 = tl.maximum(full_hi, full_lo)
+        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile(
+            n0, start, end, True, q_lo, q_hi, q_sum, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, DOT, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+
+    has = l_i != 0
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    offs_h = tl.arange(0, REPP)
+    prow_h = (b64 * n_qheads + h * REP + offs_h) * S + split
+    tl.store(LSE_PART + prow_h, lse, mask=offs_h < REP)
+    # row (g, h) keeps the channels of group g: out[h, d] = (acc[(g(d), h), d] + zacc[(g(d), h)]) / l[h]
+    den = _to_rows(tl.where(has, l_i, 1.0), G)
+    prow = (b64 * n_qheads + h * REP + rh) * S + split
+    o_ptr = O_PART + prow[:, None] * D + j[None, :]
+    keep_lo = valid[:, None] & ((j[None, :] // V_GROUP) == rg[:, None])
+    keep_hi = valid[:, None] & ((j[None, :] + DH) // V_GROUP == rg[:, None])
+    tl.store(o_ptr, (acc_lo + zacc[:, None]) / den[:, None], mask=keep_lo)
+    tl.store(o_ptr + DH, (acc_hi + zacc[:, None]) / den[:, None], mask=keep_hi)
+
+
 @triton.jit
 def _decode_reduce(
     O_PART, LSE_PART, Q, q_sb, q_sh, FK, fk_sb, fk_sh, FV, fv_sb, fv_sh, OUT, o_sb, o_sh, LSE_OUT,
@@ -418,7 +610,12 @@ def decode_launches(
             K_FOLD=1 if kop.folds4(D) else 2 if kop.folds_channel4() else 0, V_FOLD=vop.folds4(D),
             num_warps=num_warps,
         )  # fmt: skip
-        launches.append(Launch(_decode_partial, (B * Hg, S), args, meta))
+        kernel = _decode_partial
+        if meta["V_FOLD"] and (meta["K_FOLD"] == 2 or (meta["K_FOLD"] == 1 and kop.group == vop.group)):
+            # int4 K and V on (group, head) rows: BLOCK_H = query heads per row group
+            kernel = _decode_partial_rows
+            meta["BLOCK_H"] = max(triton.next_power_of_2(rep), 16 // (D // vop.group))
+        launches.append(Launch(kernel, (B * Hg, S), args, meta))
     args = (
         o_part, lse_part, query, query.stride(0), query.stride(1),
         fresh_k, fresh_k.stride(0), fresh_k.stride(1), fresh_v, fresh_v.stride(0), fresh_v.stride(1),
