@@ -36,26 +36,23 @@ import triton.language as tl
 from .triton_dequant import (
     DOT_IEEE,
     KIND_CHANNEL,
-    KIND_FP8,
-    KIND_FP8_E4M3_BITS,
-    KIND_FP8_E5M2_BITS,
-    KIND_HEAD,
     KIND_INTN,
-    KIND_TOKEN,
     Operand,
+    _mma,
     cap_scores,
+    codes_operand,
     dot_pv,
     dot_qk,
     dot_split_a,
-    codes_operand,
-    _mma,
     head_ptrs,
     load_head_scale,
     load_q_halves,
     load_tile,
     load_token_scale,
+    mma_acc,
+    nibbles_operand,
     online_rescale,
-    paged_rows,
+    pv_acc,
     pv_fold4,
     qk_channel4,
     qk_fold4,
@@ -98,11 +95,11 @@ def _tile(
     k_rows = inner * k_st
     v_rows = inner * v_st
     # CHANNEL scales: the block's one row; others: one row per token
-    if K_KIND == 7:
+    if K_KIND == 7:  # noqa: SIM108 (a constexpr branch)
         ks_rows = inner * 0
     else:
         ks_rows = inner * ks_st
-    if V_KIND == 7:
+    if V_KIND == 7:  # noqa: SIM108 (a constexpr branch)
         vs_rows = inner * 0
     else:
         vs_rows = inner * vs_st
@@ -255,12 +252,16 @@ def _decode_partial(
 # the V group's scale: the value MMA of row (g, h) is exact for the channels of group g, which are the
 # only ones it keeps (the others are discarded at the end). V's zero term is a per-row sum.
 @triton.jit
-def _group_rows(ptr, inner, st, G: tl.constexpr, REPP: tl.constexpr, mask_n):
-    """Per-(token, group) values at ``ptr + inner[t] * st + g`` as rows ``[G * REPP, BLOCK_N]`` (row r:
-    group ``r // REPP``), fp32; 0 outside ``mask_n``."""
-    x = tl.load(ptr + inner[None, :] * st + tl.arange(0, G)[:, None], mask=mask_n[None, :], other=0.0)
-    x = tl.broadcast_to(x.to(tl.float32)[:, None, :], [G, REPP, inner.shape[0]])
-    return tl.reshape(x, [G * REPP, inner.shape[0]])
+def _group_rows(ptr, n_in, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.constexpr, mask_n):
+    """Per-(token, group) values of the tokens ``n_in ..`` of a block whose rows of ``G`` values are
+    contiguous (``ptr + t * G + g``), as rows ``[G * REPP, BLOCK_N]`` (row r: group ``r // REPP``), fp32;
+    0 outside ``mask_n``. One contiguous load."""
+    i = tl.arange(0, BLOCK_N * G)
+    x = tl.load(ptr + n_in * G + i, mask=tl.reshape(tl.broadcast_to(mask_n[:, None], [BLOCK_N, G]), [BLOCK_N * G]),
+                other=0.0)  # fmt: skip
+    x = tl.trans(tl.reshape(x.to(tl.float32), [BLOCK_N, G]))
+    x = tl.broadcast_to(x[:, None, :], [G, REPP, BLOCK_N])
+    return tl.reshape(x, [G * REPP, BLOCK_N])
 
 
 @triton.jit
@@ -303,9 +304,10 @@ def _rows_tile(
     # K codes [D/2, BLOCK_N]: low nibbles channels [0, D/2), high nibbles [D/2, D)
     kb = tl.load(k_base + blk * k_sb + inner[None, :] * k_st + j[:, None], mask=mask_n[None, :], other=0)
     if K_FOLD == 1:
-        s = _mma(q_lo, codes_operand(kb & 15, DOT), DOT) + _mma(q_hi, codes_operand(kb >> 4, DOT), DOT)
-        ks = _group_rows(ks_base + blk * ks_sb, inner, ks_st, G, REPP, mask_n)
-        kz = _group_rows(kz_base + blk * ks_sb, inner, ks_st, G, REPP, mask_n)
+        k_lo, k_hi = nibbles_operand(kb, DOT)
+        s = mma_acc(q_hi, k_hi, _mma(q_lo, k_lo, DOT), DOT)
+        ks = _group_rows(ks_base + blk * ks_sb, n0 % BS, G, REPP, BLOCK_N, mask_n)
+        kz = _group_rows(kz_base + blk * ks_sb, n0 % BS, G, REPP, BLOCK_N, mask_n)
         s = s * ks + q_sum[:, None] * kz
     else:
         # per-channel keys: the block's scale row folded into the query, its zero into one term per row
@@ -326,12 +328,13 @@ def _rows_tile(
     # V: codes [BLOCK_N, D/2]; probabilities on the group rows, scaled by each row's group scale
     vb = tl.load(v_base + blk * v_sb + inner[:, None] * v_st + j[None, :], mask=mask_n[:, None], other=0)
     pr = _to_rows(p, G)
-    vs = _group_rows(vs_base + blk * vs_sb, inner, vs_st, G, REPP, mask_n)
-    vz = _group_rows(vz_base + blk * vs_sb, inner, vs_st, G, REPP, mask_n)
+    vs = _group_rows(vs_base + blk * vs_sb, n0 % BS, G, REPP, BLOCK_N, mask_n)
+    vz = _group_rows(vz_base + blk * vs_sb, n0 % BS, G, REPP, BLOCK_N, mask_n)
     a = _to_rows(alpha, G)
     ps = pr * vs
-    acc_lo = acc_lo * a[:, None] + dot_pv(ps, codes_operand(vb & 15, DOT), DOT, False)
-    acc_hi = acc_hi * a[:, None] + dot_pv(ps, codes_operand(vb >> 4, DOT), DOT, False)
+    v_lo, v_hi = nibbles_operand(vb, DOT)
+    acc_lo = pv_acc(ps, v_lo, acc_lo * a[:, None], DOT)
+    acc_hi = pv_acc(ps, v_hi, acc_hi * a[:, None], DOT)
     zacc = zacc * a + reduce_sum(pr * vz, 1)
     return m_new, l_i, acc_lo, acc_hi, zacc
 
@@ -495,30 +498,33 @@ def launch_config(kop: Operand, vop: Operand, dot: int, head_dim: int) -> tuple[
 
     Chosen with ``benchmarks/kernel_static.py`` (sm_90a SASS of the loop, head_dim 128, GQA 4:
     warp-instructions per token, registers, spills; docs/results/kernel_static.md), not from timings:
-    no GPU was available. int8 / fp8 with half-precision MMAs: 2 warps x 64 tokens (the fewest
-    instructions per token without spills: the per-tile softmax work is shared by fewer warps);
-    folded int4 (:meth:`Operand.folds4`): 4 x 64 (8 x 32 spilled); folded per-channel int4 keys 4 x 32;
-    other packed int4/3/2 and per-channel kinds: 8 x 32 (4 x 64 hit 255 registers and spilled);
-    fp32 MMAs 8 x 64; fp16/bf16 4 x 64.
+    no GPU was available. int8 / fp8 with half-precision MMAs: 4 warps x 64 tokens (2 x 64 issues ~10%
+    fewer instructions per token but spills since the tile loop has no masks); folded int4 K and V (the
+    rows kernel, :func:`rows_kernel`, per-channel keys included) and folded int4 K or V: 4 x 64 (2 x 64:
+    ~10% fewer, at 245 registers); other packed int4/3/2 and per-channel kinds: 8 x 32 (4 x 64 hit 255
+    registers and spilled); fp32 MMAs 8 x 64; fp16/bf16 4 x 64. ``BLOCK_N`` is capped at the pool's
+    block size by the launcher (a tile lies in one block).
     """
-    kinds = {kop.kind, vop.kind}
     folded = [kop.folds4(head_dim) or kop.folds_channel4(), vop.folds4(head_dim)]
     unfolded = {op.kind for op, f in zip((kop, vop), folded, strict=True) if not f}
     if {KIND_INTN, KIND_CHANNEL} & unfolded:  # packed int codes dequantized in registers
         block_n, warps = 32, 8
     elif dot == DOT_IEEE:
         block_n, warps = 64, 8
-    elif kop.folds_channel4():  # 4 x 64 spilled 124 B
-        block_n, warps = 32, 4
-    elif any(folded):
-        block_n, warps = 64, 4
-    elif kinds <= {KIND_HEAD, KIND_TOKEN, KIND_FP8, KIND_FP8_E4M3_BITS, KIND_FP8_E5M2_BITS}:
-        block_n, warps = 64, 2
     else:
         block_n, warps = 64, 4
     if head_dim > 128:
         block_n //= 2
     return block_n, warps
+
+
+def rows_kernel(kop: Operand, vop: Operand, head_dim: int) -> bool:
+    """True when a group's K and V run on :func:`_decode_partial_rows`: grouped int4 V and int4 K (grouped
+    alike, or per channel), scale/zero rows contiguous per token."""
+    if not vop.folds4(head_dim) or not (kop.folds_channel4() or (kop.folds4(head_dim) and kop.group == vop.group)):
+        return False
+    ops = (kop, vop) if kop.kind == KIND_INTN else (vop,)
+    return all(op.scale.stride(-1) == 1 and op.scale.stride(-2) == head_dim // op.group for op in ops)
 
 
 def block_n_for(head_dim: int) -> int:
@@ -611,7 +617,7 @@ def decode_launches(
             num_warps=num_warps,
         )  # fmt: skip
         kernel = _decode_partial
-        if meta["V_FOLD"] and (meta["K_FOLD"] == 2 or (meta["K_FOLD"] == 1 and kop.group == vop.group)):
+        if rows_kernel(kop, vop, D):
             # int4 K and V on (group, head) rows: BLOCK_H = query heads per row group
             kernel = _decode_partial_rows
             meta["BLOCK_H"] = max(triton.next_power_of_2(rep), 16 // (D // vop.group))

@@ -176,6 +176,22 @@ def codes_operand(c, DOT: tl.constexpr):
 
 
 @triton.jit
+def nibbles_operand(b, DOT: tl.constexpr):
+    """The low and high nibbles of the bytes ``b`` as exact MMA operands of kind ``DOT``: the whole byte
+    through the ``0x6400`` magic (``1024 + b``), the high nibble likewise, and the low one as
+    ``b - 16 * hi`` (exact in fp16: integers below 2048)."""
+    if DOT == 1:
+        x = b.to(tl.uint16)
+        whole = (x | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        hi = ((x >> 4) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        lo = whole - hi * 16.0
+    else:
+        lo = codes_operand(b & 15, DOT)
+        hi = codes_operand(b >> 4, DOT)
+    return lo, hi
+
+
+@triton.jit
 def load_q_halves(q_ptr, qh, q_sh, mask_h, D: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr):
     """The query heads ``qh`` as two ``[G2, BLOCK_H, GROUP]`` halves (channels [0, D/2) and [D/2, D),
     grouped) in the MMA operand type, and their per-group sums ``[G2, BLOCK_H, 1]`` in fp32."""
@@ -327,7 +343,8 @@ def _half(x, DOT: tl.constexpr):
 
 @triton.jit
 def _mma(a, b, DOT: tl.constexpr):
-    return tl.dot(a, b, input_precision="ieee") if DOT == 3 else tl.dot(a, b)
+    """``a @ b``: fp32 (DOT 0) and bf16-emulated (DOT 3) operands as exact fp32 products (not tf32)."""
+    return tl.dot(a, b, input_precision="ieee") if DOT == 0 or DOT == 3 else tl.dot(a, b)
 
 
 @triton.jit
@@ -343,6 +360,28 @@ def dot_qk(q, kt, DOT: tl.constexpr, SPLIT: tl.constexpr):
         r = _mma(qh, kh, DOT)
         if SPLIT:
             r += _mma(qh, _half(kt - kh.to(tl.float32), DOT), DOT)
+    return r
+
+
+@triton.jit
+def mma_acc(a, b, acc, DOT: tl.constexpr):
+    """``acc + a @ b`` accumulated by the MMA itself (no zero-initialised product, no separate add)."""
+    if DOT == 0 or DOT == 3:  # noqa: SIM108 (a constexpr branch)
+        r = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        r = tl.dot(a, b, acc)
+    return r
+
+
+@triton.jit
+def pv_acc(p, v, acc, DOT: tl.constexpr):
+    """``acc + p @ v`` for fp32 probabilities ``p`` and an exact operand ``v`` (:func:`dot_pv` without
+    ``SPLIT``), accumulated by the MMAs."""
+    if DOT == 0:
+        r = mma_acc(p, v, acc, DOT)
+    else:
+        ph = _half(p, DOT)
+        r = mma_acc(_half(p - ph.to(tl.float32), DOT), v, mma_acc(ph, v, acc, DOT), DOT)
     return r
 
 
