@@ -36,7 +36,9 @@ import triton.language as tl
 from .triton_dequant import (
     DOT_IEEE,
     KIND_CHANNEL,
+    KIND_FP8,
     KIND_INTN,
+    KIND_TOKEN,
     Operand,
     _mma,
     cap_scores,
@@ -502,15 +504,19 @@ def launch_config(kop: Operand, vop: Operand, dot: int, head_dim: int) -> tuple[
     fewer instructions per token but spills since the tile loop has no masks); folded int4 K and V (the
     rows kernel, :func:`rows_kernel`, per-channel keys included) and folded int4 K or V: 4 x 64 (2 x 64:
     ~10% fewer, at 245 registers); other packed int4/3/2 and per-channel kinds: 8 x 32 (4 x 64 hit 255
-    registers and spilled); fp32 MMAs 8 x 64; fp16/bf16 4 x 64. ``BLOCK_N`` is capped at the pool's
+    registers and spilled); fp32 MMAs 8 x 64; fp16/bf16 4 x 64. At head_dim 64, int8-token, fp8 and folded
+    int4 take 2 x 64 (10-20% fewer instructions per token, no spills). ``BLOCK_N`` is capped at the pool's
     block size by the launcher (a tile lies in one block).
     """
+    kinds = {kop.kind, vop.kind}
     folded = [kop.folds4(head_dim) or kop.folds_channel4(), vop.folds4(head_dim)]
     unfolded = {op.kind for op, f in zip((kop, vop), folded, strict=True) if not f}
     if {KIND_INTN, KIND_CHANNEL} & unfolded:  # packed int codes dequantized in registers
         block_n, warps = 32, 8
     elif dot == DOT_IEEE:
         block_n, warps = 64, 8
+    elif head_dim <= 64 and kinds <= {KIND_TOKEN, KIND_FP8, KIND_INTN, KIND_CHANNEL}:
+        block_n, warps = 64, 2  # head_dim 64: half the registers, no spills (int8 per head spills: 4 warps)
     else:
         block_n, warps = 64, 4
     if head_dim > 128:
