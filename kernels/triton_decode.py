@@ -623,10 +623,14 @@ def decode_launches(
             num_warps=num_warps,
         )  # fmt: skip
         kernel = _decode_partial
+        rows_h = max(triton.next_power_of_2(rep), 16 // max(1, D // vop.group))  # query heads per row group
         if rows_kernel(kop, vop, D):
-            # int4 K and V on (group, head) rows: BLOCK_H = query heads per row group
+            # int4 K and V on (group, head) rows; 32+ rows (GQA 8 at head_dim 128) take 8 warps: 4 spill
+            # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
             kernel = _decode_partial_rows
-            meta["BLOCK_H"] = max(triton.next_power_of_2(rep), 16 // (D // vop.group))
+            meta["BLOCK_H"] = rows_h
+            if rows_h * (D // vop.group) >= 32:
+                meta["num_warps"] = 8
         launches.append(Launch(kernel, (B * Hg, S), args, meta))
     args = (
         o_part, lse_part, query, query.stride(0), query.stride(1),
