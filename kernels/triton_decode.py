@@ -37,22 +37,24 @@ from .triton_dequant import (
     DOT_IEEE,
     KIND_CHANNEL,
     KIND_FP8,
-    KIND_FP8_E4M3_BITS,
-    KIND_FP8_E5M2_BITS,
-    KIND_HEAD,
     KIND_INTN,
     KIND_TOKEN,
     Operand,
+    _mma,
     cap_scores,
+    codes_operand,
     dot_pv,
     dot_qk,
+    dot_split_a,
     head_ptrs,
     load_head_scale,
     load_q_halves,
     load_tile,
     load_token_scale,
+    mma_acc,
+    nibbles_operand,
     online_rescale,
-    paged_rows,
+    pv_acc,
     pv_fold4,
     qk_channel4,
     qk_fold4,
@@ -63,6 +65,74 @@ from .triton_launch import Launch
 from .unsupported import Unsupported
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tile(
+    n0, start, end, MASKED: tl.constexpr,
+    q, q_lo, q_hi, qs_lo, qs_hi, scale, tbl,
+    k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st,
+    v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+    m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
+    K_FOLD: tl.constexpr, V_FOLD: tl.constexpr,
+):  # fmt: skip
+    """One tile of ``BLOCK_N`` tokens ``[n0, n0 + BLOCK_N)``, all in one pool block (``BLOCK_N`` divides
+    ``BS``): one block-table read per tile, contiguous rows. ``MASKED`` (edge tiles): tokens outside
+    ``[start, end)`` take no part; interior tiles load and score without masks."""
+    inner = n0 % BS + tl.arange(0, BLOCK_N)
+    if MASKED:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = (offs_n >= start) & (offs_n < end)
+        blk = tl.load(tbl + n0 // BS, mask=n0 < end, other=0).to(tl.int64)
+    else:
+        mask_n = tl.full([BLOCK_N], 1, tl.int1)  # a constant-true mask: the compiler drops it
+        blk = tl.load(tbl + n0 // BS).to(tl.int64)
+    kb = k_base + blk * k_sb
+    vb = v_base + blk * v_sb
+    ksb, kzb = ks_base + blk * ks_sb, kz_base + blk * ks_sb
+    vsb, vzb = vs_base + blk * vs_sb, vz_base + blk * vs_sb
+    k_rows = inner * k_st
+    v_rows = inner * v_st
+    # CHANNEL scales: the block's one row; others: one row per token
+    if K_KIND == 7:  # noqa: SIM108 (a constexpr branch)
+        ks_rows = inner * 0
+    else:
+        ks_rows = inner * ks_st
+    if V_KIND == 7:  # noqa: SIM108 (a constexpr branch)
+        vs_rows = inner * 0
+    else:
+        vs_rows = inner * vs_st
+    if K_FOLD == 2:
+        s = qk_channel4(q_lo, q_hi, kb, ksb, kzb, k_rows, 0, mask_n, D, DOT) * scale
+    elif K_FOLD == 1:
+        s = qk_fold4(q_lo, q_hi, qs_lo, qs_hi, kb, ksb, kzb, k_rows, ks_rows, mask_n, D, K_GROUP, DOT) * scale
+    else:
+        offs_d = tl.arange(0, D)
+        k = load_tile(kb, ksb, kzb, k_rows, ks_rows, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D, DOT)
+        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
+    if K_KIND == 2:
+        s = s * load_token_scale(ksb, ks_rows, mask_n)[None, :]
+    s = cap_scores(s, SOFTCAP)
+    if MASKED:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + reduce_sum(p, 1)
+    if V_FOLD:
+        a3 = alpha[None, :, None]
+        acc_lo, acc_hi, zacc_lo, zacc_hi = pv_fold4(
+            p, acc_lo * a3, acc_hi * a3, zacc_lo * a3, zacc_hi * a3, vb, vsb, vzb, v_rows, vs_rows,
+            mask_n, D, V_GROUP, DOT)  # fmt: skip
+    else:
+        offs_d = tl.arange(0, D)
+        v = load_tile(vb, vsb, vzb, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D, DOT)
+        if V_KIND == 2:
+            p = p * load_token_scale(vsb, vs_rows, mask_n)[None, :]
+        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
+    return m_new, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi
 
 
 @triton.jit
@@ -107,6 +177,7 @@ def _decode_partial(
     scale = qk_scale * load_head_scale(KH, pid, K_KIND)
 
     # grouped int4 K / V (K_FOLD / V_FOLD: Operand.folds4): folded scales, codes as MMA operands
+    q_lo, q_hi, qs_lo, qs_hi = q, q, q, q  # unused unless K_FOLD
     if K_FOLD == 1:
         q_lo, q_hi, qs_lo, qs_hi = load_q_halves(Q + b64 * q_sb, qh, q_sh, mask_h, D, K_GROUP, DOT)
     elif K_FOLD == 2:  # per-channel int4 keys: the query's halves in fp32 (the block scale multiplies them)
@@ -119,45 +190,40 @@ def _decode_partial(
         acc_hi = tl.full([VG2, BLOCK_H, V_GROUP], 0, tl.float32)
         zacc_lo = tl.full([VG2, BLOCK_H, 1], 0, tl.float32)
         zacc_hi = tl.full([VG2, BLOCK_H, 1], 0, tl.float32)
+        acc = tl.full([1, 1], 0, tl.float32)  # unused
+    else:
+        acc = tl.full([BLOCK_H, D], 0, tl.float32)
+        acc_lo = tl.full([1, 1, 1], 0, tl.float32)  # unused
+        acc_hi, zacc_lo, zacc_hi = acc_lo, acc_lo, acc_lo
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_H], 0, tl.float32)
-    acc = tl.full([BLOCK_H, D], 0, tl.float32)
-    # start aligned down to a tile boundary (aligned loads); keys below `lo` are masked
-    first = start - (start % BLOCK_N)
-    for n0 in range(first, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = (offs_n >= start) & (offs_n < end)
-        k_rows, ks_rows = paged_rows(tbl, offs_n, mask_n, k_sb, k_st, ks_sb, ks_st, BS, K_KIND)
-        v_rows, vs_rows = paged_rows(tbl, offs_n, mask_n, v_sb, v_st, vs_sb, vs_st, BS, V_KIND)
-        if K_FOLD == 2:
-            # the tile lies in one pool block: its scale row
-            ks_row = tl.load(tbl + n0 // BS).to(tl.int64) * ks_sb
-            s = qk_channel4(q_lo, q_hi, k_base, ks_base, kz_base, k_rows, ks_row, mask_n, D, DOT) * scale
-        elif K_FOLD == 1:
-            s = qk_fold4(q_lo, q_hi, qs_lo, qs_hi, k_base, ks_base, kz_base, k_rows, ks_rows, mask_n, D,
-                         K_GROUP, DOT) * scale  # fmt: skip
-        else:
-            k = load_tile(k_base, ks_base, kz_base, k_rows, ks_rows, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D, DOT)
-            s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
-        if K_KIND == 2:
-            s = s * load_token_scale(ks_base, ks_rows, mask_n)[None, :]
-        s = cap_scores(s, SOFTCAP)
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + reduce_sum(p, 1)
-        if V_FOLD:
-            a3 = alpha[None, :, None]
-            acc_lo, acc_hi, zacc_lo, zacc_hi = pv_fold4(
-                p, acc_lo * a3, acc_hi * a3, zacc_lo * a3, zacc_hi * a3, v_base, vs_base, vz_base, v_rows, vs_rows,
-                mask_n, D, V_GROUP, DOT)  # fmt: skip
-        else:
-            v = load_tile(v_base, vs_base, vz_base, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D, DOT)
-            if V_KIND == 2:
-                p = p * load_token_scale(vs_base, vs_rows, mask_n)[None, :]
-            acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
-        m_i = m_new
+    # tiles of BLOCK_N tokens (BLOCK_N divides the pool block): the interior ones without masks, then
+    # at most two edge tiles (around `start` and `end`) with masks
+    full_lo = tl.cdiv(start, BLOCK_N) * BLOCK_N
+    full_hi = (end // BLOCK_N) * BLOCK_N
+    for n0 in range(full_lo, full_hi, BLOCK_N):
+        m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi = _tile(
+            n0, start, end, False, q, q_lo, q_hi, qs_lo, qs_hi, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi, D, BLOCK_N, BS, DOT, SOFTCAP,
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD)  # fmt: skip
+    # the edge tiles, masked (branches, not loops: the interior loop is the kernel's one loop): the head
+    # tile holding an unaligned `start`, and the tail tile holding an unaligned `end` (not the head's)
+    if (start % BLOCK_N != 0) & (start < end):
+        n0 = start - start % BLOCK_N
+        m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi = _tile(
+            n0, start, end, True, q, q_lo, q_hi, qs_lo, qs_hi, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi, D, BLOCK_N, BS, DOT, SOFTCAP,
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD)  # fmt: skip
+    if tl.maximum(full_hi, full_lo) < end:
+        n0 = tl.maximum(full_hi, full_lo)
+        m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi = _tile(
+            n0, start, end, True, q, q_lo, q_hi, qs_lo, qs_hi, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi, D, BLOCK_N, BS, DOT, SOFTCAP,
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD)  # fmt: skip
 
     has = l_i != 0  # rows with no visible key; a NaN sum (corrupt history) stays NaN
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -175,6 +241,201 @@ def _decode_partial(
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         tl.store(O_PART + prow[:, None] * D + offs_d[None, :], o, mask=mask_h[:, None])
     tl.store(LSE_PART + prow, lse, mask=mask_h)
+
+
+# ------------------------------------------------------------- int4 K and V, rows = (V group, query head)
+# The folded int4 decode with every MMA row doing work. The MMA needs >= 16 rows, GQA gives 4 query heads:
+# padding them to 16 would multiply every per-element step (scales, softmax, probability splits) by 4.
+# Instead the rows are (group g, head h), r = g * REPP + h, G = D / V_GROUP groups: row r of the
+# score MMA holds the query head h restricted to key group g (int4 g keys: its own group's channels, whose
+# per-(token, group) scale and zero then apply row-wise; per-channel int4 keys: the whole query in the
+# g = 0 rows), the G partial scores are summed into the heads' scores [REPP, BLOCK_N], the softmax runs on
+# the real heads only, and the probabilities are broadcast back to the G row copies, scaled row-wise by
+# the V group's scale: the value MMA of row (g, h) is exact for the channels of group g, which are the
+# only ones it keeps (the others are discarded at the end). V's zero term is a per-row sum.
+@triton.jit
+def _group_rows(ptr, n_in, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.constexpr, mask_n):
+    """Per-(token, group) values of the tokens ``n_in ..`` of a block whose rows of ``G`` values are
+    contiguous (``ptr + t * G + g``), as rows ``[G * REPP, BLOCK_N]`` (row r: group ``r // REPP``), fp32;
+    0 outside ``mask_n``. One contiguous load."""
+    i = tl.arange(0, BLOCK_N * G)
+    x = tl.load(ptr + n_in * G + i, mask=tl.reshape(tl.broadcast_to(mask_n[:, None], [BLOCK_N, G]), [BLOCK_N * G]),
+                other=0.0)  # fmt: skip
+    x = tl.trans(tl.reshape(x.to(tl.float32), [BLOCK_N, G]))
+    x = tl.broadcast_to(x[:, None, :], [G, REPP, BLOCK_N])
+    return tl.reshape(x, [G * REPP, BLOCK_N])
+
+
+@triton.jit
+def _to_rows(x, G: tl.constexpr):
+    """``x [REPP, ...]`` repeated for the ``G`` groups: ``[G * REPP, ...]`` (row r: ``x[r % REPP]``)."""
+    if len(x.shape) == 1:
+        r = tl.reshape(tl.broadcast_to(x[None, :], [G, x.shape[0]]), [G * x.shape[0]])
+    else:
+        r = tl.reshape(tl.broadcast_to(x[None, :, :], [G, x.shape[0], x.shape[1]]), [G * x.shape[0], x.shape[1]])
+    return r
+
+
+@triton.jit
+def _from_rows(x, G: tl.constexpr, REPP: tl.constexpr):
+    """Sum of the ``G`` row groups of ``x [G * REPP, N]``: ``[REPP, N]``."""
+    return reduce_sum(tl.reshape(x, [G, REPP, x.shape[1]]), 0)
+
+
+@triton.jit
+def _rows_tile(
+    n0, start, end, MASKED: tl.constexpr,
+    q_lo, q_hi, q_sum, scale, tbl,
+    k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st,
+    v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+    m_i, l_i, acc_lo, acc_hi, zacc,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
+    G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr,
+):  # fmt: skip
+    """One tile (see :func:`_tile`) of the rows kernel."""
+    DH: tl.constexpr = D // 2
+    inner = n0 % BS + tl.arange(0, BLOCK_N)
+    if MASKED:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = (offs_n >= start) & (offs_n < end)
+        blk = tl.load(tbl + n0 // BS, mask=n0 < end, other=0).to(tl.int64)
+    else:
+        mask_n = tl.full([BLOCK_N], 1, tl.int1)  # a constant-true mask: the compiler drops it
+        blk = tl.load(tbl + n0 // BS).to(tl.int64)
+    j = tl.arange(0, DH)
+    # K codes [D/2, BLOCK_N]: low nibbles channels [0, D/2), high nibbles [D/2, D)
+    kb = tl.load(k_base + blk * k_sb + inner[None, :] * k_st + j[:, None], mask=mask_n[None, :], other=0)
+    if K_FOLD == 1:
+        k_lo, k_hi = nibbles_operand(kb, DOT)
+        s = mma_acc(q_hi, k_hi, _mma(q_lo, k_lo, DOT), DOT)
+        ks = _group_rows(ks_base + blk * ks_sb, n0 % BS, G, REPP, BLOCK_N, mask_n)
+        kz = _group_rows(kz_base + blk * ks_sb, n0 % BS, G, REPP, BLOCK_N, mask_n)
+        s = s * ks + q_sum[:, None] * kz
+    else:
+        # per-channel keys: the block's scale row folded into the query, its zero into one term per row
+        srow = ks_base + blk * ks_sb
+        zrow = kz_base + blk * ks_sb
+        a_lo = q_lo * tl.load(srow + j).to(tl.float32)[None, :]
+        a_hi = q_hi * tl.load(srow + DH + j).to(tl.float32)[None, :]
+        zq = reduce_sum(q_lo * tl.load(zrow + j).to(tl.float32)[None, :], 1)
+        zq += reduce_sum(q_hi * tl.load(zrow + DH + j).to(tl.float32)[None, :], 1)
+        s = dot_split_a(a_lo, codes_operand(kb & 15, DOT), DOT) + dot_split_a(a_hi, codes_operand(kb >> 4, DOT), DOT)
+        s = s + zq[:, None]
+    s = cap_scores(_from_rows(s, G, REPP) * scale, SOFTCAP)
+    if MASKED:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+    m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + reduce_sum(p, 1)
+    # V: codes [BLOCK_N, D/2]; probabilities on the group rows, scaled by each row's group scale
+    vb = tl.load(v_base + blk * v_sb + inner[:, None] * v_st + j[None, :], mask=mask_n[:, None], other=0)
+    pr = _to_rows(p, G)
+    vs = _group_rows(vs_base + blk * vs_sb, n0 % BS, G, REPP, BLOCK_N, mask_n)
+    vz = _group_rows(vz_base + blk * vs_sb, n0 % BS, G, REPP, BLOCK_N, mask_n)
+    a = _to_rows(alpha, G)
+    ps = pr * vs
+    v_lo, v_hi = nibbles_operand(vb, DOT)
+    acc_lo = pv_acc(ps, v_lo, acc_lo * a[:, None], DOT)
+    acc_hi = pv_acc(ps, v_hi, acc_hi * a[:, None], DOT)
+    zacc = zacc * a + reduce_sum(pr * vz, 1)
+    return m_new, l_i, acc_lo, acc_hi, zacc
+
+
+@triton.jit
+def _decode_partial_rows(
+    Q, q_sb, q_sh,
+    K, KS, KZ, KH, k_sb, k_sh, k_st, ks_sb, ks_sh, ks_st,
+    V, VS, VZ, VH, v_sb, v_sh, v_st, vs_sb, vs_sh, vs_st, TBL, tbl_sb,
+    HEAD_IDX, LO, HI, lo_sb, O_PART, LSE_PART,
+    qk_scale, past_len, part_len, Hg, S, n_qheads,
+    REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RANGE: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
+    K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False,
+):  # fmt: skip
+    """``_decode_partial`` for int4 K (grouped, ``K_FOLD`` 1, groups of ``V_GROUP`` channels; or per channel,
+    ``K_FOLD`` 2) and grouped int4 V, on (group, head) rows (``BLOCK_H`` = REPP, heads per row group)."""
+    G: tl.constexpr = D // V_GROUP
+    REPP: tl.constexpr = BLOCK_H
+    R: tl.constexpr = G * REPP
+    DH: tl.constexpr = D // 2
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // Hg
+    hg = pid % Hg
+    b64 = b.to(tl.int64)
+    h = tl.load(HEAD_IDX + hg)
+
+    lo = 0
+    hi = past_len
+    if HAS_RANGE:
+        lo = tl.load(LO + b * lo_sb)
+        hi = tl.minimum(tl.load(HI + b * lo_sb), past_len)
+    start = tl.maximum(lo, split * part_len)
+    end = tl.minimum(hi, (split + 1) * part_len)
+
+    r = tl.arange(0, R)
+    rh = r % REPP  # the row's query head (of this KV head)
+    rg = r // REPP  # the row's group
+    valid = rh < REP
+    j = tl.arange(0, DH)
+    q_ptr = Q + b64 * q_sb + (h * REP + rh)[:, None] * q_sh + j[None, :]
+    if K_FOLD == 1:  # row (g, h): head h on the channels of group g
+        m_lo = valid[:, None] & ((j[None, :] // V_GROUP) == rg[:, None])
+        m_hi = valid[:, None] & ((j[None, :] + DH) // V_GROUP == rg[:, None])
+    else:  # per-channel keys: the whole query in the g = 0 rows
+        m_lo = valid[:, None] & (rg[:, None] == 0) & (j[None, :] >= 0)
+        m_hi = m_lo
+    q_lo = tl.load(q_ptr, mask=m_lo, other=0.0)
+    q_hi = tl.load(q_ptr + DH, mask=m_hi, other=0.0)
+    q_sum = reduce_sum(q_lo.to(tl.float32), 1) + reduce_sum(q_hi.to(tl.float32), 1)
+    if K_FOLD == 2 or DOT == 0 or DOT == 3:
+        q_lo = q_lo.to(tl.float32)
+        q_hi = q_hi.to(tl.float32)
+
+    k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
+    v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
+    tbl = TBL + b64 * tbl_sb
+    scale = qk_scale
+    m_i = tl.full([REPP], float("-inf"), tl.float32)
+    l_i = tl.full([REPP], 0, tl.float32)
+    acc_lo = tl.full([R, DH], 0, tl.float32)
+    acc_hi = tl.full([R, DH], 0, tl.float32)
+    zacc = tl.full([R], 0, tl.float32)
+    full_lo = tl.cdiv(start, BLOCK_N) * BLOCK_N
+    full_hi = (end // BLOCK_N) * BLOCK_N
+    for n0 in range(full_lo, full_hi, BLOCK_N):
+        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile(
+            n0, start, end, False, q_lo, q_hi, q_sum, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, DOT, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+    if (start % BLOCK_N != 0) & (start < end):
+        n0 = start - start % BLOCK_N
+        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile(
+            n0, start, end, True, q_lo, q_hi, q_sum, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, DOT, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+    if tl.maximum(full_hi, full_lo) < end:
+        n0 = tl.maximum(full_hi, full_lo)
+        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile(
+            n0, start, end, True, q_lo, q_hi, q_sum, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, DOT, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+
+    has = l_i != 0
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    offs_h = tl.arange(0, REPP)
+    prow_h = (b64 * n_qheads + h * REP + offs_h) * S + split
+    tl.store(LSE_PART + prow_h, lse, mask=offs_h < REP)
+    # row (g, h) keeps the channels of group g: out[h, d] = (acc[(g(d), h), d] + zacc[(g(d), h)]) / l[h]
+    den = _to_rows(tl.where(has, l_i, 1.0), G)
+    prow = (b64 * n_qheads + h * REP + rh) * S + split
+    o_ptr = O_PART + prow[:, None] * D + j[None, :]
+    keep_lo = valid[:, None] & ((j[None, :] // V_GROUP) == rg[:, None])
+    keep_hi = valid[:, None] & ((j[None, :] + DH) // V_GROUP == rg[:, None])
+    tl.store(o_ptr, (acc_lo + zacc[:, None]) / den[:, None], mask=keep_lo)
+    tl.store(o_ptr + DH, (acc_hi + zacc[:, None]) / den[:, None], mask=keep_hi)
 
 
 @triton.jit
@@ -239,11 +500,13 @@ def launch_config(kop: Operand, vop: Operand, dot: int, head_dim: int) -> tuple[
 
     Chosen with ``benchmarks/kernel_static.py`` (sm_90a SASS of the loop, head_dim 128, GQA 4:
     warp-instructions per token, registers, spills; docs/results/kernel_static.md), not from timings:
-    no GPU was available. int8 / fp8 with half-precision MMAs: 2 warps x 64 tokens (the fewest
-    instructions per token without spills: the per-tile softmax work is shared by fewer warps);
-    folded int4 (:meth:`Operand.folds4`): 4 x 64 (8 x 32 spilled); folded per-channel int4 keys 4 x 32;
-    other packed int4/3/2 and per-channel kinds: 8 x 32 (4 x 64 hit 255 registers and spilled);
-    fp32 MMAs 8 x 64; fp16/bf16 4 x 64.
+    no GPU was available. int8 / fp8 with half-precision MMAs: 4 warps x 64 tokens (2 x 64 issues ~10%
+    fewer instructions per token but spills since the tile loop has no masks); folded int4 K and V (the
+    rows kernel, :func:`rows_kernel`, per-channel keys included) and folded int4 K or V: 4 x 64 (2 x 64:
+    ~10% fewer, at 245 registers); other packed int4/3/2 and per-channel kinds: 8 x 32 (4 x 64 hit 255
+    registers and spilled); fp32 MMAs 8 x 64; fp16/bf16 4 x 64. At head_dim 64, int8-token, fp8 and folded
+    int4 take 2 x 64 (10-20% fewer instructions per token, no spills). ``BLOCK_N`` is capped at the pool's
+    block size by the launcher (a tile lies in one block).
     """
     kinds = {kop.kind, vop.kind}
     folded = [kop.folds4(head_dim) or kop.folds_channel4(), vop.folds4(head_dim)]
@@ -252,17 +515,22 @@ def launch_config(kop: Operand, vop: Operand, dot: int, head_dim: int) -> tuple[
         block_n, warps = 32, 8
     elif dot == DOT_IEEE:
         block_n, warps = 64, 8
-    elif kop.folds_channel4():  # 4 x 64 spilled 124 B
-        block_n, warps = 32, 4
-    elif any(folded):
-        block_n, warps = 64, 4
-    elif kinds <= {KIND_HEAD, KIND_TOKEN, KIND_FP8, KIND_FP8_E4M3_BITS, KIND_FP8_E5M2_BITS}:
-        block_n, warps = 64, 2
+    elif head_dim <= 64 and kinds <= {KIND_TOKEN, KIND_FP8, KIND_INTN, KIND_CHANNEL}:
+        block_n, warps = 64, 2  # head_dim 64: half the registers, no spills (int8 per head spills: 4 warps)
     else:
         block_n, warps = 64, 4
     if head_dim > 128:
         block_n //= 2
     return block_n, warps
+
+
+def rows_kernel(kop: Operand, vop: Operand, head_dim: int) -> bool:
+    """True when a group's K and V run on :func:`_decode_partial_rows`: grouped int4 V and int4 K (grouped
+    alike, or per channel), scale/zero rows contiguous per token."""
+    if not vop.folds4(head_dim) or not (kop.folds_channel4() or (kop.folds4(head_dim) and kop.group == vop.group)):
+        return False
+    ops = (kop, vop) if kop.kind == KIND_INTN else (vop,)
+    return all(op.scale.stride(-1) == 1 and op.scale.stride(-2) == head_dim // op.group for op in ops)
 
 
 def block_n_for(head_dim: int) -> int:
@@ -339,6 +607,7 @@ def decode_launches(
     for head_index, kop, vop in groups:
         Hg = head_index.numel()
         group_block_n, num_warps = launch_config(kop, vop, dot_kind, D)
+        group_block_n = min(group_block_n, block_size)  # every tile lies in one pool block
         args = (
             query, query.stride(0), query.stride(1),
             *kop.args(), *vop.args(), table, table.stride(0),
@@ -353,7 +622,16 @@ def decode_launches(
             K_FOLD=1 if kop.folds4(D) else 2 if kop.folds_channel4() else 0, V_FOLD=vop.folds4(D),
             num_warps=num_warps,
         )  # fmt: skip
-        launches.append(Launch(_decode_partial, (B * Hg, S), args, meta))
+        kernel = _decode_partial
+        rows_h = max(triton.next_power_of_2(rep), 16 // max(1, D // vop.group))  # query heads per row group
+        if rows_kernel(kop, vop, D):
+            # int4 K and V on (group, head) rows; 32+ rows (GQA 8 at head_dim 128) take 8 warps: 4 spill
+            # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
+            kernel = _decode_partial_rows
+            meta["BLOCK_H"] = rows_h
+            if rows_h * (D // vop.group) >= 32:
+                meta["num_warps"] = 8
+        launches.append(Launch(kernel, (B * Hg, S), args, meta))
     args = (
         o_part, lse_part, query, query.stride(0), query.stride(1),
         fresh_k, fresh_k.stride(0), fresh_k.stride(1), fresh_v, fresh_v.stride(0), fresh_v.stride(1),

@@ -135,8 +135,9 @@ def load_tile(
         x = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0)
         if DOT == 1 and (KIND == 1 or KIND == 2):
             # int8 code c -> fp16 without a conversion instruction: the bits 0x6400 | (c + 128) are the
-            # fp16 1024 + (c + 128), exactly; minus 1152 (exact) leaves c
-            u = (x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x80) | 0x6400
+            # fp16 1024 + (c + 128), exactly; minus 1152 (exact) leaves c. With b the code's byte,
+            # 0x6400 | (b ^ 0x80) = b ^ 0x6480: one logic op with one immediate
+            u = x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
             x = u.to(tl.float16, bitcast=True) - 1152.0
         elif DOT == 1 and ptr.dtype.element_ty == tl.float16:
             x = x.to(tl.float16)  # fp16 values are exact MMA operands: no fp32 round trip
@@ -172,6 +173,22 @@ def codes_operand(c, DOT: tl.constexpr):
     else:
         r = c.to(tl.float32)
     return r
+
+
+@triton.jit
+def nibbles_operand(b, DOT: tl.constexpr):
+    """The low and high nibbles of the bytes ``b`` as exact MMA operands of kind ``DOT``: the whole byte
+    through the ``0x6400`` magic (``1024 + b``), the high nibble likewise, and the low one as
+    ``b - 16 * hi`` (exact in fp16: integers below 2048)."""
+    if DOT == 1:
+        x = b.to(tl.uint16)
+        whole = (x | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        hi = ((x >> 4) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        lo = whole - hi * 16.0
+    else:
+        lo = codes_operand(b & 15, DOT)
+        hi = codes_operand(b >> 4, DOT)
+    return lo, hi
 
 
 @triton.jit
@@ -326,7 +343,8 @@ def _half(x, DOT: tl.constexpr):
 
 @triton.jit
 def _mma(a, b, DOT: tl.constexpr):
-    return tl.dot(a, b, input_precision="ieee") if DOT == 3 else tl.dot(a, b)
+    """``a @ b``: fp32 (DOT 0) and bf16-emulated (DOT 3) operands as exact fp32 products (not tf32)."""
+    return tl.dot(a, b, input_precision="ieee") if DOT == 0 or DOT == 3 else tl.dot(a, b)
 
 
 @triton.jit
@@ -342,6 +360,28 @@ def dot_qk(q, kt, DOT: tl.constexpr, SPLIT: tl.constexpr):
         r = _mma(qh, kh, DOT)
         if SPLIT:
             r += _mma(qh, _half(kt - kh.to(tl.float32), DOT), DOT)
+    return r
+
+
+@triton.jit
+def mma_acc(a, b, acc, DOT: tl.constexpr):
+    """``acc + a @ b`` accumulated by the MMA itself (no zero-initialised product, no separate add)."""
+    if DOT == 0 or DOT == 3:  # noqa: SIM108 (a constexpr branch)
+        r = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        r = tl.dot(a, b, acc)
+    return r
+
+
+@triton.jit
+def pv_acc(p, v, acc, DOT: tl.constexpr):
+    """``acc + p @ v`` for fp32 probabilities ``p`` and an exact operand ``v`` (:func:`dot_pv` without
+    ``SPLIT``), accumulated by the MMAs."""
+    if DOT == 0:
+        r = mma_acc(p, v, acc, DOT)
+    else:
+        ph = _half(p, DOT)
+        r = mma_acc(_half(p - ph.to(tl.float32), DOT), v, mma_acc(ph, v, acc, DOT), DOT)
     return r
 
 
@@ -441,9 +481,9 @@ class Operand:
         return (self.kind, self.bits, self.group)
 
     def folds_channel4(self) -> bool:
-        """True when the decode kernel reads this part with :func:`qk_channel4` (per-channel int4 keys in
-        pool blocks of a multiple of 64 tokens: a 64- or 32-token tile lies in one block)."""
-        return self.kind == KIND_CHANNEL and self.bits == 4 and self.block % 64 == 0
+        """True when the decode kernel reads this part with :func:`qk_channel4` (per-channel int4 keys: a
+        decode tile lies in one pool block, whose one scale row it folds)."""
+        return self.kind == KIND_CHANNEL and self.bits == 4
 
     def folds4(self, head_dim: int) -> bool:
         """True when the decode kernel reads this part on the folded int4 path (:func:`qk_fold4`,
