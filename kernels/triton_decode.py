@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_codebook import KIND_CODEBOOK, codebook_norms, codebook_row
 from .triton_dequant import (
     DOT_IEEE,
     KIND_CHANNEL,
@@ -102,6 +103,10 @@ def _decode_partial(
     # block tensors [num_blocks, Hg, block_size, ...]: one head's base; rows come from the block table
     k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
     v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
+    if K_KIND == 8:  # codebook: the (sequence, head)'s params row (norm code range, levels)
+        kz_base = codebook_row(KH, pid, K_BITS)
+    if V_KIND == 8:
+        vz_base = codebook_row(VH, pid, V_BITS)
     tbl = TBL + b64 * tbl_sb
     # per-head K scale folded into the softmax scale
     scale = qk_scale * load_head_scale(KH, pid, K_KIND)
@@ -139,9 +144,11 @@ def _decode_partial(
                          K_GROUP, DOT) * scale  # fmt: skip
         else:
             k = load_tile(k_base, ks_base, kz_base, k_rows, ks_rows, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D, DOT)
-            s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
+            s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7 or K_KIND == 8) * scale
         if K_KIND == 2:
             s = s * load_token_scale(ks_base, ks_rows, mask_n)[None, :]
+        elif K_KIND == 8:
+            s = s * codebook_norms(ks_base, ks_rows, mask_n, kz_base)[None, :]
         s = cap_scores(s, SOFTCAP)
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 1))
@@ -156,7 +163,9 @@ def _decode_partial(
             v = load_tile(v_base, vs_base, vz_base, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D, DOT)
             if V_KIND == 2:
                 p = p * load_token_scale(vs_base, vs_rows, mask_n)[None, :]
-            acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
+            elif V_KIND == 8:
+                p = p * codebook_norms(vs_base, vs_rows, mask_n, vz_base)[None, :]
+            acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7 or V_KIND == 8)
         m_i = m_new
 
     has = l_i != 0  # rows with no visible key; a NaN sum (corrupt history) stays NaN
@@ -248,7 +257,7 @@ def launch_config(kop: Operand, vop: Operand, dot: int, head_dim: int) -> tuple[
     kinds = {kop.kind, vop.kind}
     folded = [kop.folds4(head_dim) or kop.folds_channel4(), vop.folds4(head_dim)]
     unfolded = {op.kind for op, f in zip((kop, vop), folded, strict=True) if not f}
-    if {KIND_INTN, KIND_CHANNEL} & unfolded:  # packed int codes dequantized in registers
+    if {KIND_INTN, KIND_CHANNEL, KIND_CODEBOOK} & unfolded:  # packed codes dequantized in registers
         block_n, warps = 32, 8
     elif dot == DOT_IEEE:
         block_n, warps = 64, 8
