@@ -71,6 +71,12 @@ VARIANTS: dict[str, list[tuple[str, str, float]]] = {
     "int3": [("int3", "int3", 1.0)],
     "int2": [("int2", "int2", 1.0)],
     "mixed": [("int4", "int4", 0.5), ("int8", "int8", 0.5)],
+    # rotated codebooks (issue 14): codes read in-kernel, level gather + 8-bit log norm per token
+    "tq4": [("tq4", "tq4", 1.0)],
+    "tq3": [("tq3", "tq3", 1.0)],
+    "tq2": [("tq2", "tq2", 1.0)],
+    "tq4-k4v3": [("tq4", "tq3", 1.0)],
+    "tq3+int8": [("tq3", "tq3", 0.5), ("int8", "int8", 0.5)],
 }
 #: acceptance (head_dim 128, group 4): minimum predicted speed-up over the fp16 kernel
 TARGETS = {"int8": 1.8, "fp8-e4m3": 1.8, "int4": 3.0, "int4-channel": 3.0}

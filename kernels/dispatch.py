@@ -52,8 +52,9 @@ def attend(
     and the output rotated back (the Hadamard matrix is its own inverse); with ``center_keys`` the
     fresh K loses the same per-channel mean as the stored keys (softmax ignores the common shift).
     Heads stored by a codebook quantizer (``tq*``) are then mapped into their own head space the same way
-    (:meth:`~kvquant.store.LayerStore.query_to_head_space`), once per call; the Triton kernels do not read
-    codebook codes yet, so such layers take the torch path.
+    (:meth:`~kvquant.store.LayerStore.query_to_head_space`), once per call; both paths then read the
+    codebook codes in that space (Triton: :mod:`~kernels.triton_codebook`) and the output of a V head
+    is mapped back once.
     """
     if softcap is not None and layer.key_mean is not None:
         # softcapping is not shift-invariant: q.(k - mu) would change the capped scores

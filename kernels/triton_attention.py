@@ -293,6 +293,8 @@ def attend_triton(
         # per row: pool rows below its sinks' end are the dense side's sinks (or its pads)
         sinks = (layer.row_start + layer.sink_tokens).clamp_max(hist) if layer.sink_k is not None else 0
         segments = dense_segments(layer, past_len)
+        if segments is not None and getattr(layer, "has_head_space", False):  # codebook heads: their space
+            segments = (*layer.kv_to_head_space(segments[0], segments[1]), segments[2])
         kernel_ranges = split_ranges(ranges, B, Tq, past_len, hist, sinks, query.device)
     else:
         if getattr(layer, "q_end", past_len) < past_len:

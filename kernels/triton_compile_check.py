@@ -30,7 +30,7 @@ from .triton_launch import compile_launch, resource_usage
 # name -> (store precision, native fp8 loads); "-bits": the integer fp8 decode used below sm_89
 KINDS = {
     **{p: (p, True) for p in ("fp16", "bf16", "int8", "int8-token", "int4", "int3", "int2", "int4-channel",
-                              "int3-channel", "int2-channel", "fp8-e4m3", "fp8-e5m2")},
+                              "int3-channel", "int2-channel", "fp8-e4m3", "fp8-e5m2", "tq4", "tq3", "tq2")},
     "fp8-e4m3-bits": ("fp8-e4m3", False),
     "fp8-e5m2-bits": ("fp8-e5m2", False),
 }  # fmt: skip

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_codebook import KIND_CODEBOOK, codebook_norms, codebook_row
 from .triton_dequant import (
     DOT_IEEE,
     KIND_CHANNEL,
@@ -94,6 +95,10 @@ def _tile(
     vb = v_base + blk * v_sb
     ksb, kzb = ks_base + blk * ks_sb, kz_base + blk * ks_sb
     vsb, vzb = vs_base + blk * vs_sb, vz_base + blk * vs_sb
+    if K_KIND == 8:  # codebook: kz_base is the (sequence, head)'s params row, not a per-block part
+        kzb = kz_base
+    if V_KIND == 8:
+        vzb = vz_base
     k_rows = inner * k_st
     v_rows = inner * v_st
     # CHANNEL scales: the block's one row; others: one row per token
@@ -112,9 +117,11 @@ def _tile(
     else:
         offs_d = tl.arange(0, D)
         k = load_tile(kb, ksb, kzb, k_rows, ks_rows, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D, DOT)
-        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7) * scale
+        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7 or K_KIND == 8) * scale
     if K_KIND == 2:
         s = s * load_token_scale(ksb, ks_rows, mask_n)[None, :]
+    elif K_KIND == 8:
+        s = s * codebook_norms(ksb, ks_rows, mask_n, kzb)[None, :]
     s = cap_scores(s, SOFTCAP)
     if MASKED:
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -131,7 +138,9 @@ def _tile(
         v = load_tile(vb, vsb, vzb, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D, DOT)
         if V_KIND == 2:
             p = p * load_token_scale(vsb, vs_rows, mask_n)[None, :]
-        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7)
+        elif V_KIND == 8:
+            p = p * codebook_norms(vsb, vs_rows, mask_n, vzb)[None, :]
+        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7 or V_KIND == 8)
     return m_new, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi
 
 
@@ -172,6 +181,10 @@ def _decode_partial(
     # block tensors [num_blocks, Hg, block_size, ...]: one head's base; rows come from the block table
     k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
     v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
+    if K_KIND == 8:  # codebook: the (sequence, head)'s params row (norm code range, levels)
+        kz_base = codebook_row(KH, pid, K_BITS)
+    if V_KIND == 8:
+        vz_base = codebook_row(VH, pid, V_BITS)
     tbl = TBL + b64 * tbl_sb
     # per-head K scale folded into the softmax scale
     scale = qk_scale * load_head_scale(KH, pid, K_KIND)
@@ -511,7 +524,7 @@ def launch_config(kop: Operand, vop: Operand, dot: int, head_dim: int) -> tuple[
     kinds = {kop.kind, vop.kind}
     folded = [kop.folds4(head_dim) or kop.folds_channel4(), vop.folds4(head_dim)]
     unfolded = {op.kind for op, f in zip((kop, vop), folded, strict=True) if not f}
-    if {KIND_INTN, KIND_CHANNEL} & unfolded:  # packed int codes dequantized in registers
+    if {KIND_INTN, KIND_CHANNEL, KIND_CODEBOOK} & unfolded:  # packed codes dequantized in registers
         block_n, warps = 32, 8
     elif dot == DOT_IEEE:
         block_n, warps = 64, 8

@@ -15,6 +15,9 @@ applies the scales there. Which scale goes where (scale folding)::
                    + scale, zero fp16[D]
                    per block of tokens
     FP8         q  float8 e4m3 / e5m2          state["scale"][h]     -
+    CODEBOOK    q  uint8 packed (tq4/3/2)      -                     norm[t] (8-bit log code): on the score
+                   + norm uint8[1]; levels                           column (K) / probability column (V)
+                   in params[b, h]                                   (:mod:`triton_codebook`)
 
 A per-head K scale is folded into the softmax scale (``scores = (q . k_codes) * scaling * s_k[h]``);
 a per-head V scale multiplies the accumulator once, after the history loop; a per-token scale is
@@ -44,8 +47,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvquant.quantizers import Fp8, Int8PerToken, Int8SharedScale, IntNChannel, IntNGrouped, Passthrough
+from kvquant.quantizers import Codebook, Fp8, Int8PerToken, Int8SharedScale, IntNChannel, IntNGrouped, Passthrough
 
+from .triton_codebook import codebook_levels, codebook_operand
 from .unsupported import Unsupported
 
 KIND_FLOAT = 0
@@ -89,7 +93,7 @@ def load_tile(
     point at one head of the part tensors (block 0).
     """
     m2 = mask_n[:, None]
-    if KIND == 3 or KIND == 7:
+    if KIND == 3 or KIND == 7 or KIND == 8:
         if BITS == 3:
             # 8 codes per 3 bytes: channels j + k*D/8 (k = 0..7) form the 24-bit word
             # lo[j] | mid[j] << 8 | hi[j] << 16 of three byte planes of D/8 bytes; code k at bit 3k
@@ -109,12 +113,16 @@ def load_tile(
             shift = (offs_d // DP) * BITS
             byte = tl.load(ptr + rows[:, None] + col[None, :], mask=m2, other=0)
             code = (byte.to(tl.int32) >> shift[None, :]) & ((1 << BITS) - 1)
-        # INTN: one scale per GROUP channels of the token's row; CHANNEL (GROUP 1): one per channel of
-        # the block's row
-        s_off = sc_rows[:, None] + (offs_d // GROUP)[None, :]
-        s = tl.load(sc_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
-        z = tl.load(zp_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
-        x = code.to(tl.float32) * s + z
+        if KIND == 8:
+            # codebook: the level of each code (zp_ptr = the head's params row); the norm is a token scale
+            x = codebook_levels(zp_ptr, code)
+        else:
+            # INTN: one scale per GROUP channels of the token's row; CHANNEL (GROUP 1): one per channel of
+            # the block's row
+            s_off = sc_rows[:, None] + (offs_d // GROUP)[None, :]
+            s = tl.load(sc_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
+            z = tl.load(zp_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
+            x = code.to(tl.float32) * s + z
     elif KIND == 5:
         b = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
         bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
@@ -532,6 +540,8 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
             raise Unsupported(f"{qz.describe()}: scale/zero parts not [blocks, H, 1, D] laid out alike")
         # tokens: by block address
         return Operand(main, sc, zp, main, KIND_CHANNEL, bits=qz.bits, group=1, block=qz.token_group)
+    if isinstance(qz, Codebook):  # rotated codebook codes (packed as INTN) + an 8-bit log norm per token
+        return codebook_operand(store, main, Operand)
     if isinstance(qz, Fp8):
         if fp8_native:
             kind, data = KIND_FP8, main

@@ -1,8 +1,5 @@
-"""Codebook quantizers ``tq2/tq3/tq4``: the MSE theory check and exact head-space attention (torch path).
-
-The Triton kernels do not read codebook codes on this branch of the code (their in-kernel reader was written
-against the kernels before the folded inner loops landed and is not ported yet): such layers take the torch path.
-"""
+"""Codebook quantizers ``tq2/tq3/tq4``: the MSE theory check, exact head-space attention (torch path), and
+the Triton decode / chunk kernels reading codebook codes in-kernel (interpreter on CPU) against the torch path."""
 
 from __future__ import annotations
 
@@ -169,3 +166,34 @@ def test_calibrate_chooses_among_codebook_candidates(stories, tinystories_text, 
     ids = tok("Once upon a time", return_tensors="pt").input_ids
     out = model.generate(ids, cache=QuantizedKVCache(model, cfg), max_new_tokens=8, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 8
+
+
+TRITON_ROWS = {
+    "tq4": ["tq4", "tq4"],
+    "tq3": ["tq3", "tq3"],
+    "tq2": ["tq2", "tq2"],
+    "k4v3+int8": [KVPrecision("tq4", "tq3"), "int8-token"],
+    "k2+fp16v,int4+v2": [KVPrecision("tq2", "fp16"), KVPrecision("int4", "tq2")],
+}
+
+
+@pytest.mark.parametrize("row", list(TRITON_ROWS), ids=str)
+@pytest.mark.parametrize("option", ["plain", "sinks+residual"], ids=str)
+@pytest.mark.parametrize("Tq", [1, 3], ids=["decode", "chunk"])
+def test_triton_reads_codebook_codes(row, option, Tq, monkeypatch):
+    """The Triton kernels (decode: Tq = 1, chunk: Tq > 1) read the codes, norms and levels through the block
+    tables and match the torch block walk: every width, K/V asymmetric, mixed with int8 / int4 / fp16 heads."""
+    layer, k, v = codebook_layer(TRITON_ROWS[row], D=32, past=45, Tq=Tq, steps=(20,), **OPTIONS[option])
+    assert layer.has_head_space
+    q = torch.randn(2, 2 * layer.num_heads, Tq, 32, device=DEV)
+    args = (q, k[:, :, 45:], v[:, :, 45:], layer, 45, None, 0.17)
+    monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
+    ref = dispatch.attend(*args)
+    monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
+
+    def no_fallback(*a, **kw):
+        raise AssertionError("the Triton path fell back to torch")
+
+    monkeypatch.setattr(dispatch, "attend_torch", no_fallback)
+    out = dispatch.attend(*args)
+    assert (out - ref).abs().max() <= 2e-4
