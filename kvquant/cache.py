@@ -201,7 +201,7 @@ class QuantizedLayer(CacheLayerMixin):
                     "model whose attention is kvquant's (kvquant.wrap), not for a bare ModelShape"
                 )
             pos = torch.arange(T, device=keys.device)
-            valid = pos[None, :] >= (row_start.view(-1, 1) if row_start is not None else 0)
+            valid = (pos[None, :] >= (row_start.view(-1, 1) if row_start is not None else 0)).expand(B, T)
             kwargs = {"attention_mask": context.get("mask"), "queries": context.get("queries"),
                       "scaling": context.get("scaling"), "valid": valid}  # fmt: skip
             scores = policy.scorer.score(context.get("module"), None, keys, values, None, kwargs)
