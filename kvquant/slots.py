@@ -83,10 +83,8 @@ class SlotMap:
             fresh = (torch.arange(tq, device=pos.device).view(1, -1) <= qpos).expand(B, H, tq, tq)
         else:
             m = mask[..., : self.seen].expand(B, -1, tq, -1)
-            if m.shape[1] != 1:  # per query head: one row per KV head (the heads of a group share keys)
-                m = m.view(B, H, rep, tq, -1)[:, :, 0]
-            else:
-                m = m.expand(B, H, tq, -1)
+            # per query head: one row per KV head (the query heads of a KV head share its keys)
+            m = m.view(B, H, rep, tq, -1)[:, :, 0] if m.shape[1] != 1 else m.expand(B, H, tq, -1)
             idx = pos.clamp_min(0).unsqueeze(2).expand(B, H, tq, past)
             hist = m.gather(3, idx) & held.unsqueeze(2)
             fresh = m[..., start : self.seen]

@@ -265,3 +265,35 @@ def test_eviction_refusals_are_one_line_errors(model):
     cache, _ = prefill(model, cfg("streaming"), torch.randint(3, 128, (1, 60)))
     with pytest.raises(ValueError, match="^crop:"):
         cache.crop(30)
+
+
+def test_triton_reads_uniformly_evicted_layers_and_hands_tracked_ones_to_torch(model, monkeypatch, caplog):
+    """Uniform budgets keep the same number of slots in every head: the Triton kernels read them through the
+    block tables like any history (interpreted here). H2O layers (per-key mass) take the torch path, logged."""
+    import kvquant.kernels.triton_attention as ta
+
+    served = []
+    real = ta.attend_triton
+
+    def counting(query, *args, **kwargs):
+        out = real(query, *args, **kwargs)
+        served.append(query.shape[2])  # reached only when the kernels served the call
+        return out
+
+    monkeypatch.setattr(ta, "attend_triton", counting)
+    ids = torch.randint(3, 128, (1, 60))
+    cont = torch.randint(3, 128, (1, 2))
+    for policy in ("snapkv", "h2o"):
+        served.clear()
+        config = cfg(policy, 0.5, default="int8-token", window=8)
+        monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
+        ref = teacher_forced(model, prefill(model, config, ids)[0], cont)
+        monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
+        with caplog.at_level("WARNING", logger="kvquant"):
+            got = teacher_forced(model, prefill(model, config, ids)[0], cont)
+        torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+        tracked_notice = any("per-key score mass" in r.getMessage() for r in caplog.records)
+        assert tracked_notice == (policy == "h2o")
+        decode_calls = served.count(1)
+        assert decode_calls == (0 if policy == "h2o" else 2 * 2)  # 2 layers x 2 decode steps
+        caplog.clear()
