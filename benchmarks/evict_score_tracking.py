@@ -132,7 +132,8 @@ def main() -> None:
             row[v] = {"tok_s": tps[v], "median_ratio": statistics.median(ratios),
                       "best_ratio": max(tps[v]) / max(tps["untracked"]), "tokens_held_layer0_head0": held[v]}
             print(f"{policy:5s} {v:10s} {statistics.median(tps[v]):8.2f} tok/s (median)  "
-                  f"{row[v]['median_ratio']:.3f}x untracked (median of per-round ratios; best-of {row[v]['best_ratio']:.3f}x)"
+                  f"{row[v]['median_ratio']:.3f}x untracked (median of per-round ratios; "
+                  f"best-of {row[v]['best_ratio']:.3f}x)"
                   f"  rounds: {', '.join(f'{x:.1f}' for x in tps[v])}; holds {held[v]} tokens (layer 0, head 0)")
         results["policies"][policy] = row
     if args.json:
