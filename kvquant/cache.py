@@ -84,7 +84,10 @@ class QuantizedLayer(CacheLayerMixin):
     @property
     def is_croppable(self) -> bool:
         """Crop can undo any token (see :meth:`LayerStore.crop`), except that per-channel blocks without a
-        full-precision window (``residual_tokens: 0``) can only be cut at block boundaries."""
+        full-precision window (``residual_tokens: 0``) can only be cut at block boundaries, and that a layer
+        with an eviction policy cannot be cropped."""
+        if self.policy is not None:  # an evicting layer holds kept tokens, not a prefix of the sequence
+            return False
         return self.store is None or not self.store.per_block or self.store.residual_tokens > 0
 
     def __init__(

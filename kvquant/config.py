@@ -327,8 +327,6 @@ class KVQuantConfig:
                 f"evict.policy: h2o / tova replace single tokens in place, which {per_channel[0]} (keys quantized "
                 "a whole block at a time) cannot do; use a per-token key precision (int8-token, int4, ...)"
             )
-        if self.residual_tokens:
-            raise ConfigError("evict.policy: h2o / tova need residual_tokens: 0 (tokens are replaced in place)")
         sinks = min([ev.sinks, *(c.sinks for c in ev.layers.values() if c is not None)])
         if sinks < self.sink_tokens:
             raise ConfigError(

@@ -297,3 +297,32 @@ def test_triton_reads_uniformly_evicted_layers_and_hands_tracked_ones_to_torch(m
         decode_calls = served.count(1)
         assert decode_calls == (0 if policy == "h2o" else 2 * 2)  # 2 layers x 2 decode steps
         caplog.clear()
+
+
+@pytest.mark.parametrize("extra", [{}, {"residual_tokens": 16, "block_size": 16}])
+def test_decode_time_replacement_stores_each_slot_the_key_of_its_position(model, extra):
+    """After H2O has replaced tokens while decoding, every kept (row, head, slot) of the first layer holds
+    exactly the key and value of the position the slot map says (fp32 storage: exact; through the residual
+    window: its fp16), in the pool and in the residual window. (The first layer's K/V depend on the token and
+    its position only; deeper layers' also on the evicted attention below them.)"""
+    ids = torch.randint(3, 128, (2, 70))
+    cont = torch.randint(3, 128, (2, 12))
+    config = KVQuantConfig.from_dict({"default": "fp32", **extra, "evict": {"policy": "h2o", "keep": 0.4, "window": 4}})
+    cache, _ = prefill(model, config, ids)
+    teacher_forced(model, cache, cont)
+    dyn = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.cat([ids, cont[:, :-1]], dim=1), past_key_values=dyn)
+        model(cont[:, -1:], past_key_values=dyn)
+    st = cache.layers[0].store
+    k, v = at.dequantize_history(st, st.cache_pos)
+    pos = st.slots.pos.long()
+    filled = pos >= 0
+    assert (pos.amax(dim=-1) == 70 + 11).all() and st.cache_pos < 70 + 12  # decoded tokens replaced others
+    idx = pos.clamp_min(0).unsqueeze(-1).expand(-1, -1, -1, 32)
+    ref_k, ref_v = dyn.layers[0].keys.gather(2, idx), dyn.layers[0].values.gather(2, idx)
+    tol = 1e-6  # the reference's one-forward matmuls round differently (measured: 2e-7)
+    if extra:  # stored through the fp16 residual window: one fp16 ulp may flip (values |x| < 2)
+        ref_k, ref_v, tol = ref_k.half().float(), ref_v.half().float(), 2e-3
+    torch.testing.assert_close(k[filled], ref_k[filled], rtol=0, atol=tol)
+    torch.testing.assert_close(v[filled], ref_v[filled], rtol=0, atol=tol)
