@@ -506,6 +506,10 @@ class QuantizedKVCache(Cache):
                 "static_scales": scales,
                 "clipped": st.clipped(),
                 "bytes_moved": st.bytes_moved,
+                "evicted": None if st.slots is None else {
+                    "policy": layer.policy.name if layer.policy is not None else None, "slots": st.slots.slots,
+                    "positions": st.slots.seen, "kept_per_head": st.slots.counts().tolist(),
+                },
             })  # fmt: skip
         return {
             "session_id": self.session_id,
