@@ -303,7 +303,11 @@ class EvictConfig:
     """The ``evict:`` field of a config: ``{policy, keep, window, sinks, budget, layers}``.
 
     ``policy``: ``streaming``, ``snapkv``, ``knorm``, ``h2o``, ``tova``, or (Python API only) an object with
-    kvpress's ``score(module, hidden_states, keys, values, attentions, kwargs)`` method. ``keep``: fraction of
+    kvpress's ``score(module, hidden_states, keys, values, attentions, kwargs)`` method; kvquant calls it with
+    ``hidden_states=None`` (its attention does not see them), the prompt's rotary-embedded ``keys`` and
+    ``values`` ``[B, H, T, D]``, ``attentions=None``, and ``kwargs`` holding ``queries`` (rotary-embedded,
+    ``[B, Hq, T, D]``), ``scaling``, ``attention_mask`` (boolean, or None) and ``valid`` (``[B, T]``, False at
+    left padding). ``keep``: fraction of
     each (row, KV head)'s prompt tokens kept; ``window``: the most recent tokens always kept (also SnapKV's
     observation window); ``sinks``: the first tokens always kept; ``budget``: ``uniform`` (every head keeps as
     many tokens) or ``adakv`` (the layer's total spread over heads by score). ``layers``: per-layer overrides
@@ -321,6 +325,7 @@ class EvictConfig:
 
     @property
     def policy_name(self) -> str:
+        """The policy's name, or the class name of a scorer object."""
         return self.policy if isinstance(self.policy, str) else type(self.policy).__name__
 
     @property
@@ -342,6 +347,7 @@ class EvictConfig:
         return Policy(spec.policy, scorer, budget, getattr(scorer, "tracking", None))
 
     def to_dict(self) -> dict[str, Any]:
+        """The YAML form (a layer override lists only the fields it changes)."""
         out: dict[str, Any] = {name: getattr(self, name) for name in self.FIELDS}
         if self.layers:
             out["layers"] = {

@@ -36,6 +36,7 @@ class SlotMap:
 
     @property
     def slots(self) -> int:
+        """Slots on the store's token axis (``S``; some may be empty)."""
         return self.pos.shape[2]
 
     def counts(self) -> torch.Tensor:
@@ -112,6 +113,7 @@ class SlotMap:
                 setattr(self, name, t.index_select(0, idx))
 
     def copy(self) -> SlotMap:
+        """An independent copy (the cache's deep copy)."""
         new = _copy.copy(self)
         for name in ("pos", "first", "score", "cap"):
             t = getattr(self, name)
