@@ -82,7 +82,7 @@ def _mask_tile(
 
 
 def _direct(qt, tiles, mask, group, num_kv, rep, q_range, past_len, softcap, mass=None) -> torch.Tensor:
-    """Plain softmax over at most two tiles (the common decode case: history fits one tile); ``mass``: add
+    """Plain softmax over a few tiles that fit the workspace together (the common decode case); ``mass``: add
     each history key's probability mass (summed over the tile's query rows) into ``mass[B, Hg, past_len]``."""
     loaded = [(load(), k_range) for load, k_range in tiles]
     parts = []
@@ -196,7 +196,7 @@ def attend_torch(
             gm = None
             if key_mass is not None:
                 gm = key_mass if g.all_heads else torch.zeros((B, Hg, past_len), device=device)
-            if len(tiles) <= 2:
+            if sum(b - a for _, (a, b) in tiles) <= 2 * tk:  # fits the workspace at once: one plain softmax
                 res = _direct(qt, tiles, mask, g, Hkv, rep, (q0, q1), past_len, softcap, gm)
             else:
                 acc = _OnlineSoftmax((B, Hg, rep * (q1 - q0)), D, device)
