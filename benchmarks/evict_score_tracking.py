@@ -12,8 +12,11 @@ prefill selection (the policy's own prompt scores), timed in interleaved rounds 
 * ``tracked``: the full policy: mass + one token replaced per (row, KV head) and step (``choose_slots``, an
   in-place quantized write per head, one host read of the targets per layer).
 
-Ratios are tok/s relative to ``untracked`` (median over rounds, and the best round). The torch attention
-path (CPU); on CUDA tracked layers take the torch path too (the Triton kernels do not return per-key mass).
+Every decode step is timed on its own; the ratio is the median step time of ``untracked`` over that of the
+variant (medians over all steps of all rounds: robust to the bursts of a shared machine), with the
+interquartile range of the step times. Then, per layer and step, the cost of each operation tracking adds
+(min over repeats). The torch attention path (CPU); on CUDA tracked layers take the torch path too (the
+Triton kernels do not return per-key mass).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 import kvquant
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_throughput import CLOCKS, build, decode_tps  # noqa: E402
+from decode_throughput import CLOCKS, build  # noqa: E402
 
 VARIANTS = ("untracked", "mass only", "tracked")
 
@@ -71,25 +74,70 @@ def after_prefill(cache: kvquant.QuantizedKVCache) -> None:
             slots.cap = torch.full_like(slots.cap, torch.iinfo(slots.cap.dtype).max)
 
 
-def timed(model, config, variant: str, args) -> tuple[float, int]:
-    """(decode tok/s, tokens held by layer 0, head 0 of row 0 at the end)."""
+def step_times(model, config, variant: str, args) -> tuple[list[float], int]:
+    """Seconds of each timed decode step (after a prefill of --context tokens and one warm-up step), and the
+    tokens layer 0 / KV head 0 / row 0 holds at the end."""
     cache = make_cache(model, config, variant)
-    real_forward = model.forward
-    calls = {"n": 0}
+    now = CLOCKS[args.clock]
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.context))
+    times = []
+    with torch.no_grad():
+        out = model(ids, cache=cache, use_cache=True)
+        after_prefill(cache)
+        nxt = out.logits[:, -1:].argmax(-1)
+        for i in range(args.tokens + 1):
+            t0 = now()
+            out = model(nxt, cache=cache, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            if i:  # the first step is a warm-up
+                times.append(now() - t0)
+    return times, int(cache.layers[0].store.slots.counts()[0, 0])
 
-    def forward(*a, **k):  # switch the variant on right after the prefill forward
-        out = real_forward(*a, **k)
-        calls["n"] += 1
-        if calls["n"] == 1:
-            after_prefill(cache)
-        return out
 
-    model.forward = forward
-    try:
-        tps = decode_tps(model, cache, args.context, args.tokens, args.batch, args.clock)
-    finally:
-        del model.forward
-    return tps, int(cache.layers[0].store.slots.counts()[0, 0])
+def op_costs(args) -> dict[str, float]:
+    """Per layer and step, the operations tracking adds (min over repeats: robust to a loaded machine), at
+    --context x keep history slots: the attention with and without per-key mass, choosing the replaced slots,
+    writing one token in place per head vs appending it."""
+    from kvquant.config import KVPrecision
+    from kvquant.evict import choose_slots
+    from kvquant.kernels import attend_torch
+    from kvquant.store import LayerStore
+
+    cfg = kvquant.KVQuantConfig.load(args.precision)
+    H, D, rep = args.kv_heads, args.head_dim, args.heads // args.kv_heads
+    S = int(args.context * args.keep)
+    now = CLOCKS[args.clock]
+
+    def cost(fn, n: int = 200) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(n):
+            t0 = now()
+            fn()
+            best = min(best, now() - t0)
+        return best * 1e6
+
+    def store() -> LayerStore:
+        st = LayerStore([KVPrecision(args.precision, args.precision)] * H, cfg, D, 1, torch.device("cpu"))
+        k = torch.randn(1, H, S, D)
+        st.append_kept(k, k, torch.ones(1, H, S, dtype=torch.bool), score=torch.rand(1, H, S), tracking="accumulate",
+                       cap=torch.full((1, H), S))  # fmt: skip
+        return st
+
+    st = store()
+    q, x = torch.randn(1, H * rep, 1, D), torch.randn(1, H, 1, D)
+    mass = torch.zeros(1, H, S)
+    s = st.slots
+    target = torch.randint(8, S - 64, (1, H))
+    write = torch.ones(1, H, dtype=torch.bool)
+    appending = store()
+    return {
+        "attention_us": cost(lambda: attend_torch(q, x, x, st, S, None, D**-0.5)),
+        "attention_with_mass_us": cost(lambda: attend_torch(q, x, x, st, S, None, D**-0.5, key_mass=mass)),
+        "choose_slots_us": cost(lambda: choose_slots(s.pos, s.score, s.cap, s.first, s.seen + 1, 4, 32)),
+        "overwrite_us": cost(lambda: st.overwrite(x, x, target, write)),
+        "append_us": cost(lambda: appending.append(x, x), n=64),
+    }
 
 
 def main() -> None:
@@ -119,23 +167,27 @@ def main() -> None:
     for policy in args.policies.split(","):
         config = kvquant.KVQuantConfig.from_dict(
             {"default": args.precision, "evict": {"policy": policy, "keep": args.keep}})
-        tps: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        steps: dict[str, list[float]] = {v: [] for v in VARIANTS}
         held = {}
         for _ in range(args.repeats):  # interleaved: fair on a machine whose load changes
             for v in VARIANTS:
                 torch.manual_seed(0)
-                t, held[v] = timed(model, config, v, args)
-                tps[v].append(t)
+                t, held[v] = step_times(model, config, v, args)
+                steps[v] += t
         row = {}
+        base = statistics.median(steps["untracked"])
         for v in VARIANTS:
-            ratios = [a / b for a, b in zip(tps[v], tps["untracked"], strict=True)]
-            row[v] = {"tok_s": tps[v], "median_ratio": statistics.median(ratios),
-                      "best_ratio": max(tps[v]) / max(tps["untracked"]), "tokens_held_layer0_head0": held[v]}
-            print(f"{policy:5s} {v:10s} {statistics.median(tps[v]):8.2f} tok/s (median)  "
-                  f"{row[v]['median_ratio']:.3f}x untracked (median of per-round ratios; "
-                  f"best-of {row[v]['best_ratio']:.3f}x)"
-                  f"  rounds: {', '.join(f'{x:.1f}' for x in tps[v])}; holds {held[v]} tokens (layer 0, head 0)")
+            med = statistics.median(steps[v])
+            q1, _, q3 = statistics.quantiles(steps[v], n=4)
+            row[v] = {"median_step_ms": med * 1e3, "iqr_step_ms": [q1 * 1e3, q3 * 1e3], "tok_s": args.batch / med,
+                      "ratio_vs_untracked": base / med, "steps": len(steps[v]),
+                      "tokens_held_layer0_head0": held[v]}  # fmt: skip
+            print(f"{policy:5s} {v:10s} {args.batch / med:8.2f} tok/s  {base / med:.3f}x untracked  (median of "
+                  f"{len(steps[v])} steps {med * 1e3:.2f} ms, IQR {q1 * 1e3:.2f}-{q3 * 1e3:.2f}); "
+                  f"holds {held[v]} tokens (layer 0, head 0)")
         results["policies"][policy] = row
+    results["op_costs_per_layer_step"] = costs = op_costs(args)
+    print("per layer and step (min of repeats): " + ", ".join(f"{k} {v:.0f}" for k, v in costs.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
