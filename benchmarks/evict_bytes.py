@@ -2,12 +2,13 @@
 
     python benchmarks/evict_bytes.py                                 # SmolLM2-135M, 2K WikiText-2 tokens, 64 steps
     python benchmarks/evict_bytes.py --model smollm2-135m --context 2048 --steps 64 --json out.json
+    python benchmarks/evict_bytes.py --configs "int4,int4 + h2o 0.5" --steps 16
 
 Each config prefills the same --context tokens, then decodes --steps more (teacher-forced, the text's next
 tokens); the table gives ``bytes_total`` (K, V, scales, full-precision segments and the eviction index: every
-kept token's position, and the scores of h2o/tova) after the prefill and at the end, as a ratio to ``int4``
-alone at the same point, and the tokens layer 0 / KV head 0 holds. Prefill-time policies append decoded
-tokens; h2o and tova keep each head at its prompt budget.
+kept token's position, and the scores of h2o/tova) after the prefill and at the end, as a ratio to the
+first of --configs (``int4`` alone by default) at the same point, and the tokens layer 0 / KV head 0 holds.
+Prefill-time policies append decoded tokens; h2o and tova keep each head at its prompt budget.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--data", default="wikitext-2")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from: {', '.join(CONFIGS)}")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,8 +69,12 @@ def main() -> None:
     kvquant.wrap(model, "int4")
     print(f"{args.model}, {args.data}: {args.context} prompt tokens + {args.steps} decode steps")
     rows, base = {}, None
-    for name, config in CONFIGS.items():
-        pre, end = held(model, config, ids, args.context)
+    names = [n.strip() for n in args.configs.split(",")]
+    for name in names:
+        if name not in CONFIGS:
+            raise SystemExit(f"--configs: unknown {name!r} (known: {', '.join(CONFIGS)})")
+    for name in names:
+        pre, end = held(model, CONFIGS[name], ids, args.context)
         base = base or (pre, end)
         rows[name] = {
             "bytes_after_prefill": pre["bytes_total"], "bytes_end": end["bytes_total"],
