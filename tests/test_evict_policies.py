@@ -151,7 +151,7 @@ def test_per_layer_overrides_and_sliding_window_layers(tmp_path):
     cfg = KVQuantConfig.from_dict({"default": "int8-token", "evict": {"policy": "knorm", "layers": {1: None}}})
     cache = QuantizedKVCache(model, cfg)
     with torch.no_grad():
-        model(torch.randint(3, 128, (1, 100)), past_key_values=cache)
+        model(torch.randint(3, 128, (1, 100)), cache=cache)
     assert cache.layers[0].store.slots is not None and cache.layers[0].store.cache_pos == 50
     assert cache.layers[1].store.slots is None and cache.layers[1].store.cache_pos == 100
     mistral = tiny_model("mistral", kv_heads=2, heads=4, head_dim=16, layers=2, sliding_window=32)

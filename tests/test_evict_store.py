@@ -31,7 +31,7 @@ def prefill(model, config, ids, mask=None):
     cache = QuantizedKVCache(model, config)
     pos = None if mask is None else (mask.cumsum(-1) - 1).clamp_min(0)  # as generate() numbers left-padded rows
     with torch.no_grad():
-        out = model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+        out = model(ids, attention_mask=mask, position_ids=pos, cache=cache)
     return cache, out.logits
 
 
@@ -45,7 +45,7 @@ def teacher_forced(model, cache, cont, mask=None):
                 pos = (mask.cumsum(-1) - 1)[:, -1:]
             else:
                 pos = None
-            out = model(cont[:, i:i + 1], attention_mask=mask, position_ids=pos, past_key_values=cache)
+            out = model(cont[:, i:i + 1], attention_mask=mask, position_ids=pos, cache=cache)
             logits.append(out.logits[:, -1])
     return torch.stack(logits, dim=1)
 
@@ -128,13 +128,13 @@ def test_positions_keep_counting_original_positions_after_eviction(model):
     kept[T - (n - sinks):] = True
     dyn = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=dyn)
+        model(ids, cache=dyn)
         ref = []
         mask = kept.view(1, -1).long()
         for i in range(cont.shape[1]):
             mask = torch.cat([mask, torch.ones(1, 1, dtype=torch.long)], dim=1)
             pos = torch.tensor([[T + i]])
-            out = model(cont[:, i:i + 1], attention_mask=mask, position_ids=pos, past_key_values=dyn,
+            out = model(cont[:, i:i + 1], attention_mask=mask, position_ids=pos, cache=dyn,
                         cache_position=pos[0])
             ref.append(out.logits[:, -1])
     ref = torch.stack(ref, dim=1)
@@ -142,8 +142,8 @@ def test_positions_keep_counting_original_positions_after_eviction(model):
     # the same check with the positions shifted to the count of kept tokens fails
     shifted = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids[:, kept], past_key_values=shifted)
-        out = model(cont[:, :1], past_key_values=shifted)
+        model(ids[:, kept], cache=shifted)
+        out = model(cont[:, :1], cache=shifted)
     assert (out.logits[:, -1] - ref[:, 0]).abs().max() > 1e-2
 
 
@@ -223,7 +223,7 @@ def test_a_kvpress_style_scorer_object_is_a_policy(model):
     cache, _ = prefill(model, config, ids)
     dyn = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=dyn)
+        model(ids, cache=dyn)
     n = Budget(keep=keep, sinks=sinks, window=window).tokens(T)
     for i, layer in enumerate(cache.layers):
         keys = dyn.layers[i].keys  # post-rotary keys, as the cache saw them
@@ -312,8 +312,8 @@ def test_decode_time_replacement_stores_each_slot_the_key_of_its_position(model,
     teacher_forced(model, cache, cont)
     dyn = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(torch.cat([ids, cont[:, :-1]], dim=1), past_key_values=dyn)
-        model(cont[:, -1:], past_key_values=dyn)
+        model(torch.cat([ids, cont[:, :-1]], dim=1), cache=dyn)
+        model(cont[:, -1:], cache=dyn)
     st = cache.layers[0].store
     k, v = at.dequantize_history(st, st.cache_pos)
     pos = st.slots.pos.long()
