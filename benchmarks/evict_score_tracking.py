@@ -38,52 +38,31 @@ from decode_throughput import CLOCKS, build  # noqa: E402
 VARIANTS = ("untracked", "mass only", "tracked")
 
 
-def make_cache(model, config: kvquant.KVQuantConfig, variant: str) -> kvquant.QuantizedKVCache:
-    """A cache whose layers run ``variant`` of their policy (see the module doc)."""
-    cache = kvquant.QuantizedKVCache(model, config)
-    if variant == "tracked":
-        return cache
+def after_prefill(cache: kvquant.QuantizedKVCache, variant: str) -> None:
+    """Switch every evicting layer of ``cache`` (already holding the policy's prompt selection) to ``variant``:
+    ``untracked`` stops tracking (new tokens appended), ``mass only`` lifts the budget (scores updated, nothing
+    replaced), ``tracked`` changes nothing."""
     for layer in cache.layers:
-        if layer.policy is not None:
-            layer.policy = _Variant(layer.policy, variant)
-    return cache
-
-
-class _Variant:
-    """A policy that scores the prompt like ``policy``, then (``untracked``) stops tracking or (``mass only``)
-    tracks without a budget: the switch is applied after the prompt's write, by :func:`after_prefill`."""
-
-    def __init__(self, policy, variant: str) -> None:
-        self.policy, self.variant = policy, variant
-
-    def __getattr__(self, name):
-        return getattr(self.policy, name)
-
-
-def after_prefill(cache: kvquant.QuantizedKVCache) -> None:
-    for layer in cache.layers:
-        p = layer.policy
-        if not isinstance(p, _Variant):
+        slots = layer.store.slots if layer.store is not None else None
+        if layer.policy is None or slots is None or variant == "tracked":
             continue
-        slots = layer.store.slots
-        if p.variant == "untracked":
-            layer.policy = dataclasses.replace(p.policy, tracking=None)
+        if variant == "untracked":
+            layer.policy = dataclasses.replace(layer.policy, tracking=None)
             slots.tracking, slots.score, slots.cap = None, None, None
         else:
-            layer.policy = p.policy
             slots.cap = torch.full_like(slots.cap, torch.iinfo(slots.cap.dtype).max)
 
 
 def step_times(model, config, variant: str, args) -> tuple[list[float], int]:
     """Seconds of each timed decode step (after a prefill of --context tokens and one warm-up step), and the
     tokens layer 0 / KV head 0 / row 0 holds at the end."""
-    cache = make_cache(model, config, variant)
+    cache = kvquant.QuantizedKVCache(model, config)
     now = CLOCKS[args.clock]
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.context))
     times = []
     with torch.no_grad():
         out = model(ids, cache=cache, use_cache=True)
-        after_prefill(cache)
+        after_prefill(cache, variant)
         nxt = out.logits[:, -1:].argmax(-1)
         for i in range(args.tokens + 1):
             t0 = now()
