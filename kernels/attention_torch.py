@@ -81,8 +81,9 @@ def _mask_tile(
     return m if group.all_heads else m.index_select(1, group.head_index)
 
 
-def _direct(qt, tiles, mask, group, num_kv, rep, q_range, past_len, softcap) -> torch.Tensor:
-    """Plain softmax over a few tiles that fit the workspace together (the common decode case)."""
+def _direct(qt, tiles, mask, group, num_kv, rep, q_range, past_len, softcap, mass=None) -> torch.Tensor:
+    """Plain softmax over a few tiles that fit the workspace together (the common decode case); ``mass``: add
+    each history key's probability mass (summed over the tile's query rows) into ``mass[B, Hg, past_len]``."""
     loaded = [(load(), k_range) for load, k_range in tiles]
     parts = []
     for (keys, _), k_range in loaded:
@@ -93,6 +94,13 @@ def _direct(qt, tiles, mask, group, num_kv, rep, q_range, past_len, softcap) -> 
     m = scores.amax(dim=-1, keepdim=True)
     p = torch.exp(scores - torch.where(torch.isinf(m), torch.zeros_like(m), m))
     denom = p.sum(dim=-1, keepdim=True)
+    if mass is not None:
+        probs = _normalise(p, denom).sum(dim=2)  # [B, Hg, tk]
+        start = 0
+        for _, (k0, k1) in loaded:
+            if k1 <= past_len:
+                mass[:, :, k0:k1] += probs[:, :, start:start + k1 - k0]
+            start += k1 - k0
     out = None
     start = 0
     for (_, values), (k0, k1) in loaded:
@@ -146,10 +154,15 @@ def attend_torch(
     mask: torch.Tensor | None,
     scaling: float,
     softcap: float | None = None,
+    key_mass: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` over ``layer``'s quantized history plus the fresh chunk (see module doc).
 
-    ``softcap``: attention logit softcapping (Gemma 2), applied to the scaled scores before masking."""
+    ``softcap``: attention logit softcapping (Gemma 2), applied to the scaled scores before masking.
+    ``key_mass``: a float32 ``[B, Hkv, past_len]`` tensor to which each history key's attention probability
+    (summed over the query heads of its KV head and over the chunk's queries) is added -- the per-key score
+    mass H2O / TOVA evict by. It costs one exp per (query, key) more, and keeps the scores of the tiles of
+    one query tile until its softmax is final."""
     B, Hq, Tq, D = query.shape
     Hkv = layer.num_heads
     if Hq % Hkv:
@@ -180,10 +193,14 @@ def attend_torch(
                  (past_len + f0, past_len + f1))
                 for f0, f1 in _tiles(f_end, tk)
             ]
+            gm = None
+            if key_mass is not None:
+                gm = key_mass if g.all_heads else torch.zeros((B, Hg, past_len), device=device)
             if sum(b - a for _, (a, b) in tiles) <= 2 * tk:  # fits the workspace at once: one plain softmax
-                res = _direct(qt, tiles, mask, g, Hkv, rep, (q0, q1), past_len, softcap)
+                res = _direct(qt, tiles, mask, g, Hkv, rep, (q0, q1), past_len, softcap, gm)
             else:
                 acc = _OnlineSoftmax((B, Hg, rep * (q1 - q0)), D, device)
+                kept = []  # history tiles' scores, for the per-key mass once the softmax is final
                 for load, k_range in tiles:
                     keys, values = load()
                     scores = cap_scores(qt @ keys.transpose(-1, -2), softcap)
@@ -191,7 +208,14 @@ def attend_torch(
                     if keep is not None:
                         scores = _apply(scores, keep, rep)
                     acc.update(scores, values)
+                    if gm is not None and k_range[1] <= past_len:
+                        kept.append((scores, k_range))
                 res = acc.result()
+                for scores, (k0, k1) in kept:
+                    m_safe = torch.where(torch.isinf(acc.m), torch.zeros_like(acc.m), acc.m)
+                    gm[:, :, k0:k1] += _normalise(torch.exp(scores - m_safe), acc.l).sum(dim=2)
+            if gm is not None and not g.all_heads:
+                key_mass.index_add_(1, g.head_index, gm)
             res = res.view(B, Hg, rep, q1 - q0, D)
             if g.all_heads:
                 out[:, :, :, q0:q1] = res

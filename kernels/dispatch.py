@@ -24,6 +24,12 @@ _logged: set[str] = set()
 __all__ = ["Unsupported", "attend", "backend_for"]
 
 
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.warning("kvquant: Triton attention unavailable, using the torch path (%s)", reason)
+
+
 def backend_for(device: torch.device) -> str:
     forced = os.environ.get("KVQUANT_ATTENTION", "").strip().lower()
     if forced in ("torch", "triton"):
@@ -75,19 +81,29 @@ def attend(
     if head_space:  # codebook heads: queries rotated once per step, stored rows never un-rotated
         query = layer.query_to_head_space(query)
         fresh_k, fresh_v = layer.kv_to_head_space(fresh_k, fresh_v)
+    slots = getattr(layer, "slots", None)
+    mass = None
+    use_triton = backend_for(query.device) == "triton"
+    if slots is not None:  # an evicting layer: its history axis holds slots (kvquant.slots)
+        mask = slots.attention_mask(mask, past_len, query.shape[2], query.shape[1] // layer.num_heads)
+        if slots.tracking:  # H2O / TOVA: the attention returns each history slot's probability mass
+            mass = torch.zeros((layer.batch, layer.num_heads, past_len), device=query.device)
+        if use_triton and (mass is not None or slots.holes):
+            use_triton = False
+            _log_once("eviction: per-key score mass (h2o/tova) and per-head kept sets of different sizes "
+                      "(adakv) are read by the torch path only")  # fmt: skip
     out = None
-    if backend_for(query.device) == "triton":
+    if use_triton:
         try:
             from .triton_attention import attend_triton
 
             out = attend_triton(query, fresh_k, fresh_v, layer, past_len, mask, scaling, softcap=softcap)
         except (Unsupported, ImportError) as e:
-            reason = f"{type(e).__name__}: {e}"
-            if reason not in _logged:
-                _logged.add(reason)
-                logger.warning("kvquant: Triton attention unavailable, using the torch path (%s)", reason)
+            _log_once(f"{type(e).__name__}: {e}")
     if out is None:
-        out = attend_torch(query, fresh_k, fresh_v, layer, past_len, mask, scaling, softcap)
+        out = attend_torch(query, fresh_k, fresh_v, layer, past_len, mask, scaling, softcap, key_mass=mass)
+    if mass is not None:
+        slots.observe(mass)
     if head_space:
         out = layer.output_from_head_space(out)
     return fwht(out) if layer.rotate_values else out

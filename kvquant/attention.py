@@ -52,7 +52,8 @@ def kvquant_attention_forward(
     from kvquant.kernels import attend
 
     if view.commit is not None:
-        view.commit(first_real_token(mask, query.shape[0]) if view.past_len == 0 else None)
+        row_start = first_real_token(mask, query.shape[0]) if view.past_len == 0 else None
+        view.commit(row_start, {"module": module, "queries": query, "scaling": scaling, "mask": mask})
     out = attend(query, key, value, view.store, view.past_len, mask, scaling, softcap)
     return out.transpose(1, 2).contiguous(), None
 

@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import view as handoff
 from .config import DEFAULT_PRESET, MAX_CAPACITY, KVPrecision, KVQuantConfig, check_int
+from .evict import Policy, choose_slots
 from .outliers import OutlierWatch
 from .scales import load_static_amax
 from .shape import ModelShape, sliding_windows
@@ -83,7 +84,10 @@ class QuantizedLayer(CacheLayerMixin):
     @property
     def is_croppable(self) -> bool:
         """Crop can undo any token (see :meth:`LayerStore.crop`), except that per-channel blocks without a
-        full-precision window (``residual_tokens: 0``) can only be cut at block boundaries."""
+        full-precision window (``residual_tokens: 0``) can only be cut at block boundaries, and that a layer
+        with an eviction policy cannot be cropped."""
+        if self.policy is not None:  # an evicting layer holds kept tokens, not a prefix of the sequence
+            return False
         return self.store is None or not self.store.per_block or self.store.residual_tokens > 0
 
     def __init__(
@@ -97,9 +101,12 @@ class QuantizedLayer(CacheLayerMixin):
         pool: PagedKVPool | None = None,
         window: int | None = None,
         watch: OutlierWatch | None = None,
+        policy: Policy | None = None,
     ) -> None:
         super().__init__()
         self.watch = watch
+        # eviction (kvquant.evict): which tokens this layer keeps; sliding-window layers keep their window
+        self.policy = policy if window is None else None
         self.layer_idx = layer_idx
         self.row = row
         self.config = config
@@ -166,23 +173,74 @@ class QuantizedLayer(CacheLayerMixin):
         handoff.publish(key_states, handoff.LayerView(self.layer_idx, self.store, past, self.strict, self.commit))
         return key_states, value_states
 
-    def _write(self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None = None) -> None:
+    def _write(
+        self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None = None,
+        context: dict[str, Any] | None = None,
+    ) -> None:
         assert self.store is not None
         q_end = self.store.q_end
-        self.store.append(keys, values, row_start)
+        if self.policy is None:
+            self.store.append(keys, values, row_start)
+        else:
+            self._write_evicting(keys, values, row_start, context or {})
         if self.owner is not None:
             self.owner.index_new_blocks(self.layer_idx, q_end)
         self._check_clipping(keys.shape[2])
 
-    def commit(self, row_start: torch.Tensor | None = None) -> None:
+    def _write_evicting(
+        self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None, context: dict[str, Any]
+    ) -> None:
+        """Write through the layer's eviction policy: the first chunk (the prompt) is scored and only its
+        kept tokens stored; later chunks are appended, except that a decode-time policy (H2O, TOVA) writes
+        each new token over its lowest-scoring token once a head holds its budget."""
+        store, policy = self.store, self.policy
+        assert store is not None and policy is not None
+        B, H, T, _ = keys.shape
+        slots = store.slots
+        if slots is None:
+            if policy.needs_queries and context.get("queries") is None:
+                raise ValueError(
+                    f"evict.policy: {policy.name} scores tokens with the model's queries; build the cache for a "
+                    "model whose attention is kvquant's (kvquant.wrap), not for a bare ModelShape"
+                )
+            pos = torch.arange(T, device=keys.device)
+            valid = (pos[None, :] >= (row_start.view(-1, 1) if row_start is not None else 0)).expand(B, T)
+            kwargs = {"attention_mask": context.get("mask"), "queries": context.get("queries"),
+                      "scaling": context.get("scaling"), "valid": valid}  # fmt: skip
+            scores = policy.scorer.score(context.get("module"), None, keys, values, None, kwargs)
+            keep = policy.budget.keep_mask(scores, valid)
+            cap = None
+            if policy.tracking:  # the budget while decoding: what the prompt kept (keep 1.0: no limit)
+                b = policy.budget
+                cap = keep.sum(dim=-1).clamp_min(b.sinks + b.window)
+                if b.keep >= 1.0:
+                    cap = torch.full_like(cap, torch.iinfo(cap.dtype).max)
+            store.append_kept(keys, values, keep, row_start, scores if policy.tracking else None, policy.tracking, cap)
+            return
+        if not policy.tracking or T != 1:
+            store.append(keys, values)
+            slots.append(T)
+            return
+        b = policy.budget
+        target = choose_slots(slots.pos, slots.score, slots.cap, slots.first, slots.seen + 1, b.sinks, b.window)
+        S = slots.slots
+        appended = bool((target == S).any())
+        if appended:  # some head grows: every head gets slot S (heads that replace a token leave it empty)
+            store.append(keys, values)
+        store.overwrite(keys, values, target, target < S)
+        slots.place(target, appended)
+
+    def commit(self, row_start: torch.Tensor | None = None, context: dict[str, Any] | None = None) -> None:
         """Write the chunk of the last :meth:`update` (called by the kvquant attention, which reads it).
 
         ``row_start[B]``: each row's first real token (from the attention mask); used by the first write.
+        ``context``: what an eviction policy may score with: ``module``, ``queries`` (rotary-embedded
+        ``[B, Hq, T, D]``), ``scaling`` and the boolean ``mask``.
         """
         if self._pending is not None:
             keys, values = self._pending
             self._pending = None
-            self._write(keys, values, row_start)
+            self._write(keys, values, row_start, context)
 
     def _check_clipping(self, chunk: int) -> None:
         """After the last layer's write of a chunk, or every ``block_size`` decode steps: warn if clipping."""
@@ -195,9 +253,11 @@ class QuantizedLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
+        """Positions written so far (an evicting layer keeps fewer tokens; new ones still get the next position)."""
         if self.store is None:
             return 0
-        return self.store.cache_pos + (self._pending[0].shape[2] if self._pending is not None else 0)
+        held = self.store.slots.seen if self.store.slots is not None else self.store.cache_pos
+        return held + (self._pending[0].shape[2] if self._pending is not None else 0)
 
     def get_max_length(self) -> int:
         return -1
@@ -299,9 +359,10 @@ class QuantizedKVCache(Cache):
         static = load_static_amax(self.kv_config.scales_file, self.shape)
         #: checks the prefill's keys for outlier / offset channels; logs one warning if the config cannot hold them
         self.outlier_watch = OutlierWatch(self.kv_config, self.plan)
+        evict = self.kv_config.evict
         layers = [
             QuantizedLayer(i, row, self.kv_config, self.shape.head_dim, static[i] if static else None, capacity,
-                           pool, windows[i], self.outlier_watch)
+                           pool, windows[i], self.outlier_watch, evict.for_layer(i) if evict else None)
             for i, row in enumerate(self.plan)
         ]  # fmt: skip
         self.clip_monitor = ClipMonitor(layers, self.session_id)
@@ -445,6 +506,10 @@ class QuantizedKVCache(Cache):
                 "static_scales": scales,
                 "clipped": st.clipped(),
                 "bytes_moved": st.bytes_moved,
+                "evicted": None if st.slots is None else {
+                    "policy": layer.policy.name if layer.policy is not None else None, "slots": st.slots.slots,
+                    "positions": st.slots.seen, "kept_per_head": st.slots.counts().tolist(),
+                },
             })  # fmt: skip
         return {
             "session_id": self.session_id,

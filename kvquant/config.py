@@ -11,6 +11,7 @@ together or separately, and a few storage options. It reads and writes YAML and 
     heads:
       "3.1": int8                 # layer 3, KV head 1
       "7.0": {key: fp16}          # only the keys of layer 7, head 0
+    evict: {policy: snapkv, keep: 0.5, window: 32, sinks: 4, budget: uniform}   # optional: keep fewer tokens
 
 A precision is a name from :data:`kvquant.quantizers.PRECISIONS`, or ``{bits: 2|4|8|16}``.
 Every error names the field it is about, e.g. ``heads."3.9": KV head 9 out of range``.
@@ -28,6 +29,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError, InputError
+from .evict import BUDGETS, DECODE_POLICIES, POLICIES, EvictConfig
 from .inputs import read_text
 from .outputs import check_output, write_text
 from .quantizers import CHANNEL, CODEBOOK, GROUPED, PRECISIONS, make_quantizer
@@ -135,7 +137,8 @@ _OPTION_FIELDS = {
     "residual_tokens",
     "center_keys",
 }
-_TOP_LEVEL = {"default", "layers", "heads", "name", "description", "model_shape"} | _OPTION_FIELDS
+_TOP_LEVEL = {"default", "layers", "heads", "name", "description", "model_shape", "evict"} | _OPTION_FIELDS
+MAX_EVICT_TOKENS = 1 << 16  # evict.window / evict.sinks
 
 
 @dataclass
@@ -167,6 +170,9 @@ class KVQuantConfig:
             sees ``q.(k - mu) = q.k - q.mu`` for every key, a shift common to all of its scores, which
             softmax ignores. ``None`` (default): on when ``rotate`` rotates keys, so a bias offset is
             not spread over every channel.
+        evict: keep only some tokens (:class:`~kvquant.evict.EvictConfig`: ``{policy, keep, window, sinks,
+            budget, layers}``); ``None`` keeps every token. The kept tokens are stored in this config's
+            precisions; see :mod:`kvquant.evict`.
         name: preset or file name, for reports.
     """
 
@@ -186,6 +192,7 @@ class KVQuantConfig:
     name: str | None = None
     description: str | None = None
     model_shape: dict[str, int] | None = None
+    evict: EvictConfig | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -277,6 +284,8 @@ class KVQuantConfig:
         cfg.name = data.get("name")
         cfg.description = data.get("description")
         cfg.model_shape = data.get("model_shape")
+        if data.get("evict") is not None:
+            cfg.evict = _parse_evict(data["evict"], "evict")
         cfg._check_options()
         return cfg
 
@@ -311,6 +320,29 @@ class KVQuantConfig:
                 raise ConfigError("model_shape: expected {layers: N, kv_heads: N, head_dim: N}")
             for key, v in self.model_shape.items():
                 check_int(v, f"model_shape.{key}", 1, MAX_MODEL_DIM)
+        self._check_evict()
+
+    def _check_evict(self) -> None:
+        """Eviction options that the storage options exclude (one-line errors naming the field)."""
+        ev = self.evict
+        if ev is None:
+            return
+        if not isinstance(ev, EvictConfig):
+            raise ConfigError(f"evict: expected a mapping like {{policy: snapkv, keep: 0.5}}, got {ev!r}")
+        if not ev.decode_time:
+            return
+        per_channel = sorted(self.precisions() & set(CHANNEL))
+        if per_channel:
+            raise ConfigError(
+                f"evict.policy: h2o / tova replace single tokens in place, which {per_channel[0]} (keys quantized "
+                "a whole block at a time) cannot do; use a per-token key precision (int8-token, int4, ...)"
+            )
+        sinks = min([ev.sinks, *(c.sinks for c in ev.layers.values() if c is not None)])
+        if sinks < self.sink_tokens:
+            raise ConfigError(
+                f"evict.sinks: {sinks} is fewer than sink_tokens {self.sink_tokens}; h2o / tova must never replace "
+                "a full-precision sink token"
+            )
 
     # ------------------------------------------------------------------ output
     def to_dict(self) -> dict[str, Any]:
@@ -327,6 +359,8 @@ class KVQuantConfig:
                 out[f.name] = getattr(self, f.name)
         if self.model_shape:
             out["model_shape"] = dict(self.model_shape)
+        if self.evict is not None:
+            out["evict"] = self.evict.to_dict()
         if self.layers:
             out["layers"] = {i: p.as_yaml() for i, p in sorted(self.layers.items())}
         if self.heads:
@@ -345,6 +379,8 @@ class KVQuantConfig:
         Any other suffix raises :class:`~kvquant.errors.OutputError`; so does an existing file when
         ``force`` is false.
         """
+        if self.evict is not None and not isinstance(self.evict.policy, str):
+            raise ConfigError(f"evict.policy: a Python scorer ({self.evict.policy_name}) cannot be saved to a file")
         p = check_output(path, CONFIG_SUFFIXES, "config", force=force)
         text = json.dumps(self.to_dict(), indent=2) + "\n" if p.suffix.lower() == ".json" else self.to_yaml(header)
         write_text(p, text, force=force, what="config")
@@ -383,6 +419,9 @@ class KVQuantConfig:
         for layer in self.layers:
             if layer >= shape.num_layers:
                 raise ConfigError(f"layers.{layer}: layer {layer} out of range (model has {shape.num_layers})")
+        for layer in self.evict.layers if self.evict is not None else ():
+            if layer >= shape.num_layers:
+                raise ConfigError(f"evict.layers.{layer}: layer {layer} out of range (model has {shape.num_layers})")
         for layer, head in self.heads:
             where = f'heads."{layer}.{head}"'
             if layer >= shape.num_layers:
@@ -437,6 +476,8 @@ class KVQuantConfig:
         return total / (2 * shape.num_layers * shape.num_kv_heads)
 
     def with_updates(self, **changes: Any) -> KVQuantConfig:
+        if isinstance(changes.get("evict"), Mapping):
+            changes["evict"] = _parse_evict(changes["evict"], "evict")
         cfg = replace(self, **{"layers": dict(self.layers), "heads": dict(self.heads), **changes})
         cfg._check_options()
         return cfg
@@ -504,3 +545,42 @@ def _parse_pair(value: Any, where: str, partial: bool = False) -> KVPrecision:
         return KVPrecision(k, v)
     p = _parse_precision(value, where)
     return KVPrecision(p, p)
+
+
+def _parse_evict(value: Any, where: str, base: EvictConfig | None = None) -> EvictConfig:
+    """``evict: {policy, keep, window, sinks, budget, layers}`` (a layer override: the same fields but ``layers``,
+    on top of ``base``); raises :class:`ConfigError` naming the field."""
+    if isinstance(value, EvictConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected a mapping like {{policy: snapkv, keep: 0.5}}, got {value!r}")
+    known = EvictConfig.FIELDS if base is not None else (*EvictConfig.FIELDS, "layers")
+    for k in value:
+        if str(k) not in known:
+            raise ConfigError(f"{where}.{k}: unknown field (known: {', '.join(known)})")
+    start = base or EvictConfig()
+    fields_ = {n: value.get(n, getattr(start, n)) for n in EvictConfig.FIELDS}
+    policy = fields_["policy"]
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise ConfigError(f"{where}.policy: {policy!r} is not one of {', '.join(POLICIES)} (or a scorer object)")
+    elif not callable(getattr(policy, "score", None)):
+        raise ConfigError(f"{where}.policy: {policy!r} is neither a policy name nor an object with a score() method")
+    keep = fields_["keep"]
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.0 < keep <= 1.0:
+        raise ConfigError(f"{where}.keep: {keep!r} must be a fraction in (0, 1]")
+    check_int(fields_["window"], f"{where}.window", 0, MAX_EVICT_TOKENS)
+    check_int(fields_["sinks"], f"{where}.sinks", 0, MAX_EVICT_TOKENS)
+    if fields_["budget"] not in BUDGETS:
+        raise ConfigError(f"{where}.budget: {fields_['budget']!r} must be one of {', '.join(BUDGETS)}")
+    if fields_["budget"] == "adakv" and isinstance(policy, str) and policy in DECODE_POLICIES:
+        raise ConfigError(f"{where}.budget: adakv applies to prefill-time policies; {policy} keeps a uniform budget")
+    cfg = EvictConfig(**{**fields_, "keep": float(keep)})
+    if base is None:
+        layers = value.get("layers") or {}
+        if not isinstance(layers, Mapping):
+            raise ConfigError(f"{where}.layers: expected a mapping like {{0: {{keep: 1.0}}, 3: null}}, got {layers!r}")
+        for k, v in layers.items():
+            layer = _parse_index(k, f"{where}.layers.{k}")
+            cfg.layers[layer] = None if v is None else _parse_evict(v, f"{where}.layers.{k}", cfg)
+    return cfg

@@ -1,4 +1,4 @@
-"""Eviction policies: which cached tokens a layer keeps (StreamingLLM, SnapKV, key norm, AdaKV budgets).
+"""Eviction policies: which cached tokens a layer keeps (StreamingLLM, SnapKV, key norm, H2O, TOVA, AdaKV budgets).
 
 A policy is two small objects with one job each:
 
@@ -9,6 +9,13 @@ A policy is two small objects with one job each:
    the rest by score, either the same number of tokens in every head or, with ``per_head=True`` (AdaKV), the
    layer's total spread over heads by score (each head keeps at least its sinks and window).
 
+Configured by the ``evict:`` field of a :class:`~kvquant.KVQuantConfig` (:class:`EvictConfig`, one
+:class:`Policy` per layer). Prefill-time policies (``streaming``, ``snapkv``, ``knorm``, a kvpress-style
+scorer) compress the prompt when it is first written; decode-time policies (``h2o``, ``tova``) also
+compress the prompt, then keep each layer at that budget while decoding: each new token replaces, per
+(row, KV head), the kept token with the lowest attention score (H2O: attention mass accumulated over
+every step; TOVA: the attention of the newest query), sinks and the recent window excepted.
+
 Scores are compared only within one (row, head) (uniform budget) or one (row, layer) (AdaKV); pad positions
 (``valid`` False) are never kept. Positions are not renumbered: kept tokens keep the rotary phase they were
 written with, so attention over them is the attention of the full cache restricted to the kept keys.
@@ -17,7 +24,7 @@ written with, so attention over them is the attention of the full cache restrict
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -75,11 +82,53 @@ class KeyNormScorer(KeyScorer):
         return -keys.float().norm(dim=-1)
 
 
+def window_attention(
+    queries: torch.Tensor, keys: torch.Tensor, scaling: float, mask: torch.Tensor | None = None, tile: int = 256
+) -> torch.Tensor:
+    """Softmax attention of the last ``w`` queries ``[B, Hq, w, D]`` to every key ``[B, H, T, D]``, summed over
+    those queries and over the query heads of each KV head: ``[B, H, T]`` float32.
+
+    Causal (query ``i`` of the window sits at position ``T - w + i``), and restricted by ``mask`` (a boolean
+    ``[B | 1, 1 | Hq, >= w, >= T]`` mask over the whole chunk, True = attend; its last ``w`` query rows are
+    used) when given. Queries are processed ``tile`` at a time, so the score matrix stays small."""
+    B, H, T, D = keys.shape
+    Hq, w = queries.shape[1], queries.shape[2]
+    rep = Hq // H
+    k = keys.float().repeat_interleave(rep, dim=1)
+    out = torch.zeros(B, Hq, T, device=keys.device)
+    for a in range(0, w, tile):
+        b = min(w, a + tile)
+        logits = queries[:, :, a:b].float() @ k.transpose(-1, -2) * scaling  # [B, Hq, t, T]
+        qpos = torch.arange(T - w + a, T - w + b, device=keys.device).view(-1, 1)
+        visible = torch.arange(T, device=keys.device).view(1, -1) <= qpos
+        if mask is not None:
+            if mask.dtype != torch.bool:  # an additive float mask: 0 = attend
+                mask = mask > torch.finfo(mask.dtype).min / 2
+            rows = mask.shape[2]
+            visible = visible & mask[:, :, rows - w + a : rows - w + b, :T]
+        p = logits.masked_fill(~visible, -math.inf).softmax(dim=-1).nan_to_num(0.0)
+        out += p.sum(dim=2)
+    return out.view(B, H, rep, T).sum(dim=2)
+
+
+def _queries(module: Any, hidden_states: torch.Tensor | None, kwargs: dict[str, Any], w: int, D: int) -> torch.Tensor:
+    """The last ``w`` rotary-embedded queries: ``kwargs["queries"]`` (given by kvquant's attention) when present,
+    else recomputed from ``hidden_states`` with the module's own projection (kvpress's way)."""
+    if kwargs.get("queries") is not None:
+        return kwargs["queries"][:, :, -w:]
+    return observation_queries(module, hidden_states[:, -w:], kwargs, D)
+
+
+def _scaling(module: Any, kwargs: dict[str, Any], D: int) -> float:
+    return kwargs.get("scaling") or getattr(module, "scaling", None) or D**-0.5
+
+
 @dataclass(frozen=True)
 class SnapKVScorer:
     """SnapKV (Li et al., 2024): attention of the last ``window`` prompt queries to each earlier key.
 
-    The observation queries are recomputed from ``hidden_states`` with the module's own ``q_proj`` (and
+    The observation queries are ``kwargs["queries"]`` (kvquant's attention passes the rotary-embedded queries
+    of the chunk) or, kvpress's way, recomputed from ``hidden_states`` with the module's own ``q_proj`` (and
     ``q_norm`` where the model has one, as Qwen3 does) and rotary embedding (``kwargs["position_embeddings"]``),
     softmax-normalised over all keys (causal inside the window), averaged over the window and the query heads
     of each KV head, then smoothed with an average pool of ``kernel`` tokens. Tokens inside the window score
@@ -100,17 +149,42 @@ class SnapKVScorer:
     ) -> torch.Tensor:
         B, H, T, D = keys.shape
         w = min(self.window, T)
-        q = observation_queries(module, hidden_states[:, -w:], kwargs, D)  # [B, Hq, w, D]
+        q = _queries(module, hidden_states, kwargs, w, D)  # [B, Hq, w, D]
         rep = q.shape[1] // H
-        k = keys.float().repeat_interleave(rep, dim=1)
-        logits = q @ k.transpose(-1, -2) * getattr(module, "scaling", D**-0.5)  # [B, Hq, w, T]
-        qpos = torch.arange(T - w, T, device=keys.device).view(-1, 1)
-        logits = logits.masked_fill(torch.arange(T, device=keys.device).view(1, -1) > qpos, -math.inf)
-        attn = logits.softmax(dim=-1).mean(dim=2).view(B, H, rep, T).mean(dim=2)  # [B, H, T]
+        attn = window_attention(q, keys, _scaling(module, kwargs, D), kwargs.get("attention_mask")) / (w * rep)
         if self.kernel > 1:
             attn = F.avg_pool1d(attn, self.kernel, stride=1, padding=self.kernel // 2, count_include_pad=False)
         attn[..., T - w :] = math.inf
         return attn
+
+
+@dataclass(frozen=True)
+class H2OScorer:
+    """H2O (Zhang et al., 2023), prefill part: the attention mass each key received from every prompt query
+    (summed over queries and the query heads of its KV head). While decoding, the attention adds each
+    step's mass to it (``tracking = "accumulate"``)."""
+
+    tracking = "accumulate"
+
+    def score(self, module: Any, hidden_states: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
+              attentions: torch.Tensor | None, kwargs: dict[str, Any]) -> torch.Tensor:
+        T, D = keys.shape[2], keys.shape[3]
+        q = _queries(module, hidden_states, kwargs, T, D)
+        return window_attention(q, keys, _scaling(module, kwargs, D), kwargs.get("attention_mask"))
+
+
+@dataclass(frozen=True)
+class TOVAScorer:
+    """TOVA (Oren et al., 2024): the attention of the newest query to each key (summed over the query heads
+    of its KV head); while decoding, each step's attention replaces it (``tracking = "last"``)."""
+
+    tracking = "last"
+
+    def score(self, module: Any, hidden_states: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
+              attentions: torch.Tensor | None, kwargs: dict[str, Any]) -> torch.Tensor:
+        D = keys.shape[3]
+        q = _queries(module, hidden_states, kwargs, 1, D)
+        return window_attention(q, keys, _scaling(module, kwargs, D), kwargs.get("attention_mask"))
 
 
 def observation_queries(
@@ -186,14 +260,124 @@ class Budget:
         return out
 
 
-POLICIES: dict[str, type] = {"streaming": StreamingScorer, "knorm": KeyNormScorer, "snapkv": SnapKVScorer}
+POLICIES: dict[str, type] = {
+    "streaming": StreamingScorer, "knorm": KeyNormScorer, "snapkv": SnapKVScorer, "h2o": H2OScorer, "tova": TOVAScorer,
+}
+#: policies that keep evicting while decoding (they need the attention's per-key score mass)
+DECODE_POLICIES = ("h2o", "tova")
+#: policies whose scores need the model's queries (a cache built without a model cannot run them)
+QUERY_POLICIES = ("snapkv", "h2o", "tova")
+BUDGETS = ("uniform", "adakv")
 
 
 def make_scorer(name: str, **options: Any) -> Scorer:
-    """A scorer by policy name (``streaming``, ``knorm``, ``snapkv``) with its options (e.g. ``window`` for SnapKV)."""
+    """A scorer by policy name (``streaming``, ``knorm``, ``snapkv``, ``h2o``, ``tova``) with its options
+    (e.g. ``window`` for SnapKV)."""
     if name not in POLICIES:
         raise ConfigError(f"evict.policy: {name!r} is not one of {', '.join(POLICIES)}")
     try:
         return POLICIES[name](**options)
     except TypeError as e:
         raise ConfigError(f"evict: bad option for policy {name!r} ({e})") from None
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What one layer does: ``scorer`` rates the prompt's tokens, ``budget`` picks the kept ones; ``tracking``
+    (``"accumulate"`` for H2O, ``"last"`` for TOVA, ``None``) says whether, and how, the attention's per-key
+    score mass updates the scores while decoding (a tracking policy then keeps the layer at its budget)."""
+
+    name: str
+    scorer: Scorer
+    budget: Budget
+    tracking: str | None = None
+
+    @property
+    def needs_queries(self) -> bool:
+        """True unless the scorer rates keys alone (a kvpress-style scorer may look at anything: True)."""
+        return not isinstance(self.scorer, KeyScorer)
+
+
+@dataclass
+class EvictConfig:
+    """The ``evict:`` field of a config: ``{policy, keep, window, sinks, budget, layers}``.
+
+    ``policy``: ``streaming``, ``snapkv``, ``knorm``, ``h2o``, ``tova``, or (Python API only) an object with
+    kvpress's ``score(module, hidden_states, keys, values, attentions, kwargs)`` method; kvquant calls it with
+    ``hidden_states=None`` (its attention does not see them), the prompt's rotary-embedded ``keys`` and
+    ``values`` ``[B, H, T, D]``, ``attentions=None``, and ``kwargs`` holding ``queries`` (rotary-embedded,
+    ``[B, Hq, T, D]``), ``scaling``, ``attention_mask`` (boolean, or None) and ``valid`` (``[B, T]``, False at
+    left padding). ``keep``: fraction of
+    each (row, KV head)'s prompt tokens kept; ``window``: the most recent tokens always kept (also SnapKV's
+    observation window); ``sinks``: the first tokens always kept; ``budget``: ``uniform`` (every head keeps as
+    many tokens) or ``adakv`` (the layer's total spread over heads by score). ``layers``: per-layer overrides
+    of these fields, or ``None`` (that layer keeps everything).
+    """
+
+    policy: Any = "snapkv"
+    keep: float = 0.5
+    window: int = 32
+    sinks: int = 4
+    budget: str = "uniform"
+    layers: dict[int, EvictConfig | None] = field(default_factory=dict)
+
+    FIELDS = ("policy", "keep", "window", "sinks", "budget")
+
+    @property
+    def policy_name(self) -> str:
+        """The policy's name, or the class name of a scorer object."""
+        return self.policy if isinstance(self.policy, str) else type(self.policy).__name__
+
+    @property
+    def decode_time(self) -> bool:
+        """True when this config or a layer override evicts while decoding (``h2o``, ``tova``)."""
+        specs = [self, *(c for c in self.layers.values() if c is not None)]
+        return any(c.policy in DECODE_POLICIES for c in specs if isinstance(c.policy, str))
+
+    def for_layer(self, layer: int) -> Policy | None:
+        """The layer's :class:`Policy` (``None``: the layer keeps every token)."""
+        spec = self.layers.get(layer, self)
+        if spec is None:
+            return None
+        budget = Budget(keep=spec.keep, sinks=spec.sinks, window=spec.window, per_head=spec.budget == "adakv")
+        if not isinstance(spec.policy, str):
+            return Policy(spec.policy_name, spec.policy, budget, getattr(spec.policy, "tracking", None))
+        options = {"window": spec.window} if spec.policy == "snapkv" else {}
+        scorer = make_scorer(spec.policy, **options)
+        return Policy(spec.policy, scorer, budget, getattr(scorer, "tracking", None))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML form (a layer override lists only the fields it changes)."""
+        out: dict[str, Any] = {name: getattr(self, name) for name in self.FIELDS}
+        if self.layers:
+            out["layers"] = {
+                i: None if c is None else {n: getattr(c, n) for n in self.FIELDS if getattr(c, n) != getattr(self, n)}
+                for i, c in sorted(self.layers.items())
+            }
+        return out
+
+
+def choose_slots(
+    pos: torch.Tensor, score: torch.Tensor, cap: torch.Tensor, first: torch.Tensor, seen: int, sinks: int,
+    window: int,
+) -> torch.Tensor:
+    """Where a decode-time policy writes one new token, per (row, KV head): ``target[B, H]``.
+
+    ``pos[B, H, S]``: each slot's position (-1: empty), ``score[B, H, S]``: its score, ``cap[B, H]``: tokens the
+    head may keep, ``first[B]``: each row's first real position, ``seen``: positions after the new token.
+    Below its cap a head takes its first empty slot, else slot ``S`` (a new one); at its cap the slot of its
+    lowest-scoring token that is neither a sink (``first + sinks``) nor among the ``window`` newest positions
+    (the new token included)."""
+    B, H, S = pos.shape
+    filled = pos >= 0
+    count = filled.sum(dim=-1)
+    empty = ~filled
+    first_empty = torch.where(empty.any(dim=-1), empty.int().argmax(dim=-1), S)
+    protected = (pos < first.view(-1, 1, 1) + sinks) | (pos >= seen - window)
+    victim_score = score.float().masked_fill(protected | ~filled, math.inf)
+    victim = victim_score.argmin(dim=-1)
+    none_left = torch.isinf(victim_score.gather(-1, victim.unsqueeze(-1)).squeeze(-1))
+    # every kept token protected (a cap of at most sinks + window): the oldest non-sink token goes
+    oldest = pos.masked_fill(~filled | (pos < first.view(-1, 1, 1) + sinks), torch.iinfo(pos.dtype).max).argmin(-1)
+    victim = torch.where(none_left, oldest, victim)
+    return torch.where(count < cap, first_empty, victim)

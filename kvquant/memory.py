@@ -59,7 +59,7 @@ def memory_report(cache: Any) -> dict[str, Any]:
     shape: ModelShape = cache.shape
     per_layer: list[dict[str, Any]] = []
     per_precision: dict[str, int] = {}
-    totals = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "reserved": 0, "shared": 0, "blocks": 0}
+    totals = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "index": 0, "reserved": 0, "shared": 0, "blocks": 0}
     batch = moved = 0
     for i, layer in enumerate(cache.layers):
         store = layer.store
@@ -71,7 +71,8 @@ def memory_report(cache: Any) -> dict[str, Any]:
         mem = store.memory()
         for k in totals:
             totals[k] += mem[k]
-        per_layer.append({"layer": i, "bytes": mem["keys"] + mem["values"] + mem["scales"] + mem["dense"], **mem})
+        layer_bytes = mem["keys"] + mem["values"] + mem["scales"] + mem["dense"] + mem["index"]
+        per_layer.append({"layer": i, "bytes": layer_bytes, **mem})
         for g in store.groups:
             for kind, s in (("key", g.key), ("value", g.value)):
                 name = f"{s.quantizer.name} ({kind}s)"
@@ -81,7 +82,7 @@ def memory_report(cache: Any) -> dict[str, Any]:
             name = f"{str(k.dtype).removeprefix('torch.')} ({what})"
             per_precision[name] = per_precision.get(name, 0) + k.numel() * k.element_size() * 2
     tokens = cache.get_seq_length()
-    total = totals["keys"] + totals["values"] + totals["scales"] + totals["dense"]
+    total = totals["keys"] + totals["values"] + totals["scales"] + totals["dense"] + totals["index"]
     fp16_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
     per_token = total / (tokens * batch) if tokens and batch else 0.0
     return {
@@ -94,6 +95,8 @@ def memory_report(cache: Any) -> dict[str, Any]:
         "bytes_values": totals["values"],
         "bytes_scales": totals["scales"],
         "bytes_dense": totals["dense"],
+        # eviction: each kept token's original position (int32 per slot and KV head) and H2O/TOVA scores
+        "bytes_index": totals["index"],
         "bytes_shared": totals["shared"],
         "bytes_reserved": totals["reserved"],
         "bytes_moved": moved,

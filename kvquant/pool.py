@@ -16,7 +16,8 @@ a token's quantized bytes depend on that token alone (per-channel key blocks: on
 Schemes with a static per-head scale (``int8``, ``fp8-*``) only with a ``scales_file`` (the same calibration for
 every request; the file's contents are part of the hash); without one each cache calibrates on its
 own first chunk, so nothing is indexed. Not indexed either: ``sink_tokens`` (per-sequence fp16
-copies) and models with sliding-window layers (their old blocks are released).
+copies), ``evict`` (blocks hold each sequence's own kept tokens) and models with sliding-window layers
+(their old blocks are released).
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class PagedKVPool:
     def _root_digest(self) -> bytes | None:
         """Digest of (config, model, calibration) under which blocks may be shared; None when not."""
         cfg = self.config
-        if cfg.sink_tokens or any(w is not None for w in self.windows):
+        if cfg.sink_tokens or cfg.evict is not None or any(w is not None for w in self.windows):
             return None
         calibration = b""
         static = any(kq.static or vq.static for row in self.plan

@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .config import KVPrecision, KVQuantConfig
+from .errors import ConfigError
 from .scales import load_static_amax
 from .shape import ModelShape
 from .store import LayerStore
@@ -48,6 +49,9 @@ class SimulatedQuantCache(Cache):
 
     def __init__(self, model: Any, config: KVQuantConfig | str | Path) -> None:
         self.kv_config = KVQuantConfig.load(config)
+        if self.kv_config.evict is not None:
+            raise ConfigError("evict: the simulated protocol fake-quantizes every position of one forward and keeps "
+                              "every token; eviction needs the decode protocol (a QuantizedKVCache)")
         shape = ModelShape.of(model)
         plan = self.kv_config.resolve(shape)
         static = load_static_amax(self.kv_config.scales_file, shape)  # calibration text, never the window scored

@@ -41,6 +41,7 @@ from .config import KVPrecision, KVQuantConfig
 from .quantizers import Quantizer, make_quantizer
 from .quantizers.base import PartSpec
 from .rotation import fwht
+from .slots import SlotMap
 
 # Static (per-head) scales are calibrated on at least this many real tokens of every row; until then the
 # tokens are held in full precision (a 1-token prompt says little about later magnitudes) ...
@@ -105,6 +106,33 @@ class QuantizedTensorStore:
         :class:`StoredOverflow`.
         ``real[B, T]``: False at left-padding positions, which static-scale clipping does not count.
         """
+        q = self._quantize(x, check, real)
+        for name, t in q.items():
+            dst = self.parts[name]
+            rows = t.transpose(1, 2)  # [B, T or blocks, H, *shape]
+            if self.specs[name].per_block:
+                if plan.blk_src_b.numel():
+                    dst[plan.blk_dst, :, 0] = rows[plan.blk_src_b, plan.blk_src_j].to(dst.dtype)
+            elif plan.single is not None:
+                b, t_, blk, off = plan.single
+                dst[blk, :, off] = rows[b, t_]
+            else:
+                dst[plan.dst_blk, :, plan.dst_off] = rows[plan.src_b, plan.src_t].to(dst.dtype)
+
+    def write_heads(
+        self, x: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
+        check: bool = True,
+    ) -> None:
+        """Quantize the one-token ``x[B, H, 1, D]`` and write the pairs ``(rows[i], heads[i])`` (group-local head
+        indices) at block ``blk[i]``, offset ``off[i]``: each head to its own slot (decode-time eviction
+        replaces a different token in every head). Per-token parts only."""
+        q = self._quantize(x, check, None)
+        for name, t in q.items():
+            dst = self.parts[name]
+            dst[blk, heads, off] = t[rows, heads, 0].to(dst.dtype)
+
+    def _quantize(self, x: torch.Tensor, check: bool, real: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The parts of ``x`` (static-scale clipping counted; see :meth:`write` for ``check`` and ``real``)."""
         if self.quantizer.static:
             counted = x if real is None else torch.where(real[:, None, :, None], x, 0.0)
             self.clipped += self.quantizer.clipped(counted, self.state)
@@ -119,17 +147,7 @@ class QuantizedTensorStore:
                     f"precision: {self.quantizer.name} cannot store |K/V| up to {x.abs().max().item():.3g} "
                     "(the stored values overflow); use bf16 or fp32 storage for this layer / head"
                 )
-        for name, t in q.items():
-            dst = self.parts[name]
-            rows = t.transpose(1, 2)  # [B, T or blocks, H, *shape]
-            if self.specs[name].per_block:
-                if plan.blk_src_b.numel():
-                    dst[plan.blk_dst, :, 0] = rows[plan.blk_src_b, plan.blk_src_j].to(dst.dtype)
-            elif plan.single is not None:
-                b, t_, blk, off = plan.single
-                dst[blk, :, off] = rows[b, t_]
-            else:
-                dst[plan.dst_blk, :, plan.dst_off] = rows[plan.src_b, plan.src_t].to(dst.dtype)
+        return q
 
     def _widen_parts(self) -> None:
         """Re-type the block tensors whose dtype the quantizer changed (fp16 scales -> fp32; values kept)."""
@@ -290,6 +308,7 @@ class LayerStore:
         self.first_live = 0  # blocks [0, first_live) of every row were released (sliding window)
         self.bytes_moved = 0  # quantized bytes copied by copy-on-write (beam reorders, shared partial blocks)
         self._table_cache: torch.Tensor | None = None
+        self.slots: SlotMap | None = None  # an evicting layer: its token axis holds slots (see kvquant.slots)
         self.groups: list[HeadGroup] = []
         for gi, (pair, heads, kq, vq) in enumerate(made):
             self.groups.append(
@@ -417,6 +436,73 @@ class LayerStore:
             self._write_pool(keys, values, past)
         self.cache_pos = past + T
         return past
+
+    def append_kept(
+        self, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, row_start: torch.Tensor | None = None,
+        score: torch.Tensor | None = None, tracking: str | None = None, cap: torch.Tensor | None = None,
+    ) -> None:
+        """First write of an evicting layer: store only the tokens ``keep[B, H, T]`` selects, compacted onto
+        slots ``[0, S)`` (``S``: the most any head keeps; a head that keeps fewer leaves its last slots empty,
+        zero-filled) in their original order, and start the layer's :class:`~kvquant.slots.SlotMap`.
+
+        ``row_start[B]``: each row's first real position (pads are never kept); ``score[B, H, T]``: the policy's
+        scores (kept for decode-time policies, ``tracking``), ``cap[B, H]``: the tokens each head keeps while
+        decoding."""
+        if self.cache_pos or self.slots is not None:
+            raise AssertionError("append_kept: the first write of an empty store")
+        B, H, T, D = keys.shape
+        n = keep.sum(dim=-1)  # [B, H]
+        S = max(1, int(n.max()))
+        t = torch.arange(T, device=keys.device)
+        order = torch.where(keep, t, T + t).argsort(dim=-1)[..., :S]  # kept positions first, in order
+        filled = torch.arange(S, device=keys.device) < n.unsqueeze(-1)  # [B, H, S]
+        idx = order.unsqueeze(-1).expand(B, H, S, D)
+        z = filled.unsqueeze(-1)
+        ck = torch.where(z, keys.gather(2, idx), torch.zeros((), dtype=keys.dtype, device=keys.device))
+        cv = torch.where(z, values.gather(2, idx), torch.zeros((), dtype=values.dtype, device=values.device))
+        self.append(ck, cv, None)
+        first = torch.zeros(B, dtype=torch.long, device=keys.device) if row_start is None else row_start.long()
+        pos = torch.where(filled, order, -1).to(torch.int32)
+        kept_score = None if score is None else score.float().gather(2, order).masked_fill(~filled, 0.0)
+        self.slots = SlotMap(pos, T, first.to(self.device), tracking, kept_score, cap)
+
+    def overwrite(self, keys: torch.Tensor, values: torch.Tensor, target: torch.Tensor, write: torch.Tensor) -> None:
+        """Write the one-token ``keys/values[B, H, 1, D]`` of (row ``b``, head ``h``) at slot ``target[b, h]``
+        (an existing slot) where ``write[b, h]``: each head replaces its own token (decode-time eviction).
+
+        Quantized slots are written in place (a block shared with another row or cache is copied first);
+        slots still held in full precision (``[q_end, cache_pos)``) are written there."""
+        keys, values = self.to_storage_space(keys, values)
+        tl, wl = target.tolist(), write.tolist()
+        pairs = [(b, h, tl[b][h]) for b in range(len(tl)) for h in range(len(tl[b])) if wl[b][h]]
+        dense = [p for p in pairs if p[2] >= self.q_end]
+        pool = [p for p in pairs if p[2] < self.q_end]
+        if dense:
+            b, h, t = (torch.tensor(x, device=self.device) for x in zip(*dense, strict=True))
+            self.res_k[b, h, t - self.q_end] = keys[b, h, 0].to(self.res_k.dtype)
+            self.res_v[b, h, t - self.q_end] = values[b, h, 0].to(self.res_v.dtype)
+        if not pool:
+            return
+        bs = self.block_size
+        shared = sorted({(b, t // bs) for b, _, t in pool if self.blocks.refs[self.tables[b][t // bs]] > 1})
+        self.blocks.ensure_free(len(shared))  # may raise KVCacheFull: nothing changed yet
+        for b, j in shared:  # copy-on-write (beams share blocks after a reorder)
+            old = self.tables[b][j]
+            self.tables[b][j] = self.blocks.copy(old)
+            self.blocks.decref([old])
+            self.bytes_moved += self.blocks.bytes_per_block
+        if shared:
+            self._table_cache = None
+        for g in self.groups:
+            local = {h: i for i, h in enumerate(g.heads)}
+            sel = [(b, local[h], self.tables[b][t // bs], t % bs) for b, h, t in pool if h in local]
+            if not sel:
+                continue
+            rows, heads, blk, off = (torch.tensor(x, device=self.device) for x in zip(*sel, strict=True))
+            k = keys if g.all_heads else keys.index_select(1, g.head_index)
+            v = values if g.all_heads else values.index_select(1, g.head_index)
+            g.key.write_heads(k, rows, heads, blk, off, self.config.check_finite)
+            g.value.write_heads(v, rows, heads, blk, off, self.config.check_finite)
 
     def _hold_for_calibration(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> bool:
         """Defer static-scale calibration (holding this chunk in full precision) while some row has fewer
@@ -842,6 +928,9 @@ class LayerStore:
         share one scale per block, so their pool can only be cut at a block boundary: a crop to the
         middle of a quantized block is refused (keeping its head would mean re-quantizing it).
         """
+        if self.slots is not None:
+            raise ValueError("crop: this layer evicts tokens (its store holds kept tokens, not a prefix); "
+                             "it cannot be cropped")
         tokens = max(0, min(tokens, self.cache_pos))
         if tokens < self.first_live * self.block_size:
             raise ValueError(f"crop: tokens before {self.first_live * self.block_size} left the sliding window")
@@ -879,6 +968,7 @@ class LayerStore:
         self.res_k = self.res_v = None
         self.sink_k = self.sink_v = None
         self.key_mean = None
+        self.slots = None
         for g in self.groups:
             for s in (g.key, g.value):
                 s.clipped.zero_()
@@ -914,6 +1004,7 @@ class LayerStore:
         for name in ("sink_k", "sink_v", "res_k", "res_v", "key_mean"):
             t = getattr(self, name)
             setattr(new, name, None if t is None else t.clone())
+        new.slots = None if self.slots is None else self.slots.copy()
         return new
 
     def index_batch(self, idx: torch.Tensor) -> None:
@@ -931,6 +1022,8 @@ class LayerStore:
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
         self.row_start = self.row_start.index_select(0, idx)
+        if self.slots is not None:  # each row's own kept tokens (per head) follow it
+            self.slots.index_batch(idx)
         for g in self.groups:  # per-sequence static scales [B, H] follow their rows
             for st in (g.key, g.value):
                 st.state = {n: t.index_select(0, idx) if t.dim() == 2 else t for n, t in st.state.items()}
@@ -959,6 +1052,7 @@ class LayerStore:
         n = len(ids)
         shared = sum(self.blocks.refs[b] > 1 for b in ids)
         out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "blocks": n,
+               "index": self.slots.nbytes() if self.slots is not None else 0,
                "shared": shared * self.blocks.bytes_per_block, "reserved": self.blocks.nbytes()}  # fmt: skip
         for g in self.groups:
             for kind, s in (("keys", g.key), ("values", g.value)):

@@ -29,15 +29,19 @@ class LayerView:
     """What one attention call reads: ``store`` (a :class:`~kvquant.store.LayerStore`: block tensors,
     block tables, quantizer layout, dense segments) and the history length ``past_len``.
 
-    ``commit(row_start)``: the attention calls it first; it writes the chunk of this update into the
-    store (``row_start[B]``: each row's first real token, from the mask, which the first write needs
-    for per-row sinks and scales under left padding; ``None``: no padding)."""
+    ``commit(row_start, context)``: the attention calls it first; it writes the chunk of this update into
+    the store (``row_start[B]``: each row's first real token, from the mask, which the first write needs
+    for per-row sinks and scales under left padding; ``None``: no padding; ``context``: ``module``,
+    ``queries``, ``scaling`` and ``mask``, which an eviction policy may score the chunk with).
+
+    An evicting layer's store (``store.slots`` set) holds slots, not positions: ``past_len`` counts its
+    history slots, and the attention maps the mask onto them (:meth:`kvquant.slots.SlotMap.attention_mask`)."""
 
     layer_idx: int
     store: Any
     past_len: int
     strict: bool = True  # the cache is bound to a model: the attention must take this view
-    commit: Callable[[torch.Tensor | None], None] | None = None
+    commit: Callable[[torch.Tensor | None, dict[str, Any] | None], None] | None = None
 
 
 _slot = threading.local()

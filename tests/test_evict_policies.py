@@ -106,3 +106,54 @@ def test_bad_policy_settings_are_one_line_errors():
     with pytest.raises(ValueError, match="^evict.keep:"):
         Budget(keep=0.0)
     assert isinstance(make_scorer("snapkv", window=16), SnapKVScorer)
+
+
+def test_evict_config_round_trips_and_names_the_bad_field(tmp_path):
+    from kvquant import KVQuantConfig
+
+    data = {"default": "int4", "evict": {"policy": "tova", "keep": 0.25, "window": 16, "sinks": 2,
+                                         "layers": {1: {"keep": 1.0}, 2: None}}}  # fmt: skip
+    cfg = KVQuantConfig.from_dict(data)
+    path = tmp_path / "c.yaml"
+    cfg.save(path)
+    back = KVQuantConfig.load(str(path))
+    assert back.to_dict() == {"name": "c", **cfg.to_dict()}
+    assert back.evict.for_layer(0).budget == Budget(keep=0.25, sinks=2, window=16)
+    assert back.evict.for_layer(0).tracking == "last"
+    assert back.evict.for_layer(1).budget.keep == 1.0 and back.evict.for_layer(2) is None
+    bad = {
+        "evict.policy": {"policy": "h3o"},
+        "evict.keep": {"keep": 1.5},
+        "evict.window": {"window": -1},
+        "evict.sinks": {"sinks": "4"},
+        "evict.budget": {"budget": "global"},
+        "evict.layers.x": {"layers": {"x": {}}},
+        "evict.layers.0.keep": {"layers": {0: {"keep": 0}}},
+        "evict.colour": {"colour": 1},
+    }
+    for field_name, spec in bad.items():
+        with pytest.raises(ValueError, match=f"^{field_name}[:.]?") as e:
+            KVQuantConfig.from_dict({"default": "int4", "evict": spec})
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="^evict.policy:"):  # replaced in place: per-channel keys cannot
+        KVQuantConfig.from_dict({"default": "int4-channel", "evict": {"policy": "h2o"}})
+    with pytest.raises(ValueError, match="^evict.sinks:"):
+        KVQuantConfig.from_dict({"default": "int4", "sink_tokens": 8, "evict": {"policy": "h2o", "sinks": 4}})
+    with pytest.raises(ValueError, match="^evict.layers.5:"):
+        KVQuantConfig.from_dict({"default": "int4", "evict": {"layers": {5: None}}}).resolve(
+            tiny_model("llama", layers=2))
+
+
+def test_per_layer_overrides_and_sliding_window_layers(tmp_path):
+    from kvquant import KVQuantConfig, QuantizedKVCache
+
+    model = tiny_model("llama", kv_heads=2, heads=4, head_dim=16, layers=2)
+    cfg = KVQuantConfig.from_dict({"default": "int8-token", "evict": {"policy": "knorm", "layers": {1: None}}})
+    cache = QuantizedKVCache(model, cfg)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 100)), cache=cache)
+    assert cache.layers[0].store.slots is not None and cache.layers[0].store.cache_pos == 50
+    assert cache.layers[1].store.slots is None and cache.layers[1].store.cache_pos == 100
+    mistral = tiny_model("mistral", kv_heads=2, heads=4, head_dim=16, layers=2, sliding_window=32)
+    cache = QuantizedKVCache(mistral, cfg)
+    assert cache.layers[0].policy is None  # a sliding-window layer keeps its window instead
