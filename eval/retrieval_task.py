@@ -43,6 +43,21 @@ def check_lengths(model: Any, lengths: list[int]) -> None:
         )
 
 
+def check_cases(tasks: list[str], tokenizer: Any, ids: Any, lengths: list[int], seed: int = 0) -> None:
+    """Refuse a grid whose shortest length cannot hold a task's instruction, needle and question, or whose longest
+    needs more haystack than the corpus has (one line naming ``retrieval.lengths``, before any work)."""
+    from .longcontext import build_case
+
+    for task in tasks:
+        if task not in RETRIEVAL_TASKS:
+            continue
+        for n in (min(lengths), max(lengths)):
+            try:
+                build_case(task, tokenizer, ids, n, 0.0, 0, seed)
+            except RecipeError as e:
+                raise RecipeError(f"retrieval.{e}") from None
+
+
 def family(method: Any, model: Any) -> str:
     """``reference``, ``baseline``, ``full``, ``bits``, ``evict`` or ``bits+evict`` (see the module doc)."""
     if method.kind != "kvquant":

@@ -25,7 +25,7 @@ from .metrics import DriftAccumulator, generation_agreement, token_drift
 from .models import load_model
 from .protocols import PROTOCOLS, decode_logits, greedy_continuation, simulated_logits
 from .recipe import Recipe, RecipeError
-from .retrieval_task import RETRIEVAL_TASKS, check_lengths, run_retrieval_task
+from .retrieval_task import RETRIEVAL_TASKS, check_cases, check_lengths, run_retrieval_task
 
 
 @dataclass
@@ -127,6 +127,7 @@ def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult
     methods, skipped = build_methods(recipe)
     if any(t in RETRIEVAL_TASKS for t in recipe.tasks):
         check_lengths(model, recipe.retrieval.lengths)  # before any long work
+        check_cases(recipe.tasks, tok, ids, recipe.retrieval.lengths, recipe.seed)
     guard = _AttnGuard(model)
     meta: dict[str, Any] = {
         "command": command,

@@ -127,6 +127,17 @@ class HostBlocks:
         return len(self.refs) * self.bytes_per_block
 
 
+def _tensors(data: Any) -> list[torch.Tensor]:
+    """Every tensor inside nested tuples / lists / dicts."""
+    if isinstance(data, torch.Tensor):
+        return [data]
+    if isinstance(data, dict):
+        data = list(data.values())
+    if isinstance(data, (list, tuple)):
+        return [t for x in data for t in _tensors(x)]
+    return []
+
+
 def _device_of(parts: list[dict[str, dict[str, torch.Tensor]]]) -> torch.device:
     return next(t.device for g in parts for p in g.values() for t in p.values())
 
@@ -166,7 +177,10 @@ class Prefetcher:
         self.prefetched += 1
         data, event = item
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(event)
+            for t in _tensors(data):  # made on the side stream, read on this one: not reused before that
+                t.record_stream(stream)
         return data
 
     def clear(self) -> None:
