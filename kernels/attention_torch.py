@@ -82,7 +82,7 @@ def _mask_tile(
 
 
 def _direct(qt, tiles, mask, group, num_kv, rep, q_range, past_len, softcap) -> torch.Tensor:
-    """Plain softmax over at most two tiles (the common decode case: history fits one tile)."""
+    """Plain softmax over a few tiles that fit the workspace together (the common decode case)."""
     loaded = [(load(), k_range) for load, k_range in tiles]
     parts = []
     for (keys, _), k_range in loaded:
@@ -180,7 +180,7 @@ def attend_torch(
                  (past_len + f0, past_len + f1))
                 for f0, f1 in _tiles(f_end, tk)
             ]
-            if len(tiles) <= 2:
+            if sum(b - a for _, (a, b) in tiles) <= 2 * tk:  # fits the workspace at once: one plain softmax
                 res = _direct(qt, tiles, mask, g, Hkv, rep, (q0, q1), past_len, softcap)
             else:
                 acc = _OnlineSoftmax((B, Hg, rep * (q1 - q0)), D, device)

@@ -36,6 +36,8 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: ``uint8[..., D*bits/8]`` -> ``uint8[..., D]``."""
     if bits == 3:
         return _unpack3(packed)
+    if bits == 8:
+        return packed
     per_byte = 8 // bits
     mask = (1 << bits) - 1
     return torch.cat([(packed >> (k * bits)) & mask for k in range(per_byte)], dim=-1)
@@ -166,9 +168,13 @@ class IntNChannel(WidenableScales, Quantizer):
         return {"q": pack_codes(codes, self.bits), "scale": scale.squeeze(3), "zero": zero.squeeze(3)}
 
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        q = unpack_codes(parts["q"], self.bits).float()
+        q = unpack_codes(parts["q"], self.bits)
         B, H, T, D = q.shape
+        scale, zero = parts["scale"].float(), parts["zero"].float()
+        n = -(-T // self.token_group)
+        if T % self.token_group == 0:  # whole blocks (the store's reads): broadcast each block's scale and zero
+            g = q.view(B, H, n, self.token_group, D)
+            x = g * scale[:, :, :n].unsqueeze(3) + zero[:, :, :n].unsqueeze(3)
+            return x.view(B, H, T, D).to(dtype)
         idx = torch.arange(T, device=q.device) // self.token_group
-        scale = parts["scale"].float().index_select(2, idx)
-        zero = parts["zero"].float().index_select(2, idx)
-        return (q * scale + zero).to(dtype)
+        return (q * scale.index_select(2, idx) + zero.index_select(2, idx)).to(dtype)
