@@ -63,7 +63,8 @@ def family(method: Any, model: Any) -> str:
     if method.kind != "kvquant":
         return method.kind
     cfg = method.config
-    evicts = bool((cfg.to_dict() if hasattr(cfg, "to_dict") else {}).get("evict"))
+    as_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    evicts = getattr(cfg, "evict", None) is not None or bool(as_dict.get("evict"))
     quantized = float(cfg.avg_bits(model)) < 16.0
     if evicts:
         return "bits+evict" if quantized else "evict"

@@ -45,10 +45,10 @@ def test_bad_fields_name_themselves(extra, field):
 def test_family_places_configs_on_the_frontier():
     class Cfg:
         def __init__(self, bits, evict):
-            self.bits, self.evict = bits, evict
+            self.bits, self.has_evict = bits, evict
 
         def to_dict(self):
-            return {"evict": {"policy": "snapkv"}} if self.evict else {}
+            return {"evict": {"policy": "snapkv"}} if self.has_evict else {}
 
         def avg_bits(self, model):
             return self.bits
