@@ -227,6 +227,13 @@ def plot(result: Any, path: Path) -> bool:
     model = "/".join(Path(str(rc.model)).parts[-2:]) if "/" in str(rc.model) else str(rc.model)
     data = Path(rc.data).name if "/" in rc.data else rc.data
     fig.suptitle(f"{rc.name}: {model} on {data} (lower is better)", fontsize=10)
+    return finish_figure(fig, path)
+
+
+def finish_figure(fig: Any, path: Path) -> bool:
+    """Lay out, save (atomically) and close a matplotlib figure; returns True (it was written)."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     try:
         save_figure(fig, path, dpi=120)

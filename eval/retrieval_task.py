@@ -268,14 +268,9 @@ def plot_frontier(result: Any, path: Any) -> bool:
         ax.set_ylabel(f"KL(ref ‖ q) mean, ppl task ({ppl[0]['protocol']})")
         ax.grid(True, alpha=0.3)
     fig.suptitle(f"{result.recipe.name}: quality vs bytes held (up and left is better)", fontsize=10)
-    fig.tight_layout()
-    from kvquant.outputs import save_figure
+    from .report import finish_figure
 
-    try:
-        save_figure(fig, path, dpi=120)
-    finally:
-        plt.close(fig)
-    return True
+    return finish_figure(fig, path)
 
 
 def retrieval_markdown(result: Any, heatmaps: list[str], frontier: str | None) -> list[str]:

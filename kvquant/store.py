@@ -799,16 +799,17 @@ class LayerStore:
         read through the block tables; released blocks read as 0."""
         bs = self.block_size
         j0, j1 = start // bs, -(-end // bs)
-        if self.has_host_blocks(j0, j1):
-            return self._read_offloaded(group, start, end)
-        tbl = self.table()[:, j0:j1]
-        run = None
-        if self.batch == 1:  # one row whose blocks are consecutive: read them in place
-            ids = self.tables[0][j0:j1]
-            if ids and ids[0] >= 0 and ids[-1] - ids[0] == len(ids) - 1 and ids == list(range(ids[0], ids[-1] + 1)):
-                run = ids[0]
-        k = group.key.read(tbl, start - j0 * bs, end - start, run=run)
-        v = group.value.read(tbl, start - j0 * bs, end - start, run=run)
+        run = kparts = vparts = None
+        if self.has_host_blocks(j0, j1):  # offload: the tile staged from the host tier
+            tbl, kparts, vparts = self._fetch_offloaded(group, j0, j1)
+        else:
+            tbl = self.table()[:, j0:j1]
+            if self.batch == 1:  # one row whose blocks are consecutive: read them in place
+                ids = self.tables[0][j0:j1]
+                if ids and ids[0] >= 0 and ids[-1] - ids[0] == len(ids) - 1 and ids == list(range(ids[0], ids[-1] + 1)):
+                    run = ids[0]
+        k = group.key.read(tbl, start - j0 * bs, end - start, run=run, parts=kparts)
+        v = group.value.read(tbl, start - j0 * bs, end - start, run=run, parts=vparts)
         dead = self.first_live * bs - start
         if dead > 0:
             k[:, :, :dead] = 0
@@ -874,25 +875,17 @@ class LayerStore:
         table = torch.tensor([[pos[e] for e in r] for r in rows], dtype=torch.long, device=self.device)
         return table, staged[0], staged[1]
 
-    def _read_offloaded(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`read_pool` for a tile with host blocks: fetch the tile (prefetched by the previous tile's read, or
-        copied now), start the copy of the next tile of the same size, dequantize from the staged blocks."""
-        bs = self.block_size
-        j0, j1 = start // bs, -(-end // bs)
+    def _fetch_offloaded(self, group: HeadGroup, j0: int, j1: int) -> tuple[torch.Tensor, dict, dict]:
+        """Blocks ``[j0, j1)`` of ``group`` with host blocks among them, as :meth:`_stage_tile` gives them: fetched
+        (prefetched by the previous tile's read, or copied now); starts the copy of the next tile of the same size."""
         gi = self.groups.index(group)
         if self.prefetcher is None:
             self.prefetcher = Prefetcher(self.device)
-        table, kparts, vparts = self.prefetcher.fetch((gi, j0, j1), lambda: self._stage_tile(gi, j0, j1))
-        n0, n1 = j1, min(j1 + (j1 - j0), -(-self.q_end // bs))
+        staged = self.prefetcher.fetch((gi, j0, j1), lambda: self._stage_tile(gi, j0, j1))
+        n0, n1 = j1, min(j1 + (j1 - j0), -(-self.q_end // self.block_size))
         if n1 > n0 and self.has_host_blocks(n0, n1):
             self.prefetcher.prefetch((gi, n0, n1), lambda: self._stage_tile(gi, n0, n1))
-        k = group.key.read(table, start - j0 * bs, end - start, parts=kparts)
-        v = group.value.read(table, start - j0 * bs, end - start, parts=vparts)
-        dead = self.first_live * bs - start
-        if dead > 0:
-            k[:, :, :dead] = 0
-            v[:, :, :dead] = 0
-        return k, v
+        return staged
 
     def _host_to_device(self, entries: list[int], refs: list[int]) -> list[int]:
         """Copy host blocks (table ``entries``) into newly allocated device blocks with ``refs`` references each."""
