@@ -4,7 +4,8 @@ Config: ``offload: {device: cpu, keep_recent_blocks: N}``. After each write, a
 :class:`~kvquant.store.LayerStore` moves its full blocks older than the newest ``N`` (and not holding sink
 tokens) from the compute device to :class:`HostBlocks` (host memory, pinned when the compute device is CUDA),
 vLLM's ``swap_space`` for quantized blocks. A block moves only when every reference to it is in that store's
-own block tables (a block shared with another cache or the prefix index stays on the device).
+own block tables (a block shared with another cache or the prefix index stays on the device; a block moved
+before the prefix index saw it is not indexed: prefix reuse covers device blocks only).
 
 Addressing: a block table entry ``b >= 0`` is a device block, ``-1`` a released one (sliding window) and
 ``b <= -2`` the host block ``host_id(b) = -2 - b``. :class:`~kvquant.blocks.LayerBlocks` routes reference counts

@@ -165,3 +165,22 @@ def test_offload_config_round_trips():
     assert c.offload == {"device": "cpu", "keep_recent_blocks": 3}
     assert KVQuantConfig.load(c.to_dict()).offload == c.offload
     assert KVQuantConfig.load({"default": "int4", "offload": None}).offload is None
+
+
+def test_pool_caches_offload_and_give_every_block_back():
+    model = tiny_model("llama", heads=4, kv_heads=2, head_dim=32, layers=2, vocab=96)
+    pool = kvquant.PagedKVPool(model, cfg("int8-token", {"keep_recent_blocks": 1}))
+    ids = torch.randint(3, 96, (2, 100), generator=torch.Generator().manual_seed(3))
+    caches = [pool.cache_for(ids[i:i + 1]) for i in range(2)]
+    with torch.no_grad():
+        for i, c in enumerate(caches):
+            model(ids[i:i + 1], past_key_values=c, use_cache=True)
+    st = pool.stats()
+    per_layer = 2 * (100 // 16 - 1)  # two caches, every full block but the newest
+    assert st["blocks_host"] == 2 * per_layer and st["bytes_host"] > 0
+    assert sum(c.memory_report()["bytes_host"] for c in caches) == st["bytes_host"]
+    for c in caches:
+        c.release()
+    pool.clear_prefixes()
+    st = pool.stats()
+    assert st["blocks_host"] == 0 and st["blocks_used"] == 0
