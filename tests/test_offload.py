@@ -184,3 +184,28 @@ def test_pool_caches_offload_and_give_every_block_back():
     pool.clear_prefixes()
     st = pool.stats()
     assert st["blocks_host"] == 0 and st["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("tq", [1, 8])
+def test_triton_reads_staged_offloaded_blocks(tq):
+    """The Triton kernels read the arena through the block tables: with offload the host blocks are staged into
+    device blocks for the call (kernels/dispatch.py); the output equals the resident store's (interpreter on CPU)."""
+    pytest.importorskip("triton")
+    from kvquant.kernels.triton_attention import attend_triton
+
+    stores = []
+    for off in (None, {"keep_recent_blocks": 1}):
+        s = LayerStore([KVQuantConfig.load("int4").default] * 2, cfg("int4", off), 64, batch=1,
+                       device=torch.device("cpu"))  # fmt: skip
+        fill(s, 70 + tq, seed=3)
+        stores.append(s)
+    plain, off = stores
+    assert off.has_host_blocks()
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, tq, 64, generator=g)
+    fk, fv = (torch.randn(1, 2, tq, 64, generator=g) for _ in range(2))
+    ref = attend_triton(q, fk, fv, plain, 70, None, 0.125)
+    with off.staged():
+        out = attend_triton(q, fk, fv, off, 70, None, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert off.has_host_blocks() and off.blocks.used == sum(1 for b in off.tables[0] if b >= 0)
