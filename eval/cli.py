@@ -241,9 +241,15 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
             print("\n" + compare_text(rows, *pair))
         return 1 if any(r["status"] == "error" for r in rows) else 0
     if len(recipe.models) > 1:
+        import os
+
+        from kvquant.config import check_int
+
         from .suite import run_models, write_summary
 
-        summary = run_models(recipe, cmd, quiet=args.quiet, progress=not args.quiet, jobs=args.jobs)
+        jobs = check_int(args.jobs, "--jobs", 1, 1024, ArgumentError)
+        jobs = min(jobs, len(recipe.models), os.cpu_count() or 1)  # never more processes than models or cores
+        summary = run_models(recipe, cmd, quiet=args.quiet, progress=not args.quiet, jobs=jobs)
         paths = write_summary(summary, recipe.out)
         print(f"\nwrote {', '.join(str(p) for p in paths)} (and one folder per model)")
         return 1 if any(r["status"] == "error" for r in summary["rows"]) else 0
