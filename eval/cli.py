@@ -41,6 +41,17 @@ Configs (recipe `configs:` or --configs a,b,c):
                (options: axis, axis_key, axis_value, group, residual)
   reference    the unquantized DynamicCache (always run; list it to show its row)
 
+Tasks (recipe `tasks:` or --tasks a,b):
+  ppl        perplexity and drift under the protocols above (the default)
+  passkey    long-context retrieval: a pass key hidden at a depth of a haystack cut from the data; the
+             greedy answer must contain it exactly. Every config answers the same cases
+  needle     RULER's single needle ("the special magic number for <word> is ...")
+  The retrieval grid is the recipe's `retrieval: {lengths, depths, trials}` (--lengths, --depths,
+  --trials): lengths in tokens up to the model's max_position_embeddings, depths 0..1 of the haystack.
+  Each writes a table (accuracy, the reference's accuracy on the same cases, KV bytes actually held vs
+  FP16), heatmap-TASK-CONFIG.png (length x depth) per config, and frontier.png: retrieval accuracy and
+  the ppl task's KL against bytes held, for bits-only, eviction-only and combined configs.
+
 Outputs, in --out (default: the recipe's `out`, else results/NAME): results.json (one object per
 config and protocol), report.md (with the command that produced it) and bits_vs_quality.png
 (delta ppl and KL against average bits). The table is also printed.
@@ -54,6 +65,8 @@ examples:
   kvquant eval recipes/tinystories-stories260k.yaml --configs fp16,int8,int4,hf-hqq-int4 --protocol simulated
   kvquant eval recipes/default.yaml --model ./my-llama --data notes.txt --out results/mine
   kvquant eval recipes/default.yaml --configs int8,recipes/configs/mixed-int4-int8.yaml --window 512
+  kvquant eval recipes/passkey-smollm2.yaml --lengths 512,1024 --depths 0,0.5,1
+      long-context retrieval (passkey; add needle with --tasks ppl,passkey,needle)
   kvquant eval results/default/results.json --compare int8-shared,int8-separate
       paired test on a finished run: do the two differ beyond noise on the same tokens?
 
@@ -95,6 +108,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (device_map='auto' for models larger than one GPU)")
     p.add_argument("--seed", type=int, help="seed (prompt offsets of the generation check); runs are deterministic")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--tasks", help="comma-separated tasks: ppl, passkey, needle (default: the recipe's, else ppl)")
+    p.add_argument("--lengths", help="passkey/needle: comma-separated prompt lengths in tokens, e.g. 1024,2048,4096")
+    p.add_argument("--depths", help="passkey/needle: comma-separated needle depths in [0, 1], e.g. 0,0.25,0.5,0.75,1")
+    p.add_argument("--trials", type=int, help="passkey/needle: cases per (length, depth)")
     p.add_argument(
         "--no-generation", dest="no_generation", action="store_true", help="skip the free-generation drift check"
     )
@@ -157,6 +174,22 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
         o["protocol"] = ps[0] if len(ps) == 1 else ps
     if args.no_generation:
         o["generation"] = False
+    if getattr(args, "tasks", None):
+        o["tasks"] = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    retrieval: dict[str, object] = {}
+    for key, conv in (("lengths", int), ("depths", float)):
+        text = getattr(args, key, None)
+        if text:
+            try:
+                retrieval[key] = [conv(x) for x in text.split(",") if x.strip()]
+            except ValueError:
+                from kvquant.errors import ArgumentError
+
+                raise ArgumentError(f"--{key}: {text!r} is not a comma-separated list of numbers") from None
+    if getattr(args, "trials", None) is not None:
+        retrieval["trials"] = args.trials
+    if retrieval:
+        o["retrieval"] = retrieval
     return o
 
 
@@ -173,7 +206,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     from .compare import compare_text, load_rows, parse_pair
     from .models import NAMED_MODELS, check_device, check_model_path
     from .recipe import load_recipe
-    from .report import OUTPUT_FILES, print_table, write_all
+    from .report import output_files, print_table, write_all
     from .runner import run_recipe
 
     pair = parse_pair(args.compare) if args.compare else None
@@ -192,12 +225,14 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     check_device(recipe.device)
     if recipe.model not in NAMED_MODELS:
         check_model_path(recipe.model)
-    check_output_dir(recipe.out, OUTPUT_FILES, "out", force=force)
+    check_output_dir(recipe.out, output_files(recipe), "out", force=force)
     _check_workers(getattr(args, "procs", 1), "--procs", len(recipe.configs), "configs")
-    _check_workers(getattr(args, "jobs", 1), "--jobs", len(recipe.models), "models")
     cmd = command_line(argv if argv is not None else getattr(args, "argv", None))
     if getattr(args, "procs", 1) != 1:
         import json
+
+        if any(t != "ppl" for t in recipe.tasks):
+            raise ArgumentError("--procs: the passkey / needle tasks run in one process (drop --procs)")
 
         from .parallel import run_parallel
 
@@ -207,9 +242,15 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
             print("\n" + compare_text(rows, *pair))
         return 1 if any(r["status"] == "error" for r in rows) else 0
     if len(recipe.models) > 1:
+        import os
+
+        from kvquant.config import check_int
+
         from .suite import run_models, write_summary
 
-        summary = run_models(recipe, cmd, quiet=args.quiet, progress=not args.quiet, jobs=args.jobs)
+        jobs = check_int(args.jobs, "--jobs", 1, 1024, ArgumentError)
+        jobs = min(jobs, len(recipe.models), os.cpu_count() or 1)  # never more processes than models or cores
+        summary = run_models(recipe, cmd, quiet=args.quiet, progress=not args.quiet, jobs=jobs)
         paths = write_summary(summary, recipe.out)
         print(f"\nwrote {', '.join(str(p) for p in paths)} (and one folder per model)")
         return 1 if any(r["status"] == "error" for r in summary["rows"]) else 0

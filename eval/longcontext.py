@@ -125,11 +125,16 @@ def is_correct(generated: str, answer: str) -> bool:
     return m is not None and m.group(0) == answer
 
 
+def answer_tokens(tokenizer: Any, case: RetrievalCase) -> int:
+    """Greedy tokens generated per case: the answer's length plus 4 (room for a leading space or quote)."""
+    return len(_encode(tokenizer, " " + case.answer)) + 4
+
+
 def answer_case(model: Any, tokenizer: Any, case: RetrievalCase, cache: Any, new_tokens: int | None = None) -> str:
     """Greedy answer to ``case`` with ``cache`` (a fresh cache object: kvquant, DynamicCache, a baseline)."""
     from .protocols import greedy_continuation
 
-    n_new = new_tokens or len(_encode(tokenizer, " " + case.answer)) + 4
+    n_new = new_tokens or answer_tokens(tokenizer, case)
     return tokenizer.decode(greedy_continuation(model, case.ids, n_new, cache), skip_special_tokens=True)
 
 
@@ -151,12 +156,17 @@ def run_retrieval(
     bos_id: int | None = None,
     progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
     on_case: Callable[[dict[str, Any]], None] | None = None,
+    measure: Callable[[str, Any, int], float | None] | None = None,
+    errors: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Answer every case of the grid with every config; one dict per (config, case).
 
     ``make_cache`` maps a config name to a function returning a fresh cache for one request (``None`` for the
     model's default cache). Cases are built once and run by every config in turn, so all configs answer the
     same prompts. ``on_case`` receives each result as it is produced (e.g. to append it to a JSON file).
+    ``measure(config, cache, tokens)``: KV bytes the cache holds after answering (default: a kvquant cache's
+    ``memory_report()``, None for others). ``errors``: when given, a config that raises is recorded there
+    (``config -> message``) and skipped for the remaining cases instead of stopping the run.
     """
     points = grid(lengths, depths, trials)
     cases = [build_case(task, tokenizer, haystack, n, d, t, seed, bos_id) for n, d, t in points]
@@ -164,8 +174,18 @@ def run_retrieval(
     out: list[dict[str, Any]] = []
     for case in it:
         for name, factory in make_cache.items():
-            cache = factory()
-            text = answer_case(model, tokenizer, case, cache)
+            if errors is not None and name in errors:
+                continue
+            try:
+                cache = factory()
+                new = answer_tokens(tokenizer, case)
+                text = answer_case(model, tokenizer, case, cache, new)
+                held = (measure or _measure_held)(name, cache, case.length + new)
+            except Exception as e:  # noqa: BLE001 - with ``errors``, one broken config must not stop the others
+                if errors is None:
+                    raise
+                errors[name] = f"{type(e).__name__}: {' '.join(str(e).split())}"[:500]
+                continue
             row = {
                 "config": name,
                 "task": task,
@@ -175,12 +195,17 @@ def run_retrieval(
                 "answer": case.answer,
                 "generated": text.strip(),
                 "correct": is_correct(text, case.answer),
-                "kv_bytes": _held_bytes(cache),
+                "kv_bytes": held,
+                "tokens": case.length + new,
             }
             out.append(row)
             if on_case:
                 on_case(row)
     return out
+
+
+def _measure_held(name: str, cache: Any, tokens: int) -> int | None:
+    return _held_bytes(cache)
 
 
 def _held_bytes(cache: Any) -> int | None:

@@ -22,6 +22,11 @@ Example (every field but ``model``, ``data`` and ``configs`` has a default)::
       prompts: 4
       prompt_tokens: 64
       new_tokens: 32
+    tasks: [ppl]                 # ppl (the protocols above) | passkey | needle: long-context retrieval
+    retrieval:                   # passkey / needle cases (haystack cut from ``data``)
+      lengths: [1024, 2048, 4096, 8192]   # prompt tokens (at most the model's max_position_embeddings)
+      depths: [0.0, 0.25, 0.5, 0.75, 1.0]  # needle position as a fraction of the haystack
+      trials: 1                  # cases per (length, depth), each with its own needle and haystack cut
     out: results/wikitext2-smollm2
 
 A bad field gives a :class:`RecipeError` (a ``ValueError``) whose one-line message starts with the field name,
@@ -44,7 +49,7 @@ from kvquant.inputs import read_text
 
 from .protocols import PROTOCOLS
 
-__all__ = ["FIELDS", "Generation", "Recipe", "RecipeError", "load_recipe", "parse_recipe"]
+__all__ = ["FIELDS", "TASKS", "Generation", "Recipe", "RecipeError", "Retrieval", "load_recipe", "parse_recipe"]
 
 
 
@@ -54,6 +59,18 @@ class Generation:
     prompts: int = 4
     prompt_tokens: int = 64
     new_tokens: int = 32
+
+
+TASKS = ("ppl", "passkey", "needle")
+
+
+@dataclass
+class Retrieval:
+    """The grid of the long-context retrieval tasks (``passkey``, ``needle``): see :mod:`kvquant.eval.longcontext`."""
+
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    trials: int = 1
 
 
 @dataclass
@@ -75,6 +92,8 @@ class Recipe:
     seed: int = 0
     threads: int | None = None
     generation: Generation | None = field(default_factory=Generation)
+    tasks: list[str] = field(default_factory=lambda: ["ppl"])
+    retrieval: Retrieval = field(default_factory=Retrieval)
     out: str = ""
     source: str = ""  # the file it was read from (not a YAML field)
     resolved_configs: dict[str, str] = field(default_factory=dict)  # entry -> file path for config files
@@ -104,6 +123,8 @@ FIELDS = [
     "threads",
     "configs",
     "generation",
+    "tasks",
+    "retrieval",
     "out",
 ]
 REQUIRED = ["model", "data", "configs"]
@@ -283,6 +304,8 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
         generation = g if g.prompts > 0 else None
     else:
         raise RecipeError(f"generation: must be a mapping or false, got {gen_raw!r}{_where(source)}")
+    tasks = parse_tasks(data.get("tasks", ["ppl"]), source)
+    retrieval = parse_retrieval(data.get("retrieval"), source)
     out = data.get("out") or os.path.join("results", name)
     if not isinstance(out, str):
         raise RecipeError(f"out: must be a folder path, got {out!r}{_where(source)}")
@@ -299,7 +322,7 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
         description=description.strip(),
         dtype=dtype,
         device=device,
-        protocol=protocols,
+        protocol=protocols if "ppl" in tasks else [],  # the protocols are those of the ppl task
         window=window,
         stride=stride,
         max_windows=max_windows,
@@ -309,10 +332,46 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
         seed=seed,
         threads=threads,
         generation=generation,
+        tasks=tasks,
+        retrieval=retrieval,
         out=out,
         source=source,
         resolved_configs=resolved,
     )
+
+
+def parse_tasks(value: Any, source: str = "") -> list[str]:
+    """``tasks``: a list (or comma-separated string) of ``ppl``, ``passkey``, ``needle``, each at most once."""
+    tasks = [t.strip() for t in value.split(",") if t.strip()] if isinstance(value, str) else value
+    if not isinstance(tasks, list) or not tasks or any(t not in TASKS for t in tasks):
+        raise RecipeError(f"tasks: must be a non-empty list of {', '.join(TASKS)}, got {value!r}{_where(source)}")
+    if len(set(tasks)) != len(tasks):
+        raise RecipeError(f"tasks: listed twice in {tasks}{_where(source)}")
+    return list(tasks)
+
+
+def parse_retrieval(value: Any, source: str = "") -> Retrieval:
+    """``retrieval``: ``lengths`` (integers >= 16), ``depths`` (fractions in [0, 1]), ``trials`` (>= 1)."""
+    r = Retrieval()
+    if value is None:
+        return r
+    if not isinstance(value, Mapping):
+        raise RecipeError(f"retrieval: must be a mapping (lengths, depths, trials), got {value!r}{_where(source)}")
+    bad = [k for k in value if k not in ("lengths", "depths", "trials")]
+    if bad:
+        raise RecipeError(f"retrieval.{bad[0]}: unknown field (known: lengths, depths, trials){_where(source)}")
+    lengths = value.get("lengths", r.lengths)
+    if (not isinstance(lengths, list) or not lengths
+            or any(isinstance(n, bool) or not isinstance(n, int) or not 16 <= n <= MAX_INT for n in lengths)):
+        raise RecipeError(f"retrieval.lengths: must be a list of integers >= 16, got {lengths!r}{_where(source)}")
+    depths = value.get("depths", r.depths)
+    if (not isinstance(depths, list) or not depths
+            or any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1 for d in depths)):
+        raise RecipeError(f"retrieval.depths: must be a list of fractions in [0, 1], got {depths!r}{_where(source)}")
+    trials = value.get("trials", r.trials)
+    if isinstance(trials, bool) or not isinstance(trials, int) or not 1 <= trials <= 10_000:
+        raise RecipeError(f"retrieval.trials: must be an integer from 1 to 10000, got {trials!r}{_where(source)}")
+    return Retrieval(sorted(set(lengths)), sorted({float(d) for d in depths}), trials)
 
 
 def read_recipe_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -335,6 +394,8 @@ def load_recipe(path: str | os.PathLike, overrides: Mapping[str, Any] | None = N
     if isinstance(data, Mapping):
         data = dict(data)
         for k, v in (overrides or {}).items():
-            if v is not None:
+            if isinstance(v, Mapping) and isinstance(data.get(k), Mapping):
+                data[k] = {**data[k], **v}  # e.g. --lengths overrides retrieval.lengths, keeps the depths
+            elif v is not None:
                 data[k] = v
     return parse_recipe(data, source=str(path), base=Path(path).resolve().parent)

@@ -15,7 +15,14 @@ from kvquant.outputs import check_output_dir, save_figure, write_text
 
 from .protocols import PROTOCOLS
 
-OUTPUT_FILES = ("results.json", "report.md", "bits_vs_quality.png")  # what write_all puts in the out folder
+OUTPUT_FILES = ("results.json", "report.md", "bits_vs_quality.png", "frontier.png")  # what write_all writes
+
+
+def output_files(recipe: Any) -> list[str]:
+    """Every file a run of ``recipe`` writes in its out folder (the fixed ones, and a heatmap per task x config)."""
+    from .retrieval_task import heatmap_files
+
+    return [*OUTPUT_FILES, *heatmap_files(recipe.tasks, ["reference", *recipe.configs])]
 
 COLUMNS = [
     ("config", "config"),
@@ -160,10 +167,17 @@ def print_table(result: Any, file: Any = None) -> None:
         print(text_table(*table_rows(rows, protocol, with_gen)), file=f)
         for line in _not_run(rows, protocol):
             print(f"  not run: {line}", file=f)
+    from .retrieval_task import retrieval_not_run, retrieval_table, retrieval_tasks
+
+    for task in retrieval_tasks(meta):
+        print(f"\ntask {task} (exact-match retrieval accuracy, the same cases for every config)", file=f)
+        print(text_table(*retrieval_table(meta, task)), file=f)
+        for line in retrieval_not_run(meta, task):
+            print(f"  not run: {line}", file=f)
 
 
 def write_json(result: Any, path: Path) -> None:
-    payload = {"meta": result.meta, "results": result.rows}
+    payload = {"meta": result.meta, "results": result.rows, "retrieval": getattr(result, "retrieval", [])}
     write_text(path, json.dumps(payload, indent=2, default=str) + "\n")
 
 
@@ -213,6 +227,13 @@ def plot(result: Any, path: Path) -> bool:
     model = "/".join(Path(str(rc.model)).parts[-2:]) if "/" in str(rc.model) else str(rc.model)
     data = Path(rc.data).name if "/" in rc.data else rc.data
     fig.suptitle(f"{rc.name}: {model} on {data} (lower is better)", fontsize=10)
+    return finish_figure(fig, path)
+
+
+def finish_figure(fig: Any, path: Path) -> bool:
+    """Lay out, save (atomically) and close a matplotlib figure; returns True (it was written)."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     try:
         save_figure(fig, path, dpi=120)
@@ -221,7 +242,7 @@ def plot(result: Any, path: Path) -> bool:
     return True
 
 
-def markdown(result: Any, plot_name: str | None) -> str:
+def markdown(result: Any, plot_name: str | None, heatmaps: list[str] = (), frontier: str | None = None) -> str:
     meta, rows, rc = result.meta, result.rows, result.recipe
     with_gen = "generation" in meta
     lines = [f"# kvquant eval: {rc.name}", ""]
@@ -245,6 +266,9 @@ def markdown(result: Any, plot_name: str | None) -> str:
         nr = _not_run(rows, protocol)
         if nr:
             lines += ["Not run:", ""] + [f"- {x}" for x in nr] + [""]
+    from .retrieval_task import retrieval_markdown
+
+    lines += retrieval_markdown(result, list(heatmaps), frontier)
     lines += [
         "## Columns",
         "",
@@ -293,12 +317,22 @@ def _ref_ppl(rows: list[dict[str, Any]]) -> str:
 def write_all(result: Any, out_dir: str | Path, force: bool = False) -> dict[str, Path]:
     """Write ``OUTPUT_FILES`` into ``out_dir``, each atomically; existing ones are refused unless ``force``."""
     out = check_output_dir(out_dir, OUTPUT_FILES, "out", force=force)
-    paths = {"json": out / "results.json", "md": out / "report.md", "png": out / "bits_vs_quality.png"}
+    from .retrieval_task import plot_frontier, write_heatmaps
+
+    paths = {"json": out / "results.json", "md": out / "report.md", "png": out / "bits_vs_quality.png",
+             "frontier": out / "frontier.png"}  # fmt: skip
     write_json(result, paths["json"])
     has_plot = plot(result, paths["png"])
     if not has_plot:
         paths.pop("png").unlink(missing_ok=True)  # (only with force can one be there) not a stale plot of another run
-    write_text(paths["md"], markdown(result, paths["png"].name if has_plot else None))
+    heatmaps = write_heatmaps(result, out)
+    has_frontier = plot_frontier(result, paths["frontier"])
+    if not has_frontier:
+        paths.pop("frontier").unlink(missing_ok=True)
+    for h in heatmaps:
+        paths[h] = out / h
+    md = markdown(result, paths["png"].name if has_plot else None, heatmaps, "frontier.png" if has_frontier else None)
+    write_text(paths["md"], md)
     return paths
 
 

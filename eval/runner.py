@@ -25,6 +25,7 @@ from .metrics import DriftAccumulator, generation_agreement, token_drift
 from .models import load_model
 from .protocols import PROTOCOLS, decode_logits, greedy_continuation, simulated_logits
 from .recipe import Recipe, RecipeError
+from .retrieval_task import RETRIEVAL_TASKS, check_cases, check_lengths, run_retrieval_task
 
 
 @dataclass
@@ -32,6 +33,8 @@ class RunResult:
     recipe: Recipe
     meta: dict[str, Any]
     rows: list[dict[str, Any]] = field(default_factory=list)
+    #: long-context retrieval: one dict per (task, config, case), see :func:`kvquant.eval.longcontext.run_retrieval`
+    retrieval: list[dict[str, Any]] = field(default_factory=list)
 
     def ok_rows(self) -> list[dict[str, Any]]:
         return [r for r in self.rows if r["status"] == "ok"]
@@ -122,6 +125,9 @@ def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult
     if recipe.bos and bos_id is None:
         raise RecipeError("bos: the tokenizer has no BOS token; set bos: false")
     methods, skipped = build_methods(recipe)
+    if any(t in RETRIEVAL_TASKS for t in recipe.tasks):
+        check_lengths(model, recipe.retrieval.lengths)  # before any long work
+        check_cases(recipe.tasks, tok, ids, recipe.retrieval.lengths, recipe.seed)
     guard = _AttnGuard(model)
     meta: dict[str, Any] = {
         "command": command,
@@ -217,6 +223,9 @@ def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult
 
     if recipe.generation is not None:
         _run_generation(recipe, model, ids, methods, result, guard, quiet, progress)
+    for task in recipe.tasks:
+        if task in RETRIEVAL_TASKS:
+            run_retrieval_task(task, recipe, lm, ids, methods, skipped, result, guard, quiet, progress)
     meta["seconds_total"] = round(time.perf_counter() - t_start, 1)
     return result
 

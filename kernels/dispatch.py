@@ -97,7 +97,8 @@ def attend(
         try:
             from .triton_attention import attend_triton
 
-            out = attend_triton(query, fresh_k, fresh_v, layer, past_len, mask, scaling, softcap=softcap)
+            with layer.staged():  # offloaded blocks: staged into device blocks for the kernel's block tables
+                out = attend_triton(query, fresh_k, fresh_v, layer, past_len, mask, scaling, softcap=softcap)
         except (Unsupported, ImportError) as e:
             _log_once(f"{type(e).__name__}: {e}")
     if out is None:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from .offload import HostBlocks, host_id
 from .quantizers.base import PartSpec
 
 GROWTH = 1.25
@@ -88,6 +89,7 @@ class LayerBlocks:
         self.refs: list[int] = []
         self.free: list[int] = []
         self.on_full: Callable[[int], None] | None = None  # the pool's eviction hook (bounded pools)
+        self.host: HostBlocks | None = None  # the host tier (``offload``), made by :meth:`host_tier`
         if num_blocks:
             self._grow(num_blocks)
 
@@ -136,14 +138,26 @@ class LayerBlocks:
         self.refs[b] = refs
         return b
 
+    def host_tier(self) -> HostBlocks:
+        """The host tier of these blocks (created on the first use; pinned when the blocks are on CUDA)."""
+        if self.host is None:
+            self.host = HostBlocks(self.parts, pin=self.device.type == "cuda")
+        return self.host
+
     def incref(self, ids: Iterable[int]) -> None:
+        """One more reference to each id (``-1``: released, ignored; ``<= -2``: a host block, see kvquant.offload)."""
         for b in ids:
             if b >= 0:
                 self.refs[b] += 1
+            elif b < -1:
+                self.host.incref([host_id(b)])  # type: ignore[union-attr]
 
     def decref(self, ids: Iterable[int]) -> None:
+        """One reference less to each id; a block whose count reaches 0 is free again (device or host tier)."""
         for b in ids:
             if b < 0:
+                if b < -1:
+                    self.host.decref([host_id(b)])  # type: ignore[union-attr]
                 continue
             self.refs[b] -= 1
             if self.refs[b] == 0:

@@ -40,11 +40,36 @@ write files never overwrite an existing one unless --force is given, and write a
 MAX_DIM = 1 << 20  # --layers / --kv-heads / --head-dim / --batch
 MAX_TOKENS = 1 << 40  # --context
 
+ESTIMATE_DESCRIPTION = """\
+Size a KV cache: FP16 vs a kvquant config, budgets and request-length percentiles; and, with the
+serving options, the three figures a capacity plan needs (ceilings from stated formulas, not
+measurements; kvquant/serving.py):
+
+  prefix reuse   --prompt-tokens P --shared-prefix S: a request whose first S of P prompt tokens are
+                 already cached (a PagedKVPool prefix hit) skips their prefill. Hit rate = S / P; the
+                 prefill FLOPs saved are those of the S tokens: 2 x params per token (the matrix
+                 products) + 4 x layers x q_heads x head_dim x position (causal attention), so they
+                 are a bit less than S / P of the prefill (later tokens attend further)
+  decode bound   --bandwidth 3.35TB/s: a decode step reads every weight once and every sequence's
+                 whole KV cache once, so it takes at least (weight bytes + batch x context x KV
+                 bytes per token) / bandwidth; tokens/s <= batch / that. Smaller KV bytes raise the
+                 ceiling until the weights dominate the bytes read
+  batch at P99   --memory 80GiB with --p99 N (or --lengths FILE): the batch that fits when every
+                 sequence is at the P99 request length: (memory - weight bytes) // (P99 x KV bytes
+                 per token)
+
+The parameter count comes from --model's config (dense decoders; --params overrides, e.g. for
+mixture-of-experts models), weights at --weight-bytes bytes each (2: bf16/fp16).
+"""
+
 ESTIMATE_EPILOG = """\
 examples:
   kvquant estimate --model HuggingFaceTB/SmolLM2-135M --config int8 --context 8192 --batch 16
   kvquant estimate --layers 32 --kv-heads 8 --head-dim 128 --config int4 --context 32768 --budget 24GiB
   kvquant estimate --model ./my-model --config my.yaml --context 4096 --lengths lengths.txt --plot cdf.png
+  kvquant estimate --model smollm2-135m --config int4-kchannel --context 8192 --batch 64 \\
+      --bandwidth 3.35TB/s --memory 80GiB --lengths lengths.txt --prompt-tokens 2048 --shared-prefix 1536
+      serving: decode tokens/s ceiling, batch at P99, and what a 75% prefix hit saves in prefill FLOPs
 
 The formula: batch x tokens x 2 x layers x kv_heads x head_dim x bytes per element, where a
 config's bytes per element is its average bits / 8 with scale and zero-point overhead included.
@@ -87,6 +112,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.budget) if args.budget else None
     lengths = read_lengths(args.lengths) if args.lengths else None
     res = estimate(shape, cfg, args.context, args.batch, budget, lengths)
+    serving = _serving(args, shape, cfg, res)
+    if serving is not None:
+        res["serving"] = serving
     if args.json:
         print(json.dumps(res, indent=2))
     else:
@@ -108,11 +136,64 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                   f"max {L['max']:.0f}")
             for q in ("p95", "p99"):
                 print(f"  size by {q}: fp16 {human(res[q + '_fp16_bytes'])}, config {human(res[q + '_config_bytes'])}")
+        if serving is not None:
+            from .serving import serving_lines
+
+            print("\n".join(serving_lines(serving, args.context, args.batch)))
     if lengths and args.plot:
         plot_lengths_cdf(lengths, args.plot, {"p95": res["lengths"]["p95"], "p99": res["lengths"]["p99"]},
                          force=args.force)
         print(f"CDF plot written to {args.plot}", file=sys.stderr)
     return 0
+
+
+SERVING_OPTIONS = ("bandwidth", "memory", "p99", "prompt_tokens", "shared_prefix", "params")
+
+
+def _serving(args: argparse.Namespace, shape: ModelShape, cfg: KVQuantConfig, res: dict) -> dict | None:
+    """The serving figures (:func:`kvquant.serving.serving_estimate`) when a serving option is given, else None."""
+    if all(getattr(args, n, None) is None for n in SERVING_OPTIONS):
+        return None
+    from .serving import ModelCost, params_from_config, serving_estimate
+
+    bandwidth = parse_bytes(args.bandwidth, "--bandwidth") if args.bandwidth else None
+    memory = parse_bytes(args.memory, "--memory") if args.memory else None
+    p99 = args.p99
+    if p99 is not None:
+        check_int(p99, "--p99", 1, MAX_TOKENS, ArgumentError)
+    elif "lengths" in res:
+        p99 = int(res["lengths"]["p99"])
+    if memory and not p99:
+        raise ArgumentError("--memory: the batch at P99 needs --p99 N or --lengths FILE")
+    if args.shared_prefix is not None and args.prompt_tokens is None:
+        raise ArgumentError("--shared-prefix: needs --prompt-tokens (the prompt it is a prefix of)")
+    for name in ("prompt_tokens", "shared_prefix"):
+        if getattr(args, name) is not None:
+            check_int(getattr(args, name), "--" + name.replace("_", "-"), 0 if name == "shared_prefix" else 1,
+                      MAX_TOKENS, ArgumentError)  # fmt: skip
+    if args.shared_prefix is not None and args.shared_prefix > args.prompt_tokens:
+        raise ArgumentError(f"--shared-prefix: {args.shared_prefix} is longer than --prompt-tokens "
+                            f"({args.prompt_tokens})")  # fmt: skip
+    wb = args.weight_bytes
+    if not (isinstance(wb, float) and 0 < wb <= 64):
+        raise ArgumentError(f"--weight-bytes: {wb!r} must be a number of bytes per weight in (0, 64]")
+    q_heads = None
+    if args.params is not None:
+        params = args.params
+        if not (0 < params < 1e16):
+            raise ArgumentError(f"--params: {params!r} must be a parameter count, e.g. 1.35e8")
+    elif args.model:
+        from kvquant.eval.models import read_model_config
+
+        mc = read_model_config(args.model, what="--model")
+        params = params_from_config(mc)
+        text = mc.get_text_config(decoder=True) if hasattr(mc, "get_text_config") else mc
+        q_heads = getattr(text, "num_attention_heads", None)
+    else:
+        raise ArgumentError("--params: the serving figures need the parameter count: give --model or --params")
+    cost = ModelCost(params=float(params), weight_bytes_per_param=wb, q_heads=q_heads)
+    return serving_estimate(shape, cfg, cost, args.context, args.batch, bandwidth=bandwidth, memory=memory,
+                            p99=p99, prompt_tokens=args.prompt_tokens, shared_prefix=args.shared_prefix)
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
@@ -165,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "estimate",
         help="size a KV cache for a model and config",
-        description="Size a KV cache: FP16 vs a kvquant config, budgets and request-length percentiles.",
+        description=ESTIMATE_DESCRIPTION,
         epilog=ESTIMATE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -181,6 +262,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="with --lengths: save the CDF of lengths to this PNG")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--force", action="store_true", help="overwrite an existing --plot file")
+    g = p.add_argument_group("serving (see above; each figure is printed when its inputs are given)")
+    g.add_argument("--bandwidth", help="memory bandwidth, e.g. 3.35TB/s (H100 SXM HBM3): decode tokens/s ceiling")
+    g.add_argument("--memory", help="accelerator memory for weights + KV, e.g. 80GiB: the batch that fits at P99")
+    g.add_argument("--p99", type=int, help="P99 request length in tokens (default: from --lengths)")
+    g.add_argument("--prompt-tokens", dest="prompt_tokens", type=int, help="prompt length of a request")
+    g.add_argument("--shared-prefix", dest="shared_prefix", type=int,
+                   help="its tokens already in the prefix cache: hit rate and prefill FLOPs saved")
+    g.add_argument("--params", type=float, help="parameter count (default: from --model's config)")
+    g.add_argument("--weight-bytes", dest="weight_bytes", type=float, default=2.0,
+                   help="bytes per weight (default 2: bf16/fp16; 1 for 8-bit weights)")
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser(

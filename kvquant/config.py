@@ -45,6 +45,8 @@ MAX_HEADROOM = 100.0
 MAX_SINK_TOKENS = 1024  # StreamingLLM keeps 4; each one is preallocated in full precision per sequence
 MAX_RESIDUAL_TOKENS = 1 << 16
 MAX_MODEL_DIM = 1 << 20  # model_shape values (layers, KV heads, head_dim)
+MAX_OFFLOAD_KEEP = 1 << 20  # offload.keep_recent_blocks
+OFFLOAD_DEVICES = ("cpu",)  # the host tier of ``offload`` (pinned host memory on CUDA)
 MAX_CAPACITY = 1 << 24  # tokens preallocated per sequence (QuantizedKVCache / wrap capacity=)
 
 __all__ = ["ConfigError", "KVPrecision", "KVQuantConfig", "PRESETS", "check_int"]
@@ -136,6 +138,7 @@ _OPTION_FIELDS = {
     "sink_tokens",
     "residual_tokens",
     "center_keys",
+    "offload",
 }
 _TOP_LEVEL = {"default", "layers", "heads", "name", "description", "model_shape", "evict"} | _OPTION_FIELDS
 MAX_EVICT_TOKENS = 1 << 16  # evict.window / evict.sinks
@@ -173,6 +176,10 @@ class KVQuantConfig:
         evict: keep only some tokens (:class:`~kvquant.evict.EvictConfig`: ``{policy, keep, window, sinks,
             budget, layers}``); ``None`` keeps every token. The kept tokens are stored in this config's
             precisions; see :mod:`kvquant.evict`.
+        offload: ``{device: cpu, keep_recent_blocks: N}``: the newest N full blocks of each sequence (and the blocks
+            holding its sink tokens) stay on the compute device, older full blocks move to host memory (pinned on
+            CUDA) and are fetched back, tile by tile and one tile ahead, by the attention that reads them
+            (:mod:`kvquant.offload`). ``None`` (default): every block stays on the compute device.
         name: preset or file name, for reports.
     """
 
@@ -189,6 +196,7 @@ class KVQuantConfig:
     sink_tokens: int = 0
     residual_tokens: int = 0
     center_keys: bool | None = None
+    offload: dict[str, Any] | None = None
     name: str | None = None
     description: str | None = None
     model_shape: dict[str, int] | None = None
@@ -311,6 +319,7 @@ class KVQuantConfig:
         for name in ("share_kv_scale", "check_finite"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} must be true or false")
+        self.offload = _check_offload(self.offload)
         if self.center_keys is not None and not isinstance(self.center_keys, bool):
             raise ConfigError(f"center_keys: {self.center_keys!r} must be true, false or null")
         if self.scales_file is not None and (not isinstance(self.scales_file, str) or not self.scales_file.strip()):
@@ -329,6 +338,8 @@ class KVQuantConfig:
             return
         if not isinstance(ev, EvictConfig):
             raise ConfigError(f"evict: expected a mapping like {{policy: snapkv, keep: 0.5}}, got {ev!r}")
+        if self.offload is not None:  # evicting layers rewrite slots in place; host blocks are not written
+            raise ConfigError("offload: not supported together with evict yet (use one of them)")
         if not ev.decode_time:
             return
         per_channel = sorted(self.precisions() & set(CHANNEL))
@@ -487,6 +498,23 @@ class KVQuantConfig:
 
 
 # ---------------------------------------------------------------------- parsing helpers
+def _check_offload(value: Any) -> dict[str, Any] | None:
+    """``offload``: ``None``/``false`` or ``{device: cpu, keep_recent_blocks: N}`` (N >= 0, default 2), normalised."""
+    if value is None or value is False:
+        return None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"offload: expected {{device: cpu, keep_recent_blocks: N}} or null, got {value!r}")
+    extra = sorted(set(map(str, value)) - {"device", "keep_recent_blocks"})
+    if extra:
+        raise ConfigError(f"offload.{extra[0]}: unknown field (known: device, keep_recent_blocks)")
+    device = value.get("device", "cpu")
+    if device not in OFFLOAD_DEVICES:
+        raise ConfigError(f"offload.device: {device!r} must be one of {', '.join(OFFLOAD_DEVICES)} (host memory)")
+    keep = check_int(value.get("keep_recent_blocks", 2), "offload.keep_recent_blocks", 0, MAX_OFFLOAD_KEEP)
+    return {"device": device, "keep_recent_blocks": keep}
+
+
+
 def _parse_text(text: str, path: Path) -> Any:
     suffix = path.suffix.lower()
     if suffix == ".json":

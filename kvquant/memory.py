@@ -30,15 +30,16 @@ def kv_bytes(batch: int, tokens: int, shape: ModelShape, bytes_per_element: floa
     return batch * tokens * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * bytes_per_element
 
 
-def parse_bytes(text: str) -> int:
-    """``"8GiB"``, ``"500MB"``, ``"1e9"`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
+def parse_bytes(text: str, what: str = "--budget") -> int:
+    """``"8GiB"``, ``"500MB"``, ``"1e9"`` -> bytes (``what`` names the option in the error); a rate such as
+    ``"4.8TB/s"`` gives its bytes per second."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*?)\s*(?:/s)?\s*", str(text))
     try:
         value = float(m.group(1)) * _UNITS[m.group(2).lower()] if m else math.nan
     except (ValueError, KeyError):
         value = math.nan
     if not (math.isfinite(value) and 0 < value < 2**80):
-        raise ArgumentError(f"--budget: {text!r} is not a size like 8GiB, 500MB or 1e9")
+        raise ArgumentError(f"{what}: {text!r} is not a size like 8GiB, 500MB or 1e9")
     return int(value)
 
 
@@ -55,11 +56,14 @@ def memory_report(cache: Any) -> dict[str, Any]:
 
     Blocks shared by several rows (beams) or caches (prefix reuse) count once: per layer, the distinct
     blocks of all rows. ``bytes_shared``: those referenced more than once; ``bytes_moved``: quantized
-    bytes copied by copy-on-write (a shared partial block written after a reorder)."""
+    bytes copied by copy-on-write (a shared partial block written after a reorder). With ``offload``,
+    ``bytes_device`` + ``bytes_host`` = ``bytes_total``: what the compute device holds (recent blocks, sinks, dense
+    buffers, scales) and what the host tier holds (cold blocks); ``bytes_moved_to_host``: bytes moved there."""
     shape: ModelShape = cache.shape
     per_layer: list[dict[str, Any]] = []
     per_precision: dict[str, int] = {}
-    totals = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "index": 0, "reserved": 0, "shared": 0, "blocks": 0}
+    totals = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "index": 0, "reserved": 0, "shared": 0, "blocks": 0,
+              "host": 0, "blocks_host": 0, "moved_to_host": 0}  # fmt: skip
     batch = moved = 0
     for i, layer in enumerate(cache.layers):
         store = layer.store
@@ -100,7 +104,12 @@ def memory_report(cache: Any) -> dict[str, Any]:
         "bytes_shared": totals["shared"],
         "bytes_reserved": totals["reserved"],
         "bytes_moved": moved,
+        # offload: bytes held on the compute device and in the host tier (they add up to bytes_total)
+        "bytes_device": total - totals["host"],
+        "bytes_host": totals["host"],
+        "bytes_moved_to_host": totals["moved_to_host"],
         "blocks": totals["blocks"],
+        "blocks_host": totals["blocks_host"],
         "bytes_per_block_all_layers": sum(la.store.blocks.bytes_per_block for la in cache.layers
                                           if la.store is not None),
         "bytes_per_token": per_token,

@@ -224,7 +224,8 @@ class PagedKVPool:
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, int]:
-        """Blocks (summed over layers) and bytes in use, and the prefix index's counters."""
+        """Blocks (summed over layers) and bytes in use (device and, with ``offload``, host), and the prefix index's
+        counters."""
         made = [b for b in self.layers if b is not None]
         return {
             "blocks_total": sum(b.num_blocks for b in made),
@@ -233,6 +234,9 @@ class PagedKVPool:
             "blocks_shared": sum(sum(r > 1 for r in b.refs) for b in made),
             "bytes_used": sum(b.used * b.bytes_per_block for b in made),
             "bytes_total": sum(b.nbytes() for b in made),
+            # offload: blocks and bytes in the host tier (not in blocks_used / bytes_used, which are device blocks)
+            "blocks_host": sum(b.host.used for b in made if b.host is not None),
+            "bytes_host": sum(b.host.used * b.host.bytes_per_block for b in made if b.host is not None),
             "indexed_blocks": len(self.index),
             "prefix_query_tokens": self.prefix_query_tokens,
             "prefix_hit_tokens": self.prefix_hit_tokens,

@@ -20,7 +20,7 @@ from typing import Any
 
 from .config import KVQuantConfig
 from .errors import ArgumentError
-from .memory import kv_bytes
+from .memory import human, kv_bytes
 from .shape import ModelShape
 
 
@@ -115,4 +115,27 @@ def serving_estimate(
             "prefill_flops_saved": full - rest,
             "saved_fraction": (full - rest) / full,
         }
+    return out
+
+
+def serving_lines(est: dict[str, Any], context: int, batch: int) -> list[str]:
+    """The figures of :func:`serving_estimate` as the text ``kvquant estimate`` prints."""
+    out = [f"serving (ceilings from the formulas in --help; params {est['params']:.3g}, "
+           f"weights {human(est['weight_bytes'])}):"]  # fmt: skip
+    if "prefix" in est:
+        p = est["prefix"]
+        out.append(f"  prefix cache: {p['shared_prefix']} of {p['prompt_tokens']} prompt tokens hit "
+                   f"(hit rate {p['hit_rate']:.1%}): prefill {p['prefill_flops']:.3g} FLOPs, "
+                   f"{p['prefill_flops_saved']:.3g} saved ({p['saved_fraction']:.1%})")  # fmt: skip
+    if "bandwidth" in est:
+        out.append(f"  decode at {est['bandwidth'] / 1e12:.3g} TB/s, context {context}, batch {batch}: "
+                   "bytes read per step, tokens/s ceiling")  # fmt: skip
+        for name in ("fp16", "config"):
+            d = est[f"{name}_decode"]
+            out.append(f"    {name:6s}  {human(d['bytes_per_step']):>12} per step (KV {d['kv_share_of_step']:.0%})  "
+                       f"<= {d['tokens_per_s_bound']:,.0f} tok/s")  # fmt: skip
+        out.append(f"    config / fp16 ceiling: {est['decode_speedup_bound']:.2f}x")
+    if "p99" in est:
+        out.append(f"  batch that fits at P99 = {est['p99']} tokens: fp16 {est['fp16_batch_at_p99']}, "
+                   f"config {est['config_batch_at_p99']}")  # fmt: skip
     return out

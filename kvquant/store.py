@@ -30,14 +30,17 @@ Outlier options (all in the config, composable with per-head precision):
 
 from __future__ import annotations
 
+import contextlib
 import copy as _copy
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from .blocks import LayerBlocks, part_rows
 from .config import KVPrecision, KVQuantConfig
+from .offload import Prefetcher, host_entry, host_id, is_host
 from .quantizers import Quantizer, make_quantizer
 from .quantizers.base import PartSpec
 from .rotation import fwht
@@ -155,12 +158,15 @@ class QuantizedTensorStore:
         for name, spec in self.specs.items():
             self.blocks.retype(self.group, self.kind, name, spec)
 
-    def gather(self, table: torch.Tensor, run: int | None = None) -> dict[str, torch.Tensor]:
+    def gather(
+        self, table: torch.Tensor, run: int | None = None, parts: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
         """The parts of the blocks ``table[B, nb]`` as ``[B, H, nb * rows, *shape]``: one copy of the
-        quantized bytes, or a view when ``run`` says the (single) row's blocks are ``run, run + 1, ...``."""
+        quantized bytes, or a view when ``run`` says the (single) row's blocks are ``run, run + 1, ...``.
+        ``parts``: block tensors to index instead of the arena's (a tile staged from the host tier)."""
         out = {}
         B, nb = table.shape
-        for name, t in self.parts.items():
+        for name, t in (self.parts if parts is None else parts).items():
             base = t.transpose(0, 1)  # [H, num_blocks, rows, *shape], contiguous
             H, _, rows = base.shape[:3]
             g = base[:, run:run + nb] if run is not None else base.index_select(1, table.reshape(-1))
@@ -169,12 +175,12 @@ class QuantizedTensorStore:
 
     def read(
         self, table: torch.Tensor, offset: int, length: int, dtype: torch.dtype = torch.float32,
-        run: int | None = None,
+        run: int | None = None, parts: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Dequantize ``length`` tokens from ``offset`` of the blocks ``table[B, nb]`` -> ``[B, H, length, D]``.
 
-        Per-block parts need ``offset == 0`` (reads start at a block boundary)."""
-        parts = self.gather(table, run)
+        Per-block parts need ``offset == 0`` (reads start at a block boundary). ``parts``: see :meth:`gather`."""
+        parts = self.gather(table, run, parts)
         for name in parts:
             if self.specs[name].per_block:
                 if offset:
@@ -307,6 +313,9 @@ class LayerStore:
         self.tables: list[list[int]] = [[] for _ in range(batch)]  # block ids per row (-1: released)
         self.first_live = 0  # blocks [0, first_live) of every row were released (sliding window)
         self.bytes_moved = 0  # quantized bytes copied by copy-on-write (beam reorders, shared partial blocks)
+        self.bytes_offloaded = 0  # quantized bytes moved to the host tier (``offload``)
+        self.offload_from = 0  # blocks below this index were considered for offload already
+        self.prefetcher: Prefetcher | None = None  # host -> device tile copies (``offload``), made on first use
         self._table_cache: torch.Tensor | None = None
         self.slots: SlotMap | None = None  # an evicting layer: its token axis holds slots (see kvquant.slots)
         self.groups: list[HeadGroup] = []
@@ -435,6 +444,7 @@ class LayerStore:
                 self.res_k = self.res_v = None
             self._write_pool(keys, values, past)
         self.cache_pos = past + T
+        self.offload_cold()
         return past
 
     def append_kept(
@@ -904,19 +914,141 @@ class LayerStore:
         read through the block tables; released blocks read as 0."""
         bs = self.block_size
         j0, j1 = start // bs, -(-end // bs)
-        tbl = self.table()[:, j0:j1]
-        run = None
-        if self.batch == 1:  # one row whose blocks are consecutive: read them in place
-            ids = self.tables[0][j0:j1]
-            if ids and ids[0] >= 0 and ids[-1] - ids[0] == len(ids) - 1 and ids == list(range(ids[0], ids[-1] + 1)):
-                run = ids[0]
-        k = group.key.read(tbl, start - j0 * bs, end - start, run=run)
-        v = group.value.read(tbl, start - j0 * bs, end - start, run=run)
+        run = kparts = vparts = None
+        if self.has_host_blocks(j0, j1):  # offload: the tile staged from the host tier
+            tbl, kparts, vparts = self._fetch_offloaded(group, j0, j1)
+        else:
+            tbl = self.table()[:, j0:j1]
+            if self.batch == 1:  # one row whose blocks are consecutive: read them in place
+                ids = self.tables[0][j0:j1]
+                if ids and ids[0] >= 0 and ids[-1] - ids[0] == len(ids) - 1 and ids == list(range(ids[0], ids[-1] + 1)):
+                    run = ids[0]
+        k = group.key.read(tbl, start - j0 * bs, end - start, run=run, parts=kparts)
+        v = group.value.read(tbl, start - j0 * bs, end - start, run=run, parts=vparts)
         dead = self.first_live * bs - start
         if dead > 0:
             k[:, :, :dead] = 0
             v[:, :, :dead] = 0
         return k, v
+
+    # ---------------------------------------------------------------- offload (kvquant.offload)
+    def has_host_blocks(self, j0: int = 0, j1: int | None = None) -> bool:
+        """True when some row's blocks ``[j0, j1)`` are in the host tier."""
+        if self.blocks.host is None or not self.blocks.host.used:
+            return False
+        return any(is_host(e) for t in self.tables for e in t[j0:j1])
+
+    def offload_cold(self) -> None:
+        """``offload``: move full blocks older than the newest ``keep_recent_blocks`` (and not holding sink tokens)
+        to the host tier, when every reference to them is in this store's tables (see :mod:`kvquant.offload`)."""
+        cfg = self.config.offload
+        if not cfg:
+            return
+        bs = self.block_size
+        last = self.q_end // bs - cfg["keep_recent_blocks"]
+        first = max(self.first_live, self.offload_from, -(-self.sink_end // bs) if self.sink_tokens else 0)
+        if last <= first:
+            return
+        counts: dict[int, int] = {}
+        for t in self.tables:
+            for e in t[first:last]:
+                if e >= 0:
+                    counts[e] = counts.get(e, 0) + 1
+        self.offload_from = last
+        movable = [b for b, c in counts.items() if self.blocks.refs[b] == c]
+        if not movable:
+            return
+        hids = self.blocks.host_tier().put(self.blocks.parts, movable, [counts[b] for b in movable])
+        where = dict(zip(movable, hids, strict=True))
+        for t in self.tables:
+            for j in range(first, min(last, len(t))):
+                if t[j] in where:
+                    t[j] = host_entry(where[t[j]])
+        for b in movable:  # every reference moved with the block: the device block is free
+            self.blocks.refs[b] = 0
+            self.blocks.free.append(b)
+        self.bytes_offloaded += len(movable) * self.blocks.bytes_per_block
+        self._table_cache = None
+        if self.prefetcher is not None:
+            self.prefetcher.clear()
+
+    def _stage_tile(self, gi: int, j0: int, j1: int) -> tuple[torch.Tensor, dict, dict]:
+        """Blocks ``[j0, j1)`` of every row for group ``gi``: (table ``[B, nb]`` into the staged tensors, key parts,
+        value parts), device blocks gathered from the arena and host blocks copied to the device."""
+        width = j1 - j0
+        rows = [[e if e >= 0 or is_host(e) else 0 for e in t[j0:j1]] + [0] * (width - len(t[j0:j1]))
+                for t in self.tables]  # fmt: skip
+        dev = sorted({e for r in rows for e in r if e >= 0})
+        hst = sorted({e for r in rows for e in r if is_host(e)}, reverse=True)
+        pos = {e: i for i, e in enumerate(dev + hst)}
+        staged = []
+        dev_idx = torch.tensor(dev, dtype=torch.long, device=self.device)
+        for kind in ("key", "value"):
+            arena = self.blocks.parts[gi][kind]
+            host = self.blocks.host.take(gi, kind, [host_id(e) for e in hst], self.device)  # type: ignore[union-attr]
+            staged.append({n: torch.cat([arena[n].index_select(0, dev_idx), host[n]]) for n in arena})
+        table = torch.tensor([[pos[e] for e in r] for r in rows], dtype=torch.long, device=self.device)
+        return table, staged[0], staged[1]
+
+    def _fetch_offloaded(self, group: HeadGroup, j0: int, j1: int) -> tuple[torch.Tensor, dict, dict]:
+        """Blocks ``[j0, j1)`` of ``group`` with host blocks among them, as :meth:`_stage_tile` gives them: fetched
+        (prefetched by the previous tile's read, or copied now); starts the copy of the next tile of the same size."""
+        gi = self.groups.index(group)
+        if self.prefetcher is None:
+            self.prefetcher = Prefetcher(self.device)
+        staged = self.prefetcher.fetch((gi, j0, j1), lambda: self._stage_tile(gi, j0, j1))
+        n0, n1 = j1, min(j1 + (j1 - j0), -(-self.q_end // self.block_size))
+        if n1 > n0 and self.has_host_blocks(n0, n1):
+            self.prefetcher.prefetch((gi, n0, n1), lambda: self._stage_tile(gi, n0, n1))
+        return staged
+
+    def _host_to_device(self, entries: list[int], refs: list[int]) -> list[int]:
+        """Copy host blocks (table ``entries``) into newly allocated device blocks with ``refs`` references each."""
+        self.blocks.ensure_free(len(entries))  # may raise KVCacheFull: nothing changed yet
+        dev = [self.blocks.allocate(r) for r in refs]
+        idx = torch.tensor(dev, dtype=torch.long, device=self.device)
+        for gi, group in enumerate(self.blocks.parts):
+            for kind, parts in group.items():
+                host = self.blocks.host.take(gi, kind, [host_id(e) for e in entries], self.device)  # type: ignore[union-attr]
+                for name, t in parts.items():
+                    t.index_copy_(0, idx, host[name])
+        return dev
+
+    def _bring_back(self, j: int) -> None:
+        """Move block ``j`` of every row back to the device (a crop made it the partial block, written next)."""
+        counts: dict[int, int] = {}
+        for t in self.tables:
+            if j < len(t) and is_host(t[j]):
+                counts[t[j]] = counts.get(t[j], 0) + 1
+        if not counts:
+            return
+        entries = sorted(counts)
+        where = dict(zip(entries, self._host_to_device(entries, [counts[e] for e in entries]), strict=True))
+        for t in self.tables:
+            if j < len(t) and t[j] in where:
+                self.blocks.decref([t[j]])
+                t[j] = where[t[j]]
+        self._table_cache = None
+
+    @contextlib.contextmanager
+    def staged(self) -> Iterator[None]:
+        """For kernels that read the arena through :meth:`table` (Triton): copy every host block of the rows into
+        free device blocks and point the tables at them for the duration of the block; then release them."""
+        if not self.has_host_blocks():
+            yield
+            return
+        saved = [list(t) for t in self.tables]
+        entries = sorted({e for t in self.tables for e in t if is_host(e)})
+        dev = self._host_to_device(entries, [1] * len(entries))
+        where = dict(zip(entries, dev, strict=True))
+        self.tables = [[where.get(e, e) for e in t] for t in self.tables]
+        self._table_cache = None
+        try:
+            yield
+        finally:
+            self.tables = saved
+            self._table_cache = None
+            self.blocks.decref(dev)
 
     # ---------------------------------------------------------------- cache operations
     def crop(self, tokens: int) -> None:
@@ -943,6 +1075,9 @@ class LayerStore:
                 )
             self.q_end = tokens
             self._truncate(-(-tokens // self.block_size))
+            self.offload_from = min(self.offload_from, tokens // self.block_size)
+            if tokens % self.block_size:
+                self._bring_back(tokens // self.block_size)
         if self.res_k is not None:
             keep = tokens - self.q_end
             self.res_k, self.res_v = self.res_k[:, :, :keep], self.res_v[:, :, :keep]
@@ -962,7 +1097,7 @@ class LayerStore:
     def reset(self) -> None:
         """Forget all tokens and static scales; the blocks go back to the pool."""
         self.release()
-        self.cache_pos = self.q_end = self.sink_end = self.pad_end = 0
+        self.cache_pos = self.q_end = self.sink_end = self.pad_end = self.offload_from = 0
         self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self.calibrated = False
         self.res_k = self.res_v = None
@@ -991,6 +1126,7 @@ class LayerStore:
         for t in new.tables:
             self.blocks.incref(t)
         new._table_cache = None
+        new.prefetcher = None
         new.groups = []
         for g in self.groups:
             kv = []
@@ -1016,6 +1152,8 @@ class LayerStore:
         for t in old:
             self.blocks.decref(t)
         self._table_cache = None
+        if self.prefetcher is not None:
+            self.prefetcher.clear()
         idx = idx.to(self.device)
         for name in ("sink_k", "sink_v", "res_k", "res_v", "key_mean"):
             t = getattr(self, name)
@@ -1032,8 +1170,12 @@ class LayerStore:
 
     # ---------------------------------------------------------------- accounting
     def block_ids(self) -> list[int]:
-        """The distinct live blocks of all rows (a shared block once)."""
+        """The distinct live device blocks of all rows (a shared block once)."""
         return sorted({b for t in self.tables for b in t if b >= 0})
+
+    def host_block_ids(self) -> list[int]:
+        """The distinct host-tier blocks of all rows (``offload``), as host ids."""
+        return sorted({host_id(b) for t in self.tables for b in t if is_host(b)})
 
     def dense_buffers(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -1047,11 +1189,15 @@ class LayerStore:
         """Bytes held (each distinct block once, + scales state + full-precision buffers), shared and reserved.
 
         ``shared``: bytes of blocks referenced more than once (by several rows, caches or the prefix index).
-        ``reserved``: the layer's whole arena (for a pool, shared with its other caches)."""
-        ids = self.block_ids()
-        n = len(ids)
-        shared = sum(self.blocks.refs[b] > 1 for b in ids)
-        out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "blocks": n,
+        ``reserved``: the layer's whole device arena (for a pool, shared with its other caches). ``host``: the
+        bytes of the blocks held in the host tier (``offload``; included in keys / values / scales), ``blocks_host``
+        their number, ``moved_to_host`` the bytes moved there so far."""
+        ids, hids = self.block_ids(), self.host_block_ids()
+        n = len(ids) + len(hids)
+        host = self.blocks.host
+        shared = sum(self.blocks.refs[b] > 1 for b in ids) + sum(host.refs[h] > 1 for h in hids)  # type: ignore[union-attr]
+        out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "blocks": n, "blocks_host": len(hids),
+               "host": len(hids) * self.blocks.bytes_per_block, "moved_to_host": self.bytes_offloaded,
                "index": self.slots.nbytes() if self.slots is not None else 0,
                "shared": shared * self.blocks.bytes_per_block, "reserved": self.blocks.nbytes()}  # fmt: skip
         for g in self.groups:
