@@ -21,14 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_codebook import codebook_norms, codebook_row
+from .triton_codebook import codebook_norms, part_bases
 from .triton_decode import LOG2E
 from .triton_dequant import (
     Operand,
     cap_scores,
     dot_pv,
     dot_qk,
-    head_ptrs,
     load_head_scale,
     load_tile,
     load_token_scale,
@@ -82,12 +81,8 @@ def _chunk_attn(
     k_hi = reduce_max(hi_r, 0)
 
     # block tensors [num_blocks, Hg, block_size, ...]: one head's base; rows come from the block table
-    k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
-    v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
-    if K_KIND == 8:  # codebook: the (sequence, head)'s params row (norm code range, levels)
-        kz_base = codebook_row(KH, pid, K_BITS)
-    if V_KIND == 8:
-        vz_base = codebook_row(VH, pid, V_BITS)
+    k_base, ks_base, kz_base = part_bases(K, KS, KZ, KH, k_sh, ks_sh, hg, pid, K_KIND, K_BITS)
+    v_base, vs_base, vz_base = part_bases(V, VS, VZ, VH, v_sh, vs_sh, hg, pid, V_KIND, V_BITS)
     tbl = TBL + b64 * tbl_sb
     scale = qk_scale * load_head_scale(KH, pid, K_KIND)
 

@@ -66,3 +66,13 @@ def codebook_operand(store, main: torch.Tensor, operand_cls: type):
     if params.shape != (store.batch, store.heads, width):
         raise Unsupported(f"{qz.describe()}: codebook state {tuple(params.shape)} not per (sequence, head)")
     return operand_cls(main, norm, main, params, KIND_CODEBOOK, bits=qz.bits)
+
+
+@triton.jit
+def part_bases(P, S, Z, PH, sh, ssh, hg, pid, KIND: tl.constexpr, BITS: tl.constexpr):
+    """Head ``hg``'s pointers to a part, its scale and its zero (block 0); for a codebook part (``KIND`` 8)
+    the third is the (sequence, head)'s params row instead (norm code range, levels)."""
+    h = hg.to(tl.int64)  # head strides of a head-major pool can exceed 2^31 elements
+    if KIND == 8:
+        return P + h * sh, S + h * ssh, codebook_row(PH, pid, BITS)
+    return P + h * sh, S + h * ssh, Z + h * ssh
