@@ -26,5 +26,7 @@ __all__ = list(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name], __name__), name)
+        value = getattr(import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value  # later lookups (one per layer and step) skip this hook
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from kvquant.quantizers.base import Factored
 from kvquant.store import HeadGroup, LayerStore
 
 WORKSPACE_BYTES = 8 * 2**20  # fp32 scratch per tile: scores and a dequantized K or V tile
@@ -145,6 +146,104 @@ def _tiles(total: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(total, s + size)) for s in range(0, total, size)]
 
 
+def _fits_at_once(layer: LayerStore, batch: int, rows: int, tokens: int) -> bool:
+    """True when ``tokens`` history keys of every head group fit the workspace in one tile pair (see
+    :func:`attend_torch`'s tile sizes): then one softmax covers them, with no online rescaling."""
+    row_bytes = 4 * batch * layer.num_heads * max(rows, layer.head_dim)
+    tk = max(layer.block_size, (WORKSPACE_BYTES // row_bytes) // layer.block_size * layer.block_size)
+    return tokens + 1 <= 2 * tk
+
+
+def _decode_one(
+    query: torch.Tensor,
+    fresh_k: torch.Tensor,
+    fresh_v: torch.Tensor,
+    layer: LayerStore,
+    past_len: int,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None,
+    key_mass: torch.Tensor | None,
+) -> torch.Tensor:
+    """One query per row (a decode step) over a history that fits the workspace: per head group, one score
+    row over the history's pieces (:meth:`~kvquant.store.LayerStore.read_factored`) and the fresh key, one
+    softmax. Scales that factor out of the codes are applied to the query / scores (keys) and to the
+    probabilities / output (values), never to the history's elements. Same result as the tiled walk with
+    a fraction of its passes over the history and of its tensor operations."""
+    B, Hq, _, D = query.shape
+    Hkv = layer.num_heads
+    rep = Hq // Hkv
+    spans = layer.tiles(past_len, max(past_len, 1))
+    first = spans[0][0] if spans else past_len  # released blocks (sliding window) are skipped
+    q = (query.float() * scaling).view(B, Hkv, rep, D)
+    keep = None
+    if mask is not None:  # [B, 1|Hq, 1, first..past_len] -> [B, 1|Hkv, 1|rep, T + 1]
+        keep = mask[:, :, 0, first:past_len + 1]
+        keep = keep.unsqueeze(2) if keep.shape[1] == 1 else keep.reshape(B, Hkv, rep, -1)
+    out = None
+    for g in layer.groups:
+        sel = (lambda t: t) if g.all_heads else (lambda t, i=g.head_index: t.index_select(1, i))
+        qg, fk, fv = sel(q), sel(fresh_k).float(), sel(fresh_v).float()
+        pieces = layer.read_factored(g, first, past_len) if first < past_len else []
+        scores = torch.cat([*(_key_scores(qg, k) for _, _, k, _ in pieces), qg @ fk.transpose(-1, -2)], dim=-1)
+        scores = cap_scores(scores, softcap)
+        kg = None
+        if keep is not None:
+            kg = keep if keep.shape[1] == 1 else sel(keep)
+            scores = scores.masked_fill(~kg, -math.inf)
+        p = torch.softmax(scores, dim=-1)  # [B, Hg, rep, T + 1]
+        if key_mass is not None and pieces:  # each history key's probability, summed over its query heads
+            mass = p[..., :-1].sum(dim=2)
+            if g.all_heads:
+                key_mass[:, :, first:past_len] += mass
+            else:
+                key_mass[:, :, first:past_len].index_add_(1, g.head_index, mass)
+        res = p[..., -1:] * fv
+        for a, b, _, v in pieces:
+            res = res + _weighted_values(p[..., a - first:b - first], v)
+        if kg is not None:  # rows with no visible key give 0 (softmax over nothing is NaN)
+            res = torch.where(kg.any(dim=-1, keepdim=True), res, 0.0)
+        if g.all_heads:
+            out = res
+        else:
+            if out is None:
+                out = torch.empty((B, Hkv, rep, D), dtype=torch.float32, device=query.device)
+            out.index_copy_(1, g.head_index, res)
+    return out.view(B, Hq, 1, D).to(query.dtype)
+
+
+def _key_scores(q: torch.Tensor, k: Factored) -> torch.Tensor:
+    """``q[B, H, R, D] . k_hat[B, H, T, D]`` -> ``[B, H, R, T]`` with ``k_hat = codes * scale + zero``."""
+    if k.block:  # per (block, channel): fold each block's channel scales into the query, add q . zero
+        B, H, T, D = k.codes.shape
+        n = T // k.block
+        qs = q.unsqueeze(2) * k.scale.unsqueeze(3)  # [B, H, n, R, D]
+        s = qs @ k.codes.view(B, H, n, k.block, D).transpose(-1, -2)  # [B, H, n, R, block]
+        s = s + (q @ k.zero.transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)  # + q . zero[block]
+        return s.permute(0, 1, 3, 2, 4).reshape(B, H, q.shape[2], T)
+    s = q @ k.codes.transpose(-1, -2)
+    if k.scale is not None:  # [.., 1, 1] per head or [.., T, 1] per token -> one factor per score column
+        s = s * k.scale.transpose(-1, -2)
+    return s
+
+
+def _weighted_values(p: torch.Tensor, v: Factored) -> torch.Tensor:
+    """``p[B, H, R, T] @ v_hat[B, H, T, D]`` with ``v_hat = codes * scale + zero``."""
+    if v.block:  # per (block, channel): scale each block's partial sum
+        B, H, T, D = v.codes.shape
+        n = T // v.block
+        pb = p.reshape(B, H, p.shape[2], n, v.block).transpose(2, 3)  # [B, H, n, R, block]
+        part = pb @ v.codes.view(B, H, n, v.block, D)  # [B, H, n, R, D]
+        part = part * v.scale.unsqueeze(3) + pb.sum(dim=-1, keepdim=True) * v.zero.unsqueeze(3)
+        return part.sum(dim=2)
+    if v.scale is not None and v.scale.shape[2] > 1:  # per token: scale the probabilities
+        p = p * v.scale.transpose(-1, -2)
+    out = p @ v.codes
+    if v.scale is not None and v.scale.shape[2] == 1:  # per head: scale the output
+        out = out * v.scale
+    return out
+
+
 def attend_torch(
     query: torch.Tensor,
     fresh_k: torch.Tensor,
@@ -168,6 +267,8 @@ def attend_torch(
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
     rep = Hq // Hkv
+    if Tq == 1 and _fits_at_once(layer, B, rep, past_len):
+        return _decode_one(query, fresh_k, fresh_v, layer, past_len, mask, scaling, softcap, key_mass)
     device = query.device
     out = torch.empty((B, Hkv, rep, Tq, D), dtype=torch.float32, device=device)
     q5 = query.float().view(B, Hkv, rep, Tq, D) * scaling

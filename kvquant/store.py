@@ -35,6 +35,7 @@ import copy as _copy
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,7 +43,7 @@ from .blocks import LayerBlocks, part_rows
 from .config import KVPrecision, KVQuantConfig
 from .offload import Prefetcher, host_entry, host_id, is_host
 from .quantizers import Quantizer, make_quantizer
-from .quantizers.base import PartSpec
+from .quantizers.base import Factored, PartSpec
 from .rotation import fwht
 from .slots import SlotMap
 
@@ -137,10 +138,11 @@ class QuantizedTensorStore:
     def _quantize(self, x: torch.Tensor, check: bool, real: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The parts of ``x`` (static-scale clipping counted; see :meth:`write` for ``check`` and ``real``)."""
         if self.quantizer.static:
-            counted = x if real is None else torch.where(real[:, None, :, None], x, 0.0)
-            self.clipped += self.quantizer.clipped(counted, self.state)
+            q, clipped = self.quantizer.quantize_counted(x, self.state, real)
+            self.clipped += clipped
             self.static_values += x.numel() if real is None else real.sum() * x.shape[1] * x.shape[3]
-        q = self.quantizer.quantize(x, self.state)
+        else:
+            q = self.quantizer.quantize(x, self.state)
         if check and not stored_finite(q):
             if self.quantizer.widen_scales():
                 self._widen_parts()
@@ -180,6 +182,30 @@ class QuantizedTensorStore:
         """Dequantize ``length`` tokens from ``offset`` of the blocks ``table[B, nb]`` -> ``[B, H, length, D]``.
 
         Per-block parts need ``offset == 0`` (reads start at a block boundary). ``parts``: see :meth:`gather`."""
+        parts = self._window(table, offset, length, run, parts)
+        if self.quantizer.space:  # codebook rows stay in their head space (see LayerStore.read)
+            return self.quantizer.decode_space(parts, self.state).to(dtype)
+        return self.quantizer.dequantize(parts, self.state, dtype)
+
+    def read_factored(
+        self, table: torch.Tensor, offset: int, length: int, run: int | None = None,
+        parts: dict[str, torch.Tensor] | None = None,
+    ) -> Factored:
+        """Like :meth:`read` (float32), as codes and scales when the quantizer factors them (see
+        :class:`~kvquant.quantizers.base.Factored`), else as the dequantized rows with no scale."""
+        window = self._window(table, offset, length, run, parts)
+        fac = None if self.quantizer.space else self.quantizer.factored(window, self.state)
+        if fac is not None:
+            return fac
+        if self.quantizer.space:
+            return Factored(self.quantizer.decode_space(window, self.state).float())
+        return Factored(self.quantizer.dequantize(window, self.state, torch.float32))
+
+    def _window(
+        self, table: torch.Tensor, offset: int, length: int, run: int | None,
+        parts: dict[str, torch.Tensor] | None,
+    ) -> dict[str, torch.Tensor]:
+        """The parts of tokens ``[offset, offset + length)`` of the blocks ``table`` (per-block parts whole)."""
         parts = self.gather(table, run, parts)
         for name in parts:
             if self.specs[name].per_block:
@@ -187,9 +213,7 @@ class QuantizedTensorStore:
                     raise AssertionError("per-block parts are read from a block boundary")
             else:
                 parts[name] = parts[name][:, :, offset:offset + length]
-        if self.quantizer.space:  # codebook rows stay in their head space (see LayerStore.read)
-            return self.quantizer.decode_space(parts, self.state).to(dtype)
-        return self.quantizer.dequantize(parts, self.state, dtype)
+        return parts
 
     def block_nbytes(self) -> dict[str, int]:
         """Bytes of one block of each part."""
@@ -909,9 +933,35 @@ class LayerStore:
             self._table_cache = torch.tensor(rows, dtype=torch.long, device=self.device).view(self.batch, width)
         return self._table_cache
 
-    def read_pool(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_factored(self, group: HeadGroup, start: int, end: int) -> list[tuple[int, int, Factored, Factored]]:
+        """``group``'s K and V of tokens ``[start, end)`` as ``(a, b, K, V)`` pieces covering the range in order:
+        pool tokens as codes and scales where the quantizer factors them (:class:`Factored`; attention then
+        scales queries or probabilities, not the history), sink and residual tokens dequantized. Same values
+        as :meth:`read`."""
+        pieces = []
+        pool_end = min(end, self.q_end)
+        a = start
+        if a < pool_end and self.sink_k is not None and a < self.sink_end:  # sink rows: read() merges them
+            b = min(pool_end, -(-self.sink_end // self.block_size) * self.block_size)
+            k, v = self.read(group, a, b)
+            pieces.append((a, b, Factored(k), Factored(v)))
+            a = b
+        if a < pool_end:
+            if self.has_host_blocks(a // self.block_size, -(-pool_end // self.block_size)):
+                k, v = self.read(group, a, pool_end)
+                pieces.append((a, pool_end, Factored(k), Factored(v)))
+            else:
+                pieces.append((a, pool_end, *self.read_pool(group, a, pool_end, factored=True)))
+            a = pool_end
+        if a < end:
+            k, v = self.read(group, a, end)
+            pieces.append((a, end, Factored(k), Factored(v)))
+        return pieces
+
+    def read_pool(self, group: HeadGroup, start: int, end: int, factored: bool = False) -> tuple[Any, Any]:
         """Dequantized K and V of ``group``'s pool tokens ``[start, end)`` (float32 ``[B, Hg, t, D]``),
-        read through the block tables; released blocks read as 0."""
+        read through the block tables; released blocks read as 0. ``factored``: as :class:`Factored` pieces
+        (tokens of released blocks are not read: ``start`` must be at or after the first live block)."""
         bs = self.block_size
         j0, j1 = start // bs, -(-end // bs)
         run = kparts = vparts = None
@@ -923,6 +973,11 @@ class LayerStore:
                 ids = self.tables[0][j0:j1]
                 if ids and ids[0] >= 0 and ids[-1] - ids[0] == len(ids) - 1 and ids == list(range(ids[0], ids[-1] + 1)):
                     run = ids[0]
+        if factored:
+            if start < self.first_live * bs:
+                raise AssertionError("read_pool(factored=True) starts in a released block")
+            return (group.key.read_factored(tbl, start - j0 * bs, end - start, run=run, parts=kparts),
+                    group.value.read_factored(tbl, start - j0 * bs, end - start, run=run, parts=vparts))
         k = group.key.read(tbl, start - j0 * bs, end - start, run=run, parts=kparts)
         v = group.value.read(tbl, start - j0 * bs, end - start, run=run, parts=vparts)
         dead = self.first_live * bs - start

@@ -24,6 +24,23 @@ class PartSpec:
     per_block: bool = False  # one row per block of tokens (per-channel scales), not per token
 
 
+@dataclass(frozen=True)
+class Factored:
+    """Stored rows as ``codes * scale + zero`` without forming the product, so that attention can apply
+    the scales to queries or probabilities instead of to every element of the history.
+
+    * ``codes``: float32 ``[B, H, T, D]`` (the integer or fp8 codes, converted, nothing else applied).
+    * ``scale``: ``None`` (1), ``[B or 1, H, 1, 1]`` (one per head) or ``[B, H, T, 1]`` (one per token);
+    * with ``block > 0``: ``scale`` and ``zero`` are ``[B, H, T // block, D]``, one pair per channel and block of
+      ``block`` tokens (asymmetric per-channel keys). ``zero`` is used only there.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    block: int = 0
+
+
 class Quantizer(ABC):
     """Quantizes a ``[B, H, T, D]`` tensor into named parts, one row per token.
 
@@ -83,11 +100,24 @@ class Quantizer(ABC):
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Parts ``{name: [B, H, T, *shape]}`` -> ``[B, H, T, D]`` in ``dtype``."""
 
+    def factored(self, parts: Parts, state: dict[str, torch.Tensor]) -> Factored | None:
+        """The parts as :class:`Factored` (``dequantize(parts) == codes * scale + zero`` in float32), or None
+        when the scales do not factor that way (e.g. groups along head_dim): then read :meth:`dequantize`."""
+        return None
+
     def widen_scales(self) -> bool:
         """Store per-token / per-block scales and zeros in fp32 from now on (they overflowed fp16).
 
         Returns False when there is nothing to widen (no fp16 scale parts, or already fp32)."""
         return False
+
+    def quantize_counted(
+        self, x: torch.Tensor, state: dict[str, torch.Tensor], real: torch.Tensor | None = None
+    ) -> tuple[Parts, torch.Tensor]:
+        """:meth:`quantize` and the number of clipped values (static scales), not counting the tokens where
+        ``real[B, T]`` is False (left padding). Subclasses may do both in one pass."""
+        counted = x if real is None else torch.where(real[:, None, :, None], x, 0.0)
+        return self.quantize(x, state), self.clipped(counted, state)
 
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """How many elements of ``x`` exceed the representable range (static scales only)."""
@@ -110,6 +140,11 @@ class WidenableScales:
     fp32 when a value overflows fp16 (|x| > 65504), see :meth:`Quantizer.widen_scales`."""
 
     scale_dtype: torch.dtype = torch.float16
+
+    def factored(self, parts: Parts, state: dict[str, torch.Tensor]) -> Factored | None:
+        """The parts as :class:`Factored` (``dequantize(parts) == codes * scale + zero`` in float32), or None
+        when the scales do not factor that way (e.g. groups along head_dim): then read :meth:`dequantize`."""
+        return None
 
     def widen_scales(self) -> bool:
         if self.scale_dtype == torch.float32:

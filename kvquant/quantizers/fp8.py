@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Parts, PartSpec, Quantizer, head_view
+from .base import Factored, Parts, PartSpec, Quantizer, head_view
 
 FP8_DTYPES = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
 
@@ -44,6 +44,9 @@ class Fp8(Quantizer):
 
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return (parts["q"].float() * head_view(state["scale"])).to(dtype)
+
+    def factored(self, parts: Parts, state: dict[str, torch.Tensor]) -> Factored:
+        return Factored(parts["q"].float(), head_view(state["scale"]).float())
 
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         # beyond the largest fp8 value, with fp32 rounding slack: the calibration max itself is not clipped

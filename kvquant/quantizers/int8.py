@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Parts, PartSpec, Quantizer, WidenableScales, head_view
+from .base import Factored, Parts, PartSpec, Quantizer, WidenableScales, head_view
 
 QMAX = 127.0
 FP16_TINY = 2.0**-14  # smallest normal fp16: per-token scales are stored in fp16
@@ -43,8 +43,20 @@ class Int8SharedScale(Quantizer):
         q = torch.round(x.float() / scale).clamp_(-QMAX, QMAX)
         return {"q": q.to(torch.int8)}
 
+    def quantize_counted(
+        self, x: torch.Tensor, state: dict[str, torch.Tensor], real: torch.Tensor | None = None
+    ) -> tuple[Parts, torch.Tensor]:
+        y = x.float() / head_view(state["scale"])
+        over = y.abs() > QMAX + 0.5  # the same test as clipped(), on the scaled values
+        if real is not None:
+            over &= real[:, None, :, None]
+        return {"q": torch.round(y).clamp_(-QMAX, QMAX).to(torch.int8)}, over.sum()
+
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return (parts["q"] * head_view(state["scale"]).float()).to(dtype)  # int8 x fp32: one pass, no copy
+
+    def factored(self, parts: Parts, state: dict[str, torch.Tensor]) -> Factored:
+        return Factored(parts["q"].float(), head_view(state["scale"]).float())
 
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         limit = head_view(state["scale"]) * (QMAX + 0.5)
@@ -66,3 +78,6 @@ class Int8PerToken(WidenableScales, Quantizer):
 
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return (parts["q"] * parts["scale"].float()).to(dtype)  # int8 x fp32 promotes: one pass
+
+    def factored(self, parts: Parts, state: dict[str, torch.Tensor]) -> Factored:
+        return Factored(parts["q"].float(), parts["scale"].float())

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Parts, PartSpec, Quantizer, WidenableScales
+from .base import Factored, Parts, PartSpec, Quantizer, WidenableScales
 from .int8 import FP16_TINY
 
 
@@ -178,3 +178,11 @@ class IntNChannel(WidenableScales, Quantizer):
             return x.view(B, H, T, D).to(dtype)
         idx = torch.arange(T, device=q.device) // self.token_group
         return (q * scale.index_select(2, idx) + zero.index_select(2, idx)).to(dtype)
+
+    def factored(self, parts: Parts, state: dict[str, torch.Tensor]) -> Factored | None:
+        q = unpack_codes(parts["q"], self.bits)
+        T, n = q.shape[2], q.shape[2] // self.token_group
+        if T % self.token_group:
+            return None
+        scale, zero = parts["scale"][:, :, :n].float(), parts["zero"][:, :, :n].float()
+        return Factored(q.float(), scale, zero, block=self.token_group)

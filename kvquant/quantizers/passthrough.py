@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Parts, PartSpec, Quantizer
+from .base import Factored, Parts, PartSpec, Quantizer
 
 FLOAT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -27,3 +27,6 @@ class Passthrough(Quantizer):
 
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return parts["x"].to(dtype)
+
+    def factored(self, parts: Parts, state: dict[str, torch.Tensor]) -> Factored:
+        return Factored(parts["x"].float())
