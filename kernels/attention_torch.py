@@ -336,7 +336,7 @@ def dequantize_history(
     v = torch.empty_like(k)
     for g in layer.groups:
         k[:, g.head_index], v[:, g.head_index] = layer.read(g, 0, past_len)
-    if not head_space and getattr(layer, "has_head_space", False):
+    if not head_space and layer.has_head_space:
         k, v = layer.kv_from_head_space(k, v)
     return k, v
 

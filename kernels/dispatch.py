@@ -71,7 +71,7 @@ def attend(
     if layer.transforms:
         query = fwht(query) if layer.rotate_keys else query
         fresh_k, fresh_v = layer.to_storage_space(fresh_k, fresh_v)
-    head_space = getattr(layer, "has_head_space", False)
+    head_space = layer.has_head_space
     if head_space and softcap is not None and layer.centered_keys:
         # q . (k - mu) shifts every score of a query alike: exact for softmax, not under tanh capping
         raise NotImplementedError(
@@ -81,7 +81,7 @@ def attend(
     if head_space:  # codebook heads: queries rotated once per step, stored rows never un-rotated
         query = layer.query_to_head_space(query)
         fresh_k, fresh_v = layer.kv_to_head_space(fresh_k, fresh_v)
-    slots = getattr(layer, "slots", None)
+    slots = layer.slots
     mass = None
     use_triton = backend_for(query.device) == "triton"
     if slots is not None:  # an evicting layer: its history axis holds slots (kvquant.slots)

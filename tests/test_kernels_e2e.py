@@ -19,7 +19,8 @@ pytest.importorskip("triton")
 import kvquant  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-E2E_TOL = 2e-5  # max |logit difference| triton vs torch, fp32 model (measured <= 5e-6; was 2e-3)
+E2E_TOL = 5e-5  # max |logit difference| triton vs torch, fp32 model, |logits| <= 8.6 (measured 2.1e-5 for int8,
+# where the torch path scales scores and the kernel dequantizes codes in registers; was 2e-3)
 
 
 def tiny_llama(heads=6, kv_heads=2, head_dim=64, layers=2, vocab=96, seed=0):
