@@ -154,17 +154,7 @@ def _fits_at_once(layer: LayerStore, batch: int, rows: int, tokens: int) -> bool
     return tokens + 1 <= 2 * tk
 
 
-def _decode_one(
-    query: torch.Tensor,
-    fresh_k: torch.Tensor,
-    fresh_v: torch.Tensor,
-    layer: LayerStore,
-    past_len: int,
-    mask: torch.Tensor | None,
-    scaling: float,
-    softcap: float | None,
-    key_mass: torch.Tensor | None,
-) -> torch.Tensor:
+def _decode_one(query, fresh_k, fresh_v, layer: LayerStore, past_len: int, mask, scaling: float, softcap, key_mass):
     """One query per row (a decode step) over a history that fits the workspace: per head group, one score
     row over the history's pieces (:meth:`~kvquant.store.LayerStore.read_factored`) and the fresh key, one
     softmax. Scales that factor out of the codes are applied to the query / scores (keys) and to the
