@@ -15,8 +15,16 @@ acceptance protocol (exact decode, ``recipes/lowbit-smollm2.yaml``); they rank c
 ``--key-weight query`` also tries a query-aware linear map of each key head before the codebook,
 ``k' = A (k - mu)``, ``q' = A^-T q`` (scores exact): ``A^T A = Ck^-1 # Cq`` (matrix geometric mean of the
 inverse key covariance and the query second moment of that head's query group), the map that
-minimises the expected score error of an isotropic quantization error. It is an oracle here (fitted
-on the scored window itself): it tells what such a calibrated map could buy, nothing is stored.
+minimises the expected score error of an isotropic quantization error. ``query`` is an oracle (fitted
+on the scored window itself); ``calib`` fits the same map per (layer, KV head) on ``--calib-windows``
+windows from the END of the corpus (what a stored calibration would hold); ``calib-diag`` / ``query-diag``
+keep only the diagonals (a per-channel scale). ``--value-weight calib`` maps each value head likewise,
+``v' = B v``, ``B^T B = Cv^-1 # G`` with ``G`` the output projection's metric for that head's query group
+(:func:`output_metric`). Nothing is stored; these say what such a map could buy.
+
+Specs: ``K:V:R`` with widths 2/3/4 or ``exact`` (quantize only K or only V: where the KL comes from), or
+``CONFIG.yaml:R``: the per-(layer, KV head) codebook widths a kvquant config assigns (its other
+precisions read as exact). ``--layers 0-14`` quantizes only those layers.
 """
 
 from __future__ import annotations
@@ -24,13 +32,15 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from typing import Any
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvquant import KVQuantConfig, ModelShape
 from kvquant.eval.data import load_text, tokenize
 from kvquant.eval.models import load_model
-from kvquant.quantizers import Codebook
+from kvquant.quantizers import CODEBOOK, Codebook
 
 WINDOW, PREFILL, SINK, SCORE_FROM = 1024, 960, 4, 512
 
@@ -40,61 +50,132 @@ def _psd_power(c: torch.Tensor, p: float) -> torch.Tensor:
     return (u * e.clamp_min(1e-9 * e.max()) ** p) @ u.T
 
 
-def query_weight(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per KV head ``(A, A^-1)`` ``[H, D, D]`` from the window's queries and keys (see the module doc)."""
+def moments(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head ``(Ck, Cq)`` ``[H, D, D]`` (float64) of one window: centered key covariance and the query
+    second moment of the head's query group, over the prefill's non-sink tokens."""
     _, hq, _, d = q.shape
     h = k.shape[1]
+    kk = k[0, :, SINK:PREFILL].double()
+    kk = kk - kk.mean(1, keepdim=True)
+    ck = kk.transpose(1, 2) @ kk / kk.shape[1]
+    qq = q[0, :, SINK:PREFILL].double().reshape(h, -1, d)
+    cq = qq.transpose(1, 2) @ qq / qq.shape[1]
+    return ck, cq
+
+
+def map_from_moments(ck: torch.Tensor, cq: torch.Tensor, diag: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head ``(A, A^-1)`` ``[H, D, D]``: ``A^T A = Ck^-1 # Cq`` (see the module doc); ``diag``: the same
+    with both moments reduced to their diagonals (a per-channel scale)."""
+    d = ck.shape[-1]
     eye = torch.eye(d, dtype=torch.float64)
     out, inv = [], []
-    for i in range(h):
-        kk = k[0, i, SINK:PREFILL].double()
-        kk = kk - kk.mean(0)
-        ck = kk.T @ kk / len(kk) + 1e-6 * eye
-        qq = q[0, i * hq // h:(i + 1) * hq // h, SINK:PREFILL].double().reshape(-1, d)
-        cq = qq.T @ qq / len(qq) + 1e-6 * eye
-        ki = torch.linalg.inv(ck)
+    for c_k, c_q in zip(ck, cq, strict=True):
+        if diag:
+            w = (c_q.diagonal().clamp_min(1e-12) / c_k.diagonal().clamp_min(1e-12)) ** 0.25
+            out.append(torch.diag(w).float())
+            inv.append(torch.diag(1 / w).float())
+            continue
+        c_k = c_k + 1e-6 * c_k.diagonal().mean() * eye
+        c_q = c_q + 1e-6 * c_q.diagonal().mean() * eye
+        ki = torch.linalg.inv(c_k)
         a, ai = _psd_power(ki, 0.5), _psd_power(ki, -0.5)
-        m = a @ _psd_power(ai @ cq @ ai, 0.5) @ a  # Ck^-1 # Cq
+        m = a @ _psd_power(ai @ c_q @ ai, 0.5) @ a  # Ck^-1 # Cq
         root = _psd_power(m, 0.5)
         out.append(root.float())
         inv.append(torch.linalg.inv(root).float())
     return torch.stack(out), torch.stack(inv)
 
 
-def fake_quantize(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """``x[1, H, T, D]`` through a codebook quantizer fitted on the prefill's non-sink tokens."""
-    qz = Codebook(x.shape[-1], bits)
-    state = qz.fit(x[:, :, SINK:PREFILL].float())
-    return qz.dequantize(qz.quantize(x.float(), state), state, torch.float32)
+def output_metric(o_proj: torch.Tensor, kv_heads: int, d: int) -> torch.Tensor:
+    """Per KV head ``G = sum_j W_j^T W_j`` ``[H, D, D]`` (float64) over its query heads' slices ``W_j`` of the
+    output projection ``o_proj[hidden, Hq * D]``: the metric in which a value error reaches the residual stream."""
+    w = o_proj.detach().double().view(o_proj.shape[0], -1, d)  # [hidden, Hq, D]
+    hq = w.shape[1]
+    g = torch.einsum("nja,njb->jab", w, w)  # [Hq, D, D]
+    return g.view(kv_heads, hq // kv_heads, d, d).sum(1)
+
+
+def query_weight(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head ``(A, A^-1)`` ``[H, D, D]`` from the window's own queries and keys (the oracle)."""
+    return map_from_moments(*moments(q, k))
+
+
+def fake_quantize(x: torch.Tensor, bits: int | list[int]) -> torch.Tensor:
+    """``x[1, H, T, D]`` through a codebook quantizer fitted on the prefill's non-sink tokens (bits 0: exact);
+    ``bits`` per head (a list) groups the heads by width, like the store's head groups."""
+    per_head = [bits] * x.shape[1] if isinstance(bits, int) else bits
+    out = x.float().clone()
+    for b in sorted(set(per_head) - {0}):
+        idx = torch.tensor([h for h, w in enumerate(per_head) if w == b])
+        xs = x.float().index_select(1, idx)
+        qz = Codebook(x.shape[-1], b)
+        state = qz.fit(xs[:, :, SINK:PREFILL])
+        out[:, idx] = qz.dequantize(qz.quantize(xs, state), state, torch.float32)
+    return out
 
 
 class Lab:
     """The model with its attention replaced by the decode-equivalent quantized attention."""
 
-    def __init__(self, windows: int) -> None:
+    def __init__(self, windows: int, calib_windows: int = 0, layers: set[int] | None = None) -> None:
         lm = load_model("smollm2-135m", dtype="float32", progress=False)
         self.model = lm.model
         ids = tokenize(load_text("wikitext-2").text, lm.tokenizer)
         self.windows = [ids[i * WINDOW:(i + 1) * WINDOW] for i in range(windows)]
+        self.layers = layers  # quantize only these layers (None: all)
         self.spec: tuple[int, int, int, str] | None = None
         self.sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
         ALL_ATTENTION_FUNCTIONS["sdpa"] = self.attention
+        # calibration: key / query moments per (layer, KV head) on windows from the END of the corpus
+        self.calib: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.maps: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.recording = False
         self.refs = [self.log_probs(w) for w in self.windows]
+        if calib_windows:
+            self.recording = True
+            n = len(ids) // WINDOW
+            for i in range(n - calib_windows, n):
+                self.log_probs(ids[i * WINDOW:(i + 1) * WINDOW])
+            self.recording = False
 
     def attention(self, module, q, k, v, mask, scaling=None, **kw):  # noqa: ANN001 (transformers' signature)
-        if self.spec is None:
+        layer = module.layer_idx
+        if self.recording:
+            ck, cq = moments(q, k)
+            cv, _ = moments(q, v)
+            if layer in self.calib:
+                ck, cq, cv = ck + self.calib[layer][0], cq + self.calib[layer][1], cv + self.calib[layer][2]
+            self.calib[layer] = (ck, cq, cv)
+        if self.spec is None or (self.layers is not None and layer not in self.layers):
             return self.sdpa(module, q, k, v, mask, scaling=scaling, **kw)
-        kb, vb, r, weight = self.spec
+        kb, vb, r, weight, vweight = self.spec
+        kb = kb[layer] if isinstance(kb, dict) else kb
+        vb = vb[layer] if isinstance(vb, dict) else vb
         b, hq, t, d = q.shape
         h = k.shape[1]
-        if weight == "query":
-            a, ai = query_weight(q, k)
+        if weight in ("query", "calib", "calib-diag", "query-diag"):
+            if weight.startswith("calib"):
+                key = (weight, layer)
+                if key not in self.maps:
+                    self.maps[key] = map_from_moments(*self.calib[layer][:2], diag=weight.endswith("diag"))
+                a, ai = self.maps[key]
+            else:
+                a, ai = map_from_moments(*moments(q, k), diag=weight.endswith("diag"))
             mu = k[:, :, SINK:PREFILL].mean(2, keepdim=True)
             kw_ = torch.einsum("bhtd,hed->bhte", k.float() - mu, a)
             kh = torch.einsum("bhte,hde->bhtd", fake_quantize(kw_, kb), ai) + mu
         else:
             kh = fake_quantize(k, kb)
-        vh = fake_quantize(v, vb)
+        if vweight.startswith("calib"):
+            key = ("v" + vweight, layer)
+            if key not in self.maps:
+                self.maps[key] = map_from_moments(self.calib[layer][2], output_metric(module.o_proj.weight, h, d),
+                                                  diag=vweight.endswith("diag"))  # fmt: skip
+            bm, bi = self.maps[key]
+            vw = torch.einsum("bhtd,hed->bhte", v.float(), bm)
+            vh = torch.einsum("bhte,hde->bhtd", fake_quantize(vw, vb), bi)
+        else:
+            vh = fake_quantize(v, vb)
         pos = torch.arange(t)
         causal = pos[None, :] <= pos[:, None]
         exact = (pos[None, :] > pos[:, None] - r) | (pos[None, :] < SINK)
@@ -110,8 +191,8 @@ class Lab:
     def log_probs(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self.model(ids.unsqueeze(0)).logits[0, SCORE_FROM - 1:-1].float(), -1)
 
-    def run(self, kb: int, vb: int, r: int, weight: str) -> dict[str, float]:
-        self.spec = (kb, vb, r, weight)
+    def run(self, kb: Any, vb: Any, r: int, weight: str, vweight: str = "none") -> dict[str, float]:
+        self.spec = (kb, vb, r, weight, vweight)
         kls, dps = [], []
         for ids, ref in zip(self.windows, self.refs, strict=True):
             lp = self.log_probs(ids)
@@ -123,22 +204,49 @@ class Lab:
         return {"kl": sum(kls) / len(kls), "kl_se": se(kls), "dppl": sum(dps) / len(dps), "dppl_se": se(dps)}
 
 
+def plan_bits(path: str) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Per layer, the K and V codebook widths of each KV head that config ``path`` assigns (0: full precision)."""
+    plan = KVQuantConfig.load(path).resolve(ModelShape(num_layers=30, num_kv_heads=3, head_dim=64))
+    width = lambda p: CODEBOOK.get(p, 0)  # noqa: E731
+    return ({i: [width(p.key) for p in row] for i, row in enumerate(plan)},
+            {i: [width(p.value) for p in row] for i, row in enumerate(plan)})  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("specs", nargs="+", help="K_BITS:V_BITS:R, e.g. 4:3:32 (tq4 keys, tq3 values, R exact tokens)")
     ap.add_argument("--key-weight", default="none", help="comma list of none, query (see the module doc)")
+    ap.add_argument("--value-weight", default="none",
+                    help="comma list of none, calib, calib-diag: a value map from the calibration values' covariance "
+                    "and the output projection's metric (see output_metric)")
     ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--calib-windows", type=int, default=4,
+                    help="windows from the END of the corpus that --key-weight calib fits its maps on")
+    ap.add_argument("--layers", default=None, help="quantize only these layers, e.g. 0-14 or 3,5 (default all)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    lab = Lab(args.windows)
-    print("| K | V | R (exact newest) | key map | KL | Δppl % |\n|---|---|---:|---|---:|---:|")
+    layers = None
+    if args.layers:
+        layers = set()
+        for part in args.layers.split(","):
+            lo, _, hi = part.partition("-")
+            layers.update(range(int(lo), int(hi or lo) + 1))
+    need_calib = any(w.startswith("calib") for w in (args.key_weight + "," + args.value_weight).split(","))
+    lab = Lab(args.windows, args.calib_windows if need_calib else 0, layers)
+    print("| K | V | R (exact newest) | key map | value map | KL | Δppl % |\n|---|---|---:|---|---|---:|---:|")
     for spec in args.specs:
-        kb, vb, r = (int(x) for x in spec.replace("tq", "").split(":"))
+        if ".y" in spec:  # a kvquant config with per-(layer, head) codebook widths: PATH:R
+            path, _, r_ = spec.rpartition(":")
+            kb, vb, r = *plan_bits(path), int(r_)
+        else:
+            kb, vb, r = (int(x) for x in spec.replace("tq", "").replace("exact", "0").split(":"))
         for weight in args.key_weight.split(","):
-            t0 = time.perf_counter()
-            m = lab.run(kb, vb, r, weight)
-            print(f"| tq{kb} | tq{vb} | {r} | {weight} | {m['kl']:.4f} ± {m['kl_se']:.4f} | "
-                  f"{m['dppl']:+.2f} ± {m['dppl_se']:.2f} |  <!-- {time.perf_counter() - t0:.0f}s -->", flush=True)
+            for vweight in args.value_weight.split(","):
+                t0 = time.perf_counter()
+                m = lab.run(kb, vb, r, weight, vweight)
+                kn, vn = (f"tq{b}" if isinstance(b, int) and b else "exact" if b == 0 else spec for b in (kb, vb))
+                print(f"| {kn} | {vn} | {r} | {weight} | {vweight} | {m['kl']:.4f} ± {m['kl_se']:.4f} | "
+                      f"{m['dppl']:+.2f} ± {m['dppl_se']:.2f} |  <!-- {time.perf_counter() - t0:.0f}s -->", flush=True)
     return 0
 
 
