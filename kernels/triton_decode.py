@@ -48,6 +48,7 @@ from .triton_dequant import (
     dot_qk,
     dot_split_a,
     head_ptrs,
+    int8_words_fp16,
     load_head_scale,
     load_q_halves,
     load_tile,
@@ -55,6 +56,7 @@ from .triton_dequant import (
     mma_acc,
     nibbles_operand,
     online_rescale,
+    perm4,
     pv_acc,
     pv_fold4,
     qk_channel4,
@@ -78,7 +80,7 @@ def _tile(
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
-    K_FOLD: tl.constexpr, V_FOLD: tl.constexpr,
+    K_FOLD: tl.constexpr, V_FOLD: tl.constexpr, K_W8: tl.constexpr, V_W8: tl.constexpr,
 ):  # fmt: skip
     """One tile of ``BLOCK_N`` tokens ``[n0, n0 + BLOCK_N)``, all in one pool block (``BLOCK_N`` divides
     ``BS``): one block-table read per tile, contiguous rows. ``MASKED`` (edge tiles): tokens outside
@@ -114,6 +116,9 @@ def _tile(
         s = qk_channel4(q_lo, q_hi, kb, ksb, kzb, k_rows, 0, mask_n, D, DOT) * scale
     elif K_FOLD == 1:
         s = qk_fold4(q_lo, q_hi, qs_lo, qs_hi, kb, ksb, kzb, k_rows, ks_rows, mask_n, D, K_GROUP, DOT) * scale
+    elif K_W8:  # int8 codes by 32-bit words, channels in perm4 order (the query is permuted alike)
+        k = int8_words_fp16(kb, k_rows, mask_n, BLOCK_N, D)
+        s = dot_qk(q, tl.trans(k), DOT, False) * scale
     else:
         offs_d = tl.arange(0, D)
         k = load_tile(kb, ksb, kzb, k_rows, ks_rows, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D, DOT)
@@ -134,8 +139,11 @@ def _tile(
             p, acc_lo * a3, acc_hi * a3, zacc_lo * a3, zacc_hi * a3, vb, vsb, vzb, v_rows, vs_rows,
             mask_n, D, V_GROUP, DOT)  # fmt: skip
     else:
-        offs_d = tl.arange(0, D)
-        v = load_tile(vb, vsb, vzb, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D, DOT)
+        if V_W8:  # int8 codes by 32-bit words: the output's columns in perm4 order
+            v = int8_words_fp16(vb, v_rows, mask_n, BLOCK_N, D)
+        else:
+            offs_d = tl.arange(0, D)
+            v = load_tile(vb, vsb, vzb, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D, DOT)
         if V_KIND == 2:
             p = p * load_token_scale(vsb, vs_rows, mask_n)[None, :]
         elif V_KIND == 8:
@@ -155,7 +163,8 @@ def _decode_partial(
     HAS_RANGE: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
-    K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False,
+    K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
+    V_W8: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -176,7 +185,8 @@ def _decode_partial(
     offs_d = tl.arange(0, D)
     mask_h = offs_h < REP
     qh = h * REP + offs_h  # query heads of this KV head
-    q = tl.load(Q + b64 * q_sb + qh[:, None] * q_sh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
+    q_cols = perm4(offs_d) if K_W8 else offs_d  # K_W8: the keys' channels come in perm4 order
+    q = tl.load(Q + b64 * q_sb + qh[:, None] * q_sh + q_cols[None, :], mask=mask_h[:, None], other=0.0)
 
     # block tensors [num_blocks, Hg, block_size, ...]: one head's base; rows come from the block table
     k_base, ks_base, kz_base = part_bases(K, KS, KZ, KH, k_sh, ks_sh, hg, pid, K_KIND, K_BITS)
@@ -216,7 +226,7 @@ def _decode_partial(
             n0, start, end, False, q, q_lo, q_hi, qs_lo, qs_hi, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
             m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi, D, BLOCK_N, BS, DOT, SOFTCAP,
-            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD)  # fmt: skip
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD, K_W8, V_W8)  # fmt: skip
     # the edge tiles, masked (branches, not loops: the interior loop is the kernel's one loop): the head
     # tile holding an unaligned `start`, and the tail tile holding an unaligned `end` (not the head's)
     if (start % BLOCK_N != 0) & (start < end):
@@ -225,14 +235,14 @@ def _decode_partial(
             n0, start, end, True, q, q_lo, q_hi, qs_lo, qs_hi, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
             m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi, D, BLOCK_N, BS, DOT, SOFTCAP,
-            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD)  # fmt: skip
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD, K_W8, V_W8)  # fmt: skip
     if tl.maximum(full_hi, full_lo) < end:
         n0 = tl.maximum(full_hi, full_lo)
         m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi = _tile(
             n0, start, end, True, q, q_lo, q_hi, qs_lo, qs_hi, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
             m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi, D, BLOCK_N, BS, DOT, SOFTCAP,
-            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD)  # fmt: skip
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD, K_W8, V_W8)  # fmt: skip
 
     has = l_i != 0  # rows with no visible key; a NaN sum (corrupt history) stays NaN
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -248,7 +258,146 @@ def _decode_partial(
         # per-head V scale, once after the loop
         acc = acc * load_head_scale(VH, pid, V_KIND)
         o = acc / tl.where(has, l_i, 1.0)[:, None]
-        tl.store(O_PART + prow[:, None] * D + offs_d[None, :], o, mask=mask_h[:, None])
+        o_cols = perm4(offs_d) if V_W8 else offs_d  # V_W8: the accumulator's columns in perm4 order
+        tl.store(O_PART + prow[:, None] * D + o_cols[None, :], o, mask=mask_h[:, None])
+    tl.store(LSE_PART + prow, lse, mask=mask_h)
+
+
+# ------------------------------------------------------- exact fp16 operands, transposed (tokens as MMA rows)
+# With fp16 queries and K / V tiles that are exact fp16 MMA operands (int8 codes, fp16 values, fp8), the
+# decode runs transposed: scores^T [BLOCK_N, heads] = K [BLOCK_N, D] @ q^T [D, heads] and out^T [D, heads] +=
+# V^T [D, BLOCK_N] @ p^T [BLOCK_N, heads]. The MMA rows are then tokens / channels (64 or more: Hopper's
+# warpgroup MMAs, wgmma, with the loop-invariant query in shared memory) instead of the few query heads
+# padded to 16 rows (mma.sync, whose operand fragments the compiler copies around every instruction).
+@triton.jit
+def _exact_tile(ptr, sc_ptr, zp_ptr, rows, sc_rows, mask_n, KIND: tl.constexpr, BITS: tl.constexpr,
+                GROUP: tl.constexpr, W8: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):  # fmt: skip
+    """fp16 ``[BLOCK_N, D]`` tile of an exact kind (``W8``: int8 codes by words, channels in perm4 order)."""
+    if W8:
+        x = int8_words_fp16(ptr, rows, mask_n, BLOCK_N, D)
+    else:
+        x = load_tile(ptr, sc_ptr, zp_ptr, rows, sc_rows, mask_n, tl.arange(0, D), KIND, BITS, GROUP, D, 1)
+    return x
+
+
+@triton.jit
+def _tile_t(
+    n0, start, end, MASKED: tl.constexpr, qt, scale, tbl,
+    k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st,
+    v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+    m_i, l_i, acc_t,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, K_W8: tl.constexpr, V_W8: tl.constexpr,
+):  # fmt: skip
+    """One tile (see :func:`_tile`) of the transposed kernel: ``acc_t [D, BLOCK_H]``, ``qt [D, BLOCK_H]`` fp16."""
+    inner = n0 % BS + tl.arange(0, BLOCK_N)
+    if MASKED:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = (offs_n >= start) & (offs_n < end)
+        blk = tl.load(tbl + n0 // BS, mask=n0 < end, other=0).to(tl.int64)
+    else:
+        mask_n = tl.full([BLOCK_N], 1, tl.int1)
+        blk = tl.load(tbl + n0 // BS).to(tl.int64)
+    ksb = ks_base + blk * ks_sb
+    vsb = vs_base + blk * vs_sb
+    k = _exact_tile(k_base + blk * k_sb, ksb, kz_base + blk * ks_sb, inner * k_st, inner * ks_st, mask_n,
+                    K_KIND, K_BITS, K_GROUP, K_W8, BLOCK_N, D)  # fmt: skip
+    s = tl.dot(k, qt) * scale  # [BLOCK_N, BLOCK_H]
+    if K_KIND == 2:
+        s = s * load_token_scale(ksb, inner * ks_st, mask_n)[:, None]
+    s = cap_scores(s, SOFTCAP)
+    if MASKED:
+        s = tl.where(mask_n[:, None], s, float("-inf"))
+    m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 0))
+    p = tl.exp2(s - m_safe[None, :])
+    l_i = l_i * alpha + reduce_sum(p, 0)
+    v = _exact_tile(v_base + blk * v_sb, vsb, vz_base + blk * vs_sb, inner * v_st, inner * vs_st, mask_n,
+                    V_KIND, V_BITS, V_GROUP, V_W8, BLOCK_N, D)  # fmt: skip
+    if V_KIND == 2:
+        p = p * load_token_scale(vsb, inner * vs_st, mask_n)[:, None]
+    # p in two fp16 halves (high + low): its rounding costs ~2^-22 relative, as in dot_pv
+    ph = p.to(tl.float16)
+    pl = (p - ph.to(tl.float32)).to(tl.float16)
+    vt = tl.trans(v)
+    acc_t = tl.dot(vt, pl, tl.dot(vt, ph, acc_t * alpha[None, :]))
+    return m_new, l_i, acc_t
+
+
+@triton.jit
+def _decode_partial_t(
+    Q, q_sb, q_sh,
+    K, KS, KZ, KH, k_sb, k_sh, k_st, ks_sb, ks_sh, ks_st,
+    V, VS, VZ, VH, v_sb, v_sh, v_st, vs_sb, vs_sh, vs_st, TBL, tbl_sb,
+    HEAD_IDX, LO, HI, lo_sb, O_PART, LSE_PART,
+    qk_scale, past_len, part_len, Hg, S, n_qheads,
+    REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RANGE: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
+    K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
+    V_W8: tl.constexpr = False,
+):  # fmt: skip
+    """``_decode_partial`` transposed (fp16 queries, exact fp16 K / V tiles; :func:`transposed_kernel`)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // Hg
+    hg = pid % Hg
+    b64 = b.to(tl.int64)
+    h = tl.load(HEAD_IDX + hg)
+
+    lo = 0
+    hi = past_len
+    if HAS_RANGE:
+        lo = tl.load(LO + b * lo_sb)
+        hi = tl.minimum(tl.load(HI + b * lo_sb), past_len)
+    start = tl.maximum(lo, split * part_len)
+    end = tl.minimum(hi, (split + 1) * part_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    mask_h = offs_h < REP
+    qh = h * REP + offs_h
+    q_cols = perm4(offs_d) if K_W8 else offs_d  # K_W8: the keys' channels come in perm4 order
+    qt = tl.load(Q + b64 * q_sb + qh[None, :] * q_sh + q_cols[:, None], mask=mask_h[None, :], other=0.0)
+    qt = qt.to(tl.float16)
+
+    k_base, ks_base, kz_base = part_bases(K, KS, KZ, KH, k_sh, ks_sh, hg, pid, K_KIND, K_BITS)
+    v_base, vs_base, vz_base = part_bases(V, VS, VZ, VH, v_sh, vs_sh, hg, pid, V_KIND, V_BITS)
+    tbl = TBL + b64 * tbl_sb
+    scale = qk_scale * load_head_scale(KH, pid, K_KIND)
+    acc_t = tl.full([D, BLOCK_H], 0, tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_H], 0, tl.float32)
+    full_lo = tl.cdiv(start, BLOCK_N) * BLOCK_N
+    full_hi = (end // BLOCK_N) * BLOCK_N
+    for n0 in range(full_lo, full_hi, BLOCK_N):
+        m_i, l_i, acc_t = _tile_t(
+            n0, start, end, False, qt, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc_t, D, BLOCK_N, BS, SOFTCAP,
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_W8, V_W8)  # fmt: skip
+    if (start % BLOCK_N != 0) & (start < end):
+        n0 = start - start % BLOCK_N
+        m_i, l_i, acc_t = _tile_t(
+            n0, start, end, True, qt, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc_t, D, BLOCK_N, BS, SOFTCAP,
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_W8, V_W8)  # fmt: skip
+    if tl.maximum(full_hi, full_lo) < end:
+        n0 = tl.maximum(full_hi, full_lo)
+        m_i, l_i, acc_t = _tile_t(
+            n0, start, end, True, qt, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc_t, D, BLOCK_N, BS, SOFTCAP,
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_W8, V_W8)  # fmt: skip
+
+    has = l_i != 0
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    prow = (b64 * n_qheads + qh) * S + split
+    o_t = acc_t * (load_head_scale(VH, pid, V_KIND) / tl.where(has, l_i, 1.0))[None, :]
+    o_cols = perm4(offs_d) if V_W8 else offs_d  # V_W8: the accumulator's rows in perm4 order
+    tl.store(O_PART + prow[None, :] * D + o_cols[:, None], o_t, mask=mask_h[None, :])
     tl.store(LSE_PART + prow, lse, mask=mask_h)
 
 
@@ -361,7 +510,8 @@ def _decode_partial_rows(
     HAS_RANGE: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
-    K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False,
+    K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
+    V_W8: tl.constexpr = False,
 ):  # fmt: skip
     """``_decode_partial`` for int4 K (grouped, ``K_FOLD`` 1, groups of ``V_GROUP`` channels; or per channel,
     ``K_FOLD`` 2) and grouped int4 V, on (group, head) rows (``BLOCK_H`` = REPP, heads per row group)."""
@@ -542,6 +692,12 @@ def rows_kernel(kop: Operand, vop: Operand, head_dim: int) -> bool:
     return all(op.scale.stride(-1) == 1 and op.scale.stride(-2) == head_dim // op.group for op in ops)
 
 
+def transposed_kernel(kop: Operand, vop: Operand, dot: int) -> bool:
+    """True when a group may run on :func:`_decode_partial_t`: fp16 queries, int8 K and V (per head or per
+    token; read by :func:`int8_words_fp16`)."""
+    return kop.int8_words(dot) and vop.int8_words(dot)
+
+
 def block_n_for(head_dim: int) -> int:
     """Partition granularity: a multiple of every group's BLOCK_N."""
     return 64 if head_dim <= 128 else 32
@@ -632,6 +788,11 @@ def decode_launches(
             num_warps=num_warps,
         )  # fmt: skip
         kernel = _decode_partial
+        if transposed_kernel(kop, vop, dot_kind) and num_warps == 4:
+            # int8 codes by words (channels in perm4 order) on warpgroup MMAs (4 warps; at head_dim 64 the
+            # 2-warp mma.sync kernel issues less for int8-token: 0.91 vs 0.95 of the HBM time)
+            kernel = _decode_partial_t
+            meta.update(K_W8=True, V_W8=True)
         rows_h = max(triton.next_power_of_2(rep), 16 // max(1, D // vop.group))  # query heads per row group
         if rows_kernel(kop, vop, D):
             # int4 K and V on (group, head) rows; 32+ rows (GQA 8 at head_dim 128) take 8 warps: 4 spill

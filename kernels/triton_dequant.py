@@ -156,6 +156,38 @@ def load_tile(
     return x
 
 
+@triton.jit
+def perm4(i):
+    """The channel order of :func:`int8_words_fp16` tiles: position ``i`` holds channel ``perm4(i)`` (channels
+    1 and 2 of every 4 swapped; an involution, so it also maps channels to positions)."""
+    return (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1)
+
+
+@triton.jit
+def int8_words_fp16(ptr, rows, mask_n, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """fp16 ``[BLOCK_N, D]`` tile of int8 codes (``HEAD`` / ``TOKEN`` kinds) whose rows start at the byte
+    offsets ``rows`` (multiples of 4; rows outside ``mask_n`` read as 0), with the channels in the order
+    :func:`perm4`: each 32-bit word of 4 codes is loaded once and turned into two fp16 pairs by one
+    and + xor each (``(w & 0x00FF00FF) ^ 0x64806480`` is the fp16 pair ``1024 + (c + 128)`` of its bytes 0
+    and 2, the same of ``w >> 8`` of bytes 1 and 3), minus 1152 (exact): no per-byte extraction, two values
+    per instruction. The caller permutes the query (K) or the output columns (V) with :func:`perm4`."""
+    W: tl.constexpr = D // 4
+    wp = ptr.to(tl.pointer_type(tl.int32))
+    w = tl.load(wp + (rows // 4)[:, None] + tl.arange(0, W)[None, :], mask=mask_n[:, None], other=0)
+    e = (w & 0x00FF00FF) ^ 0x64806480
+    o = ((w >> 8) & 0x00FF00FF) ^ 0x64806480
+    return (_pairs_fp16(e, o, BLOCK_N, D) - 1152.0).to(tl.float16)  # fp16 (the interpreter promotes to fp32)
+
+
+@triton.jit
+def _pairs_fp16(e, o, BLOCK_N: tl.constexpr, DH: tl.constexpr):
+    """fp16 ``[BLOCK_N, DH]`` from the 32-bit words ``e`` (fp16 pairs of channels 4i, 4i + 2) and ``o`` (4i + 1,
+    4i + 3), ``[BLOCK_N, DH / 4]``: channels in :func:`perm4` order. No instruction: register views."""
+    x = tl.join(e, o)
+    h = tl.join(x.to(tl.int16), (x >> 16).to(tl.int16))
+    return tl.reshape(h.to(tl.float16, bitcast=True), [BLOCK_N, DH])
+
+
 # ------------------------------------------------------------ int4 grouped, folded (decode inner loop)
 # The packed int4 decode path does not dequantize tiles: the codes are exact MMA operands, and the
 # per-(token, group) scale and zero are applied to the per-group partial dots (one multiply-add per
@@ -492,6 +524,10 @@ class Operand:
         """True when the decode kernel reads this part with :func:`qk_channel4` (per-channel int4 keys: a
         decode tile lies in one pool block, whose one scale row it folds)."""
         return self.kind == KIND_CHANNEL and self.bits == 4
+
+    def int8_words(self, dot: int) -> bool:
+        """True when the decode kernel reads this part with :func:`int8_words_fp16` (int8 codes, fp16 MMAs)."""
+        return dot == DOT_FP16 and self.kind in (KIND_HEAD, KIND_TOKEN)
 
     def folds4(self, head_dim: int) -> bool:
         """True when the decode kernel reads this part on the folded int4 path (:func:`qk_fold4`,
