@@ -35,6 +35,7 @@ import triton.language as tl
 
 from .triton_codebook import KIND_CODEBOOK, codebook_norms, part_bases
 from .triton_dequant import (
+    DOT_FP16,
     DOT_IEEE,
     KIND_CHANNEL,
     KIND_FP8,
@@ -54,6 +55,7 @@ from .triton_dequant import (
     load_tile,
     load_token_scale,
     mma_acc,
+    nibble_tiles,
     nibbles_operand,
     online_rescale,
     perm4,
@@ -80,7 +82,7 @@ def _tile(
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
-    K_FOLD: tl.constexpr, V_FOLD: tl.constexpr, K_W8: tl.constexpr, V_W8: tl.constexpr,
+    K_FOLD: tl.constexpr, V_FOLD: tl.constexpr,
 ):  # fmt: skip
     """One tile of ``BLOCK_N`` tokens ``[n0, n0 + BLOCK_N)``, all in one pool block (``BLOCK_N`` divides
     ``BS``): one block-table read per tile, contiguous rows. ``MASKED`` (edge tiles): tokens outside
@@ -116,9 +118,6 @@ def _tile(
         s = qk_channel4(q_lo, q_hi, kb, ksb, kzb, k_rows, 0, mask_n, D, DOT) * scale
     elif K_FOLD == 1:
         s = qk_fold4(q_lo, q_hi, qs_lo, qs_hi, kb, ksb, kzb, k_rows, ks_rows, mask_n, D, K_GROUP, DOT) * scale
-    elif K_W8:  # int8 codes by 32-bit words, channels in perm4 order (the query is permuted alike)
-        k = int8_words_fp16(kb, k_rows, mask_n, BLOCK_N, D)
-        s = dot_qk(q, tl.trans(k), DOT, False) * scale
     else:
         offs_d = tl.arange(0, D)
         k = load_tile(kb, ksb, kzb, k_rows, ks_rows, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D, DOT)
@@ -139,11 +138,8 @@ def _tile(
             p, acc_lo * a3, acc_hi * a3, zacc_lo * a3, zacc_hi * a3, vb, vsb, vzb, v_rows, vs_rows,
             mask_n, D, V_GROUP, DOT)  # fmt: skip
     else:
-        if V_W8:  # int8 codes by 32-bit words: the output's columns in perm4 order
-            v = int8_words_fp16(vb, v_rows, mask_n, BLOCK_N, D)
-        else:
-            offs_d = tl.arange(0, D)
-            v = load_tile(vb, vsb, vzb, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D, DOT)
+        offs_d = tl.arange(0, D)
+        v = load_tile(vb, vsb, vzb, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D, DOT)
         if V_KIND == 2:
             p = p * load_token_scale(vsb, vs_rows, mask_n)[None, :]
         elif V_KIND == 8:
@@ -185,8 +181,7 @@ def _decode_partial(
     offs_d = tl.arange(0, D)
     mask_h = offs_h < REP
     qh = h * REP + offs_h  # query heads of this KV head
-    q_cols = perm4(offs_d) if K_W8 else offs_d  # K_W8: the keys' channels come in perm4 order
-    q = tl.load(Q + b64 * q_sb + qh[:, None] * q_sh + q_cols[None, :], mask=mask_h[:, None], other=0.0)
+    q = tl.load(Q + b64 * q_sb + qh[:, None] * q_sh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
 
     # block tensors [num_blocks, Hg, block_size, ...]: one head's base; rows come from the block table
     k_base, ks_base, kz_base = part_bases(K, KS, KZ, KH, k_sh, ks_sh, hg, pid, K_KIND, K_BITS)
@@ -226,7 +221,7 @@ def _decode_partial(
             n0, start, end, False, q, q_lo, q_hi, qs_lo, qs_hi, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
             m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi, D, BLOCK_N, BS, DOT, SOFTCAP,
-            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD, K_W8, V_W8)  # fmt: skip
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD)  # fmt: skip
     # the edge tiles, masked (branches, not loops: the interior loop is the kernel's one loop): the head
     # tile holding an unaligned `start`, and the tail tile holding an unaligned `end` (not the head's)
     if (start % BLOCK_N != 0) & (start < end):
@@ -235,14 +230,14 @@ def _decode_partial(
             n0, start, end, True, q, q_lo, q_hi, qs_lo, qs_hi, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
             m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi, D, BLOCK_N, BS, DOT, SOFTCAP,
-            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD, K_W8, V_W8)  # fmt: skip
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD)  # fmt: skip
     if tl.maximum(full_hi, full_lo) < end:
         n0 = tl.maximum(full_hi, full_lo)
         m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi = _tile(
             n0, start, end, True, q, q_lo, q_hi, qs_lo, qs_hi, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
             m_i, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi, D, BLOCK_N, BS, DOT, SOFTCAP,
-            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD, K_W8, V_W8)  # fmt: skip
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_FOLD, V_FOLD)  # fmt: skip
 
     has = l_i != 0  # rows with no visible key; a NaN sum (corrupt history) stays NaN
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -258,8 +253,7 @@ def _decode_partial(
         # per-head V scale, once after the loop
         acc = acc * load_head_scale(VH, pid, V_KIND)
         o = acc / tl.where(has, l_i, 1.0)[:, None]
-        o_cols = perm4(offs_d) if V_W8 else offs_d  # V_W8: the accumulator's columns in perm4 order
-        tl.store(O_PART + prow[:, None] * D + o_cols[None, :], o, mask=mask_h[:, None])
+        tl.store(O_PART + prow[:, None] * D + offs_d[None, :], o, mask=mask_h[:, None])
     tl.store(LSE_PART + prow, lse, mask=mask_h)
 
 
@@ -270,13 +264,22 @@ def _decode_partial(
 # warpgroup MMAs, wgmma, with the loop-invariant query in shared memory) instead of the few query heads
 # padded to 16 rows (mma.sync, whose operand fragments the compiler copies around every instruction).
 @triton.jit
-def _exact_tile(ptr, sc_ptr, zp_ptr, rows, sc_rows, mask_n, KIND: tl.constexpr, BITS: tl.constexpr,
+def _block_pos(n0, BS: tl.constexpr):
+    """Pool block index and offset in it of the token ``n0 >= 0`` (unsigned: a shift and a mask for a
+    power-of-two ``BS``)."""
+    u = tl.cast(n0, tl.uint32)  # (n0 may be a Python int under the interpreter)
+    return (u // BS).to(tl.int32), (u % BS).to(tl.int32)
+
+
+@triton.jit
+def _exact_tile(ptr, sc_ptr, zp_ptr, inner, st, sc_rows, mask_n, KIND: tl.constexpr, BITS: tl.constexpr,
                 GROUP: tl.constexpr, W8: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):  # fmt: skip
-    """fp16 ``[BLOCK_N, D]`` tile of an exact kind (``W8``: int8 codes by words, channels in perm4 order)."""
+    """fp16 ``[BLOCK_N, D]`` tile of an exact kind, rows ``inner`` (row stride ``st``; ``W8``: int8 codes by
+    words, channels in perm4 order)."""
     if W8:
-        x = int8_words_fp16(ptr, rows, mask_n, BLOCK_N, D)
+        x = int8_words_fp16(ptr, inner * (st // 4), mask_n, BLOCK_N, D)
     else:
-        x = load_tile(ptr, sc_ptr, zp_ptr, rows, sc_rows, mask_n, tl.arange(0, D), KIND, BITS, GROUP, D, 1)
+        x = load_tile(ptr, sc_ptr, zp_ptr, inner * st, sc_rows, mask_n, tl.arange(0, D), KIND, BITS, GROUP, D, 1)
     return x
 
 
@@ -291,17 +294,18 @@ def _tile_t(
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, K_W8: tl.constexpr, V_W8: tl.constexpr,
 ):  # fmt: skip
     """One tile (see :func:`_tile`) of the transposed kernel: ``acc_t [D, BLOCK_H]``, ``qt [D, BLOCK_H]`` fp16."""
-    inner = n0 % BS + tl.arange(0, BLOCK_N)
+    n_blk, n_in = _block_pos(n0, BS)
+    inner = n_in + tl.arange(0, BLOCK_N)
     if MASKED:
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= start) & (offs_n < end)
-        blk = tl.load(tbl + n0 // BS, mask=n0 < end, other=0).to(tl.int64)
+        blk = tl.load(tbl + n_blk, mask=n0 < end, other=0).to(tl.int64)
     else:
         mask_n = tl.full([BLOCK_N], 1, tl.int1)
-        blk = tl.load(tbl + n0 // BS).to(tl.int64)
+        blk = tl.load(tbl + n_blk).to(tl.int64)
     ksb = ks_base + blk * ks_sb
     vsb = vs_base + blk * vs_sb
-    k = _exact_tile(k_base + blk * k_sb, ksb, kz_base + blk * ks_sb, inner * k_st, inner * ks_st, mask_n,
+    k = _exact_tile(k_base + blk * k_sb, ksb, kz_base + blk * ks_sb, inner, k_st, inner * ks_st, mask_n,
                     K_KIND, K_BITS, K_GROUP, K_W8, BLOCK_N, D)  # fmt: skip
     s = tl.dot(k, qt) * scale  # [BLOCK_N, BLOCK_H]
     if K_KIND == 2:
@@ -312,7 +316,7 @@ def _tile_t(
     m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 0))
     p = tl.exp2(s - m_safe[None, :])
     l_i = l_i * alpha + reduce_sum(p, 0)
-    v = _exact_tile(v_base + blk * v_sb, vsb, vz_base + blk * vs_sb, inner * v_st, inner * vs_st, mask_n,
+    v = _exact_tile(v_base + blk * v_sb, vsb, vz_base + blk * vs_sb, inner, v_st, inner * vs_st, mask_n,
                     V_KIND, V_BITS, V_GROUP, V_W8, BLOCK_N, D)  # fmt: skip
     if V_KIND == 2:
         p = p * load_token_scale(vsb, inner * vs_st, mask_n)[:, None]
@@ -598,6 +602,153 @@ def _decode_partial_rows(
 
 
 @triton.jit
+def _group_cols(ptr, n_in, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.constexpr, mask_n, f=1.0):
+    """Per-(token, group) values (``ptr + t * G + g``) of the tokens ``n_in ..`` as columns ``[BLOCK_N, G * REPP]``
+    (column r: group ``r // REPP``), fp32; 0 outside ``mask_n``."""
+    x = tl.load(ptr + (n_in + tl.arange(0, BLOCK_N))[:, None] * G + tl.arange(0, G)[None, :], mask=mask_n[:, None],
+                other=0.0).to(tl.float32) * f  # fmt: skip
+    return tl.reshape(tl.broadcast_to(x[:, :, None], [BLOCK_N, G, REPP]), [BLOCK_N, G * REPP])
+
+
+@triton.jit
+def _rows_tile_t(
+    n0, start, end, MASKED: tl.constexpr, qt_lo, qt_hi, q_sum, scale, tbl,
+    k_base, ks_base, kz_base, k_sb, k_st, ks_sb,
+    v_base, vs_base, vz_base, v_sb, v_st, vs_sb,
+    m_i, l_i, acc_lo, acc_hi, zacc,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
+    G: tl.constexpr, REPP: tl.constexpr,
+):  # fmt: skip
+    """One tile of :func:`_decode_partial_rows_t`."""
+    R: tl.constexpr = G * REPP
+    n_blk, n_in = _block_pos(n0, BS)
+    inner = n_in + tl.arange(0, BLOCK_N)
+    if MASKED:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = (offs_n >= start) & (offs_n < end)
+        blk = tl.load(tbl + n_blk, mask=n0 < end, other=0).to(tl.int64)
+    else:
+        mask_n = tl.full([BLOCK_N], 1, tl.int1)
+        blk = tl.load(tbl + n_blk).to(tl.int64)
+    k_lo, k_hi = nibble_tiles(k_base + blk * k_sb, inner * k_st, mask_n, BLOCK_N, D)  # k_st: in words
+    st = tl.dot(k_hi, qt_hi, tl.dot(k_lo, qt_lo))  # [BLOCK_N, R]: column (g, h) = head h on group g
+    ks = _group_cols(ks_base + blk * ks_sb, n_in, G, REPP, BLOCK_N, mask_n)
+    kz = _group_cols(kz_base + blk * ks_sb, n_in, G, REPP, BLOCK_N, mask_n)
+    st = st * ks + q_sum[None, :] * kz
+    s = cap_scores(reduce_sum(tl.reshape(st, [BLOCK_N, G, REPP]), 1) * scale, SOFTCAP)  # [BLOCK_N, REPP]
+    if MASKED:
+        s = tl.where(mask_n[:, None], s, float("-inf"))
+    m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 0))
+    p = tl.exp2(s - m_safe[None, :])
+    l_i = l_i * alpha + reduce_sum(p, 0)
+    pc = tl.reshape(tl.broadcast_to(p[:, None, :], [BLOCK_N, G, REPP]), [BLOCK_N, R])
+    a = _to_rows(alpha, G)[None, :]
+    ps = pc * _group_cols(vs_base + blk * vs_sb, n_in, G, REPP, BLOCK_N, mask_n)
+    ph = ps.to(tl.float16)
+    pl = (ps - ph.to(tl.float32)).to(tl.float16)
+    v_lo, v_hi = nibble_tiles(v_base + blk * v_sb, inner * v_st, mask_n, BLOCK_N, D)  # v_st: in words
+    vt_lo = tl.trans(v_lo)
+    vt_hi = tl.trans(v_hi)
+    acc_lo = tl.dot(vt_lo, pl, tl.dot(vt_lo, ph, acc_lo * a))
+    acc_hi = tl.dot(vt_hi, pl, tl.dot(vt_hi, ph, acc_hi * a))
+    # V's zero term per (token, row), summed over the tokens after the loop
+    zacc = zacc * a + pc * _group_cols(vz_base + blk * vs_sb, n_in, G, REPP, BLOCK_N, mask_n)
+    return m_new, l_i, acc_lo, acc_hi, zacc
+
+
+@triton.jit
+def _decode_partial_rows_t(
+    Q, q_sb, q_sh,
+    K, KS, KZ, KH, k_sb, k_sh, k_st, ks_sb, ks_sh, ks_st,
+    V, VS, VZ, VH, v_sb, v_sh, v_st, vs_sb, vs_sh, vs_st, TBL, tbl_sb,
+    HEAD_IDX, LO, HI, lo_sb, O_PART, LSE_PART,
+    qk_scale, past_len, part_len, Hg, S, n_qheads,
+    REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RANGE: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
+    K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
+    V_W8: tl.constexpr = False,
+):  # fmt: skip
+    """:func:`_decode_partial_rows` transposed (fp16 queries, grouped int4 K and V of one group size)."""
+    G: tl.constexpr = D // V_GROUP
+    REPP: tl.constexpr = BLOCK_H
+    R: tl.constexpr = G * REPP
+    DH: tl.constexpr = D // 2
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // Hg
+    hg = pid % Hg
+    b64 = b.to(tl.int64)
+    h = tl.load(HEAD_IDX + hg)
+
+    lo = 0
+    hi = past_len
+    if HAS_RANGE:
+        lo = tl.load(LO + b * lo_sb)
+        hi = tl.minimum(tl.load(HI + b * lo_sb), past_len)
+    start = tl.maximum(lo, split * part_len)
+    end = tl.minimum(hi, (split + 1) * part_len)
+
+    r = tl.arange(0, R)
+    rh = r % REPP
+    rg = r // REPP
+    valid = rh < REP
+    j = tl.arange(0, DH)
+    jc = perm4(j)  # position j holds channel jc (nibble_tiles); perm4 keeps every channel in its group
+    q_ptr = Q + b64 * q_sb + (h * REP + rh)[None, :] * q_sh + jc[:, None]
+    qt_lo = tl.load(q_ptr, mask=valid[None, :] & ((j[:, None] // V_GROUP) == rg[None, :]), other=0.0)
+    qt_hi = tl.load(q_ptr + DH, mask=valid[None, :] & ((j[:, None] + DH) // V_GROUP == rg[None, :]), other=0.0)
+    q_sum = reduce_sum(qt_lo.to(tl.float32), 0) + reduce_sum(qt_hi.to(tl.float32), 0)
+    qt_lo = qt_lo.to(tl.float16)
+    qt_hi = qt_hi.to(tl.float16)
+
+    k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
+    v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
+    tbl = TBL + b64 * tbl_sb
+    scale = qk_scale
+    m_i = tl.full([REPP], float("-inf"), tl.float32)
+    l_i = tl.full([REPP], 0, tl.float32)
+    acc_lo = tl.full([DH, R], 0, tl.float32)
+    acc_hi = tl.full([DH, R], 0, tl.float32)
+    zacc = tl.full([BLOCK_N, R], 0, tl.float32)
+    full_lo = tl.cdiv(start, BLOCK_N) * BLOCK_N
+    full_hi = (end // BLOCK_N) * BLOCK_N
+    for n0 in range(full_lo, full_hi, BLOCK_N):
+        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile_t(
+            n0, start, end, False, qt_lo, qt_hi, q_sum, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st // 4, ks_sb, v_base, vs_base, vz_base, v_sb, v_st // 4, vs_sb,
+            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP)  # fmt: skip
+    if (start % BLOCK_N != 0) & (start < end):
+        n0 = start - start % BLOCK_N
+        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile_t(
+            n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st // 4, ks_sb, v_base, vs_base, vz_base, v_sb, v_st // 4, vs_sb,
+            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP)  # fmt: skip
+    if tl.maximum(full_hi, full_lo) < end:
+        n0 = tl.maximum(full_hi, full_lo)
+        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile_t(
+            n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st // 4, ks_sb, v_base, vs_base, vz_base, v_sb, v_st // 4, vs_sb,
+            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP)  # fmt: skip
+
+    has = l_i != 0
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    offs_h = tl.arange(0, REPP)
+    prow_h = (b64 * n_qheads + h * REP + offs_h) * S + split
+    tl.store(LSE_PART + prow_h, lse, mask=offs_h < REP)
+    # column (g, h) keeps the channels of group g: out[h, c] = (acc[pos(c), (g(c), h)] + zero[(g(c), h)]) / l[h]
+    den = _to_rows(tl.where(has, l_i, 1.0), G)
+    zsum = reduce_sum(zacc, 0)
+    prow = (b64 * n_qheads + h * REP + rh) * S + split
+    o_ptr = O_PART + prow[None, :] * D + jc[:, None]
+    keep_lo = valid[None, :] & ((j[:, None] // V_GROUP) == rg[None, :])
+    keep_hi = valid[None, :] & ((j[:, None] + DH) // V_GROUP == rg[None, :])
+    tl.store(o_ptr, (acc_lo + zsum[None, :]) / den[None, :], mask=keep_lo)
+    tl.store(o_ptr + DH, (acc_hi + zsum[None, :]) / den[None, :], mask=keep_hi)
+
+
+@triton.jit
 def _decode_reduce(
     O_PART, LSE_PART, Q, q_sb, q_sh, FK, fk_sb, fk_sh, FV, fv_sb, fv_sh, OUT, o_sb, o_sh, LSE_OUT,
     LO, HI, lo_sb, qk_scale, past_len, Hkv, S,
@@ -799,7 +950,13 @@ def decode_launches(
             # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
             kernel = _decode_partial_rows
             meta["BLOCK_H"] = rows_h
-            if rows_h * (D // vop.group) >= 32:
+            if dot_kind == DOT_FP16 and kop.folds4(D):
+                # fp16 queries, grouped int4 K: transposed, on warpgroup MMAs (launch_config's warps: 4 at
+                # head_dim 128, also for 32 rows; 2 at 64). maxnreg 168: at ptxas' own choice (127 registers)
+                # the bit-trick constants are rematerialised before every use (~4 instructions per token more)
+                kernel = _decode_partial_rows_t
+                meta["maxnreg"] = 168
+            elif rows_h * (D // vop.group) >= 32:
                 meta["num_warps"] = 8
         launches.append(Launch(kernel, (B * Hg, S), args, meta))
     args = (
