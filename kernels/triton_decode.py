@@ -601,12 +601,20 @@ def _decode_partial_rows(
     tl.store(o_ptr + DH, (acc_hi + zacc[:, None]) / den[:, None], mask=keep_hi)
 
 
+# ------------------------------------------------ int4 K and V on (group, head) rows, transposed (wgmma)
+# fp16 queries: the rows kernel's products transposed, so that tokens (keys) and channels (values) are the MMA
+# rows: scores^T [BLOCK_N, R] = K codes [BLOCK_N, D/2] @ q_rows^T [D/2, R] per half of D (warpgroup MMAs, the
+# loop-invariant query rows in shared memory), and out^T [D/2, R] += V codes^T @ (p x V scale)^T per half
+# (:func:`nibble_tiles`: exact fp16 codes, channels in perm4 order). Per-(token, group) scales and zeros are
+# per-column factors of the [BLOCK_N, R] tiles; V's zero term is accumulated per (token, row) and summed over
+# the tokens after the loop. Per-channel keys (int4-channel) fold their block's scale into the query, an fp32
+# B operand split into two fp16 halves, and their zero term q . z into an MMA of ones with q * z.
 @triton.jit
-def _group_cols(ptr, n_in, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.constexpr, mask_n, f=1.0):
+def _group_cols(ptr, n_in, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.constexpr, mask_n):
     """Per-(token, group) values (``ptr + t * G + g``) of the tokens ``n_in ..`` as columns ``[BLOCK_N, G * REPP]``
     (column r: group ``r // REPP``), fp32; 0 outside ``mask_n``."""
     x = tl.load(ptr + (n_in + tl.arange(0, BLOCK_N))[:, None] * G + tl.arange(0, G)[None, :], mask=mask_n[:, None],
-                other=0.0).to(tl.float32) * f  # fmt: skip
+                other=0.0).to(tl.float32)  # fmt: skip
     return tl.reshape(tl.broadcast_to(x[:, :, None], [BLOCK_N, G, REPP]), [BLOCK_N, G * REPP])
 
 
@@ -617,7 +625,7 @@ def _rows_tile_t(
     v_base, vs_base, vz_base, v_sb, v_st, vs_sb,
     m_i, l_i, acc_lo, acc_hi, zacc,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
-    G: tl.constexpr, REPP: tl.constexpr,
+    G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr,
 ):  # fmt: skip
     """One tile of :func:`_decode_partial_rows_t`."""
     R: tl.constexpr = G * REPP
@@ -631,10 +639,33 @@ def _rows_tile_t(
         mask_n = tl.full([BLOCK_N], 1, tl.int1)
         blk = tl.load(tbl + n_blk).to(tl.int64)
     k_lo, k_hi = nibble_tiles(k_base + blk * k_sb, inner * k_st, mask_n, BLOCK_N, D)  # k_st: in words
-    st = tl.dot(k_hi, qt_hi, tl.dot(k_lo, qt_lo))  # [BLOCK_N, R]: column (g, h) = head h on group g
-    ks = _group_cols(ks_base + blk * ks_sb, n_in, G, REPP, BLOCK_N, mask_n)
-    kz = _group_cols(kz_base + blk * ks_sb, n_in, G, REPP, BLOCK_N, mask_n)
-    st = st * ks + q_sum[None, :] * kz
+    if K_FOLD == 1:
+        st = tl.dot(k_hi, qt_hi, tl.dot(k_lo, qt_lo))  # [BLOCK_N, R]: column (g, h) = head h on group g
+        ks = _group_cols(ks_base + blk * ks_sb, n_in, G, REPP, BLOCK_N, mask_n)
+        kz = _group_cols(kz_base + blk * ks_sb, n_in, G, REPP, BLOCK_N, mask_n)
+        st = st * ks + q_sum[None, :] * kz
+    else:
+        # per-channel keys (the tile lies in one pool block): the block's scale row folded into the query
+        # (fp32, split into two fp16 MMA operands), its zero into one term per column; qt_*: fp32, the whole
+        # query in the g = 0 columns
+        DH: tl.constexpr = D // 2
+        jc = perm4(tl.arange(0, DH))
+        srow = ks_base + blk * ks_sb
+        zrow = kz_base + blk * ks_sb
+        a_lo = qt_lo * tl.load(srow + jc).to(tl.float32)[:, None]
+        a_hi = qt_hi * tl.load(srow + DH + jc).to(tl.float32)[:, None]
+        # the zero term q . z, the same for every token: an MMA of ones with q * z (hi + lo halves)
+        b_lo = qt_lo * tl.load(zrow + jc).to(tl.float32)[:, None]
+        b_hi = qt_hi * tl.load(zrow + DH + jc).to(tl.float32)[:, None]
+        ones = tl.full([BLOCK_N, DH], 1.0, tl.float16)
+        h_lo = a_lo.to(tl.float16)
+        h_hi = a_hi.to(tl.float16)
+        st = tl.dot(k_lo, h_lo, tl.dot(k_hi, h_hi))
+        st = tl.dot(k_lo, (a_lo - h_lo.to(tl.float32)).to(tl.float16), st)
+        st = tl.dot(k_hi, (a_hi - h_hi.to(tl.float32)).to(tl.float16), st)
+        b = b_lo + b_hi
+        bh = b.to(tl.float16)
+        st = tl.dot(ones, (b - bh.to(tl.float32)).to(tl.float16), tl.dot(ones, bh, st))
     s = cap_scores(reduce_sum(tl.reshape(st, [BLOCK_N, G, REPP]), 1) * scale, SOFTCAP)  # [BLOCK_N, REPP]
     if MASKED:
         s = tl.where(mask_n[:, None], s, float("-inf"))
@@ -670,7 +701,8 @@ def _decode_partial_rows_t(
     K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
     V_W8: tl.constexpr = False,
 ):  # fmt: skip
-    """:func:`_decode_partial_rows` transposed (fp16 queries, grouped int4 K and V of one group size)."""
+    """:func:`_decode_partial_rows` transposed (fp16 queries; grouped int4 V, int4 K grouped alike
+    (``K_FOLD`` 1) or per channel (``K_FOLD`` 2))."""
     G: tl.constexpr = D // V_GROUP
     REPP: tl.constexpr = BLOCK_H
     R: tl.constexpr = G * REPP
@@ -697,11 +729,17 @@ def _decode_partial_rows_t(
     j = tl.arange(0, DH)
     jc = perm4(j)  # position j holds channel jc (nibble_tiles); perm4 keeps every channel in its group
     q_ptr = Q + b64 * q_sb + (h * REP + rh)[None, :] * q_sh + jc[:, None]
-    qt_lo = tl.load(q_ptr, mask=valid[None, :] & ((j[:, None] // V_GROUP) == rg[None, :]), other=0.0)
-    qt_hi = tl.load(q_ptr + DH, mask=valid[None, :] & ((j[:, None] + DH) // V_GROUP == rg[None, :]), other=0.0)
-    q_sum = reduce_sum(qt_lo.to(tl.float32), 0) + reduce_sum(qt_hi.to(tl.float32), 0)
-    qt_lo = qt_lo.to(tl.float16)
-    qt_hi = qt_hi.to(tl.float16)
+    if K_FOLD == 1:  # column (g, h): head h on the channels of group g
+        qt_lo = tl.load(q_ptr, mask=valid[None, :] & ((j[:, None] // V_GROUP) == rg[None, :]), other=0.0)
+        qt_hi = tl.load(q_ptr + DH, mask=valid[None, :] & ((j[:, None] + DH) // V_GROUP == rg[None, :]), other=0.0)
+        q_sum = reduce_sum(qt_lo.to(tl.float32), 0) + reduce_sum(qt_hi.to(tl.float32), 0)
+        qt_lo = qt_lo.to(tl.float16)
+        qt_hi = qt_hi.to(tl.float16)
+    else:  # per-channel keys: the whole query in the g = 0 columns, fp32 (the block scale multiplies it)
+        m0 = valid[None, :] & (rg[None, :] == 0) & (j[:, None] >= 0)
+        qt_lo = tl.load(q_ptr, mask=m0, other=0.0).to(tl.float32)
+        qt_hi = tl.load(q_ptr + DH, mask=m0, other=0.0).to(tl.float32)
+        q_sum = reduce_sum(qt_lo, 0)  # unused
 
     k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
     v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
@@ -718,19 +756,19 @@ def _decode_partial_rows_t(
         m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile_t(
             n0, start, end, False, qt_lo, qt_hi, q_sum, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_st // 4, ks_sb, v_base, vs_base, vz_base, v_sb, v_st // 4, vs_sb,
-            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP)  # fmt: skip
+            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
     if (start % BLOCK_N != 0) & (start < end):
         n0 = start - start % BLOCK_N
         m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile_t(
             n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_st // 4, ks_sb, v_base, vs_base, vz_base, v_sb, v_st // 4, vs_sb,
-            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP)  # fmt: skip
+            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
     if tl.maximum(full_hi, full_lo) < end:
         n0 = tl.maximum(full_hi, full_lo)
         m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile_t(
             n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_st // 4, ks_sb, v_base, vs_base, vz_base, v_sb, v_st // 4, vs_sb,
-            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP)  # fmt: skip
+            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
 
     has = l_i != 0
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -950,10 +988,10 @@ def decode_launches(
             # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
             kernel = _decode_partial_rows
             meta["BLOCK_H"] = rows_h
-            if dot_kind == DOT_FP16 and kop.folds4(D):
-                # fp16 queries, grouped int4 K: transposed, on warpgroup MMAs (launch_config's warps: 4 at
-                # head_dim 128, also for 32 rows; 2 at 64). maxnreg 168: at ptxas' own choice (127 registers)
-                # the bit-trick constants are rematerialised before every use (~4 instructions per token more)
+            if dot_kind == DOT_FP16:
+                # fp16 queries (grouped or per-channel int4 K): transposed, on warpgroup MMAs (launch_config's
+                # warps: 4 at head_dim 128, also for 32 rows; 2 at 64). maxnreg 168: at ptxas' own choice (127
+                # registers) the bit-trick constants are rematerialised before every use (~4 instructions per token)
                 kernel = _decode_partial_rows_t
                 meta["maxnreg"] = 168
             elif rows_h * (D // vop.group) >= 32:

@@ -474,3 +474,31 @@ def test_transposed_decode_fp16_queries_exact(row, D, rep, block):
         ref = attend_naive(q.float(), fk, fv, layer, past, mask, scaling)
         err = (out - ref).abs().max().item()
         assert err <= 2e-5, f"{row} D={D} rep={rep}: max error {err:.2e} vs the fp32 reference"
+
+
+@pytest.mark.parametrize(("D", "rep", "block"), [(64, 3, 64), (128, 8, 128)])
+def test_transposed_decode_channel_keys_fp16_exact(D, rep, block):
+    """Per-channel int4 keys + grouped int4 values with fp16 queries (:func:`_decode_partial_rows_t`,
+    ``K_FOLD`` 2: the block's key scale folded into an fp32 query split into two fp16 MMA operands, the zero
+    term an MMA of ones): the kernels' fp32 result over the quantized pool within 2e-5 of the fp32 reference."""
+    from kvquant.kernels import triton_decode
+    from kvquant.kernels.triton_attention import block_table
+    from kvquant.kernels.triton_dequant import DOT_FP16, operand
+
+    row = [KVPrecision("int4-channel", "int4")] * 2
+    layer, fk, fv = make_layer(row, D=D, past=300, block=block, steps=(130, 131, 200), dtype=torch.float16)
+    hist = layer.q_end  # the pool: whole blocks
+    Hq = 2 * rep
+    q = query(2, Hq, 1, D, dtype=torch.float16)
+    groups = [(g.head_index, operand(g.key, D, False), operand(g.value, D, False)) for g in layer.groups]
+    table = block_table(layer, hist, 2, DEV)
+    for mask in (None, padded_mask([0, 70], hist, 1)):
+        ranges = key_ranges(mask, 2, Hq, 1, hist)
+        out = torch.zeros(2, Hq, 1, D)
+        launches = triton_decode.decode_launches(q, fk, fv, groups, layer.num_heads, hist, ranges, D**-0.5, out,
+                                                 DOT_FP16, splits=3, table=table, block_size=block)  # fmt: skip
+        assert launches[0].kernel is triton_decode._decode_partial_rows_t
+        for launch in launches:
+            launch.run()
+        err = (out - attend_naive(q.float(), fk, fv, layer, hist, mask, D**-0.5)).abs().max().item()
+        assert err <= 2e-5, f"D={D} rep={rep}: max error {err:.2e} vs the fp32 reference"
