@@ -988,12 +988,15 @@ def decode_launches(
             # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
             kernel = _decode_partial_rows
             meta["BLOCK_H"] = rows_h
-            if dot_kind == DOT_FP16:
+            if dot_kind == DOT_FP16 and (kop.folds4(D) or num_warps >= 4):
                 # fp16 queries (grouped or per-channel int4 K): transposed, on warpgroup MMAs (launch_config's
-                # warps: 4 at head_dim 128, also for 32 rows; 2 at 64). maxnreg 168: at ptxas' own choice (127
-                # registers) the bit-trick constants are rematerialised before every use (~4 instructions per token)
+                # warps: 4 at head_dim 128, also for 32 rows; 2 at 64, where per-channel keys keep the kernel
+                # above: 420 B of spills at 2 warps, 1.18x at 4). maxnreg 168: at ptxas' own choice (127
+                # registers) the bit-trick constants are rematerialised before every use (~4 instructions per token;
+                # per-channel keys: no cap, at 168 they spill 336 B with 32 columns, GQA 8)
                 kernel = _decode_partial_rows_t
-                meta["maxnreg"] = 168
+                if kop.folds4(D):
+                    meta["maxnreg"] = 168
             elif rows_h * (D // vop.group) >= 32:
                 meta["num_warps"] = 8
         launches.append(Launch(kernel, (B * Hg, S), args, meta))
