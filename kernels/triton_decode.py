@@ -35,6 +35,7 @@ import triton.language as tl
 
 from .triton_codebook import KIND_CODEBOOK, codebook_norms, part_bases
 from .triton_dequant import (
+    DOT_FP16,
     DOT_IEEE,
     KIND_CHANNEL,
     KIND_FP8,
@@ -48,13 +49,16 @@ from .triton_dequant import (
     dot_qk,
     dot_split_a,
     head_ptrs,
+    int8_words_fp16,
     load_head_scale,
     load_q_halves,
     load_tile,
     load_token_scale,
     mma_acc,
+    nibble_tiles,
     nibbles_operand,
     online_rescale,
+    perm4,
     pv_acc,
     pv_fold4,
     qk_channel4,
@@ -155,7 +159,8 @@ def _decode_partial(
     HAS_RANGE: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
-    K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False,
+    K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
+    V_W8: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -249,6 +254,154 @@ def _decode_partial(
         acc = acc * load_head_scale(VH, pid, V_KIND)
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         tl.store(O_PART + prow[:, None] * D + offs_d[None, :], o, mask=mask_h[:, None])
+    tl.store(LSE_PART + prow, lse, mask=mask_h)
+
+
+# ------------------------------------------------------- exact fp16 operands, transposed (tokens as MMA rows)
+# With fp16 queries and K / V tiles that are exact fp16 MMA operands (int8 codes, fp16 values, fp8), the
+# decode runs transposed: scores^T [BLOCK_N, heads] = K [BLOCK_N, D] @ q^T [D, heads] and out^T [D, heads] +=
+# V^T [D, BLOCK_N] @ p^T [BLOCK_N, heads]. The MMA rows are then tokens / channels (64 or more: Hopper's
+# warpgroup MMAs, wgmma, with the loop-invariant query in shared memory) instead of the few query heads
+# padded to 16 rows (mma.sync, whose operand fragments the compiler copies around every instruction).
+@triton.jit
+def _block_pos(n0, BS: tl.constexpr):
+    """Pool block index and offset in it of the token ``n0 >= 0`` (unsigned: a shift and a mask for a
+    power-of-two ``BS``)."""
+    u = tl.cast(n0, tl.uint32)  # (n0 may be a Python int under the interpreter)
+    return (u // BS).to(tl.int32), (u % BS).to(tl.int32)
+
+
+@triton.jit
+def _exact_tile(ptr, sc_ptr, zp_ptr, inner, st, sc_rows, mask_n, KIND: tl.constexpr, BITS: tl.constexpr,
+                GROUP: tl.constexpr, W8: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):  # fmt: skip
+    """fp16 ``[BLOCK_N, D]`` tile of an exact kind, rows ``inner`` (row stride ``st``; ``W8``: int8 codes by
+    words, channels in perm4 order)."""
+    if W8:
+        x = int8_words_fp16(ptr, inner * (st // 4), mask_n, BLOCK_N, D)
+    else:
+        x = load_tile(ptr, sc_ptr, zp_ptr, inner * st, sc_rows, mask_n, tl.arange(0, D), KIND, BITS, GROUP, D, 1)
+    return x
+
+
+@triton.jit
+def _tile_t(
+    n0, start, end, MASKED: tl.constexpr, qt, scale, tbl,
+    k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st,
+    v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+    m_i, l_i, acc_t,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, K_W8: tl.constexpr, V_W8: tl.constexpr,
+):  # fmt: skip
+    """One tile (see :func:`_tile`) of the transposed kernel: ``acc_t [D, BLOCK_H]``, ``qt [D, BLOCK_H]`` fp16."""
+    n_blk, n_in = _block_pos(n0, BS)
+    inner = n_in + tl.arange(0, BLOCK_N)
+    if MASKED:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = (offs_n >= start) & (offs_n < end)
+        blk = tl.load(tbl + n_blk, mask=n0 < end, other=0).to(tl.int64)
+    else:
+        mask_n = tl.full([BLOCK_N], 1, tl.int1)
+        blk = tl.load(tbl + n_blk).to(tl.int64)
+    ksb = ks_base + blk * ks_sb
+    vsb = vs_base + blk * vs_sb
+    k = _exact_tile(k_base + blk * k_sb, ksb, kz_base + blk * ks_sb, inner, k_st, inner * ks_st, mask_n,
+                    K_KIND, K_BITS, K_GROUP, K_W8, BLOCK_N, D)  # fmt: skip
+    s = tl.dot(k, qt) * scale  # [BLOCK_N, BLOCK_H]
+    if K_KIND == 2:
+        s = s * load_token_scale(ksb, inner * ks_st, mask_n)[:, None]
+    s = cap_scores(s, SOFTCAP)
+    if MASKED:
+        s = tl.where(mask_n[:, None], s, float("-inf"))
+    m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 0))
+    p = tl.exp2(s - m_safe[None, :])
+    l_i = l_i * alpha + reduce_sum(p, 0)
+    v = _exact_tile(v_base + blk * v_sb, vsb, vz_base + blk * vs_sb, inner, v_st, inner * vs_st, mask_n,
+                    V_KIND, V_BITS, V_GROUP, V_W8, BLOCK_N, D)  # fmt: skip
+    if V_KIND == 2:
+        p = p * load_token_scale(vsb, inner * vs_st, mask_n)[:, None]
+    # p in two fp16 halves (high + low): its rounding costs ~2^-22 relative, as in dot_pv
+    ph = p.to(tl.float16)
+    pl = (p - ph.to(tl.float32)).to(tl.float16)
+    vt = tl.trans(v)
+    acc_t = tl.dot(vt, pl, tl.dot(vt, ph, acc_t * alpha[None, :]))
+    return m_new, l_i, acc_t
+
+
+@triton.jit
+def _decode_partial_t(
+    Q, q_sb, q_sh,
+    K, KS, KZ, KH, k_sb, k_sh, k_st, ks_sb, ks_sh, ks_st,
+    V, VS, VZ, VH, v_sb, v_sh, v_st, vs_sb, vs_sh, vs_st, TBL, tbl_sb,
+    HEAD_IDX, LO, HI, lo_sb, O_PART, LSE_PART,
+    qk_scale, past_len, part_len, Hg, S, n_qheads,
+    REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RANGE: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
+    K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
+    V_W8: tl.constexpr = False,
+):  # fmt: skip
+    """``_decode_partial`` transposed (fp16 queries, exact fp16 K / V tiles; :func:`transposed_kernel`)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // Hg
+    hg = pid % Hg
+    b64 = b.to(tl.int64)
+    h = tl.load(HEAD_IDX + hg)
+
+    lo = 0
+    hi = past_len
+    if HAS_RANGE:
+        lo = tl.load(LO + b * lo_sb)
+        hi = tl.minimum(tl.load(HI + b * lo_sb), past_len)
+    start = tl.maximum(lo, split * part_len)
+    end = tl.minimum(hi, (split + 1) * part_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    mask_h = offs_h < REP
+    qh = h * REP + offs_h
+    q_cols = perm4(offs_d) if K_W8 else offs_d  # K_W8: the keys' channels come in perm4 order
+    qt = tl.load(Q + b64 * q_sb + qh[None, :] * q_sh + q_cols[:, None], mask=mask_h[None, :], other=0.0)
+    qt = qt.to(tl.float16)
+
+    k_base, ks_base, kz_base = part_bases(K, KS, KZ, KH, k_sh, ks_sh, hg, pid, K_KIND, K_BITS)
+    v_base, vs_base, vz_base = part_bases(V, VS, VZ, VH, v_sh, vs_sh, hg, pid, V_KIND, V_BITS)
+    tbl = TBL + b64 * tbl_sb
+    scale = qk_scale * load_head_scale(KH, pid, K_KIND)
+    acc_t = tl.full([D, BLOCK_H], 0, tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_H], 0, tl.float32)
+    full_lo = tl.cdiv(start, BLOCK_N) * BLOCK_N
+    full_hi = (end // BLOCK_N) * BLOCK_N
+    for n0 in range(full_lo, full_hi, BLOCK_N):
+        m_i, l_i, acc_t = _tile_t(
+            n0, start, end, False, qt, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc_t, D, BLOCK_N, BS, SOFTCAP,
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_W8, V_W8)  # fmt: skip
+    if (start % BLOCK_N != 0) & (start < end):
+        n0 = start - start % BLOCK_N
+        m_i, l_i, acc_t = _tile_t(
+            n0, start, end, True, qt, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc_t, D, BLOCK_N, BS, SOFTCAP,
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_W8, V_W8)  # fmt: skip
+    if tl.maximum(full_hi, full_lo) < end:
+        n0 = tl.maximum(full_hi, full_lo)
+        m_i, l_i, acc_t = _tile_t(
+            n0, start, end, True, qt, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st, ks_sb, ks_st, v_base, vs_base, vz_base, v_sb, v_st, vs_sb, vs_st,
+            m_i, l_i, acc_t, D, BLOCK_N, BS, SOFTCAP,
+            K_KIND, K_BITS, K_GROUP, V_KIND, V_BITS, V_GROUP, K_W8, V_W8)  # fmt: skip
+
+    has = l_i != 0
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    prow = (b64 * n_qheads + qh) * S + split
+    o_t = acc_t * (load_head_scale(VH, pid, V_KIND) / tl.where(has, l_i, 1.0))[None, :]
+    o_cols = perm4(offs_d) if V_W8 else offs_d  # V_W8: the accumulator's rows in perm4 order
+    tl.store(O_PART + prow[None, :] * D + o_cols[:, None], o_t, mask=mask_h[None, :])
     tl.store(LSE_PART + prow, lse, mask=mask_h)
 
 
@@ -361,7 +514,8 @@ def _decode_partial_rows(
     HAS_RANGE: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
-    K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False,
+    K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
+    V_W8: tl.constexpr = False,
 ):  # fmt: skip
     """``_decode_partial`` for int4 K (grouped, ``K_FOLD`` 1, groups of ``V_GROUP`` channels; or per channel,
     ``K_FOLD`` 2) and grouped int4 V, on (group, head) rows (``BLOCK_H`` = REPP, heads per row group)."""
@@ -445,6 +599,191 @@ def _decode_partial_rows(
     keep_hi = valid[:, None] & ((j[None, :] + DH) // V_GROUP == rg[:, None])
     tl.store(o_ptr, (acc_lo + zacc[:, None]) / den[:, None], mask=keep_lo)
     tl.store(o_ptr + DH, (acc_hi + zacc[:, None]) / den[:, None], mask=keep_hi)
+
+
+# ------------------------------------------------ int4 K and V on (group, head) rows, transposed (wgmma)
+# fp16 queries: the rows kernel's products transposed, so that tokens (keys) and channels (values) are the MMA
+# rows: scores^T [BLOCK_N, R] = K codes [BLOCK_N, D/2] @ q_rows^T [D/2, R] per half of D (warpgroup MMAs, the
+# loop-invariant query rows in shared memory), and out^T [D/2, R] += V codes^T @ (p x V scale)^T per half
+# (:func:`nibble_tiles`: exact fp16 codes, channels in perm4 order). Per-(token, group) scales and zeros are
+# per-column factors of the [BLOCK_N, R] tiles; V's zero term is accumulated per (token, row) and summed over
+# the tokens after the loop. Per-channel keys (int4-channel) fold their block's scale into the query, an fp32
+# B operand split into two fp16 halves, and their zero term q . z into an MMA of ones with q * z.
+@triton.jit
+def _group_cols(ptr, n_in, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.constexpr, mask_n):
+    """Per-(token, group) values (``ptr + t * G + g``) of the tokens ``n_in ..`` as columns ``[BLOCK_N, G * REPP]``
+    (column r: group ``r // REPP``), fp32; 0 outside ``mask_n``."""
+    x = tl.load(ptr + (n_in + tl.arange(0, BLOCK_N))[:, None] * G + tl.arange(0, G)[None, :], mask=mask_n[:, None],
+                other=0.0).to(tl.float32)  # fmt: skip
+    return tl.reshape(tl.broadcast_to(x[:, :, None], [BLOCK_N, G, REPP]), [BLOCK_N, G * REPP])
+
+
+@triton.jit
+def _rows_tile_t(
+    n0, start, end, MASKED: tl.constexpr, qt_lo, qt_hi, q_sum, scale, tbl,
+    k_base, ks_base, kz_base, k_sb, k_st, ks_sb,
+    v_base, vs_base, vz_base, v_sb, v_st, vs_sb,
+    m_i, l_i, acc_lo, acc_hi, zacc,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
+    G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr,
+):  # fmt: skip
+    """One tile of :func:`_decode_partial_rows_t`."""
+    R: tl.constexpr = G * REPP
+    n_blk, n_in = _block_pos(n0, BS)
+    inner = n_in + tl.arange(0, BLOCK_N)
+    if MASKED:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = (offs_n >= start) & (offs_n < end)
+        blk = tl.load(tbl + n_blk, mask=n0 < end, other=0).to(tl.int64)
+    else:
+        mask_n = tl.full([BLOCK_N], 1, tl.int1)
+        blk = tl.load(tbl + n_blk).to(tl.int64)
+    k_lo, k_hi = nibble_tiles(k_base + blk * k_sb, inner * k_st, mask_n, BLOCK_N, D)  # k_st: in words
+    if K_FOLD == 1:
+        st = tl.dot(k_hi, qt_hi, tl.dot(k_lo, qt_lo))  # [BLOCK_N, R]: column (g, h) = head h on group g
+        ks = _group_cols(ks_base + blk * ks_sb, n_in, G, REPP, BLOCK_N, mask_n)
+        kz = _group_cols(kz_base + blk * ks_sb, n_in, G, REPP, BLOCK_N, mask_n)
+        st = st * ks + q_sum[None, :] * kz
+    else:
+        # per-channel keys (the tile lies in one pool block): the block's scale row folded into the query
+        # (fp32, split into two fp16 MMA operands), its zero into one term per column; qt_*: fp32, the whole
+        # query in the g = 0 columns
+        DH: tl.constexpr = D // 2
+        jc = perm4(tl.arange(0, DH))
+        srow = ks_base + blk * ks_sb
+        zrow = kz_base + blk * ks_sb
+        a_lo = qt_lo * tl.load(srow + jc).to(tl.float32)[:, None]
+        a_hi = qt_hi * tl.load(srow + DH + jc).to(tl.float32)[:, None]
+        # the zero term q . z, the same for every token: an MMA of ones with q * z (hi + lo halves)
+        b_lo = qt_lo * tl.load(zrow + jc).to(tl.float32)[:, None]
+        b_hi = qt_hi * tl.load(zrow + DH + jc).to(tl.float32)[:, None]
+        ones = tl.full([BLOCK_N, DH], 1.0, tl.float16)
+        h_lo = a_lo.to(tl.float16)
+        h_hi = a_hi.to(tl.float16)
+        st = tl.dot(k_lo, h_lo, tl.dot(k_hi, h_hi))
+        st = tl.dot(k_lo, (a_lo - h_lo.to(tl.float32)).to(tl.float16), st)
+        st = tl.dot(k_hi, (a_hi - h_hi.to(tl.float32)).to(tl.float16), st)
+        b = b_lo + b_hi
+        bh = b.to(tl.float16)
+        st = tl.dot(ones, (b - bh.to(tl.float32)).to(tl.float16), tl.dot(ones, bh, st))
+    s = cap_scores(reduce_sum(tl.reshape(st, [BLOCK_N, G, REPP]), 1) * scale, SOFTCAP)  # [BLOCK_N, REPP]
+    if MASKED:
+        s = tl.where(mask_n[:, None], s, float("-inf"))
+    m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 0))
+    p = tl.exp2(s - m_safe[None, :])
+    l_i = l_i * alpha + reduce_sum(p, 0)
+    pc = tl.reshape(tl.broadcast_to(p[:, None, :], [BLOCK_N, G, REPP]), [BLOCK_N, R])
+    a = _to_rows(alpha, G)[None, :]
+    ps = pc * _group_cols(vs_base + blk * vs_sb, n_in, G, REPP, BLOCK_N, mask_n)
+    ph = ps.to(tl.float16)
+    pl = (ps - ph.to(tl.float32)).to(tl.float16)
+    v_lo, v_hi = nibble_tiles(v_base + blk * v_sb, inner * v_st, mask_n, BLOCK_N, D)  # v_st: in words
+    vt_lo = tl.trans(v_lo)
+    vt_hi = tl.trans(v_hi)
+    acc_lo = tl.dot(vt_lo, pl, tl.dot(vt_lo, ph, acc_lo * a))
+    acc_hi = tl.dot(vt_hi, pl, tl.dot(vt_hi, ph, acc_hi * a))
+    # V's zero term per (token, row), summed over the tokens after the loop
+    zacc = zacc * a + pc * _group_cols(vz_base + blk * vs_sb, n_in, G, REPP, BLOCK_N, mask_n)
+    return m_new, l_i, acc_lo, acc_hi, zacc
+
+
+@triton.jit
+def _decode_partial_rows_t(
+    Q, q_sb, q_sh,
+    K, KS, KZ, KH, k_sb, k_sh, k_st, ks_sb, ks_sh, ks_st,
+    V, VS, VZ, VH, v_sb, v_sh, v_st, vs_sb, vs_sh, vs_st, TBL, tbl_sb,
+    HEAD_IDX, LO, HI, lo_sb, O_PART, LSE_PART,
+    qk_scale, past_len, part_len, Hg, S, n_qheads,
+    REP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RANGE: tl.constexpr, DOT: tl.constexpr, SOFTCAP: tl.constexpr,
+    K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
+    K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
+    V_W8: tl.constexpr = False,
+):  # fmt: skip
+    """:func:`_decode_partial_rows` transposed (fp16 queries; grouped int4 V, int4 K grouped alike
+    (``K_FOLD`` 1) or per channel (``K_FOLD`` 2))."""
+    G: tl.constexpr = D // V_GROUP
+    REPP: tl.constexpr = BLOCK_H
+    R: tl.constexpr = G * REPP
+    DH: tl.constexpr = D // 2
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // Hg
+    hg = pid % Hg
+    b64 = b.to(tl.int64)
+    h = tl.load(HEAD_IDX + hg)
+
+    lo = 0
+    hi = past_len
+    if HAS_RANGE:
+        lo = tl.load(LO + b * lo_sb)
+        hi = tl.minimum(tl.load(HI + b * lo_sb), past_len)
+    start = tl.maximum(lo, split * part_len)
+    end = tl.minimum(hi, (split + 1) * part_len)
+
+    r = tl.arange(0, R)
+    rh = r % REPP
+    rg = r // REPP
+    valid = rh < REP
+    j = tl.arange(0, DH)
+    jc = perm4(j)  # position j holds channel jc (nibble_tiles); perm4 keeps every channel in its group
+    q_ptr = Q + b64 * q_sb + (h * REP + rh)[None, :] * q_sh + jc[:, None]
+    if K_FOLD == 1:  # column (g, h): head h on the channels of group g
+        qt_lo = tl.load(q_ptr, mask=valid[None, :] & ((j[:, None] // V_GROUP) == rg[None, :]), other=0.0)
+        qt_hi = tl.load(q_ptr + DH, mask=valid[None, :] & ((j[:, None] + DH) // V_GROUP == rg[None, :]), other=0.0)
+        q_sum = reduce_sum(qt_lo.to(tl.float32), 0) + reduce_sum(qt_hi.to(tl.float32), 0)
+        qt_lo = qt_lo.to(tl.float16)
+        qt_hi = qt_hi.to(tl.float16)
+    else:  # per-channel keys: the whole query in the g = 0 columns, fp32 (the block scale multiplies it)
+        m0 = valid[None, :] & (rg[None, :] == 0) & (j[:, None] >= 0)
+        qt_lo = tl.load(q_ptr, mask=m0, other=0.0).to(tl.float32)
+        qt_hi = tl.load(q_ptr + DH, mask=m0, other=0.0).to(tl.float32)
+        q_sum = reduce_sum(qt_lo, 0)  # unused
+
+    k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
+    v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
+    tbl = TBL + b64 * tbl_sb
+    scale = qk_scale
+    m_i = tl.full([REPP], float("-inf"), tl.float32)
+    l_i = tl.full([REPP], 0, tl.float32)
+    acc_lo = tl.full([DH, R], 0, tl.float32)
+    acc_hi = tl.full([DH, R], 0, tl.float32)
+    zacc = tl.full([BLOCK_N, R], 0, tl.float32)
+    full_lo = tl.cdiv(start, BLOCK_N) * BLOCK_N
+    full_hi = (end // BLOCK_N) * BLOCK_N
+    for n0 in range(full_lo, full_hi, BLOCK_N):
+        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile_t(
+            n0, start, end, False, qt_lo, qt_hi, q_sum, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st // 4, ks_sb, v_base, vs_base, vz_base, v_sb, v_st // 4, vs_sb,
+            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+    if (start % BLOCK_N != 0) & (start < end):
+        n0 = start - start % BLOCK_N
+        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile_t(
+            n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st // 4, ks_sb, v_base, vs_base, vz_base, v_sb, v_st // 4, vs_sb,
+            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+    if tl.maximum(full_hi, full_lo) < end:
+        n0 = tl.maximum(full_hi, full_lo)
+        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile_t(
+            n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
+            k_base, ks_base, kz_base, k_sb, k_st // 4, ks_sb, v_base, vs_base, vz_base, v_sb, v_st // 4, vs_sb,
+            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+
+    has = l_i != 0
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    offs_h = tl.arange(0, REPP)
+    prow_h = (b64 * n_qheads + h * REP + offs_h) * S + split
+    tl.store(LSE_PART + prow_h, lse, mask=offs_h < REP)
+    # column (g, h) keeps the channels of group g: out[h, c] = (acc[pos(c), (g(c), h)] + zero[(g(c), h)]) / l[h]
+    den = _to_rows(tl.where(has, l_i, 1.0), G)
+    zsum = reduce_sum(zacc, 0)
+    prow = (b64 * n_qheads + h * REP + rh) * S + split
+    o_ptr = O_PART + prow[None, :] * D + jc[:, None]
+    keep_lo = valid[None, :] & ((j[:, None] // V_GROUP) == rg[None, :])
+    keep_hi = valid[None, :] & ((j[:, None] + DH) // V_GROUP == rg[None, :])
+    tl.store(o_ptr, (acc_lo + zsum[None, :]) / den[None, :], mask=keep_lo)
+    tl.store(o_ptr + DH, (acc_hi + zsum[None, :]) / den[None, :], mask=keep_hi)
 
 
 @triton.jit
@@ -542,6 +881,12 @@ def rows_kernel(kop: Operand, vop: Operand, head_dim: int) -> bool:
     return all(op.scale.stride(-1) == 1 and op.scale.stride(-2) == head_dim // op.group for op in ops)
 
 
+def transposed_kernel(kop: Operand, vop: Operand, dot: int) -> bool:
+    """True when a group may run on :func:`_decode_partial_t`: fp16 queries, int8 K and V (per head or per
+    token; read by :func:`int8_words_fp16`)."""
+    return kop.int8_words(dot) and vop.int8_words(dot)
+
+
 def block_n_for(head_dim: int) -> int:
     """Partition granularity: a multiple of every group's BLOCK_N."""
     return 64 if head_dim <= 128 else 32
@@ -632,13 +977,27 @@ def decode_launches(
             num_warps=num_warps,
         )  # fmt: skip
         kernel = _decode_partial
+        if transposed_kernel(kop, vop, dot_kind) and num_warps == 4:
+            # int8 codes by words (channels in perm4 order) on warpgroup MMAs (4 warps; at head_dim 64 the
+            # 2-warp mma.sync kernel issues less for int8-token: 0.91 vs 0.95 of the HBM time)
+            kernel = _decode_partial_t
+            meta.update(K_W8=True, V_W8=True)
         rows_h = max(triton.next_power_of_2(rep), 16 // max(1, D // vop.group))  # query heads per row group
         if rows_kernel(kop, vop, D):
             # int4 K and V on (group, head) rows; 32+ rows (GQA 8 at head_dim 128) take 8 warps: 4 spill
             # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
             kernel = _decode_partial_rows
             meta["BLOCK_H"] = rows_h
-            if rows_h * (D // vop.group) >= 32:
+            if dot_kind == DOT_FP16 and (kop.folds4(D) or num_warps >= 4):
+                # fp16 queries (grouped or per-channel int4 K): transposed, on warpgroup MMAs (launch_config's
+                # warps: 4 at head_dim 128, also for 32 rows; 2 at 64, where per-channel keys keep the kernel
+                # above: 420 B of spills at 2 warps, 1.18x at 4). maxnreg 168: at ptxas' own choice (127
+                # registers) the bit-trick constants are rematerialised before every use (~4 instructions per token;
+                # per-channel keys: no cap, at 168 they spill 336 B with 32 columns, GQA 8)
+                kernel = _decode_partial_rows_t
+                if kop.folds4(D):
+                    meta["maxnreg"] = 168
+            elif rows_h * (D // vop.group) >= 32:
                 meta["num_warps"] = 8
         launches.append(Launch(kernel, (B * Hg, S), args, meta))
     args = (

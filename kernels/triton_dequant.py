@@ -156,6 +156,56 @@ def load_tile(
     return x
 
 
+@triton.jit
+def perm4(i):
+    """The channel order of :func:`int8_words_fp16` tiles: position ``i`` holds channel ``perm4(i)`` (channels
+    1 and 2 of every 4 swapped; an involution, so it also maps channels to positions)."""
+    return (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1)
+
+
+@triton.jit
+def int8_words_fp16(ptr, words, mask_n, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """fp16 ``[BLOCK_N, D]`` tile of int8 codes (``HEAD`` / ``TOKEN`` kinds) whose rows start at the 32-bit
+    word offsets ``words`` from ``ptr`` (rows outside ``mask_n`` read as 0), with the channels in the order
+    :func:`perm4`: each 32-bit word of 4 codes is loaded once and turned into two fp16 pairs by one
+    and + xor each (``(w & 0x00FF00FF) ^ 0x64806480`` is the fp16 pair ``1024 + (c + 128)`` of its bytes 0
+    and 2, the same of ``w >> 8`` of bytes 1 and 3), minus 1152 (exact): no per-byte extraction, two values
+    per instruction. The caller permutes the query (K) or the output columns (V) with :func:`perm4`."""
+    W: tl.constexpr = D // 4
+    wp = ptr.to(tl.pointer_type(tl.int32))
+    w = tl.load(wp + words[:, None] + tl.arange(0, W)[None, :], mask=mask_n[:, None], other=0)
+    e = (w & 0x00FF00FF) ^ 0x64806480
+    o = ((w >> 8) & 0x00FF00FF) ^ 0x64806480
+    return (_pairs_fp16(e, o, BLOCK_N, D) - 1152.0).to(tl.float16)  # fp16 (the interpreter promotes to fp32)
+
+
+@triton.jit
+def _pairs_fp16(e, o, BLOCK_N: tl.constexpr, DH: tl.constexpr):
+    """fp16 ``[BLOCK_N, DH]`` from the 32-bit words ``e`` (fp16 pairs of channels 4i, 4i + 2) and ``o`` (4i + 1,
+    4i + 3), ``[BLOCK_N, DH / 4]``: channels in :func:`perm4` order. No instruction: register views."""
+    x = tl.join(e, o)
+    h = tl.join(x.to(tl.int16), (x >> 16).to(tl.int16))
+    return tl.reshape(h.to(tl.float16, bitcast=True), [BLOCK_N, DH])
+
+
+@triton.jit
+def nibble_tiles(ptr, words, mask_n, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Split-packed int4 codes (byte j: channel j in the low nibble, channel j + D/2 in the high one) of the
+    tokens whose rows start at the 32-bit word offsets ``words`` from ``ptr`` (rows outside ``mask_n`` read as 0), as
+    two exact fp16 tiles ``[BLOCK_N, D/2]`` of the codes of channels [0, D/2) (``lo``) and [D/2, D) (``hi``),
+    both in :func:`perm4` order. Per 32-bit word of 8 codes: one shift, four and + or
+    (``(w & 0x000F000F) | 0x64006400`` is the fp16 pair 1024 + c of the low nibbles of bytes 0 and 2;
+    ``0x00F000F0`` gives 1024 + 16 c of their high nibbles) and four fp16-pair operations (``x - 1024``,
+    ``x / 16 - 64``: exact), two codes per instruction."""
+    W: tl.constexpr = D // 8
+    wp = ptr.to(tl.pointer_type(tl.int32))
+    w = tl.load(wp + words[:, None] + tl.arange(0, W)[None, :], mask=mask_n[:, None], other=0)
+    w8 = w >> 8
+    lo = _pairs_fp16((w & 0x000F000F) | 0x64006400, (w8 & 0x000F000F) | 0x64006400, BLOCK_N, D // 2)
+    hi = _pairs_fp16((w & 0x00F000F0) | 0x64006400, (w8 & 0x00F000F0) | 0x64006400, BLOCK_N, D // 2)
+    return (lo - 1024.0).to(tl.float16), (hi * 0.0625 - 64.0).to(tl.float16)
+
+
 # ------------------------------------------------------------ int4 grouped, folded (decode inner loop)
 # The packed int4 decode path does not dequantize tiles: the codes are exact MMA operands, and the
 # per-(token, group) scale and zero are applied to the per-group partial dots (one multiply-add per
@@ -492,6 +542,10 @@ class Operand:
         """True when the decode kernel reads this part with :func:`qk_channel4` (per-channel int4 keys: a
         decode tile lies in one pool block, whose one scale row it folds)."""
         return self.kind == KIND_CHANNEL and self.bits == 4
+
+    def int8_words(self, dot: int) -> bool:
+        """True when the decode kernel reads this part with :func:`int8_words_fp16` (int8 codes, fp16 MMAs)."""
+        return dot == DOT_FP16 and self.kind in (KIND_HEAD, KIND_TOKEN)
 
     def folds4(self, head_dim: int) -> bool:
         """True when the decode kernel reads this part on the folded int4 path (:func:`qk_fold4`,

@@ -429,3 +429,76 @@ def test_rotated_store_through_dispatch(monkeypatch, triton_calls):
     out = dispatch.attend(q, k[:, :, 59:], v[:, :, 59:], layer, 59, None, 0.125)
     assert triton_calls == [1]
     assert (out - ref).abs().max() <= TOL
+
+
+# ------------------------------------------------------------ fp16 queries: the transposed decode kernels
+@pytest.mark.parametrize(
+    ("row", "D", "rep", "block"),
+    [
+        (["int8", "int8"], 64, 4, 16),
+        (["int8-token", "int8"], 128, 1, 64),
+        (["int4", "int4"], 64, 4, 16),
+        (["int4", "int4"], 128, 8, 64),
+        (["int4", "int8"], 128, 2, 32),
+    ],
+    ids=lambda x: str(x),
+)
+def test_transposed_decode_fp16_queries_exact(row, D, rep, block):
+    """int8 K/V (:func:`_decode_partial_t`) and grouped int4 K/V (:func:`_decode_partial_rows_t`) with fp16
+    queries: codes by 32-bit words (int8: and + xor; int4: and + or magic numbers, channels in perm4 order),
+    fp16 MMAs. The kernels' own result is written in fp32 (the output buffer's dtype), so the check is not
+    hidden by the fp16 rounding of the output: within 2e-5 of the fp32 reference, causal and left-padded
+    (masked edge tiles), several partitions."""
+    from kvquant.kernels import triton_decode
+    from kvquant.kernels.triton_attention import block_table
+    from kvquant.kernels.triton_dequant import DOT_FP16, operand
+
+    past = 150
+    layer, fk, fv = make_layer(row, D=D, past=past, block=block, steps=(70,), dtype=torch.float16)
+    Hq = len(row) * rep
+    q = query(2, Hq, 1, D, dtype=torch.float16)
+    scaling = D**-0.5
+    groups = [(g.head_index, operand(g.key, D, False), operand(g.value, D, False)) for g in layer.groups]
+    table = block_table(layer, past, 2, DEV)
+    want = {"int8": "_decode_partial_t", "int8-token": "_decode_partial_t", "int4": "_decode_partial_rows_t"}
+    for mask in (None, padded_mask([0, 41], past, 1)):
+        ranges = key_ranges(mask, 2, Hq, 1, past)
+        out = torch.zeros(2, Hq, 1, D)  # fp32: the kernels' result unrounded
+        launches = triton_decode.decode_launches(q, fk, fv, groups, layer.num_heads, past, ranges, scaling, out,
+                                                 DOT_FP16, splits=3, table=table, block_size=block)  # fmt: skip
+        names = [launch.kernel.fn.__name__ if hasattr(launch.kernel, "fn") else launch.kernel.__name__
+                 for launch in launches[:-1]]  # fmt: skip
+        assert names == [want[r] for r in dict.fromkeys(row)], names  # one launch per head group
+        for launch in launches:
+            launch.run()
+        ref = attend_naive(q.float(), fk, fv, layer, past, mask, scaling)
+        err = (out - ref).abs().max().item()
+        assert err <= 2e-5, f"{row} D={D} rep={rep}: max error {err:.2e} vs the fp32 reference"
+
+
+@pytest.mark.parametrize(("D", "rep", "block"), [(128, 3, 64), (128, 8, 128)])
+def test_transposed_decode_channel_keys_fp16_exact(D, rep, block):
+    """Per-channel int4 keys + grouped int4 values with fp16 queries (:func:`_decode_partial_rows_t`,
+    ``K_FOLD`` 2: the block's key scale folded into an fp32 query split into two fp16 MMA operands, the zero
+    term an MMA of ones): the kernels' fp32 result over the quantized pool within 2e-5 of the fp32 reference."""
+    from kvquant.kernels import triton_decode
+    from kvquant.kernels.triton_attention import block_table
+    from kvquant.kernels.triton_dequant import DOT_FP16, operand
+
+    row = [KVPrecision("int4-channel", "int4")] * 2
+    layer, fk, fv = make_layer(row, D=D, past=300, block=block, steps=(130, 131, 200), dtype=torch.float16)
+    hist = layer.q_end  # the pool: whole blocks
+    Hq = 2 * rep
+    q = query(2, Hq, 1, D, dtype=torch.float16)
+    groups = [(g.head_index, operand(g.key, D, False), operand(g.value, D, False)) for g in layer.groups]
+    table = block_table(layer, hist, 2, DEV)
+    for mask in (None, padded_mask([0, 70], hist, 1)):
+        ranges = key_ranges(mask, 2, Hq, 1, hist)
+        out = torch.zeros(2, Hq, 1, D)
+        launches = triton_decode.decode_launches(q, fk, fv, groups, layer.num_heads, hist, ranges, D**-0.5, out,
+                                                 DOT_FP16, splits=3, table=table, block_size=block)  # fmt: skip
+        assert launches[0].kernel is triton_decode._decode_partial_rows_t
+        for launch in launches:
+            launch.run()
+        err = (out - attend_naive(q.float(), fk, fv, layer, hist, mask, D**-0.5)).abs().max().item()
+        assert err <= 2e-5, f"D={D} rep={rep}: max error {err:.2e} vs the fp32 reference"

@@ -20,7 +20,7 @@ from kvquant.kernels.triton_attention import attend_triton  # noqa: E402
 from kvquant.store import LayerStore  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TOL = 2e-3
+TOL = 1e-5  # fp32 queries: the kernels reach ~1e-6 (was 2e-3)
 
 
 def shuffle_blocks(layer: LayerStore, seed: int) -> None:

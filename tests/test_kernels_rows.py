@@ -51,5 +51,5 @@ def test_padded_rows_per_row_scales_and_sinks(pair, option, tq):
     out = attend_triton(q, fk, fv, layer, past, mask, D**-0.5, splits=2, block_m=16)
     ref = attend_naive(q, fk, fv, layer, past, mask, D**-0.5)
     walk = attend_torch(q, fk, fv, layer, past, mask, D**-0.5)
-    assert (out - ref).abs().max() < 2e-3
+    assert (out - ref).abs().max() < 3e-5  # fp32 queries, rows up to 4x magnitude: measured 1.5e-5 (was 2e-3)
     assert (walk - ref).abs().max() < 1e-4
