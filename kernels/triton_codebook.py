@@ -73,6 +73,9 @@ def part_bases(P, S, Z, PH, sh, ssh, hg, pid, KIND: tl.constexpr, BITS: tl.const
     """Head ``hg``'s pointers to a part, its scale and its zero (block 0); for a codebook part (``KIND`` 8)
     the third is the (sequence, head)'s params row instead (norm code range, levels)."""
     h = hg.to(tl.int64)  # head strides of a head-major pool can exceed 2^31 elements
+    # one return: compiled, a return under a constexpr branch still meets the later one ("return type mismatch")
     if KIND == 8:
-        return P + h * sh, S + h * ssh, codebook_row(PH, pid, BITS)
-    return P + h * sh, S + h * ssh, Z + h * ssh
+        third = codebook_row(PH, pid, BITS)
+    else:
+        third = Z + h * ssh
+    return P + h * sh, S + h * ssh, third

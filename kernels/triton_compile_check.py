@@ -118,6 +118,8 @@ def matrix(full: bool):
         yield ("chunk", "bf16", "fp8-e5m2", 2, 64, 3, False, 90)
         yield ("decode", "int4-channel", "int4", 1, 128, 4, True, 90)
         yield ("chunk", "int3-channel", "int2-channel", 2, 64, 2, True, 90)
+        yield ("decode", "tq4", "tq3", 1, 128, 4, True, 90)  # codebooks: levels and norms read in-kernel
+        yield ("chunk", "tq2", "tq4", 2, 64, 2, False, 90)
         return
     for k, dot in itertools.product(KINDS, (0, 1, 2)):
         yield ("decode", k, k, dot, 128, 4, True, 90)
