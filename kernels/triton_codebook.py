@@ -74,7 +74,7 @@ def part_bases(P, S, Z, PH, sh, ssh, hg, pid, KIND: tl.constexpr, BITS: tl.const
     the third is the (sequence, head)'s params row instead (norm code range, levels)."""
     h = hg.to(tl.int64)  # head strides of a head-major pool can exceed 2^31 elements
     # one return: compiled, a return under a constexpr branch still meets the later one ("return type mismatch")
-    if KIND == 8:
+    if KIND == 8:  # noqa: SIM108  (a statement, not a ternary: constexpr branches are compiled apart)
         third = codebook_row(PH, pid, BITS)
     else:
         third = Z + h * ssh
