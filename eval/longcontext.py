@@ -270,7 +270,7 @@ def heatmap(rows: Sequence[dict[str, Any]], config: str, path: Any, title: str =
     ax.set_ylabel("needle depth")
     for i, row in enumerate(grid_):
         for j, v in enumerate(row):
-            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+            ax.text(j, i, "not run" if v != v else f"{v:.2f}", ha="center", va="center", fontsize=7)
     fig.colorbar(im, ax=ax, label="exact-match accuracy")
     ax.set_title(title or config, fontsize=9)
     fig.tight_layout()

@@ -224,7 +224,7 @@ class QuantizedLayer(CacheLayerMixin):
         b = policy.budget
         target = choose_slots(slots.pos, slots.score, slots.cap, slots.first, slots.seen + 1, b.sinks, b.window)
         S = slots.slots
-        appended = bool((target == S).any())
+        appended = False if slots.full else bool((target == S).any())  # at the cap no head appends: no sync
         if appended:  # some head grows: every head gets slot S (heads that replace a token leave it empty)
             store.append(keys, values)
         store.overwrite(keys, values, target, target < S)

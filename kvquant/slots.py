@@ -32,7 +32,8 @@ class SlotMap:
         self.tracking = tracking  # "accumulate" (H2O), "last" (TOVA) or None
         self.score = score  # [B, H, S] float32 when tracking
         self.cap = cap  # [B, H] tokens each head keeps while decoding (tracking policies)
-        self.holes = bool((pos < 0).any())  # some slot is empty: heads see different key sets
+        self._holes: bool | None = None  # computed when read (a host sync), see :attr:`holes`
+        self._full: bool | None = None  # every head at its cap, see :attr:`full`
 
     @property
     def slots(self) -> int:
@@ -65,7 +66,26 @@ class SlotMap:
         if self.score is not None:
             self.score.scatter_(2, idx, torch.zeros_like(idx, dtype=self.score.dtype))
         self.seen += 1
-        self.holes = bool((self.pos < 0).any())
+        self._holes = None  # recomputed when read: no host sync per decode step
+        if appended:
+            self._full = None
+
+    @property
+    def full(self) -> bool:
+        """Every (row, head) holds its decode budget ``cap`` (tracking policies): each new token replaces one,
+        none is appended, and that stays so (read once on the host, then cached until a slot is appended)."""
+        if self.cap is None:
+            return False
+        if self._full is None:
+            self._full = bool((self.counts() >= self.cap).all())
+        return self._full
+
+    @property
+    def holes(self) -> bool:
+        """Some slot is empty: heads see different key sets (read by the Triton dispatch only; cached)."""
+        if self._holes is None:
+            self._holes = bool((self.pos < 0).any())
+        return self._holes
 
     def attention_mask(self, mask: torch.Tensor | None, past: int, tq: int, rep: int) -> torch.Tensor:
         """The attention mask on the slot axis: ``[B, H * rep, tq, past + tq]`` (True = attend), from the
@@ -107,6 +127,7 @@ class SlotMap:
         idx = idx.to(self.pos.device)
         self.pos = self.pos.index_select(0, idx)
         self.first = self.first.index_select(0, idx)
+        self._holes = None
         for name in ("score", "cap"):
             t = getattr(self, name)
             if t is not None:

@@ -503,10 +503,28 @@ class LayerStore:
     def overwrite(self, keys: torch.Tensor, values: torch.Tensor, target: torch.Tensor, write: torch.Tensor) -> None:
         """Write the one-token ``keys/values[B, H, 1, D]`` of (row ``b``, head ``h``) at slot ``target[b, h]``
         (an existing slot) where ``write[b, h]``: each head replaces its own token (decode-time eviction).
+        Where ``write[b, h]`` is False, ``target[b, h]`` must be the slot :meth:`append` just filled with this
+        same token (it may be rewritten, unchanged).
 
         Quantized slots are written in place (a block shared with another row or cache is copied first);
-        slots still held in full precision (``[q_end, cache_pos)``) are written there."""
+        slots still held in full precision (``[q_end, cache_pos)``) are written there. When every slot is
+        quantized and no row shares a block (one sequence, or beams before a reorder), the write is one
+        scatter per part with no host synchronisation (the targets stay on the device)."""
         keys, values = self.to_storage_space(keys, values)
+        if self.q_end == self.cache_pos and all(b >= 0 and self.blocks.refs[b] == 1 for t in self.tables for b in t):
+            bs, B = self.block_size, target.shape[0]
+            table = self.table()
+            for g in self.groups:
+                n = len(g.heads)
+                t = (target if g.all_heads else target.index_select(1, g.head_index)).reshape(-1)
+                rows = torch.arange(B, device=self.device).repeat_interleave(n)
+                heads = torch.arange(n, device=self.device).repeat(B)
+                k = keys if g.all_heads else keys.index_select(1, g.head_index)
+                v = values if g.all_heads else values.index_select(1, g.head_index)
+                blk, off = table[rows, t // bs], t % bs
+                g.key.write_heads(k, rows, heads, blk, off, self.config.check_finite)
+                g.value.write_heads(v, rows, heads, blk, off, self.config.check_finite)
+            return
         tl, wl = target.tolist(), write.tolist()
         pairs = [(b, h, tl[b][h]) for b in range(len(tl)) for h in range(len(tl[b])) if wl[b][h]]
         dense = [p for p in pairs if p[2] >= self.q_end]
