@@ -149,6 +149,25 @@ def _tile(
 
 
 @triton.jit
+def _program_span(HEAD_IDX, LO, HI, lo_sb, past_len, part_len, Hg, HAS_RANGE: tl.constexpr):
+    """This program's (row, KV head of the group) and the history span ``[start, end)`` of its split:
+    ``(pid, split, b, hg, b64, h, start, end)`` (``h``: the layer's KV head; ``b64``: ``b`` for 64-bit offsets)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // Hg
+    hg = pid % Hg
+    h = tl.load(HEAD_IDX + hg)
+    lo = 0
+    hi = past_len
+    if HAS_RANGE:
+        lo = tl.load(LO + b * lo_sb)
+        hi = tl.minimum(tl.load(HI + b * lo_sb), past_len)
+    start = tl.maximum(lo, split * part_len)
+    end = tl.minimum(hi, (split + 1) * part_len)
+    return pid, split, b, hg, b.to(tl.int64), h, start, end
+
+
+@triton.jit
 def _decode_partial(
     Q, q_sb, q_sh,
     K, KS, KZ, KH, k_sb, k_sh, k_st, ks_sb, ks_sh, ks_st,
@@ -162,20 +181,7 @@ def _decode_partial(
     K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
     V_W8: tl.constexpr = False,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid // Hg
-    hg = pid % Hg
-    b64 = b.to(tl.int64)
-    h = tl.load(HEAD_IDX + hg)  # the layer's KV head
-
-    lo = 0
-    hi = past_len
-    if HAS_RANGE:
-        lo = tl.load(LO + b * lo_sb)
-        hi = tl.minimum(tl.load(HI + b * lo_sb), past_len)
-    start = tl.maximum(lo, split * part_len)
-    end = tl.minimum(hi, (split + 1) * part_len)
+    pid, split, b, hg, b64, h, start, end = _program_span(HEAD_IDX, LO, HI, lo_sb, past_len, part_len, Hg, HAS_RANGE)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
@@ -343,20 +349,7 @@ def _decode_partial_t(
     V_W8: tl.constexpr = False,
 ):  # fmt: skip
     """``_decode_partial`` transposed (fp16 queries, exact fp16 K / V tiles; :func:`transposed_kernel`)."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid // Hg
-    hg = pid % Hg
-    b64 = b.to(tl.int64)
-    h = tl.load(HEAD_IDX + hg)
-
-    lo = 0
-    hi = past_len
-    if HAS_RANGE:
-        lo = tl.load(LO + b * lo_sb)
-        hi = tl.minimum(tl.load(HI + b * lo_sb), past_len)
-    start = tl.maximum(lo, split * part_len)
-    end = tl.minimum(hi, (split + 1) * part_len)
+    pid, split, b, hg, b64, h, start, end = _program_span(HEAD_IDX, LO, HI, lo_sb, past_len, part_len, Hg, HAS_RANGE)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
@@ -523,20 +516,7 @@ def _decode_partial_rows(
     REPP: tl.constexpr = BLOCK_H
     R: tl.constexpr = G * REPP
     DH: tl.constexpr = D // 2
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid // Hg
-    hg = pid % Hg
-    b64 = b.to(tl.int64)
-    h = tl.load(HEAD_IDX + hg)
-
-    lo = 0
-    hi = past_len
-    if HAS_RANGE:
-        lo = tl.load(LO + b * lo_sb)
-        hi = tl.minimum(tl.load(HI + b * lo_sb), past_len)
-    start = tl.maximum(lo, split * part_len)
-    end = tl.minimum(hi, (split + 1) * part_len)
+    pid, split, b, hg, b64, h, start, end = _program_span(HEAD_IDX, LO, HI, lo_sb, past_len, part_len, Hg, HAS_RANGE)
 
     r = tl.arange(0, R)
     rh = r % REPP  # the row's query head (of this KV head)
@@ -707,20 +687,7 @@ def _decode_partial_rows_t(
     REPP: tl.constexpr = BLOCK_H
     R: tl.constexpr = G * REPP
     DH: tl.constexpr = D // 2
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid // Hg
-    hg = pid % Hg
-    b64 = b.to(tl.int64)
-    h = tl.load(HEAD_IDX + hg)
-
-    lo = 0
-    hi = past_len
-    if HAS_RANGE:
-        lo = tl.load(LO + b * lo_sb)
-        hi = tl.minimum(tl.load(HI + b * lo_sb), past_len)
-    start = tl.maximum(lo, split * part_len)
-    end = tl.minimum(hi, (split + 1) * part_len)
+    pid, split, b, hg, b64, h, start, end = _program_span(HEAD_IDX, LO, HI, lo_sb, past_len, part_len, Hg, HAS_RANGE)
 
     r = tl.arange(0, R)
     rh = r % REPP
