@@ -194,12 +194,10 @@ class QuantizedTensorStore:
         """Like :meth:`read` (float32), as codes and scales when the quantizer factors them (see
         :class:`~kvquant.quantizers.base.Factored`), else as the dequantized rows with no scale."""
         window = self._window(table, offset, length, run, parts)
-        fac = None if self.quantizer.space else self.quantizer.factored(window, self.state)
-        if fac is not None:
-            return fac
         if self.quantizer.space:
             return Factored(self.quantizer.decode_space(window, self.state).float())
-        return Factored(self.quantizer.dequantize(window, self.state, torch.float32))
+        fac = self.quantizer.factored(window, self.state)
+        return fac if fac is not None else Factored(self.quantizer.dequantize(window, self.state, torch.float32))
 
     def _window(
         self, table: torch.Tensor, offset: int, length: int, run: int | None,
@@ -964,12 +962,8 @@ class LayerStore:
             k, v = self.read(group, a, b)
             pieces.append((a, b, Factored(k), Factored(v)))
             a = b
-        if a < pool_end:
-            if self.has_host_blocks(a // self.block_size, -(-pool_end // self.block_size)):
-                k, v = self.read(group, a, pool_end)
-                pieces.append((a, pool_end, Factored(k), Factored(v)))
-            else:
-                pieces.append((a, pool_end, *self.read_pool(group, a, pool_end, factored=True)))
+        if a < pool_end:  # (offloaded blocks: read_pool stages them, as for read)
+            pieces.append((a, pool_end, *self.read_pool(group, a, pool_end, factored=True)))
             a = pool_end
         if a < end:
             k, v = self.read(group, a, end)

@@ -141,11 +141,6 @@ class WidenableScales:
 
     scale_dtype: torch.dtype = torch.float16
 
-    def factored(self, parts: Parts, state: dict[str, torch.Tensor]) -> Factored | None:
-        """The parts as :class:`Factored` (``dequantize(parts) == codes * scale + zero`` in float32), or None
-        when the scales do not factor that way (e.g. groups along head_dim): then read :meth:`dequantize`."""
-        return None
-
     def widen_scales(self) -> bool:
         if self.scale_dtype == torch.float32:
             return False

@@ -22,6 +22,11 @@ QMAX = 127.0
 FP16_TINY = 2.0**-14  # smallest normal fp16: per-token scales are stored in fp16
 
 
+def _codes(scaled: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` -> int8 codes: rounded to nearest, clamped to [-127, 127]."""
+    return torch.round(scaled).clamp_(-QMAX, QMAX).to(torch.int8)
+
+
 class Int8SharedScale(Quantizer):
     name = "int8"
     granularity = "per (layer, KV head), shared by K and V"
@@ -39,9 +44,7 @@ class Int8SharedScale(Quantizer):
         return {"scale": scale}
 
     def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
-        scale = head_view(state["scale"])
-        q = torch.round(x.float() / scale).clamp_(-QMAX, QMAX)
-        return {"q": q.to(torch.int8)}
+        return {"q": _codes(x.float() / head_view(state["scale"]))}
 
     def quantize_counted(
         self, x: torch.Tensor, state: dict[str, torch.Tensor], real: torch.Tensor | None = None
@@ -50,7 +53,7 @@ class Int8SharedScale(Quantizer):
         over = y.abs() > QMAX + 0.5  # the same test as clipped(), on the scaled values
         if real is not None:
             over &= real[:, None, :, None]
-        return {"q": torch.round(y).clamp_(-QMAX, QMAX).to(torch.int8)}, over.sum()
+        return {"q": _codes(y)}, over.sum()
 
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return (parts["q"] * head_view(state["scale"]).float()).to(dtype)  # int8 x fp32: one pass, no copy
