@@ -67,6 +67,18 @@ def safe_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax, torch.where(top > 0, top, torch.ones_like(top)))
 
 
+def require_finite(keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Raise ``ValueError`` if K or V holds a NaN or an Inf. On CPU one min / max pass per tensor (NaN and
+    Inf show in the extremes); elsewhere an asynchronous device assert (no host synchronisation: it raises
+    at the next one)."""
+    msg = "key_states/value_states: NaN or Inf values cannot be quantized"
+    if keys.device.type == "cpu":
+        if not all(math.isfinite(e) for x in (keys, values) if x.numel() for e in torch.aminmax(x)):
+            raise ValueError(msg)
+    else:
+        torch._assert_async(torch.isfinite(keys).all() & torch.isfinite(values).all(), msg)
+
+
 class StoredOverflow(ValueError):
     """K/V values that the configured storage cannot hold (e.g. |x| > 65504 in fp16 passthrough)."""
 
@@ -95,6 +107,7 @@ class QuantizedTensorStore:
         self.clipped = torch.zeros((), dtype=torch.int64, device=blocks.device)
         # real (non-pad) values written through a static scale: the denominator of the clip rate
         self.static_values = torch.zeros((), dtype=torch.int64, device=blocks.device)
+        self._pair: tuple[list[tuple[int, int]], dict[str, torch.Tensor], tuple] | None = None  # paired_state's cache
 
     @property
     def parts(self) -> dict[str, torch.Tensor]:
@@ -110,18 +123,20 @@ class QuantizedTensorStore:
         :class:`StoredOverflow`.
         ``real[B, T]``: False at left-padding positions, which static-scale clipping does not count.
         """
-        q = self._quantize(x, check, real)
+        self.scatter(self._quantize(x, check, real), plan)
+
+    def scatter(self, q: dict[str, torch.Tensor], plan: WritePlan) -> None:
+        """Write quantized parts ``q`` (``[B, H, T or blocks, *shape]``) where ``plan`` says."""
         for name, t in q.items():
             dst = self.parts[name]
-            rows = t.transpose(1, 2)  # [B, T or blocks, H, *shape]
             if self.specs[name].per_block:
                 if plan.blk_src_b.numel():
-                    dst[plan.blk_dst, :, 0] = rows[plan.blk_src_b, plan.blk_src_j].to(dst.dtype)
+                    dst[plan.blk_dst, :, 0] = t.transpose(1, 2)[plan.blk_src_b, plan.blk_src_j].to(dst.dtype)
             elif plan.single is not None:
                 b, t_, blk, off = plan.single
-                dst[blk, :, off] = rows[b, t_]
+                dst[blk, :, off] = t[b, :, t_]
             else:
-                dst[plan.dst_blk, :, plan.dst_off] = rows[plan.src_b, plan.src_t].to(dst.dtype)
+                dst[plan.dst_blk, :, plan.dst_off] = t.transpose(1, 2)[plan.src_b, plan.src_t].to(dst.dtype)
 
     def write_heads(
         self, x: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
@@ -135,24 +150,43 @@ class QuantizedTensorStore:
             dst = self.parts[name]
             dst[blk, heads, off] = t[rows, heads, 0].to(dst.dtype)
 
-    def _quantize(self, x: torch.Tensor, check: bool, real: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """The parts of ``x`` (static-scale clipping counted; see :meth:`write` for ``check`` and ``real``)."""
+    def _quantize(
+        self, x: torch.Tensor, check: bool, real: torch.Tensor | None, state: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The parts of ``x`` (static-scale clipping counted; see :meth:`write` for ``check`` and ``real``).
+        ``state``: the quantizer state to use instead of this store's (K and V side by side, see :func:`write_pair`)."""
+        state = self.state if state is None else state
         if self.quantizer.static:
-            q, clipped = self.quantizer.quantize_counted(x, self.state, real)
+            q, clipped = self.quantizer.quantize_counted(x, state, real)
             self.clipped += clipped
             self.static_values += x.numel() if real is None else real.sum() * x.shape[1] * x.shape[3]
         else:
-            q = self.quantizer.quantize(x, self.state)
+            q = self.quantizer.quantize(x, state)
         if check and not stored_finite(q):
             if self.quantizer.widen_scales():
                 self._widen_parts()
-                q = self.quantizer.quantize(x, self.state)
+                q = self.quantizer.quantize(x, state)
             if not stored_finite(q):
                 raise StoredOverflow(
                     f"precision: {self.quantizer.name} cannot store |K/V| up to {x.abs().max().item():.3g} "
                     "(the stored values overflow); use bf16 or fp32 storage for this layer / head"
                 )
         return q
+
+    def paired_state(self, other: QuantizedTensorStore) -> dict[str, torch.Tensor] | None:
+        """This store's state and ``other``'s side by side on the head axis, when both quantizers are the
+        same pairable kind (:attr:`Quantizer.pairable`) with states of the same shapes; else None. Cached
+        while neither state changes (states are replaced, never modified in place)."""
+        mine, theirs = self.quantizer, other.quantizer
+        if not (mine.pairable and type(mine) is type(theirs) and self.state.keys() == other.state.keys()):
+            return None
+        key = [(id(self.state[n]), id(other.state[n])) for n in self.state]
+        if self._pair is None or self._pair[0] != key:
+            if any(self.state[n].shape != other.state[n].shape for n in self.state):
+                return None
+            both = {n: torch.cat([self.state[n], other.state[n]], dim=-1) for n in self.state}
+            self._pair = (key, both, (self.state, other.state))  # the states are held: their ids stay theirs
+        return self._pair[1]
 
     def _widen_parts(self) -> None:
         """Re-type the block tensors whose dtype the quantizer changed (fp16 scales -> fp32; values kept)."""
@@ -223,6 +257,28 @@ class QuantizedTensorStore:
 
     def state_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state.values())
+
+
+def write_pair(
+    key: QuantizedTensorStore, value: QuantizedTensorStore, k: torch.Tensor, v: torch.Tensor, plan: WritePlan,
+    check: bool = True, real: torch.Tensor | None = None,
+) -> None:
+    """Write a head group's K and V (see :meth:`QuantizedTensorStore.write`). When their quantizers pair
+    (:meth:`QuantizedTensorStore.paired_state`: int8, fp8), both are quantized in one pass, side by side on
+    the head axis -- half the tensor operations of a decode step's write, the same stored values; K's store
+    then counts the clipping of both (a layer reports the sum)."""
+    state = key.paired_state(value)
+    if state is None:
+        key.write(k, plan, check, real)
+        value.write(v, plan, check, real)
+        return
+    H = k.shape[1]
+    q = key._quantize(torch.cat([k, v], dim=1), check, real, state)
+    key.scatter({n: t[:, :H] for n, t in q.items()}, plan)
+    value.scatter({n: t[:, H:] for n, t in q.items()}, plan)
+
+
+_NO_INDEX = torch.empty(0, dtype=torch.long)  # the index fields of a one-token plan (unused: see ``single``)
 
 
 @dataclass
@@ -426,13 +482,7 @@ class LayerStore:
         left padding. Sink tokens are then each row's first real tokens, and static scales ignore pads.
         """
         if self.config.check_finite:
-            finite = torch.isfinite(keys).all() & torch.isfinite(values).all()
-            msg = "key_states/value_states: NaN or Inf values cannot be quantized"
-            if keys.device.type == "cpu":
-                if not bool(finite):
-                    raise ValueError(msg)
-            else:  # asynchronous: no host synchronisation per append (raises at the next synchronisation)
-                torch._assert_async(finite, msg)
+            require_finite(keys, values)
         past = self.cache_pos
         if self.center_keys and self.key_mean is None:
             self._set_key_mean(keys, past)
@@ -661,8 +711,7 @@ class LayerStore:
             gk, gv = masked[g.per_block]
             k = gk if g.all_heads else gk.index_select(1, g.head_index)
             v = gv if g.all_heads else gv.index_select(1, g.head_index)
-            g.key.write(k, plan, self.config.check_finite, real)
-            g.value.write(v, plan, self.config.check_finite, real)
+            write_pair(g.key, g.value, k, v, plan, self.config.check_finite, real)
         self.q_end = pos + keys.shape[2]
 
     def _place(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> WritePlan:
@@ -741,7 +790,7 @@ class LayerStore:
         if changed:
             self._table_cache = None
         if len(src_b) == 1 and not bdst:  # one token of one row (decode): basic indexing, no index tensors
-            return WritePlan(*(torch.empty(0, dtype=torch.long),) * 7,
+            return WritePlan(*(_NO_INDEX,) * 7,
                              single=(src_b[0], src_t[0], dst_blk[0], dst_off[0]))  # fmt: skip
         tok = torch.tensor([src_b, src_t, dst_blk, dst_off], dtype=torch.long).to(self.device)
         if self.has_block_parts and bdst:

@@ -101,3 +101,40 @@ def test_pad_positions_do_not_count_as_clipped():
     store.append(x, x, row_start=torch.tensor([0, 4]))
     assert store.clipped() == 0
     assert store.static_values() == 2 * (24 + 20) * 2 * 32  # K and V x real tokens x heads x head_dim
+
+
+@pytest.mark.parametrize("rows", [
+    [KVPrecision("int8", "int8")] * 2,  # one paired group
+    [KVPrecision("fp8-e4m3", "fp8-e4m3"), KVPrecision("int8", "int4")],  # a paired and an unpaired group
+])
+def test_paired_kv_write_stores_and_counts_as_separate_writes(monkeypatch, rows):
+    """K and V of a pairable group (int8, fp8) are quantized in one pass (store.write_pair): the stored
+    parts, the clipping count and the values counted must equal two separate writes, for a prompt with
+    left padding and for decode tokens that clip."""
+    import kvquant.store as store_mod
+
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, 2, 2, 60, 32, generator=g)
+    k[:, :, 50:] *= 4.0  # decode tokens beyond the prompt's range: clipped by the static scales
+    v[:, :, 55:] *= 6.0
+
+    def run(pair: bool) -> LayerStore:
+        if not pair:
+            monkeypatch.setattr(store_mod.QuantizedTensorStore, "paired_state", lambda self, other: None)
+        cfg = KVQuantConfig(block_size=16)
+        s = LayerStore(rows, cfg, 32, 2, torch.device("cpu"))
+        s.append(k[:, :, :40], v[:, :, :40], row_start=torch.tensor([0, 7]))
+        for t in range(40, 60):
+            s.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        monkeypatch.undo()
+        return s
+
+    paired, separate = run(True), run(False)
+    assert any(gr.key.paired_state(gr.value) is not None for gr in paired.groups)
+    assert paired.clipped() == separate.clipped() > 0
+    assert paired.static_values() == separate.static_values()
+    for a, b in zip(paired.groups, separate.groups):
+        for kind in ("key", "value"):
+            pa, pb = getattr(a, kind).parts, getattr(b, kind).parts
+            for name in pa:
+                assert torch.equal(pa[name].view(torch.uint8), pb[name].view(torch.uint8)), (kind, name)

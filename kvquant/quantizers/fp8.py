@@ -20,6 +20,7 @@ FP8_DTYPES = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
 class Fp8(Quantizer):
     granularity = "per (layer, KV head)"
     static = True
+    pairable = True
 
     def __init__(self, head_dim: int, name: str = "fp8-e4m3", headroom: float = 1.0) -> None:
         super().__init__(head_dim)

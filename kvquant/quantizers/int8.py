@@ -31,6 +31,7 @@ class Int8SharedScale(Quantizer):
     name = "int8"
     granularity = "per (layer, KV head), shared by K and V"
     static = True
+    pairable = True
 
     def __init__(self, head_dim: int, headroom: float = 1.0) -> None:
         super().__init__(head_dim)
