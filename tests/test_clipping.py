@@ -133,7 +133,7 @@ def test_paired_kv_write_stores_and_counts_as_separate_writes(monkeypatch, rows)
     assert any(gr.key.paired_state(gr.value) is not None for gr in paired.groups)
     assert paired.clipped() == separate.clipped() > 0
     assert paired.static_values() == separate.static_values()
-    for a, b in zip(paired.groups, separate.groups):
+    for a, b in zip(paired.groups, separate.groups, strict=True):
         for kind in ("key", "value"):
             pa, pb = getattr(a, kind).parts, getattr(b, kind).parts
             for name in pa:
