@@ -4,6 +4,7 @@
     python benchmarks/decode_throughput.py --context 4096 --configs int8,int4 --tokens 64
 
     python benchmarks/decode_throughput.py --sharing       # + beam-search bytes ratio and prefix hit rate
+    python benchmarks/decode_throughput.py --repeats 0 --steps 200   # steps interleaved across caches
 
 A random Llama-shaped model (weights do not change the cost), prefilled to --context tokens, then
 --tokens greedy steps, timed after one warm-up step. Prints tok/s, the ratio to DynamicCache of the
@@ -70,6 +71,9 @@ def main() -> None:
     ap.add_argument("--configs", default="int8,int8-token,int4")
     ap.add_argument("--clock", choices=list(CLOCKS), default="wall",
                     help="wall: elapsed time; cpu: this process's CPU time (steadier on a loaded machine)")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="also time N decode steps of every cache in turn (one prefill each): the median step "
+                         "ratio with a bootstrap interval, steadier than whole rounds when the load changes")
     ap.add_argument("--sharing", action="store_true", help="also print beam-search bytes and prefix hit rate")
     args = ap.parse_args()
     model = build(args.layers, args.head_dim, args.heads, args.kv_heads, args.vocab)
@@ -90,12 +94,46 @@ def main() -> None:
             best[name] = max(best[name], v)
             ratios[name].append(v / tps["DynamicCache"])
     base = best["DynamicCache"]
-    for name, tps in best.items():
+    for name, tps in best.items() if args.repeats else ():
         print(f"{name:16s} {tps:8.2f} tok/s  best {tps / base:.2f}x DynamicCache  "
               f"median of {args.repeats} rounds {statistics.median(ratios[name]):.2f}x  "
               f"(rounds: {', '.join(f'{r:.2f}' for r in ratios[name])})")
+    if args.steps:
+        interleaved(model, makers, args.context, args.steps, args.batch, args.clock)
     if args.sharing:
         sharing(model)
+
+
+def interleaved(model, makers: dict, context: int, steps: int, batch: int, clock: str) -> None:
+    """Every cache prefilled once, then one decode step of each in turn, ``steps`` times: each step is timed
+    alone, so a change in the machine's load hits every cache alike. Prints the median step time and its
+    ratio to DynamicCache's, with a 95% interval from resampling the steps (bootstrap, 2000 draws)."""
+    now = CLOCKS[clock]
+    ids = torch.randint(0, model.config.vocab_size, (batch, context))
+    caches, nxt = {}, {}
+    with torch.no_grad():
+        for name, make in makers.items():
+            caches[name] = make()
+            out = model(ids, cache=caches[name], use_cache=True)
+            nxt[name] = out.logits[:, -1:].argmax(-1)
+        times: dict[str, list[float]] = {name: [] for name in makers}
+        for i in range(steps + 1):  # the first step of each cache is a warm-up
+            for name, cache in caches.items():
+                t0 = now()
+                out = model(nxt[name], cache=cache, use_cache=True)
+                nxt[name] = out.logits[:, -1:].argmax(-1)
+                if i:
+                    times[name].append(now() - t0)
+    gen = torch.Generator().manual_seed(0)
+    base = torch.tensor(times["DynamicCache"])
+    print(f"interleaved: {steps} steps of each cache in turn, after one prefill of {context} tokens")
+    for name, t in times.items():
+        t = torch.tensor(t)
+        draws = torch.randint(0, steps, (2000, steps), generator=gen)
+        r = base[draws].median(dim=1).values / t[draws].median(dim=1).values
+        lo, hi = torch.quantile(r, torch.tensor([0.025, 0.975])).tolist()
+        print(f"{name:16s} median step {t.median().item() * 1e3:7.2f} ms  "
+              f"{base.median().item() / t.median().item():.3f}x DynamicCache  (95% interval {lo:.3f}-{hi:.3f})")
 
 
 class PeakBytes(LogitsProcessor):
