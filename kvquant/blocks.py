@@ -13,6 +13,14 @@ A block id addresses the same slot in every group and part of the layer, so one 
 sequence row serves them all. Reference counts let rows (beams), caches (requests) and the prefix
 index share a block; a block returns to the free list when its count drops to 0.
 
+Lanes (layers whose KV heads keep different token counts, AdaKV budgets): the allocation unit is then one
+*lane*, the rows of one head of one block. Lane id ``e = block * lanes_per_block + k`` with ``k`` the head's
+position in the layer's group order (group ``g``'s lane ``i`` is ``k = sum(heads of groups before g) + i``);
+any lane of a group can hold any head of that group (same part shapes). A block taken for lanes counts its
+lanes in use in ``refs`` (so it is never free while one is), its free lanes serve other heads, rows and caches
+(``lane_free`` per group), and it returns to the block free list when its last lane is released. Each lane
+has its own reference count (``lane_refs``: beams and copies share lanes like blocks).
+
 Growth: an unbounded arena grows by whole blocks (at least a quarter more each time: amortised O(1)
 per token, the quantized bytes copied O(log n) times); a bounded arena (``fixed``) never grows and
 raises :class:`KVCacheFull` instead.
@@ -90,6 +98,11 @@ class LayerBlocks:
         self.free: list[int] = []
         self.on_full: Callable[[int], None] | None = None  # the pool's eviction hook (bounded pools)
         self.host: HostBlocks | None = None  # the host tier (``offload``), made by :meth:`host_tier`
+        # lanes (see the module doc): lane k of a block -> (group, head slot in the group)
+        self.lane_of: list[tuple[int, int]] = [(g, i) for g, (heads, *_) in enumerate(groups) for i in range(heads)]
+        self.lanes_per_block = len(self.lane_of)
+        self.lane_refs: list[int] = []
+        self.lane_free: list[list[int]] = [[] for _ in groups]
         if num_blocks:
             self._grow(num_blocks)
 
@@ -117,6 +130,7 @@ class LayerBlocks:
                     grown[:old] = t
                     self.parts[g][kind][name] = grown
         self.refs.extend([0] * (total - old))
+        self.lane_refs.extend([0] * ((total - old) * self.lanes_per_block))
         self.free.extend(range(total - 1, old - 1, -1))  # pop() hands out low ids first
 
     def ensure_free(self, n: int) -> None:
@@ -137,6 +151,74 @@ class LayerBlocks:
         b = self.free.pop()
         self.refs[b] = refs
         return b
+
+    # ---------------------------------------------------------------- lanes (one head of one block)
+    def lane_where(self, lane: int) -> tuple[int, int, int]:
+        """``(block, group, head slot in the group)`` of a lane id."""
+        b, k = divmod(lane, self.lanes_per_block)
+        return (b, *self.lane_of[k])
+
+    def lane_bytes(self, group: int) -> int:
+        """Bytes of one lane of ``group`` (one head's rows of one block, every K/V part)."""
+        heads, *kinds = self.specs[group]
+        return block_bytes([(1, *kinds)], self.block_size)
+
+    def ensure_lanes(self, need: list[int]) -> None:
+        """Make ``need[g]`` lanes of every group ``g`` free (taking whole free blocks, growing or evicting as
+        :meth:`ensure_free` does), else raise :class:`KVCacheFull` with nothing changed."""
+        blocks = 0
+        for g, n in enumerate(need):
+            heads = self.specs[g][0]
+            blocks = max(blocks, -(-(n - len(self.lane_free[g])) // heads))
+        if blocks > 0:
+            self.ensure_free(blocks)
+
+    def allocate_lane(self, group: int, refs: int = 1) -> int:
+        """A free lane of ``group`` with ``refs`` references (call :meth:`ensure_lanes` first); a new block is
+        split into lanes when the group has no free lane."""
+        if not self.lane_free[group]:
+            self.ensure_free(1)
+            b = self.free.pop()
+            self.refs[b] = 0
+            base = b * self.lanes_per_block
+            for k in range(self.lanes_per_block - 1, -1, -1):  # pop() hands out low lanes first
+                self.lane_free[self.lane_of[k][0]].append(base + k)
+        e = self.lane_free[group].pop()
+        self.lane_refs[e] = refs
+        self.refs[e // self.lanes_per_block] += 1
+        return e
+
+    def incref_lanes(self, ids: Iterable[int]) -> None:
+        """One more reference to each lane id."""
+        for e in ids:
+            self.lane_refs[e] += 1
+
+    def decref_lanes(self, ids: Iterable[int]) -> None:
+        """One reference less to each lane id; a lane whose count reaches 0 is free again, and a block whose
+        last lane is freed goes back to the block free list."""
+        for e in ids:
+            self.lane_refs[e] -= 1
+            if self.lane_refs[e] > 0:
+                continue
+            if self.lane_refs[e] < 0:
+                raise AssertionError(f"lane {e}: reference count below zero")
+            b, g, _ = self.lane_where(e)
+            self.lane_free[g].append(e)
+            self.refs[b] -= 1
+            if self.refs[b] == 0:  # every lane of the block is free: the block is free
+                lo, hi = b * self.lanes_per_block, (b + 1) * self.lanes_per_block
+                self.lane_free = [[x for x in free if not lo <= x < hi] for free in self.lane_free]
+                self.free.append(b)
+
+    def copy_lane(self, src: int, refs: int = 1) -> int:
+        """Copy-on-write of one lane: a new lane of the same group holding lane ``src``'s rows (every K/V part)."""
+        sb, g, si = self.lane_where(src)
+        dst = self.allocate_lane(g, refs)
+        db, _, di = self.lane_where(dst)
+        for parts in self.parts[g].values():
+            for t in parts.values():
+                t[db, di].copy_(t[sb, si])
+        return dst
 
     def host_tier(self) -> HostBlocks:
         """The host tier of these blocks (created on the first use; pinned when the blocks are on CUDA)."""

@@ -133,6 +133,7 @@ class QuantizedLayer(CacheLayerMixin):
         self.store = LayerStore(
             self.row, self.config, self.head_dim, batch=batch, device=device, static_amax=self.static_amax,
             capacity=self.capacity, blocks=blocks, window=self.window,
+            lanes=self.policy is not None and self.policy.budget.per_head,
         )  # fmt: skip
         self.is_initialized = True
         return self.store
@@ -216,6 +217,19 @@ class QuantizedLayer(CacheLayerMixin):
                 if b.keep >= 1.0:
                     cap = torch.full_like(cap, torch.iinfo(cap.dtype).max)
             store.append_kept(keys, values, keep, row_start, scores if policy.tracking else None, policy.tracking, cap)
+            return
+        if store.lanes:  # per-head lanes (AdaKV): each head writes each token at its own next slot (or victim)
+            for t in range(T):
+                k, v = keys[:, :, t:t + 1], values[:, :, t:t + 1]
+                b = policy.budget
+                victim = None if not policy.tracking or T != 1 else choose_slots(
+                    slots.pos, slots.score, slots.cap, slots.first, slots.seen + 1, b.sinks, b.window)
+                S = slots.slots
+                target, appended = store.grow_lanes(victim)
+                if appended:
+                    store.append(k, v)
+                store.overwrite(k, v, target, target < S)
+                slots.place(target, appended)
             return
         if not policy.tracking or T != 1:
             store.append(keys, values)

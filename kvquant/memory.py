@@ -80,7 +80,7 @@ def memory_report(cache: Any) -> dict[str, Any]:
         for g in store.groups:
             for kind, s in (("key", g.key), ("value", g.value)):
                 name = f"{s.quantizer.name} ({kind}s)"
-                held = sum(s.block_nbytes().values()) * mem["blocks"] + s.state_nbytes()
+                held = store.held_bytes(s)
                 per_precision[name] = per_precision.get(name, 0) + held
         for what, (k, _v) in store.dense_buffers().items():
             name = f"{str(k.dtype).removeprefix('torch.')} ({what})"

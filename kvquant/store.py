@@ -150,6 +150,18 @@ class QuantizedTensorStore:
             dst = self.parts[name]
             dst[blk, heads, off] = t[rows, heads, 0].to(dst.dtype)
 
+    def write_lanes(
+        self, x: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor, toks: torch.Tensor, blk: torch.Tensor,
+        lanes: torch.Tensor, off: torch.Tensor, check: bool = True,
+    ) -> None:
+        """Quantize ``x[B, H, T, D]`` and write token ``toks[i]`` of (row ``rows[i]``, group-local head ``heads[i]``)
+        at block ``blk[i]``, lane ``lanes[i]`` (a head slot of the group, see :mod:`kvquant.blocks`), offset
+        ``off[i]``: per-head block lanes (AdaKV layers). Per-token parts only."""
+        q = self._quantize(x, check, None)
+        for name, t in q.items():
+            dst = self.parts[name]
+            dst[blk, lanes, off] = t[rows, heads, toks].to(dst.dtype)
+
     def _quantize(
         self, x: torch.Tensor, check: bool, real: torch.Tensor | None, state: dict[str, torch.Tensor] | None = None
     ) -> dict[str, torch.Tensor]:
@@ -199,8 +211,17 @@ class QuantizedTensorStore:
     ) -> dict[str, torch.Tensor]:
         """The parts of the blocks ``table[B, nb]`` as ``[B, H, nb * rows, *shape]``: one copy of the
         quantized bytes, or a view when ``run`` says the (single) row's blocks are ``run, run + 1, ...``.
-        ``parts``: block tensors to index instead of the arena's (a tile staged from the host tier)."""
+        ``parts``: block tensors to index instead of the arena's (a tile staged from the host tier).
+        ``table`` may also be a pair ``(blocks, lanes)`` of ``[B, H, nb]`` tensors: per-head block lanes (each
+        head of each row reads its own blocks, at its own head slot; see :mod:`kvquant.blocks`)."""
         out = {}
+        if isinstance(table, tuple):
+            blk, lane = table
+            B, H, nb = blk.shape
+            for name, t in (self.parts if parts is None else parts).items():
+                base = t.transpose(0, 1)  # [H, num_blocks, rows, *shape]
+                out[name] = base[lane, blk].reshape(B, H, nb * base.shape[2], *base.shape[3:])
+            return out
         B, nb = table.shape
         for name, t in (self.parts if parts is None else parts).items():
             base = t.transpose(0, 1)  # [H, num_blocks, rows, *shape], contiguous
@@ -348,6 +369,10 @@ class LayerStore:
         blocks: the layer's blocks in a :class:`~kvquant.PagedKVPool` (a private arena when None).
         window: sliding-window length of this layer (``None``: full attention). Blocks wholly outside
             the window of every later query are released.
+        lanes: the layer's KV heads keep different token counts (an AdaKV budget): hold per-head block lanes,
+            one table per (row, KV head), so that each head holds ``ceil(n_h / block_size)`` lanes of its own
+            (see :meth:`lane_mode`). Ignored (per-row blocks, sized by the largest head) with a full-precision
+            residual window or per-channel keys, static scales, a sliding window, or ``offload``.
     """
 
     def __init__(
@@ -361,6 +386,7 @@ class LayerStore:
         capacity: int | None = None,
         blocks: LayerBlocks | None = None,
         window: int | None = None,
+        lanes: bool = False,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -419,6 +445,16 @@ class LayerStore:
         self.residual_mode = config.residual_tokens > 0 or per_block
         self.dense_dtype: torch.dtype | None = None
         self.sink_k = self.sink_v = self.res_k = self.res_v = None
+        static = any(q.static for g in self.groups for q in (g.key.quantizer, g.value.quantizer))
+        # per-head block lanes (AdaKV): ``tables[b * H + h]`` holds the lane ids of (row b, KV head h)
+        self._lane_step = False  # grow_lanes set the fills of this one-token append
+        self.lanes = bool(lanes and not self.residual_mode and not static and window is None and not config.offload)
+        self.fill: list[list[int]] = [[0] * self.num_heads for _ in range(batch)]  # lanes: slots per (row, head)
+        self.cap_host: list[list[int]] | None = None  # lanes: decode budget per (row, head) (H2O / TOVA)
+        self.lane_offset = [blocks.lane_of.index((gi, 0)) for gi in range(len(self.groups))]
+        self.head_lane = {h: (gi, i) for gi, g in enumerate(self.groups) for i, h in enumerate(g.heads)}
+        if self.lanes:
+            self.tables = [[] for _ in range(batch * self.num_heads)]
         if capacity:
             self.reserve(capacity)
 
@@ -445,6 +481,14 @@ class LayerStore:
         """Free blocks a write of ``tokens`` more tokens per row may need (an upper bound, no dedup)."""
         if tokens <= 0:
             return 0
+        if self.lanes and self.cache_pos:  # lanes each (row, head) may take (a new one, or a copy of its last)
+            bs = self.block_size
+            need = [0] * len(self.groups)
+            for row in self.fill:
+                for h, f in enumerate(row):
+                    need[self.head_lane[h][0]] += -(-(f + tokens) // bs) - f // bs
+            return max(0, *(-(-(n - len(self.blocks.lane_free[g])) // len(self.groups[g].heads))
+                            for g, n in enumerate(need)))  # fmt: skip
         if self.residual_mode:
             pending = (self.res_k.shape[2] if self.res_k is not None else 0) + tokens
             flush = (pending - self.residual_tokens) // self.block_size * self.block_size
@@ -484,6 +528,13 @@ class LayerStore:
         if self.config.check_finite:
             require_finite(keys, values)
         past = self.cache_pos
+        if self.lanes and self._lane_step:  # the fills were set by append_kept / grow_lanes
+            self._lane_step = False
+        elif self.lanes:  # a plain append: every head holds the chunk
+            if any(f != past for r in self.fill for f in r):
+                raise AssertionError("append: new tokens of a per-head-lane layer whose heads hold different counts "
+                                     "go through grow_lanes (each head at its own next slot)")
+            self.fill = [[past + keys.shape[2]] * self.num_heads for _ in range(self.batch)]
         if self.center_keys and self.key_mean is None:
             self._set_key_mean(keys, past)
         keys, values = self.to_storage_space(keys, values)
@@ -542,6 +593,10 @@ class LayerStore:
         z = filled.unsqueeze(-1)
         ck = torch.where(z, keys.gather(2, idx), torch.zeros((), dtype=keys.dtype, device=keys.device))
         cv = torch.where(z, values.gather(2, idx), torch.zeros((), dtype=values.dtype, device=values.device))
+        if self.lanes:  # each (row, head) holds the lanes of its own kept count
+            self.fill = n.tolist()
+            self.cap_host = None if cap is None else cap.tolist()
+            self._lane_step = True
         self.append(ck, cv, None)
         first = torch.zeros(B, dtype=torch.long, device=keys.device) if row_start is None else row_start.long()
         pos = torch.where(filled, order, -1).to(torch.int32)
@@ -559,6 +614,9 @@ class LayerStore:
         quantized and no row shares a block (one sequence, or beams before a reorder), the write is one
         scatter per part with no host synchronisation (the targets stay on the device)."""
         keys, values = self.to_storage_space(keys, values)
+        if self.lanes:
+            self._overwrite_lanes(keys, values, target)
+            return
         if self.q_end == self.cache_pos and all(b >= 0 and self.blocks.refs[b] == 1 for t in self.tables for b in t):
             bs, B = self.block_size, target.shape[0]
             table = self.table()
@@ -704,6 +762,9 @@ class LayerStore:
 
     def _write_pool(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> None:
         """Quantize a chunk into the pool at ``pos`` (sink rows masked: they are read from the sink buffer)."""
+        if self.lanes:
+            self._write_lanes(*self._mask_sinks(keys, values, pos, False), pos)
+            return
         masked = {c: self._mask_sinks(keys, values, pos, c) for c in {g.per_block for g in self.groups}}
         real = self.real_tokens(pos, pos + keys.shape[2]) if pos < self.pad_end else None
         plan = self._place(*next(iter(masked.values())), pos)  # rows that differ only in sinks share blocks
@@ -798,6 +859,141 @@ class LayerStore:
         else:
             blk = torch.empty((3, 0), dtype=torch.long, device=self.device)
         return WritePlan(tok[0], tok[1], tok[2], tok[3], blk[0], blk[1], blk[2])
+
+    # ---------------------------------------------------------------- per-head block lanes (AdaKV layers)
+    def _lane_plan(self, ranges: dict[tuple[int, int], tuple[int, int]]) -> None:
+        """Lanes: make the lanes that slots ``[a, e)`` of every (row ``b``, head ``h``) in ``ranges`` touch exist
+        and be held by this (row, head) alone (new lanes allocated, shared ones copied first). Every lane is
+        reserved before any table changes, so :class:`KVCacheFull` leaves everything as it was."""
+        bs, H = self.block_size, self.num_heads
+        need = [0] * len(self.groups)
+        todo = []
+        for (b, h), (a, e) in ranges.items():
+            t = self.tables[b * H + h]
+            g = self.head_lane[h][0]
+            if a // bs > len(t):
+                raise AssertionError(f"lanes: row {b} head {h} would skip block {len(t)}")
+            for j in range(a // bs, -(-e // bs)):
+                if j >= len(t) or self.blocks.lane_refs[t[j]] > 1:
+                    todo.append((b, h, j, g))
+                    need[g] += 1
+        if not todo:
+            return
+        self.blocks.ensure_lanes(need)  # may raise KVCacheFull: nothing changed yet
+        for b, h, j, g in todo:
+            t = self.tables[b * H + h]
+            if j >= len(t):  # in order: j == len(t)
+                t.append(self.blocks.allocate_lane(g))
+            else:  # copy-on-write (beams share lanes after a reorder)
+                old = t[j]
+                t[j] = self.blocks.copy_lane(old)
+                self.blocks.decref_lanes([old])
+                self.bytes_moved += self.blocks.lane_bytes(g)
+        self._table_cache = None
+
+    def _write_lanes(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> None:
+        """Lanes: quantize a chunk at slots ``[pos, pos + T)`` into the lanes of the (row, head) pairs that hold
+        those slots (``fill``); empty slots take no lane. On the first write, rows whose head holds the same
+        tokens share its lanes (beam search's identical prompts: written once)."""
+        B, H, T, _ = keys.shape
+        bs, L, end = self.block_size, self.blocks.lanes_per_block, pos + T
+        writer = [[True] * H for _ in range(B)]
+        same: list[tuple[int, int, int]] = []  # (row, head, row whose lanes it shares)
+        if pos == 0 and B > 1:
+            for h in range(H):
+                reps: list[int] = []
+                for b in range(B):
+                    f = min(end, self.fill[b][h])
+                    for r in reps:
+                        if (self.fill[r][h] == self.fill[b][h] and torch.equal(keys[b, h, :f], keys[r, h, :f])
+                                and torch.equal(values[b, h, :f], values[r, h, :f])):  # fmt: skip
+                            writer[b][h] = False
+                            same.append((b, h, r))
+                            break
+                    else:
+                        reps.append(b)
+        ranges = {(b, h): (pos, min(end, self.fill[b][h]))
+                  for b in range(B) for h in range(H) if writer[b][h] and self.fill[b][h] > pos}  # fmt: skip
+        self._lane_plan(ranges)
+        for b, h, r in same:
+            t = list(self.tables[r * H + h])
+            self.blocks.incref_lanes(t)
+            self.blocks.decref_lanes(self.tables[b * H + h])
+            self.tables[b * H + h] = t
+        if same:
+            self._table_cache = None
+        slot = torch.arange(pos, end, device=self.device)
+        fill = torch.tensor(self.fill, dtype=torch.long, device=self.device)
+        use = (slot.view(1, 1, -1) < fill.unsqueeze(-1)) & torch.tensor(writer, device=self.device).unsqueeze(-1)
+        table = self.table()
+        for gi, g in enumerate(self.groups):
+            gu = use if g.all_heads else use.index_select(1, g.head_index)
+            rows, heads, toks = gu.nonzero(as_tuple=True)
+            if not rows.numel():
+                continue
+            s = toks + pos
+            gt = table if g.all_heads else table.index_select(1, g.head_index)
+            e = gt[rows, heads, s // bs]
+            blk, lane, off = e // L, e % L - self.lane_offset[gi], s % bs
+            k = keys if g.all_heads else keys.index_select(1, g.head_index)
+            v = values if g.all_heads else values.index_select(1, g.head_index)
+            g.key.write_lanes(k, rows, heads, toks, blk, lane, off, self.config.check_finite)
+            g.value.write_lanes(v, rows, heads, toks, blk, lane, off, self.config.check_finite)
+        self.q_end = end
+
+    def grow_lanes(self, victim: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+        """Lanes, one new token per row: where each head writes it, ``(target[B, H], appended)``.
+
+        Heads fill their slots from 0 without holes, so a (row, head) holding ``n`` tokens holds slots
+        ``[0, n)`` and ``ceil(n / block_size)`` lanes. A head below its decode budget (``cap``; none for
+        prefill-time policies) or without ``victim`` writes the token at its next slot ``n``; a head at its
+        budget writes it over ``victim[b, h]`` (a decode-time policy's choice, :func:`~kvquant.evict.choose_slots`).
+        ``appended``: some head's next slot is the slot axis' end, which then grows by one (call :meth:`append`,
+        which writes only those heads, then :meth:`overwrite` with ``target``). The lanes these writes need are
+        allocated (or copied, when shared) here, before anything changes."""
+        B, H, S = self.batch, self.num_heads, self.cache_pos
+        cap = self.cap_host if victim is not None else None
+        grows = [[cap is None or self.fill[b][h] < cap[b][h] for h in range(H)] for b in range(B)]
+        ranges = {(b, h): (self.fill[b][h], self.fill[b][h] + 1) for b in range(B) for h in range(H) if grows[b][h]}
+        replace = victim is not None and not all(all(r) for r in grows)
+        if replace and any(self.blocks.lane_refs[e] > 1 for t in self.tables for e in t):
+            vt = victim.tolist()  # a shared lane may be written: copy it first (host read only then)
+            ranges.update({(b, h): (vt[b][h], vt[b][h] + 1) for b in range(B) for h in range(H) if not grows[b][h]})
+        self._lane_plan(ranges)  # may raise KVCacheFull: nothing changed yet
+        old = torch.tensor(self.fill, dtype=torch.long, device=self.device)
+        appended = any(self.fill[b][h] == S for b in range(B) for h in range(H) if grows[b][h])
+        for b in range(B):
+            for h in range(H):
+                self.fill[b][h] += grows[b][h]
+        self._lane_step = appended
+        if not replace:
+            return old, appended
+        return torch.where(torch.tensor(grows, device=self.device), old, victim.to(old.device)), appended
+
+    def _overwrite_lanes(self, keys: torch.Tensor, values: torch.Tensor, target: torch.Tensor) -> None:
+        """Lanes: write the one-token ``keys/values`` of every (row, head) at its slot ``target[b, h]`` (lanes
+        made ready by :meth:`grow_lanes`; a head whose slot :meth:`append` wrote is written again, unchanged)."""
+        B, bs, L = self.batch, self.block_size, self.blocks.lanes_per_block
+        t = target.long()
+        e = self.table().gather(2, (t // bs).unsqueeze(-1)).squeeze(-1)  # [B, H] lane ids
+        for gi, g in enumerate(self.groups):
+            n = len(g.heads)
+            eg, tg = (e, t) if g.all_heads else (e.index_select(1, g.head_index), t.index_select(1, g.head_index))
+            rows = torch.arange(B, device=self.device).repeat_interleave(n)
+            heads = torch.arange(n, device=self.device).repeat(B)
+            eg, tg = eg.reshape(-1), tg.reshape(-1)
+            blk, lane, off = eg // L, eg % L - self.lane_offset[gi], tg % bs
+            toks = torch.zeros_like(rows)
+            k = keys if g.all_heads else keys.index_select(1, g.head_index)
+            v = values if g.all_heads else values.index_select(1, g.head_index)
+            g.key.write_lanes(k, rows, heads, toks, blk, lane, off, self.config.check_finite)
+            g.value.write_lanes(v, rows, heads, toks, blk, lane, off, self.config.check_finite)
+
+    def _incref(self, ids: list[int]) -> None:
+        (self.blocks.incref_lanes if self.lanes else self.blocks.incref)(ids)
+
+    def _decref(self, ids: list[int]) -> None:
+        (self.blocks.decref_lanes if self.lanes else self.blocks.decref)(ids)
 
     def release_window(self) -> None:
         """Sliding window: release the blocks no later query can see.
@@ -991,7 +1187,16 @@ class LayerStore:
 
     def table(self) -> torch.Tensor:
         """The rows' block tables as a ``[B, max_blocks]`` int64 tensor on the device (released and
-        missing entries point at block 0: they are never visible)."""
+        missing entries point at block 0: they are never visible). Lanes: the lane ids of every (row, head),
+        ``[B, H, max_lanes]`` (missing entries point at the head's first lane: never visible)."""
+        if self._table_cache is None and self.lanes:
+            width = max((len(t) for t in self.tables), default=0)
+            rows = []
+            for i, t in enumerate(self.tables):
+                pad = t[0] if t else self.lane_offset[self.head_lane[i % self.num_heads][0]]
+                rows.append(t + [pad] * (width - len(t)))
+            self._table_cache = torch.tensor(rows, dtype=torch.long, device=self.device).view(
+                self.batch, self.num_heads, width)
         if self._table_cache is None:
             width = max((len(t) for t in self.tables), default=0)
             rows = [[max(b, 0) for b in t] + [0] * (width - len(t)) for t in self.tables]
@@ -1026,7 +1231,12 @@ class LayerStore:
         bs = self.block_size
         j0, j1 = start // bs, -(-end // bs)
         run = kparts = vparts = None
-        if self.has_host_blocks(j0, j1):  # offload: the tile staged from the host tier
+        if self.lanes:  # per-head lanes: (block, head slot) of every (row, head, block)
+            lt = self.table()[:, :, j0:j1]
+            lt = lt if group.all_heads else lt.index_select(1, group.head_index)
+            L = self.blocks.lanes_per_block
+            tbl = (lt // L, lt % L - self.lane_offset[group.key.group])
+        elif self.has_host_blocks(j0, j1):  # offload: the tile staged from the host tier
             tbl, kparts, vparts = self._fetch_offloaded(group, j0, j1)
         else:
             tbl = self.table()[:, j0:j1]
@@ -1201,7 +1411,7 @@ class LayerStore:
 
     def _truncate(self, blocks: int) -> None:
         for t in self.tables:
-            self.blocks.decref(t[blocks:])
+            self._decref(t[blocks:])
             del t[blocks:]
         self._table_cache = None
 
@@ -1220,6 +1430,9 @@ class LayerStore:
         self.sink_k = self.sink_v = None
         self.key_mean = None
         self.slots = None
+        self.fill = [[0] * self.num_heads for _ in range(self.batch)]
+        self.cap_host = None
+        self._lane_step = False
         for g in self.groups:
             for s in (g.key, g.value):
                 s.clipped.zero_()
@@ -1240,7 +1453,9 @@ class LayerStore:
         new = _copy.copy(self)
         new.tables = [list(t) for t in self.tables]
         for t in new.tables:
-            self.blocks.incref(t)
+            self._incref(t)
+        new.fill = [list(r) for r in self.fill]
+        new.cap_host = None if self.cap_host is None else [list(r) for r in self.cap_host]
         new._table_cache = None
         new.prefetcher = None
         new.groups = []
@@ -1262,11 +1477,19 @@ class LayerStore:
     def index_batch(self, idx: torch.Tensor) -> None:
         """Reorder / select / repeat batch rows (beam search): the tables change, no quantized byte moves."""
         old = self.tables
-        self.tables = [list(old[i]) for i in idx.tolist()]
+        rows = idx.tolist()
+        if self.lanes:  # one table per (row, head): rows move with all their heads' tables
+            H = self.num_heads
+            self.tables = [list(old[i * H + h]) for i in rows for h in range(H)]
+            self.fill = [list(self.fill[i]) for i in rows]
+            if self.cap_host is not None:
+                self.cap_host = [list(self.cap_host[i]) for i in rows]
+        else:
+            self.tables = [list(old[i]) for i in rows]
         for t in self.tables:
-            self.blocks.incref(t)
+            self._incref(t)
         for t in old:
-            self.blocks.decref(t)
+            self._decref(t)
         self._table_cache = None
         if self.prefetcher is not None:
             self.prefetcher.clear()
@@ -1286,8 +1509,23 @@ class LayerStore:
 
     # ---------------------------------------------------------------- accounting
     def block_ids(self) -> list[int]:
-        """The distinct live device blocks of all rows (a shared block once)."""
+        """The distinct live device blocks of all rows (a shared block once; lanes: the blocks holding them)."""
+        if self.lanes:
+            return sorted({e // self.blocks.lanes_per_block for t in self.tables for e in t})
         return sorted({b for t in self.tables for b in t if b >= 0})
+
+    def lane_ids(self) -> list[int]:
+        """Lanes: the distinct lanes of all (row, head) pairs (a shared lane once); empty without lanes."""
+        return sorted({e for t in self.tables for e in t}) if self.lanes else []
+
+    def held_bytes(self, store: QuantizedTensorStore) -> int:
+        """Bytes of the blocks (lanes: of the lanes of its group) that this layer holds in one K or V store's
+        parts, its static state included (each distinct block or lane once)."""
+        per_block = sum(store.block_nbytes().values())
+        if self.lanes:
+            lanes = sum(self.blocks.lane_where(e)[1] == store.group for e in self.lane_ids())
+            return per_block // store.heads * lanes + store.state_nbytes()
+        return per_block * (len(self.block_ids()) + len(self.host_block_ids())) + store.state_nbytes()
 
     def host_block_ids(self) -> list[int]:
         """The distinct host-tier blocks of all rows (``offload``), as host ids."""
@@ -1308,6 +1546,8 @@ class LayerStore:
         ``reserved``: the layer's whole device arena (for a pool, shared with its other caches). ``host``: the
         bytes of the blocks held in the host tier (``offload``; included in keys / values / scales), ``blocks_host``
         their number, ``moved_to_host`` the bytes moved there so far."""
+        if self.lanes:
+            return self._lane_memory()
         ids, hids = self.block_ids(), self.host_block_ids()
         n = len(ids) + len(hids)
         host = self.blocks.host
@@ -1320,6 +1560,31 @@ class LayerStore:
             for kind, s in (("keys", g.key), ("values", g.value)):
                 for name, b in s.block_nbytes().items():
                     out["scales" if name in ("scale", "zero", "norm") else kind] += b * n
+                out["scales"] += s.state_nbytes()
+        if self.key_mean is not None:
+            out["scales"] += self.key_mean.numel() * self.key_mean.element_size()
+        for k, v in self.dense_buffers().values():
+            out["dense"] += k.numel() * k.element_size() + v.numel() * v.element_size()
+        return out
+
+    def _lane_memory(self) -> dict[str, int]:
+        """:meth:`memory` of a lane layer: every distinct lane once (``lanes``: their number, ``blocks``: the
+        blocks they lie in, ``shared``: lanes referenced more than once)."""
+        lanes = self.lane_ids()
+        per_group = [0] * len(self.groups)
+        shared = 0
+        for e in lanes:
+            g = self.blocks.lane_where(e)[1]
+            per_group[g] += 1
+            if self.blocks.lane_refs[e] > 1:
+                shared += self.blocks.lane_bytes(g)
+        out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "blocks": len(self.block_ids()), "lanes": len(lanes),
+               "blocks_host": 0, "host": 0, "moved_to_host": 0, "shared": shared, "reserved": self.blocks.nbytes(),
+               "index": self.slots.nbytes() if self.slots is not None else 0}  # fmt: skip
+        for gi, g in enumerate(self.groups):
+            for kind, s in (("keys", g.key), ("values", g.value)):
+                for name, b in s.block_nbytes().items():
+                    out["scales" if name in ("scale", "zero", "norm") else kind] += b // s.heads * per_group[gi]
                 out["scales"] += s.state_nbytes()
         if self.key_mean is not None:
             out["scales"] += self.key_mean.numel() * self.key_mean.element_size()

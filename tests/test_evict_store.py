@@ -338,9 +338,6 @@ class _PeakedAndFlat:
         return s
 
 
-@pytest.mark.xfail(strict=True, reason="AdaKV per-head bytes: blocks are allocated per row for all KV heads of a "
-                   "layer (a layer holds max-over-heads slots for every head); exact bytes per (layer, head) need "
-                   "per-(row, head) block tables, see docs/results/eviction.md")
 def test_adakv_holds_bytes_for_each_heads_own_count(model):
     T, keep = 600, 0.4
     config = KVQuantConfig.from_dict({"default": "int4", "evict": {"policy": _PeakedAndFlat(), "keep": keep,
