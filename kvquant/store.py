@@ -371,8 +371,8 @@ class LayerStore:
             the window of every later query are released.
         lanes: the layer's KV heads keep different token counts (an AdaKV budget): hold per-head block lanes,
             one table per (row, KV head), so that each head holds ``ceil(n_h / block_size)`` lanes of its own
-            (see :meth:`lane_mode`). Ignored (per-row blocks, sized by the largest head) with a full-precision
-            residual window or per-channel keys, static scales, a sliding window, or ``offload``.
+            (see :meth:`grow_lanes`). Ignored (per-row blocks, sized by the largest head) with a full-precision
+            residual window or per-channel keys, a sliding window, or ``offload``.
     """
 
     def __init__(
@@ -445,10 +445,9 @@ class LayerStore:
         self.residual_mode = config.residual_tokens > 0 or per_block
         self.dense_dtype: torch.dtype | None = None
         self.sink_k = self.sink_v = self.res_k = self.res_v = None
-        static = any(q.static for g in self.groups for q in (g.key.quantizer, g.value.quantizer))
         # per-head block lanes (AdaKV): ``tables[b * H + h]`` holds the lane ids of (row b, KV head h)
         self._lane_step = False  # grow_lanes set the fills of this one-token append
-        self.lanes = bool(lanes and not self.residual_mode and not static and window is None and not config.offload)
+        self.lanes = bool(lanes and not self.residual_mode and window is None and not config.offload)
         self.fill: list[list[int]] = [[0] * self.num_heads for _ in range(batch)]  # lanes: slots per (row, head)
         self.cap_host: list[list[int]] | None = None  # lanes: decode budget per (row, head) (H2O / TOVA)
         self.lane_offset = [blocks.lane_of.index((gi, 0)) for gi in range(len(self.groups))]
@@ -954,11 +953,14 @@ class LayerStore:
         B, H, S = self.batch, self.num_heads, self.cache_pos
         cap = self.cap_host if victim is not None else None
         grows = [[cap is None or self.fill[b][h] < cap[b][h] for h in range(H)] for b in range(B)]
-        ranges = {(b, h): (self.fill[b][h], self.fill[b][h] + 1) for b in range(B) for h in range(H) if grows[b][h]}
+        # (slots past q_end are held dense while static scales wait for calibration: lanes when flushed)
+        ranges = {(b, h): (self.fill[b][h], self.fill[b][h] + 1) for b in range(B) for h in range(H)
+                  if grows[b][h] and (self.calibrated or self.fill[b][h] < self.q_end)}  # fmt: skip
         replace = victim is not None and not all(all(r) for r in grows)
         if replace and any(self.blocks.lane_refs[e] > 1 for t in self.tables for e in t):
             vt = victim.tolist()  # a shared lane may be written: copy it first (host read only then)
-            ranges.update({(b, h): (vt[b][h], vt[b][h] + 1) for b in range(B) for h in range(H) if not grows[b][h]})
+            ranges.update({(b, h): (vt[b][h], vt[b][h] + 1) for b in range(B) for h in range(H)
+                           if not grows[b][h] and vt[b][h] < self.q_end})  # fmt: skip
         self._lane_plan(ranges)  # may raise KVCacheFull: nothing changed yet
         old = torch.tensor(self.fill, dtype=torch.long, device=self.device)
         appended = any(self.fill[b][h] == S for b in range(B) for h in range(H) if grows[b][h])
@@ -975,6 +977,16 @@ class LayerStore:
         made ready by :meth:`grow_lanes`; a head whose slot :meth:`append` wrote is written again, unchanged)."""
         B, bs, L = self.batch, self.block_size, self.blocks.lanes_per_block
         t = target.long()
+        pool = None
+        if self.q_end < self.cache_pos:  # static scales not calibrated yet: slots past q_end are held dense
+            dense = t >= self.q_end
+            b, h = dense.nonzero(as_tuple=True)
+            self.res_k[b, h, t[b, h] - self.q_end] = keys[b, h, 0].to(self.res_k.dtype)
+            self.res_v[b, h, t[b, h] - self.q_end] = values[b, h, 0].to(self.res_v.dtype)
+            pool = ~dense
+            t = torch.where(dense, 0, t)
+        if not self.tables or not max(len(x) for x in self.tables):
+            return
         e = self.table().gather(2, (t // bs).unsqueeze(-1)).squeeze(-1)  # [B, H] lane ids
         for gi, g in enumerate(self.groups):
             n = len(g.heads)
@@ -982,6 +994,9 @@ class LayerStore:
             rows = torch.arange(B, device=self.device).repeat_interleave(n)
             heads = torch.arange(n, device=self.device).repeat(B)
             eg, tg = eg.reshape(-1), tg.reshape(-1)
+            if pool is not None:
+                sel = (pool if g.all_heads else pool.index_select(1, g.head_index)).reshape(-1).nonzero().flatten()
+                rows, heads, eg, tg = rows[sel], heads[sel], eg[sel], tg[sel]
             blk, lane, off = eg // L, eg % L - self.lane_offset[gi], tg % bs
             toks = torch.zeros_like(rows)
             k = keys if g.all_heads else keys.index_select(1, g.head_index)
