@@ -446,7 +446,8 @@ class LayerStore:
         self.dense_dtype: torch.dtype | None = None
         self.sink_k = self.sink_v = self.res_k = self.res_v = None
         # per-head block lanes (AdaKV): ``tables[b * H + h]`` holds the lane ids of (row b, KV head h)
-        self._lane_step = False  # grow_lanes set the fills of this one-token append
+        self._lane_step = False  # append_kept / grow_lanes set the fills of this append
+        self._lane_overwrite = False  # grow_lanes: overwrite() writes this step's token (append need not)
         self.lanes = bool(lanes and not self.residual_mode and window is None and not config.offload)
         self.fill: list[list[int]] = [[0] * self.num_heads for _ in range(batch)]  # lanes: slots per (row, head)
         self.cap_host: list[list[int]] | None = None  # lanes: decode budget per (row, head) (H2O / TOVA)
@@ -762,6 +763,10 @@ class LayerStore:
     def _write_pool(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> None:
         """Quantize a chunk into the pool at ``pos`` (sink rows masked: they are read from the sink buffer)."""
         if self.lanes:
+            if self._lane_overwrite and pos == self.cache_pos and keys.shape[2] == 1 and pos >= self.sink_end:
+                self._lane_overwrite = False  # grow_lanes' token: overwrite() writes every head at its slot
+                self.q_end = pos + 1
+                return
             self._write_lanes(*self._mask_sinks(keys, values, pos, False), pos)
             return
         masked = {c: self._mask_sinks(keys, values, pos, c) for c in {g.per_block for g in self.groups}}
@@ -921,13 +926,13 @@ class LayerStore:
             self.tables[b * H + h] = t
         if same:
             self._table_cache = None
-        slot = torch.arange(pos, end, device=self.device)
-        fill = torch.tensor(self.fill, dtype=torch.long, device=self.device)
-        use = (slot.view(1, 1, -1) < fill.unsqueeze(-1)) & torch.tensor(writer, device=self.device).unsqueeze(-1)
+        # which (row, head, token) pairs are written: from the host's fills (no device read)
+        slot = torch.arange(pos, end)
+        use = (slot.view(1, 1, -1) < torch.tensor(self.fill).unsqueeze(-1)) & torch.tensor(writer).unsqueeze(-1)
         table = self.table()
         for gi, g in enumerate(self.groups):
-            gu = use if g.all_heads else use.index_select(1, g.head_index)
-            rows, heads, toks = gu.nonzero(as_tuple=True)
+            gu = use if g.all_heads else use[:, g.heads]
+            rows, heads, toks = (x.to(self.device) for x in gu.nonzero(as_tuple=True))
             if not rows.numel():
                 continue
             s = toks + pos
@@ -967,7 +972,7 @@ class LayerStore:
         for b in range(B):
             for h in range(H):
                 self.fill[b][h] += grows[b][h]
-        self._lane_step = appended
+        self._lane_step = self._lane_overwrite = appended
         if not replace:
             return old, appended
         return torch.where(torch.tensor(grows, device=self.device), old, victim.to(old.device)), appended
@@ -975,6 +980,7 @@ class LayerStore:
     def _overwrite_lanes(self, keys: torch.Tensor, values: torch.Tensor, target: torch.Tensor) -> None:
         """Lanes: write the one-token ``keys/values`` of every (row, head) at its slot ``target[b, h]`` (lanes
         made ready by :meth:`grow_lanes`; a head whose slot :meth:`append` wrote is written again, unchanged)."""
+        self._lane_overwrite = False
         B, bs, L = self.batch, self.block_size, self.blocks.lanes_per_block
         t = target.long()
         pool = None

@@ -141,6 +141,11 @@ def test_lanes_hold_exact_bytes_and_match_per_row_blocks(model, policy, monkeypa
         assert held(layer.store) <= held(ref_layer.store)
         if policy.startswith("peaked"):  # head 0 keeps blocks fewer than head 1
             assert held(layer.store) < held(ref_layer.store)
+    report = cache.memory_report()
+    assert report["bytes_total"] <= ref_cache.memory_report()["bytes_total"]
+    # per precision: the lanes held, as in the totals
+    assert sum(report["per_precision"].values()) == sum(report[f"bytes_{k}"] for k in ("keys", "values", "scales",
+                                                                                       "dense"))  # fmt: skip
 
 
 def test_uneven_heads_hold_their_own_counts_not_the_largest(model):
@@ -355,3 +360,32 @@ def test_uniform_budget_layers_keep_per_row_blocks(model):
     cache, _ = run(model, cfg("snapkv", budget="uniform"), ids, cont)
     assert not any(la.store.lanes for la in cache.layers)
     assert all(len(la.store.tables) == 1 for la in cache.layers)
+
+
+@pytest.mark.parametrize("policy", ["peaked", "peaked-h2o"])
+def test_lane_decode_reads_nothing_back_from_the_device(model, monkeypatch, policy):
+    """One sequence, no shared lane: a decode step's lane bookkeeping (grow_lanes) and per-head write (overwrite)
+    read no tensor on the host: which lanes a step needs follows from the host's fills."""
+    import kvquant.store as ks
+
+    def boom(*_a, **_k):
+        raise AssertionError("a lane decode step read a tensor on the host")
+
+    calls = []
+    for name in ("grow_lanes", "overwrite"):
+        orig = getattr(ks.LayerStore, name)
+
+        def guarded(self, *a, _orig=orig, _name=name, **k):
+            with monkeypatch.context() as m:
+                for attr in ("tolist", "item", "__bool__"):
+                    m.setattr(torch.Tensor, attr, boom)
+                out = _orig(self, *a, **k)
+            calls.append(_name)
+            return out
+
+        monkeypatch.setattr(ks.LayerStore, name, guarded)
+    config = cfg(policy_of(policy), check_finite=False)  # (the finiteness check of stored values is a host read)
+    cache, _ = run(model, config, torch.randint(3, 128, (1, 70)), torch.randint(3, 128, (1, 6)))
+    assert calls.count("grow_lanes") == calls.count("overwrite") == 6 * len(cache.layers)
+    for layer in cache.layers:
+        check_own_lanes(layer.store)
