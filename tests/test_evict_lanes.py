@@ -389,3 +389,36 @@ def test_lane_decode_reads_nothing_back_from_the_device(model, monkeypatch, poli
     assert calls.count("grow_lanes") == calls.count("overwrite") == 6 * len(cache.layers)
     for layer in cache.layers:
         check_own_lanes(layer.store)
+
+
+def test_bounded_pool_refuses_a_step_before_any_layer_writes_and_reset_reuses(model):
+    """A bounded pool: decode until a step does not fit; KVCacheFull leaves every layer's lanes, fills and the
+    pool's counts as they were; reset() returns every block and the cache runs a new prompt as a fresh one."""
+    torch.manual_seed(9)
+    config = cfg(Peaked(), keep=0.5)
+    per_block = sum(LayerBlocks(block_specs(make_groups([config.default] * 2, config, 32)), BS,
+                                torch.device("cpu")).bytes_per_block for _ in range(2))  # fmt: skip
+    pool = PagedKVPool(model, config, max_bytes=per_block * 8)  # 8 blocks = 16 lanes per layer
+    ids = torch.randint(3, 128, (1, 120))
+    cache = pool.cache_for(ids)
+    with torch.no_grad():
+        model(ids, cache=cache)
+        for _ in range(200):
+            before = [snapshot(la.store) for la in cache.layers]
+            try:
+                model(torch.randint(3, 128, (1, 1)), cache=cache)
+            except KVCacheFull:
+                break
+        else:
+            raise AssertionError("the pool never filled")
+    assert [snapshot(la.store) for la in cache.layers] == before
+    for la in cache.layers:
+        check_own_lanes(la.store)
+        assert la.store.memory()["lanes"] > 12  # the arena's lanes were used, across heads
+    cache.reset()
+    assert pool.stats()["blocks_used"] == 0
+    new = torch.randint(3, 128, (1, 90))
+    with torch.no_grad():
+        got = model(new, cache=cache).logits
+        ref = model(new, cache=QuantizedKVCache(model, config)).logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
