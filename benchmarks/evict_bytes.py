@@ -8,7 +8,8 @@ Each config prefills the same --context tokens, then decodes --steps more (teach
 tokens); the table gives ``bytes_total`` (K, V, scales, full-precision segments and the eviction index: every
 kept token's position, and the scores of h2o/tova) after the prefill and at the end, as a ratio to the
 first of --configs (``int4`` alone by default) at the same point, and the tokens layer 0 / KV head 0 holds.
-Prefill-time policies append decoded tokens; h2o and tova keep each head at its prompt budget.
+Prefill-time policies append decoded tokens; h2o and tova keep each head at its prompt budget. AdaKV layers hold
+per-head block lanes: ``lanes`` (all layers) beside the exact sum over (layer, head) of ceil(kept / block_size).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def held(model, config: dict, ids: torch.Tensor, prefill: int) -> tuple[dict, di
     tokens = int(st.slots.counts()[0, 0]) if st.slots is not None else st.cache_pos
     end = cache.memory_report()
     end["tokens_held_layer0_head0"] = tokens
+    # per-head lanes (AdaKV): lanes held vs sum over (layer, row, head) of ceil(kept tokens / block_size)
+    lane_layers = [la.store for la in cache.layers if la.store is not None and la.store.lanes]
+    end["lanes"] = sum(s.memory()["lanes"] for s in lane_layers)
+    end["lanes_exact"] = sum(-(-int(n) // s.block_size) for s in lane_layers for n in s.slots.counts().flatten())
     return after_prefill, end
 
 
@@ -82,12 +87,15 @@ def main() -> None:
             "ratio_vs_int4_after_prefill": pre["bytes_total"] / base[0]["bytes_total"],
             "ratio_vs_int4_end": end["bytes_total"] / base[1]["bytes_total"],
             "tokens_held_layer0_head0": end["tokens_held_layer0_head0"],
+            "lanes_end": end["lanes"], "lanes_exact_end": end["lanes_exact"],
         }  # fmt: skip
         r = rows[name]
         print(f"{name:26s} prefill {r['bytes_after_prefill'] / 2**20:7.2f} MiB "
               f"({r['ratio_vs_int4_after_prefill']:.3f}x int4)  end {r['bytes_end'] / 2**20:7.2f} MiB "
               f"({r['ratio_vs_int4_end']:.3f}x int4, index {r['bytes_index_end'] / 2**10:.0f} KiB)  "
-              f"layer 0 head 0 holds {r['tokens_held_layer0_head0']} tokens")
+              f"layer 0 head 0 holds {r['tokens_held_layer0_head0']} tokens"
+              + (f"  lanes {r['lanes_end']} (sum of ceil(n / block): {r['lanes_exact_end']})"
+                 if r["lanes_end"] else ""))  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
 
