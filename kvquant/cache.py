@@ -515,8 +515,11 @@ class QuantizedKVCache(Cache):
                 "q_end": st.q_end,
                 "window": st.window,
                 "first_live_block": st.first_live,
+                # AdaKV lanes: one table of lane ids per (row, KV head), rows first; shared = lanes held twice
+                "lanes": st.lanes,
                 "block_tables": [list(t) for t in st.tables],
-                "shared_blocks": [b for b in st.block_ids() if st.blocks.refs[b] > 1],
+                "shared_blocks": ([e for e in st.lane_ids() if st.blocks.lane_refs[e] > 1] if st.lanes
+                                  else [b for b in st.block_ids() if st.blocks.refs[b] > 1]),
                 "static_scales": scales,
                 "clipped": st.clipped(),
                 "bytes_moved": st.bytes_moved,

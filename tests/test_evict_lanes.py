@@ -232,6 +232,8 @@ def test_beams_share_lanes_and_copy_on_write(model, policy):
         st = la.store
         assert st.tables[0:2] == st.tables[2:4]
         assert all(st.blocks.lane_refs[e] == 2 for t in st.tables for e in t)
+    d = cache.dump()["layers"][0]  # the debug dump lists lane tables and the shared lanes
+    assert d["lanes"] and len(d["block_tables"]) == 4 and sorted(d["shared_blocks"]) == cache.layers[0].store.lane_ids()
 
 
 def test_generate_greedy_beam_and_left_padded_equal_per_row_blocks(model, monkeypatch):
