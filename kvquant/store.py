@@ -481,12 +481,14 @@ class LayerStore:
         """Free blocks a write of ``tokens`` more tokens per row may need (an upper bound, no dedup)."""
         if tokens <= 0:
             return 0
-        if self.lanes and self.cache_pos:  # lanes each (row, head) may take (a new one, or a copy of its last)
-            bs = self.block_size
+        if self.lanes and self.cache_pos:  # lanes each (row, head) may take: new ones, and a copy of a shared one
+            bs, H = self.block_size, self.num_heads
             need = [0] * len(self.groups)
-            for row in self.fill:
+            for b, row in enumerate(self.fill):
                 for h, f in enumerate(row):
-                    need[self.head_lane[h][0]] += -(-(f + tokens) // bs) - f // bs
+                    t = self.tables[b * H + h]
+                    shared = any(self.blocks.lane_refs[e] > 1 for e in t)
+                    need[self.head_lane[h][0]] += max(0, -(-(f + tokens) // bs) - len(t)) + shared
             return max(0, *(-(-(n - len(self.blocks.lane_free[g])) // len(self.groups[g].heads))
                             for g, n in enumerate(need)))  # fmt: skip
         if self.residual_mode:
@@ -909,7 +911,8 @@ class LayerStore:
                 for b in range(B):
                     f = min(end, self.fill[b][h])
                     for r in reps:
-                        if (self.fill[r][h] == self.fill[b][h] and torch.equal(keys[b, h, :f], keys[r, h, :f])
+                        if (self.fill[r][h] == self.fill[b][h] and self._same_state(b, r)
+                                and torch.equal(keys[b, h, :f], keys[r, h, :f])
                                 and torch.equal(values[b, h, :f], values[r, h, :f])):  # fmt: skip
                             writer[b][h] = False
                             same.append((b, h, r))
@@ -944,6 +947,11 @@ class LayerStore:
             g.key.write_lanes(k, rows, heads, toks, blk, lane, off, self.config.check_finite)
             g.value.write_lanes(v, rows, heads, toks, blk, lane, off, self.config.check_finite)
         self.q_end = end
+
+    def _same_state(self, b: int, r: int) -> bool:
+        """Rows ``b`` and ``r`` have the same per-sequence static state (scales) in every head group."""
+        return all(torch.equal(t[b], t[r]) for g in self.groups for st in (g.key, g.value)
+                   for t in st.state.values() if t.dim() == 2)  # fmt: skip
 
     def grow_lanes(self, victim: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
         """Lanes, one new token per row: where each head writes it, ``(target[B, H], appended)``.

@@ -236,11 +236,12 @@ def test_beams_share_lanes_and_copy_on_write(model, policy):
     assert d["lanes"] and len(d["block_tables"]) == 4 and sorted(d["shared_blocks"]) == cache.layers[0].store.lane_ids()
 
 
-def test_generate_greedy_beam_and_left_padded_equal_per_row_blocks(model, monkeypatch):
+@pytest.mark.parametrize("default", ["int4", "int8"])  # int8: static per-(row, head) scales
+def test_generate_greedy_beam_and_left_padded_equal_per_row_blocks(model, monkeypatch, default):
     ids = torch.randint(3, 128, (2, 80))
     mask = torch.ones_like(ids)
     mask[0, :10] = 0
-    config = cfg("snapkv", 0.5)
+    config = cfg("snapkv", 0.5, default=default)
     outs = []
     for lanes in (True, False):
         with monkeypatch.context() as m:
@@ -424,3 +425,18 @@ def test_bounded_pool_refuses_a_step_before_any_layer_writes_and_reset_reuses(mo
         got = model(new, cache=cache).logits
         ref = model(new, cache=QuantizedKVCache(model, config)).logits
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("default", ["int4", "int8"])
+def test_identical_prompt_rows_share_their_lanes_once(model, default):
+    """generate()'s beams start from identical prompt rows: each head's lanes are written once and shared."""
+    torch.manual_seed(10)
+    ids = torch.randint(3, 128, (1, 100))
+    config = cfg(Peaked(), keep=0.5, default=default)
+    single, _ = run(model, config, ids, ids[:, :0])
+    beams, _ = run(model, config, ids.repeat(3, 1), ids[:, :0])
+    for one, three in zip(single.layers, beams.layers, strict=True):
+        assert three.store.memory()["lanes"] == one.store.memory()["lanes"]
+        assert held(three.store) == held(one.store) == three.store.memory()["shared"]
+        H = three.store.num_heads
+        assert three.store.tables[:H] == three.store.tables[H:2 * H] == three.store.tables[2 * H:]
