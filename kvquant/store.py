@@ -157,7 +157,11 @@ class QuantizedTensorStore:
         """Quantize ``x[B, H, T, D]`` and write token ``toks[i]`` of (row ``rows[i]``, group-local head ``heads[i]``)
         at block ``blk[i]``, lane ``lanes[i]`` (a head slot of the group, see :mod:`kvquant.blocks`), offset
         ``off[i]``: per-head block lanes (AdaKV layers). Per-token parts only."""
-        q = self._quantize(x, check, None)
+        self.scatter_lanes(self._quantize(x, check, None), (rows, heads, toks, blk, lanes, off))
+
+    def scatter_lanes(self, q: dict[str, torch.Tensor], idx: tuple[torch.Tensor, ...]) -> None:
+        """Write quantized parts ``q`` (``[B, H, T, *shape]``) at the lanes ``idx`` (see :meth:`write_lanes`)."""
+        rows, heads, toks, blk, lanes, off = idx
         for name, t in q.items():
             dst = self.parts[name]
             dst[blk, lanes, off] = t[rows, heads, toks].to(dst.dtype)
@@ -297,6 +301,22 @@ def write_pair(
     q = key._quantize(torch.cat([k, v], dim=1), check, real, state)
     key.scatter({n: t[:, :H] for n, t in q.items()}, plan)
     value.scatter({n: t[:, H:] for n, t in q.items()}, plan)
+
+
+def write_pair_lanes(
+    key: QuantizedTensorStore, value: QuantizedTensorStore, k: torch.Tensor, v: torch.Tensor,
+    idx: tuple[torch.Tensor, ...], check: bool = True,
+) -> None:
+    """:func:`write_pair` for per-head block lanes (``idx``: see :meth:`QuantizedTensorStore.write_lanes`)."""
+    state = key.paired_state(value)
+    if state is None:
+        key.write_lanes(k, *idx, check)
+        value.write_lanes(v, *idx, check)
+        return
+    H = k.shape[1]
+    q = key._quantize(torch.cat([k, v], dim=1), check, None, state)
+    key.scatter_lanes({n: t[:, :H] for n, t in q.items()}, idx)
+    value.scatter_lanes({n: t[:, H:] for n, t in q.items()}, idx)
 
 
 _NO_INDEX = torch.empty(0, dtype=torch.long)  # the index fields of a one-token plan (unused: see ``single``)
@@ -944,8 +964,7 @@ class LayerStore:
             blk, lane, off = e // L, e % L - self.lane_offset[gi], s % bs
             k = keys if g.all_heads else keys.index_select(1, g.head_index)
             v = values if g.all_heads else values.index_select(1, g.head_index)
-            g.key.write_lanes(k, rows, heads, toks, blk, lane, off, self.config.check_finite)
-            g.value.write_lanes(v, rows, heads, toks, blk, lane, off, self.config.check_finite)
+            write_pair_lanes(g.key, g.value, k, v, (rows, heads, toks, blk, lane, off), self.config.check_finite)
         self.q_end = end
 
     def _same_state(self, b: int, r: int) -> bool:
@@ -1015,8 +1034,7 @@ class LayerStore:
             toks = torch.zeros_like(rows)
             k = keys if g.all_heads else keys.index_select(1, g.head_index)
             v = values if g.all_heads else values.index_select(1, g.head_index)
-            g.key.write_lanes(k, rows, heads, toks, blk, lane, off, self.config.check_finite)
-            g.value.write_lanes(v, rows, heads, toks, blk, lane, off, self.config.check_finite)
+            write_pair_lanes(g.key, g.value, k, v, (rows, heads, toks, blk, lane, off), self.config.check_finite)
 
     def _incref(self, ids: list[int]) -> None:
         (self.blocks.incref_lanes if self.lanes else self.blocks.incref)(ids)
