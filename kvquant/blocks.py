@@ -103,6 +103,7 @@ class LayerBlocks:
         self.lanes_per_block = len(self.lane_of)
         self.lane_refs: list[int] = []
         self.lane_free: list[list[int]] = [[] for _ in groups]
+        self.lane_blocks: set[int] = set()  # blocks split into lanes
         if num_blocks:
             self._grow(num_blocks)
 
@@ -173,19 +174,33 @@ class LayerBlocks:
         if blocks > 0:
             self.ensure_free(blocks)
 
-    def allocate_lane(self, group: int, refs: int = 1) -> int:
+    def _split(self) -> int:
+        """Take a free block for lanes (growing or evicting as :meth:`ensure_free` does): its lanes join the
+        free lists of their groups."""
+        self.ensure_free(1)
+        b = self.free.pop()
+        self.refs[b] = 0
+        self.lane_blocks.add(b)
+        base = b * self.lanes_per_block
+        for k in range(self.lanes_per_block - 1, -1, -1):  # pop() hands out low lanes first
+            self.lane_free[self.lane_of[k][0]].append(base + k)
+        return b
+
+    def allocate_lane(self, group: int, refs: int = 1, prefer: int | None = None) -> int:
         """A free lane of ``group`` with ``refs`` references (call :meth:`ensure_lanes` first); a new block is
-        split into lanes when the group has no free lane."""
-        if not self.lane_free[group]:
-            self.ensure_free(1)
-            b = self.free.pop()
-            self.refs[b] = 0
-            base = b * self.lanes_per_block
-            for k in range(self.lanes_per_block - 1, -1, -1):  # pop() hands out low lanes first
-                self.lane_free[self.lane_of[k][0]].append(base + k)
-        e = self.lane_free[group].pop()
+        split into lanes when the group has no free lane. ``prefer``: a lane id taken if it is free (a layout
+        wish: a row's heads side by side in one block, which lets one sequence's lanes form runs read in place;
+        never at the cost of a block: free lanes are used first)."""
+        L = self.lanes_per_block
+        if prefer is not None and prefer // L in self.lane_blocks and self.lane_refs[prefer] == 0:
+            self.lane_free[group].remove(prefer)
+            e = prefer
+        else:
+            if not self.lane_free[group]:
+                self._split()
+            e = self.lane_free[group].pop()
         self.lane_refs[e] = refs
-        self.refs[e // self.lanes_per_block] += 1
+        self.refs[e // L] += 1
         return e
 
     def incref_lanes(self, ids: Iterable[int]) -> None:
@@ -208,6 +223,7 @@ class LayerBlocks:
             if self.refs[b] == 0:  # every lane of the block is free: the block is free
                 lo, hi = b * self.lanes_per_block, (b + 1) * self.lanes_per_block
                 self.lane_free = [[x for x in free if not lo <= x < hi] for free in self.lane_free]
+                self.lane_blocks.discard(b)
                 self.free.append(b)
 
     def copy_lane(self, src: int, refs: int = 1) -> int:

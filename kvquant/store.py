@@ -223,8 +223,9 @@ class QuantizedTensorStore:
             blk, lane = table
             B, H, nb = blk.shape
             for name, t in (self.parts if parts is None else parts).items():
-                base = t.transpose(0, 1)  # [H, num_blocks, rows, *shape]
-                out[name] = base[lane, blk].reshape(B, H, nb * base.shape[2], *base.shape[3:])
+                base = t.transpose(0, 1)  # [H, num_blocks, rows, *shape], contiguous: one index over (head, block)
+                flat = base.reshape(-1, *base.shape[2:]).index_select(0, (lane * base.shape[1] + blk).reshape(-1))
+                out[name] = flat.reshape(B, H, nb * base.shape[2], *base.shape[3:])
             return out
         B, nb = table.shape
         for name, t in (self.parts if parts is None else parts).items():
@@ -441,6 +442,7 @@ class LayerStore:
         self.offload_from = 0  # blocks below this index were considered for offload already
         self.prefetcher: Prefetcher | None = None  # host -> device tile copies (``offload``), made on first use
         self._table_cache: torch.Tensor | None = None
+        self._lane_runs: list[int | None] = []  # lanes: per group, the in-place run of one sequence (see table())
         self.slots: SlotMap | None = None  # an evicting layer: its token axis holds slots (see kvquant.slots)
         self.groups: list[HeadGroup] = []
         for gi, (pair, heads, kq, vq) in enumerate(made):
@@ -906,10 +908,13 @@ class LayerStore:
         if not todo:
             return
         self.blocks.ensure_lanes(need)  # may raise KVCacheFull: nothing changed yet
-        for b, h, j, g in todo:
+        L = self.blocks.lanes_per_block
+        for b, h, j, g in sorted(todo, key=lambda w: (w[0], w[2], w[1])):  # block index first: heads side by side
             t = self.tables[b * H + h]
-            if j >= len(t):  # in order: j == len(t)
-                t.append(self.blocks.allocate_lane(g))
+            if j >= len(t):  # in order: j == len(t); at the head's slot of the row's block j if that lane is free
+                k = self.lane_offset[g] + self.head_lane[h][1]
+                rb = next((x[j] // L for x in self.tables[b * H:(b + 1) * H] if j < len(x)), None)
+                t.append(self.blocks.allocate_lane(g, prefer=None if rb is None else rb * L + k))
             else:  # copy-on-write (beams share lanes after a reorder)
                 old = t[j]
                 t[j] = self.blocks.copy_lane(old)
@@ -1035,6 +1040,23 @@ class LayerStore:
             k = keys if g.all_heads else keys.index_select(1, g.head_index)
             v = values if g.all_heads else values.index_select(1, g.head_index)
             write_pair_lanes(g.key, g.value, k, v, (rows, heads, toks, blk, lane, off), self.config.check_finite)
+
+    def _lane_run(self, gi: int) -> int | None:
+        """One sequence whose heads of group ``gi`` hold lanes ``j`` at blocks ``run + j``, each at its own head
+        slot: ``run`` (the attention then reads the group's blocks ``[run, run + width)`` in place; a head's
+        slots past its count are masked), else None."""
+        if self.batch != 1:
+            return None
+        L, off, run = self.blocks.lanes_per_block, self.lane_offset[gi], None
+        for i, h in enumerate(self.groups[gi].heads):
+            t = self.tables[h]
+            if not t:
+                continue
+            run = t[0] // L if run is None else run
+            if any(e != (run + j) * L + off + i for j, e in enumerate(t)):
+                return None
+        width = max(len(t) for t in self.tables)
+        return run if run is not None and run + width <= self.blocks.num_blocks else None
 
     def _incref(self, ids: list[int]) -> None:
         (self.blocks.incref_lanes if self.lanes else self.blocks.incref)(ids)
@@ -1244,6 +1266,7 @@ class LayerStore:
                 rows.append(t + [pad] * (width - len(t)))
             self._table_cache = torch.tensor(rows, dtype=torch.long, device=self.device).view(
                 self.batch, self.num_heads, width)
+            self._lane_runs = [self._lane_run(gi) for gi in range(len(self.groups))]
         if self._table_cache is None:
             width = max((len(t) for t in self.tables), default=0)
             rows = [[max(b, 0) for b in t] + [0] * (width - len(t)) for t in self.tables]
@@ -1280,9 +1303,12 @@ class LayerStore:
         run = kparts = vparts = None
         if self.lanes:  # per-head lanes: (block, head slot) of every (row, head, block)
             lt = self.table()[:, :, j0:j1]
-            lt = lt if group.all_heads else lt.index_select(1, group.head_index)
-            L = self.blocks.lanes_per_block
-            tbl = (lt // L, lt % L - self.lane_offset[group.key.group])
+            if self._lane_runs[group.key.group] is not None:  # one sequence, lanes laid out as runs: in place
+                run, tbl = self._lane_runs[group.key.group] + j0, lt[:, 0]
+            else:
+                lt = lt if group.all_heads else lt.index_select(1, group.head_index)
+                L = self.blocks.lanes_per_block
+                tbl = (lt // L, lt % L - self.lane_offset[group.key.group])
         elif self.has_host_blocks(j0, j1):  # offload: the tile staged from the host tier
             tbl, kparts, vparts = self._fetch_offloaded(group, j0, j1)
         else:

@@ -440,3 +440,26 @@ def test_identical_prompt_rows_share_their_lanes_once(model, default):
         assert held(three.store) == held(one.store) == three.store.memory()["shared"]
         H = three.store.num_heads
         assert three.store.tables[:H] == three.store.tables[H:2 * H] == three.store.tables[2 * H:]
+
+
+@pytest.mark.parametrize("budget", ["even", "peaked"])
+def test_one_sequence_reads_runs_of_lanes_in_place(model, monkeypatch, budget):
+    """One sequence: a row's heads take lane j side by side in one block when that lane is free, so heads that
+    grow together form runs the attention reads in place (``_lane_runs``); uneven heads are gathered. Logits
+    equal the per-row-block layout's across block boundaries either way."""
+    torch.manual_seed(11)
+    ids, cont = torch.randint(3, 128, (1, 100)), torch.randint(3, 128, (1, 40))
+    config = cfg(Peaked() if budget == "peaked" else "streaming")  # streaming: every head keeps the same tokens
+    cache, got = run(model, config, ids, cont)
+    for layer in cache.layers:
+        st = layer.store
+        st.table()
+        assert (st._lane_runs[0] is not None) == (budget != "peaked")
+        check_own_lanes(st)
+        assert held(st) == exact_bytes(st) and st.memory()["reserved"] == st.blocks.nbytes()
+    with monkeypatch.context() as m:
+        no_lanes(m)
+        _, ref = run(model, config, ids, cont)
+    # (40 steps: a 1e-6 difference of summation order upstream may round one int4 code of a later token the
+    # other way, ~1e-4 on the logits; a head reading wrong lanes moves them by orders of magnitude more)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=5e-4)
