@@ -88,7 +88,7 @@ def attend(
         mask = slots.attention_mask(mask, past_len, query.shape[2], query.shape[1] // layer.num_heads)
         if slots.tracking:  # H2O / TOVA: the attention returns each history slot's probability mass
             mass = torch.zeros((layer.batch, layer.num_heads, past_len), device=query.device)
-        if use_triton and (mass is not None or slots.holes or layer.lanes):
+        if use_triton and (layer.lanes or mass is not None or slots.holes):
             use_triton = False
             _log_once("eviction: per-key score mass (h2o/tova) and per-head kept sets of different sizes "
                       "(adakv) are read by the torch path only")  # fmt: skip

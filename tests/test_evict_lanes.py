@@ -463,3 +463,28 @@ def test_one_sequence_reads_runs_of_lanes_in_place(model, monkeypatch, budget):
     # (40 steps: a 1e-6 difference of summation order upstream may round one int4 code of a later token the
     # other way, ~1e-4 on the logits; a head reading wrong lanes moves them by orders of magnitude more)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=5e-4)
+
+
+def test_lane_layers_take_the_torch_path_even_without_holes(model, monkeypatch):
+    """Triton kernels read per-row block tables: a lane layer goes to the torch path even when its heads keep
+    as many tokens (no empty slot, ``holes`` False), with the same result as the torch backend."""
+    import kvquant.kernels.triton_attention as ta
+
+    served = []
+    real = ta.attend_triton
+
+    def counting(query, *args, **kwargs):
+        served.append(query.shape[2])
+        return real(query, *args, **kwargs)
+
+    monkeypatch.setattr(ta, "attend_triton", counting)
+    ids, cont = torch.randint(3, 128, (1, 60)), torch.randint(3, 128, (1, 3))
+    config = cfg("streaming", 0.5, default="int8-token")  # every head keeps the same tokens: no holes
+    monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
+    _, ref = run(model, config, ids, cont)
+    monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
+    cache, got = run(model, config, ids, cont)
+    st = cache.layers[0].store
+    assert st.lanes and not st.slots.holes
+    assert served.count(1) == 0  # no decode step was served by the kernels
+    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
