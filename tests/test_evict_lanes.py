@@ -488,3 +488,29 @@ def test_lane_layers_take_the_torch_path_even_without_holes(model, monkeypatch):
     assert st.lanes and not st.slots.holes
     assert served.count(1) == 0  # no decode step was served by the kernels
     torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("default", ["fp16", "int2", "fp8-e4m3", "tq4"])
+def test_lanes_for_every_per_token_precision(model, monkeypatch, default):
+    """Passthrough, 2-bit, static fp8 and codebook (head-space) precisions: exact lanes, and logits equal the
+    per-row-block layout's."""
+    torch.manual_seed(12)
+    ids, cont = torch.randint(3, 128, (2, 70)), torch.randint(3, 128, (2, 6))
+    config = cfg(Peaked(), keep=0.5, default=default)
+    cache, got = run(model, config, ids, cont)
+    for layer in cache.layers:
+        assert layer.store.lanes
+        check_own_lanes(layer.store)
+        assert held(layer.store) == exact_bytes(layer.store)
+    with monkeypatch.context() as m:
+        no_lanes(m)
+        _, ref = run(model, config, ids, cont)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_per_channel_keys_keep_per_row_blocks(model):
+    """Per-channel keys quantize whole blocks of every head at once (residual window): such an AdaKV layer keeps
+    per-row blocks, sized by its largest head, and still runs."""
+    cache, _ = run(model, cfg(Peaked(), keep=0.5, default="int4-channel"), torch.randint(3, 128, (1, 70)),
+                   torch.randint(3, 128, (1, 3)))  # fmt: skip
+    assert not any(la.store.lanes for la in cache.layers)
