@@ -8,7 +8,9 @@ that hold its tokens ``[j * block_size, (j + 1) * block_size)``. Blocks are take
 on demand, so memory follows the real length, never a max_seq_len; rows (beams) and caches (a
 :class:`~kvquant.PagedKVPool`'s requests) share whole blocks by reference. A full block is
 immutable (a token is written once, quantized once, never re-quantized); writing into a partial
-block that is shared copies it first (copy-on-write).
+block that is shared copies it first (copy-on-write). A layer whose KV heads keep different token counts
+(AdaKV) holds *lanes* instead, one head's rows of one block, through one table per (row, KV head)
+(``LayerStore(lanes=True)``, :mod:`kvquant.blocks`): each head holds ``ceil(n_h / block_size)`` lanes.
 
 Outlier options (all in the config, composable with per-head precision):
 
