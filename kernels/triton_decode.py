@@ -41,6 +41,8 @@ from .triton_dequant import (
     KIND_FP8,
     KIND_INTN,
     KIND_TOKEN,
+    NIBBLE_HI,
+    NIBBLE_LO,
     Operand,
     _mma,
     cap_scores,
@@ -618,9 +620,11 @@ def _rows_tile_t(
     else:
         mask_n = tl.full([BLOCK_N], 1, tl.int1)
         blk = tl.load(tbl + n_blk).to(tl.int64)
+    # codes as fp16 subnormals (nibble_tiles): the low nibbles' dot is 2**-24 q . c, the high ones' 2**-20 q . c;
+    # st below is 2**-20 of the scores (q_sum comes scaled alike, `scale` holds the 2**20)
     k_lo, k_hi = nibble_tiles(k_base + blk * k_sb, inner * k_st, mask_n, BLOCK_N, D)  # k_st: in words
     if K_FOLD == 1:
-        st = tl.dot(k_hi, qt_hi, tl.dot(k_lo, qt_lo))  # [BLOCK_N, R]: column (g, h) = head h on group g
+        st = tl.dot(k_hi, qt_hi, tl.dot(k_lo, qt_lo) * 16.0)  # [BLOCK_N, R]: column (g, h) = head h on group g
         ks = _group_cols(ks_base + blk * ks_sb, n_in, G, REPP, BLOCK_N, mask_n)
         kz = _group_cols(kz_base + blk * ks_sb, n_in, G, REPP, BLOCK_N, mask_n)
         st = st * ks + q_sum[None, :] * kz
@@ -637,21 +641,20 @@ def _rows_tile_t(
         # the zero term q . z, the same for every token: an MMA of ones with q * z (hi + lo halves)
         b_lo = qt_lo * tl.load(zrow + jc).to(tl.float32)[:, None]
         b_hi = qt_hi * tl.load(zrow + DH + jc).to(tl.float32)[:, None]
-        ones = tl.full([BLOCK_N, DH], 1.0, tl.float16)
+        ones = tl.full([BLOCK_N, DH], 2.0**-24, tl.float16)  # the fp16 subnormal 0x0001: in the low nibbles' units
         h_lo = a_lo.to(tl.float16)
         h_hi = a_hi.to(tl.float16)
-        st = tl.dot(k_lo, h_lo, tl.dot(k_hi, h_hi))
-        st = tl.dot(k_lo, (a_lo - h_lo.to(tl.float32)).to(tl.float16), st)
-        st = tl.dot(k_hi, (a_hi - h_hi.to(tl.float32)).to(tl.float16), st)
         b = b_lo + b_hi
         bh = b.to(tl.float16)
+        st = tl.dot(k_lo, (a_lo - h_lo.to(tl.float32)).to(tl.float16), tl.dot(k_lo, h_lo))
         st = tl.dot(ones, (b - bh.to(tl.float32)).to(tl.float16), tl.dot(ones, bh, st))
+        st = tl.dot(k_hi, (a_hi - h_hi.to(tl.float32)).to(tl.float16), tl.dot(k_hi, h_hi, st * 16.0))
     s = cap_scores(reduce_sum(tl.reshape(st, [BLOCK_N, G, REPP]), 1) * scale, SOFTCAP)  # [BLOCK_N, REPP]
     if MASKED:
         s = tl.where(mask_n[:, None], s, float("-inf"))
     m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 0))
     p = tl.exp2(s - m_safe[None, :])
-    l_i = l_i * alpha + reduce_sum(p, 0)
+    l_i = l_i * alpha[None, :] + p  # per (token, head): summed over the tokens after the loop
     pc = tl.reshape(tl.broadcast_to(p[:, None, :], [BLOCK_N, G, REPP]), [BLOCK_N, R])
     a = _to_rows(alpha, G)[None, :]
     ps = pc * _group_cols(vs_base + blk * vs_sb, n_in, G, REPP, BLOCK_N, mask_n)
@@ -660,8 +663,8 @@ def _rows_tile_t(
     v_lo, v_hi = nibble_tiles(v_base + blk * v_sb, inner * v_st, mask_n, BLOCK_N, D)  # v_st: in words
     vt_lo = tl.trans(v_lo)
     vt_hi = tl.trans(v_hi)
-    acc_lo = tl.dot(vt_lo, pl, tl.dot(vt_lo, ph, acc_lo * a))
-    acc_hi = tl.dot(vt_hi, pl, tl.dot(vt_hi, ph, acc_hi * a))
+    acc_lo = tl.dot(vt_lo, pl, tl.dot(vt_lo, ph, acc_lo * a))  # 2**-24 of the value sums (nibble_tiles)
+    acc_hi = tl.dot(vt_hi, pl, tl.dot(vt_hi, ph, acc_hi * a))  # 2**-20
     # V's zero term per (token, row), summed over the tokens after the loop
     zacc = zacc * a + pc * _group_cols(vz_base + blk * vs_sb, n_in, G, REPP, BLOCK_N, mask_n)
     return m_new, l_i, acc_lo, acc_hi, zacc
@@ -699,7 +702,7 @@ def _decode_partial_rows_t(
     if K_FOLD == 1:  # column (g, h): head h on the channels of group g
         qt_lo = tl.load(q_ptr, mask=valid[None, :] & ((j[:, None] // V_GROUP) == rg[None, :]), other=0.0)
         qt_hi = tl.load(q_ptr + DH, mask=valid[None, :] & ((j[:, None] + DH) // V_GROUP == rg[None, :]), other=0.0)
-        q_sum = reduce_sum(qt_lo.to(tl.float32), 0) + reduce_sum(qt_hi.to(tl.float32), 0)
+        q_sum = (reduce_sum(qt_lo.to(tl.float32), 0) + reduce_sum(qt_hi.to(tl.float32), 0)) * (1.0 / NIBBLE_HI)
         qt_lo = qt_lo.to(tl.float16)
         qt_hi = qt_hi.to(tl.float16)
     else:  # per-channel keys: the whole query in the g = 0 columns, fp32 (the block scale multiplies it)
@@ -711,9 +714,9 @@ def _decode_partial_rows_t(
     k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
     v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
     tbl = TBL + b64 * tbl_sb
-    scale = qk_scale
+    scale = qk_scale * NIBBLE_HI  # the key tiles' subnormal codes (nibble_tiles)
     m_i = tl.full([REPP], float("-inf"), tl.float32)
-    l_i = tl.full([REPP], 0, tl.float32)
+    l_i = tl.full([BLOCK_N, REPP], 0, tl.float32)  # per (token, head); summed after the loop
     acc_lo = tl.full([DH, R], 0, tl.float32)
     acc_hi = tl.full([DH, R], 0, tl.float32)
     zacc = tl.full([BLOCK_N, R], 0, tl.float32)
@@ -737,6 +740,7 @@ def _decode_partial_rows_t(
             k_base, ks_base, kz_base, k_sb, k_st // 4, ks_sb, v_base, vs_base, vz_base, v_sb, v_st // 4, vs_sb,
             m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
 
+    l_i = reduce_sum(l_i, 0)
     has = l_i != 0
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     offs_h = tl.arange(0, REPP)
@@ -749,8 +753,8 @@ def _decode_partial_rows_t(
     o_ptr = O_PART + prow[None, :] * D + jc[:, None]
     keep_lo = valid[None, :] & ((j[:, None] // V_GROUP) == rg[None, :])
     keep_hi = valid[None, :] & ((j[:, None] + DH) // V_GROUP == rg[None, :])
-    tl.store(o_ptr, (acc_lo + zsum[None, :]) / den[None, :], mask=keep_lo)
-    tl.store(o_ptr + DH, (acc_hi + zsum[None, :]) / den[None, :], mask=keep_hi)
+    tl.store(o_ptr, (acc_lo * NIBBLE_LO + zsum[None, :]) / den[None, :], mask=keep_lo)
+    tl.store(o_ptr + DH, (acc_hi * NIBBLE_HI + zsum[None, :]) / den[None, :], mask=keep_hi)
 
 
 @triton.jit
