@@ -592,11 +592,10 @@ def _decode_partial_rows(
 # the tokens after the loop. Per-channel keys (int4-channel) fold their block's scale into the query, an fp32
 # B operand split into two fp16 halves, and their zero term q . z into an MMA of ones with q * z.
 @triton.jit
-def _group_cols(ptr, n_in, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.constexpr, mask_n):
-    """Per-(token, group) values (``ptr + t * G + g``) of the tokens ``n_in ..`` as columns ``[BLOCK_N, G * REPP]``
-    (column r: group ``r // REPP``), fp32; 0 outside ``mask_n``."""
-    x = tl.load(ptr + (n_in + tl.arange(0, BLOCK_N))[:, None] * G + tl.arange(0, G)[None, :], mask=mask_n[:, None],
-                other=0.0).to(tl.float32)  # fmt: skip
+def _group_cols(ptr, offs, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.constexpr, mask_n):
+    """Per-(token, group) values ``ptr + offs`` (``offs [BLOCK_N, G]``: ``t * G + g``) of ``BLOCK_N`` tokens as columns
+    ``[BLOCK_N, G * REPP]`` (column r: group ``r // REPP``), fp32; 0 outside ``mask_n``."""
+    x = tl.load(ptr + offs, mask=mask_n[:, None], other=0.0).to(tl.float32)
     return tl.reshape(tl.broadcast_to(x[:, :, None], [BLOCK_N, G, REPP]), [BLOCK_N, G * REPP])
 
 
@@ -604,15 +603,16 @@ def _group_cols(ptr, n_in, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.cons
 def _rows_tile_t(
     n0, start, end, MASKED: tl.constexpr, qt_lo, qt_hi, q_sum, scale, tbl,
     k_base, ks_base, kz_base, k_sb, k_st, ks_sb,
-    v_base, vs_base, vz_base, v_sb, v_st, vs_sb,
-    m_i, l_i, acc_lo, acc_hi, zacc,
+    v_base, vs_base, vz_base, v_sb, v_st, vs_sb, k_offs, v_offs, g_offs,
+    m_i, l_i, acc, zacc,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
     G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr,
 ):  # fmt: skip
-    """One tile of :func:`_decode_partial_rows_t`."""
+    """One tile of :func:`_decode_partial_rows_t`. Addresses: a scalar base per part and tile (block, first
+    token) plus the loop-invariant offsets ``k_offs`` / ``v_offs`` (words of the rows, ``k_st`` / ``v_st`` in words)
+    and ``g_offs`` (per-(token, group) scale / zero rows)."""
     R: tl.constexpr = G * REPP
     n_blk, n_in = _block_pos(n0, BS)
-    inner = n_in + tl.arange(0, BLOCK_N)
     if MASKED:
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= start) & (offs_n < end)
@@ -622,11 +622,12 @@ def _rows_tile_t(
         blk = tl.load(tbl + n_blk).to(tl.int64)
     # codes as fp16 subnormals (nibble_tiles): the low nibbles' dot is 2**-24 q . c, the high ones' 2**-20 q . c;
     # st below is 2**-20 of the scores (q_sum comes scaled alike, `scale` holds the 2**20)
-    k_lo, k_hi = nibble_tiles(k_base + blk * k_sb, inner * k_st, mask_n, BLOCK_N, D)  # k_st: in words
+    kp = (k_base + blk * k_sb).to(tl.pointer_type(tl.int32)) + n_in * k_st
+    k_lo, k_hi = nibble_tiles(kp, k_offs, mask_n, BLOCK_N, D)
     if K_FOLD == 1:
         st = tl.dot(k_hi, qt_hi, tl.dot(k_lo, qt_lo) * 16.0)  # [BLOCK_N, R]: column (g, h) = head h on group g
-        ks = _group_cols(ks_base + blk * ks_sb, n_in, G, REPP, BLOCK_N, mask_n)
-        kz = _group_cols(kz_base + blk * ks_sb, n_in, G, REPP, BLOCK_N, mask_n)
+        ks = _group_cols(ks_base + blk * ks_sb + n_in * G, g_offs, G, REPP, BLOCK_N, mask_n)
+        kz = _group_cols(kz_base + blk * ks_sb + n_in * G, g_offs, G, REPP, BLOCK_N, mask_n)
         st = st * ks + q_sum[None, :] * kz
     else:
         # per-channel keys (the tile lies in one pool block): the block's scale row folded into the query
@@ -657,17 +658,18 @@ def _rows_tile_t(
     l_i = l_i * alpha[None, :] + p  # per (token, head): summed over the tokens after the loop
     pc = tl.reshape(tl.broadcast_to(p[:, None, :], [BLOCK_N, G, REPP]), [BLOCK_N, R])
     a = _to_rows(alpha, G)[None, :]
-    ps = pc * _group_cols(vs_base + blk * vs_sb, n_in, G, REPP, BLOCK_N, mask_n)
+    ps = pc * _group_cols(vs_base + blk * vs_sb + n_in * G, g_offs, G, REPP, BLOCK_N, mask_n)
     ph = ps.to(tl.float16)
     pl = (ps - ph.to(tl.float32)).to(tl.float16)
-    v_lo, v_hi = nibble_tiles(v_base + blk * v_sb, inner * v_st, mask_n, BLOCK_N, D)  # v_st: in words
-    vt_lo = tl.trans(v_lo)
-    vt_hi = tl.trans(v_hi)
-    acc_lo = tl.dot(vt_lo, pl, tl.dot(vt_lo, ph, acc_lo * a))  # 2**-24 of the value sums (nibble_tiles)
-    acc_hi = tl.dot(vt_hi, pl, tl.dot(vt_hi, ph, acc_hi * a))  # 2**-20
+    vp = (v_base + blk * v_sb).to(tl.pointer_type(tl.int32)) + n_in * v_st
+    v_lo, v_hi = nibble_tiles(vp, v_offs, mask_n, BLOCK_N, D)
+    # one [D, BLOCK_N] operand: rows [0, D/2) the low nibbles' channels (2**-24 of the value sums), [D/2, D)
+    # the high ones' (2**-20); one MMA per probability half for both
+    vt = tl.trans(tl.reshape(tl.permute(tl.join(v_lo, v_hi), (0, 2, 1)), [BLOCK_N, D]))
+    acc = tl.dot(vt, pl, tl.dot(vt, ph, acc * a))
     # V's zero term per (token, row), summed over the tokens after the loop
-    zacc = zacc * a + pc * _group_cols(vz_base + blk * vs_sb, n_in, G, REPP, BLOCK_N, mask_n)
-    return m_new, l_i, acc_lo, acc_hi, zacc
+    zacc = zacc * a + pc * _group_cols(vz_base + blk * vs_sb + n_in * G, g_offs, G, REPP, BLOCK_N, mask_n)
+    return m_new, l_i, acc, zacc
 
 
 @triton.jit
@@ -717,28 +719,34 @@ def _decode_partial_rows_t(
     scale = qk_scale * NIBBLE_HI  # the key tiles' subnormal codes (nibble_tiles)
     m_i = tl.full([REPP], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_N, REPP], 0, tl.float32)  # per (token, head); summed after the loop
-    acc_lo = tl.full([DH, R], 0, tl.float32)
-    acc_hi = tl.full([DH, R], 0, tl.float32)
+    acc = tl.full([D, R], 0, tl.float32)  # row i: channel perm4(i)
     zacc = tl.full([BLOCK_N, R], 0, tl.float32)
+    # loop-invariant offsets of a tile's rows (codes: 32-bit words, row strides in words)
+    k_stw = k_st // 4
+    v_stw = v_st // 4
+    tok = tl.arange(0, BLOCK_N)[:, None]
+    k_offs = tok * k_stw + tl.arange(0, D // 8)[None, :]
+    v_offs = tok * v_stw + tl.arange(0, D // 8)[None, :]
+    g_offs = tok * G + tl.arange(0, G)[None, :]
     full_lo = tl.cdiv(start, BLOCK_N) * BLOCK_N
     full_hi = (end // BLOCK_N) * BLOCK_N
     for n0 in range(full_lo, full_hi, BLOCK_N):
-        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile_t(
+        m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, False, qt_lo, qt_hi, q_sum, scale, tbl,
-            k_base, ks_base, kz_base, k_sb, k_st // 4, ks_sb, v_base, vs_base, vz_base, v_sb, v_st // 4, vs_sb,
-            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+            k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
+            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
     if (start % BLOCK_N != 0) & (start < end):
         n0 = start - start % BLOCK_N
-        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile_t(
+        m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
-            k_base, ks_base, kz_base, k_sb, k_st // 4, ks_sb, v_base, vs_base, vz_base, v_sb, v_st // 4, vs_sb,
-            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+            k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
+            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
     if tl.maximum(full_hi, full_lo) < end:
         n0 = tl.maximum(full_hi, full_lo)
-        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile_t(
+        m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
-            k_base, ks_base, kz_base, k_sb, k_st // 4, ks_sb, v_base, vs_base, vz_base, v_sb, v_st // 4, vs_sb,
-            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+            k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
+            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
 
     l_i = reduce_sum(l_i, 0)
     has = l_i != 0
@@ -750,11 +758,11 @@ def _decode_partial_rows_t(
     den = _to_rows(tl.where(has, l_i, 1.0), G)
     zsum = reduce_sum(zacc, 0)
     prow = (b64 * n_qheads + h * REP + rh) * S + split
-    o_ptr = O_PART + prow[None, :] * D + jc[:, None]
-    keep_lo = valid[None, :] & ((j[:, None] // V_GROUP) == rg[None, :])
-    keep_hi = valid[None, :] & ((j[:, None] + DH) // V_GROUP == rg[None, :])
-    tl.store(o_ptr, (acc_lo * NIBBLE_LO + zsum[None, :]) / den[None, :], mask=keep_lo)
-    tl.store(o_ptr + DH, (acc_hi * NIBBLE_HI + zsum[None, :]) / den[None, :], mask=keep_hi)
+    i = tl.arange(0, D)
+    fac = tl.where(i < DH, NIBBLE_LO, NIBBLE_HI)  # the value codes' subnormal units (nibble_tiles)
+    keep = valid[None, :] & ((i[:, None] // V_GROUP) == rg[None, :])  # perm4 keeps channels in their group
+    tl.store(O_PART + prow[None, :] * D + perm4(i)[:, None], (acc * fac[:, None] + zsum[None, :]) / den[None, :],
+             mask=keep)  # fmt: skip
 
 
 @triton.jit

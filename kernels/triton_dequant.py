@@ -189,17 +189,16 @@ def _pairs_fp16(e, o, BLOCK_N: tl.constexpr, DH: tl.constexpr):
 
 
 @triton.jit
-def nibble_tiles(ptr, words, mask_n, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """Split-packed int4 codes (byte j: channel j in the low nibble, channel j + D/2 in the high one) of the
-    tokens whose rows start at the 32-bit word offsets ``words`` from ``ptr`` (rows outside ``mask_n`` read as 0), as
+def nibble_tiles(wp, offs, mask_n, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Split-packed int4 codes (byte j: channel j in the low nibble, channel j + D/2 in the high one) of
+    ``BLOCK_N`` tokens, the 32-bit words ``wp + offs`` (``offs [BLOCK_N, D/8]``: row r's words; rows outside
+    ``mask_n`` read as 0), as
     two fp16 tiles ``[BLOCK_N, D/2]`` of the codes of channels [0, D/2) (``lo``) and [D/2, D) (``hi``), both in
     :func:`perm4` order, as fp16 *subnormals*: ``lo = c * 2**-24``, ``hi = 16 c * 2**-24`` (exact; the caller
     multiplies the MMA results by :data:`NIBBLE_LO` / :data:`NIBBLE_HI`). Per 32-bit word of 8 codes: one shift
     and four ands (``w & 0x000F000F`` is the fp16 pair of the low nibbles of bytes 0 and 2 as subnormals,
     ``0x00F000F0`` their high nibbles, times 16), two codes per instruction, no constant to add or subtract."""
-    W: tl.constexpr = D // 8
-    wp = ptr.to(tl.pointer_type(tl.int32))
-    w = tl.load(wp + words[:, None] + tl.arange(0, W)[None, :], mask=mask_n[:, None], other=0)
+    w = tl.load(wp + offs, mask=mask_n[:, None], other=0)
     w8 = w >> 8
     lo = _pairs_fp16(w & 0x000F000F, w8 & 0x000F000F, BLOCK_N, D // 2)
     hi = _pairs_fp16(w & 0x00F000F0, w8 & 0x00F000F0, BLOCK_N, D // 2)
