@@ -606,7 +606,7 @@ def _rows_tile_t(
     v_base, vs_base, vz_base, v_sb, v_st, vs_sb, k_offs, v_offs, g_offs,
     m_i, l_i, acc, zacc,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
-    G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr,
+    G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, OFF32: tl.constexpr,
 ):  # fmt: skip
     """One tile of :func:`_decode_partial_rows_t`. Addresses: a scalar base per part and tile (block, first
     token) plus the loop-invariant offsets ``k_offs`` / ``v_offs`` (words of the rows, ``k_st`` / ``v_st`` in words)
@@ -616,10 +616,12 @@ def _rows_tile_t(
     if MASKED:
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= start) & (offs_n < end)
-        blk = tl.load(tbl + n_blk, mask=n0 < end, other=0).to(tl.int64)
+        blk = tl.load(tbl + n_blk, mask=n0 < end, other=0)
     else:
         mask_n = tl.full([BLOCK_N], 1, tl.int1)
-        blk = tl.load(tbl + n_blk).to(tl.int64)
+        blk = tl.load(tbl + n_blk)
+    if not OFF32:  # 64-bit element offsets (OFF32: every offset of the parts fits in 31 bits)
+        blk = blk.to(tl.int64)
     # codes as fp16 subnormals (nibble_tiles): the low nibbles' dot is 2**-24 q . c, the high ones' 2**-20 q . c;
     # st below is 2**-20 of the scores (q_sum comes scaled alike, `scale` holds the 2**20)
     kp = (k_base + blk * k_sb).to(tl.pointer_type(tl.int32)) + n_in * k_st
@@ -684,7 +686,7 @@ def _decode_partial_rows_t(
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
     K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
-    V_W8: tl.constexpr = False,
+    V_W8: tl.constexpr = False, OFF32: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`_decode_partial_rows` transposed (fp16 queries; grouped int4 V, int4 K grouped alike
     (``K_FOLD`` 1) or per channel (``K_FOLD`` 2))."""
@@ -734,19 +736,19 @@ def _decode_partial_rows_t(
         m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, False, qt_lo, qt_hi, q_sum, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
-            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32)  # fmt: skip
     if (start % BLOCK_N != 0) & (start < end):
         n0 = start - start % BLOCK_N
         m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
-            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32)  # fmt: skip
     if tl.maximum(full_hi, full_lo) < end:
         n0 = tl.maximum(full_hi, full_lo)
         m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
-            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32)  # fmt: skip
 
     l_i = reduce_sum(l_i, 0)
     has = l_i != 0
@@ -974,6 +976,7 @@ def decode_launches(
                 # registers) the bit-trick constants are rematerialised before every use (~4 instructions per token;
                 # per-channel keys: no cap, at 168 they spill 336 B with 32 columns, GQA 8)
                 kernel = _decode_partial_rows_t
+                meta["OFF32"] = kop.offsets32() and vop.offsets32()
                 if kop.folds4(D):
                     meta["maxnreg"] = 168
             elif rows_h * (D // vop.group) >= 32:

@@ -551,6 +551,12 @@ class Operand:
         """True when the decode kernel reads this part with :func:`int8_words_fp16` (int8 codes, fp16 MMAs)."""
         return dot == DOT_FP16 and self.kind in (KIND_HEAD, KIND_TOKEN)
 
+    def offsets32(self) -> bool:
+        """True when every element offset of this part's tensors (codes, scale, zero) fits in 31 bits, so that a
+        kernel may compute them in 32-bit integers."""
+        return all(sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) < 2**31
+                   for t in (self.data, self.scale, self.zero))  # fmt: skip
+
     def folds4(self, head_dim: int) -> bool:
         """True when the decode kernel reads this part on the folded int4 path (:func:`qk_fold4`,
         :func:`pv_fold4`): grouped 4-bit codes, whole groups (of >= 16 channels, an MMA's K) per half of D."""
