@@ -594,9 +594,20 @@ def _decode_partial_rows(
 @triton.jit
 def _group_cols(ptr, offs, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.constexpr, mask_n):
     """Per-(token, group) values ``ptr + offs`` (``offs [BLOCK_N, G]``: ``t * G + g``) of ``BLOCK_N`` tokens as columns
-    ``[BLOCK_N, G * REPP]`` (column r: group ``r // REPP``), fp32; 0 outside ``mask_n``."""
+    ``[BLOCK_N, REPP * G]`` (column r: group ``r % G``), fp32; 0 outside ``mask_n``."""
     x = tl.load(ptr + offs, mask=mask_n[:, None], other=0.0).to(tl.float32)
-    return tl.reshape(tl.broadcast_to(x[:, :, None], [BLOCK_N, G, REPP]), [BLOCK_N, G * REPP])
+    return tl.reshape(tl.broadcast_to(x[:, None, :], [BLOCK_N, REPP, G]), [BLOCK_N, REPP * G])
+
+
+@triton.jit
+def _head_cols(x, G: tl.constexpr):
+    """``x [..., REPP]`` (per head) repeated for the ``G`` groups of each head: ``[..., REPP * G]`` (column r: head
+    ``r // G``)."""
+    if len(x.shape) == 1:
+        r = tl.reshape(tl.broadcast_to(x[:, None], [x.shape[0], G]), [x.shape[0] * G])
+    else:
+        r = tl.reshape(tl.broadcast_to(x[:, :, None], [x.shape[0], x.shape[1], G]), [x.shape[0], x.shape[1] * G])
+    return r
 
 
 @triton.jit
@@ -611,7 +622,6 @@ def _rows_tile_t(
     """One tile of :func:`_decode_partial_rows_t`. Addresses: a scalar base per part and tile (block, first
     token) plus the loop-invariant offsets ``k_offs`` / ``v_offs`` (words of the rows, ``k_st`` / ``v_st`` in words)
     and ``g_offs`` (per-(token, group) scale / zero rows)."""
-    R: tl.constexpr = G * REPP
     n_blk, n_in = _block_pos(n0, BS)
     if MASKED:
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -627,7 +637,7 @@ def _rows_tile_t(
     kp = (k_base + blk * k_sb).to(tl.pointer_type(tl.int32)) + n_in * k_st
     k_lo, k_hi = nibble_tiles(kp, k_offs, mask_n, BLOCK_N, D)
     if K_FOLD == 1:
-        st = tl.dot(k_hi, qt_hi, tl.dot(k_lo, qt_lo) * 16.0)  # [BLOCK_N, R]: column (g, h) = head h on group g
+        st = tl.dot(k_hi, qt_hi, tl.dot(k_lo, qt_lo) * 16.0)  # [BLOCK_N, R]: column (h, g) = head h on group g
         ks = _group_cols(ks_base + blk * ks_sb + n_in * G, g_offs, G, REPP, BLOCK_N, mask_n)
         kz = _group_cols(kz_base + blk * ks_sb + n_in * G, g_offs, G, REPP, BLOCK_N, mask_n)
         st = st * ks + q_sum[None, :] * kz
@@ -652,14 +662,14 @@ def _rows_tile_t(
         st = tl.dot(k_lo, (a_lo - h_lo.to(tl.float32)).to(tl.float16), tl.dot(k_lo, h_lo))
         st = tl.dot(ones, (b - bh.to(tl.float32)).to(tl.float16), tl.dot(ones, bh, st))
         st = tl.dot(k_hi, (a_hi - h_hi.to(tl.float32)).to(tl.float16), tl.dot(k_hi, h_hi, st * 16.0))
-    s = cap_scores(reduce_sum(tl.reshape(st, [BLOCK_N, G, REPP]), 1) * scale, SOFTCAP)  # [BLOCK_N, REPP]
+    s = cap_scores(reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2) * scale, SOFTCAP)  # [BLOCK_N, REPP]
     if MASKED:
         s = tl.where(mask_n[:, None], s, float("-inf"))
     m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 0))
     p = tl.exp2(s - m_safe[None, :])
     l_i = l_i * alpha[None, :] + p  # per (token, head): summed over the tokens after the loop
-    pc = tl.reshape(tl.broadcast_to(p[:, None, :], [BLOCK_N, G, REPP]), [BLOCK_N, R])
-    a = _to_rows(alpha, G)[None, :]
+    pc = _head_cols(p, G)  # [BLOCK_N, R]
+    a = _head_cols(alpha, G)[None, :]
     ps = pc * _group_cols(vs_base + blk * vs_sb + n_in * G, g_offs, G, REPP, BLOCK_N, mask_n)
     ph = ps.to(tl.float16)
     pl = (ps - ph.to(tl.float32)).to(tl.float16)
@@ -697,13 +707,13 @@ def _decode_partial_rows_t(
     pid, split, b, hg, b64, h, start, end = _program_span(HEAD_IDX, LO, HI, lo_sb, past_len, part_len, Hg, HAS_RANGE)
 
     r = tl.arange(0, R)
-    rh = r % REPP
-    rg = r // REPP
+    rh = r // G  # column (h, g): head h, group g
+    rg = r % G
     valid = rh < REP
     j = tl.arange(0, DH)
     jc = perm4(j)  # position j holds channel jc (nibble_tiles); perm4 keeps every channel in its group
     q_ptr = Q + b64 * q_sb + (h * REP + rh)[None, :] * q_sh + jc[:, None]
-    if K_FOLD == 1:  # column (g, h): head h on the channels of group g
+    if K_FOLD == 1:  # column (h, g): head h on the channels of group g
         qt_lo = tl.load(q_ptr, mask=valid[None, :] & ((j[:, None] // V_GROUP) == rg[None, :]), other=0.0)
         qt_hi = tl.load(q_ptr + DH, mask=valid[None, :] & ((j[:, None] + DH) // V_GROUP == rg[None, :]), other=0.0)
         q_sum = (reduce_sum(qt_lo.to(tl.float32), 0) + reduce_sum(qt_hi.to(tl.float32), 0)) * (1.0 / NIBBLE_HI)
@@ -756,8 +766,8 @@ def _decode_partial_rows_t(
     offs_h = tl.arange(0, REPP)
     prow_h = (b64 * n_qheads + h * REP + offs_h) * S + split
     tl.store(LSE_PART + prow_h, lse, mask=offs_h < REP)
-    # column (g, h) keeps the channels of group g: out[h, c] = (acc[pos(c), (g(c), h)] + zero[(g(c), h)]) / l[h]
-    den = _to_rows(tl.where(has, l_i, 1.0), G)
+    # column (h, g) keeps the channels of group g: out[h, c] = (acc[pos(c), (h, g(c))] + zero[(h, g(c))]) / l[h]
+    den = _head_cols(tl.where(has, l_i, 1.0), G)
     zsum = reduce_sum(zacc, 0)
     prow = (b64 * n_qheads + h * REP + rh) * S + split
     i = tl.arange(0, D)
