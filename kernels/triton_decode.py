@@ -600,6 +600,12 @@ def _group_cols(ptr, offs, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
+def _cat_cols(lo, hi, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """``[BLOCK_N, D]``: the columns of ``lo [BLOCK_N, D/2]`` then those of ``hi`` (register views)."""
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BLOCK_N, D])
+
+
+@triton.jit
 def _head_cols(x, G: tl.constexpr):
     """``x [..., REPP]`` (per head) repeated for the ``G`` groups of each head: ``[..., REPP * G]`` (column r: head
     ``r // G``)."""
@@ -632,14 +638,16 @@ def _rows_tile_t(
         blk = tl.load(tbl + n_blk)
     if not OFF32:  # 64-bit element offsets (OFF32: every offset of the parts fits in 31 bits)
         blk = blk.to(tl.int64)
-    # codes as fp16 subnormals (nibble_tiles): the low nibbles' dot is 2**-24 q . c, the high ones' 2**-20 q . c;
-    # st below is 2**-20 of the scores (q_sum comes scaled alike, `scale` holds the 2**20)
-    kp = (k_base + blk * k_sb).to(tl.pointer_type(tl.int32)) + n_in * k_st
+    # codes as fp16 subnormals (nibble_tiles): the low nibbles' dot is 2**-24 q . c, the high ones' 2**-20 q . c
+    kp = (k_base + (blk * k_sb + n_in * (k_st * 4))).to(tl.pointer_type(tl.int32))
     k_lo, k_hi = nibble_tiles(kp, k_offs, mask_n, BLOCK_N, D)
     if K_FOLD == 1:
-        st = tl.dot(k_hi, qt_hi, tl.dot(k_lo, qt_lo) * 16.0)  # [BLOCK_N, R]: column (h, g) = head h on group g
-        ks = _group_cols(ks_base + blk * ks_sb + n_in * G, g_offs, G, REPP, BLOCK_N, mask_n)
-        kz = _group_cols(kz_base + blk * ks_sb + n_in * G, g_offs, G, REPP, BLOCK_N, mask_n)
+        # one MMA over D: [low | high nibbles] @ qt (rows: 16 f q of the low channels, f q of the high ones), so
+        # st = 2**-20 f q . c per column (h, g) = head h on group g (q_sum comes scaled alike, `scale` holds 2**20 / f)
+        st = tl.dot(_cat_cols(k_lo, k_hi, BLOCK_N, D), qt_lo)
+        g_off = blk * ks_sb + n_in * G
+        ks = _group_cols(ks_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
+        kz = _group_cols(kz_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
         st = st * ks + q_sum[None, :] * kz
     else:
         # per-channel keys (the tile lies in one pool block): the block's scale row folded into the query
@@ -665,22 +673,28 @@ def _rows_tile_t(
     s = cap_scores(reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2) * scale, SOFTCAP)  # [BLOCK_N, REPP]
     if MASKED:
         s = tl.where(mask_n[:, None], s, float("-inf"))
-    m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 0))
+    if MASKED:
+        m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 0))
+    else:  # an interior tile's scores are finite: so is the new maximum (no -inf guard)
+        m_new = tl.maximum(m_i, reduce_max(s, 0))
+        m_safe = m_new
+        alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_safe[None, :])
     l_i = l_i * alpha[None, :] + p  # per (token, head): summed over the tokens after the loop
     pc = _head_cols(p, G)  # [BLOCK_N, R]
     a = _head_cols(alpha, G)[None, :]
-    ps = pc * _group_cols(vs_base + blk * vs_sb + n_in * G, g_offs, G, REPP, BLOCK_N, mask_n)
+    gv_off = blk * vs_sb + n_in * G
+    ps = pc * _group_cols(vs_base + gv_off, g_offs, G, REPP, BLOCK_N, mask_n)
     ph = ps.to(tl.float16)
     pl = (ps - ph.to(tl.float32)).to(tl.float16)
-    vp = (v_base + blk * v_sb).to(tl.pointer_type(tl.int32)) + n_in * v_st
+    vp = (v_base + (blk * v_sb + n_in * (v_st * 4))).to(tl.pointer_type(tl.int32))
     v_lo, v_hi = nibble_tiles(vp, v_offs, mask_n, BLOCK_N, D)
     # one [D, BLOCK_N] operand: rows [0, D/2) the low nibbles' channels (2**-24 of the value sums), [D/2, D)
     # the high ones' (2**-20); one MMA per probability half for both
-    vt = tl.trans(tl.reshape(tl.permute(tl.join(v_lo, v_hi), (0, 2, 1)), [BLOCK_N, D]))
+    vt = tl.trans(_cat_cols(v_lo, v_hi, BLOCK_N, D))
     acc = tl.dot(vt, pl, tl.dot(vt, ph, acc * a))
     # V's zero term per (token, row), summed over the tokens after the loop
-    zacc = zacc * a + pc * _group_cols(vz_base + blk * vs_sb + n_in * G, g_offs, G, REPP, BLOCK_N, mask_n)
+    zacc = zacc * a + pc * _group_cols(vz_base + gv_off, g_offs, G, REPP, BLOCK_N, mask_n)
     return m_new, l_i, acc, zacc
 
 
@@ -713,12 +727,19 @@ def _decode_partial_rows_t(
     j = tl.arange(0, DH)
     jc = perm4(j)  # position j holds channel jc (nibble_tiles); perm4 keeps every channel in its group
     q_ptr = Q + b64 * q_sb + (h * REP + rh)[None, :] * q_sh + jc[:, None]
-    if K_FOLD == 1:  # column (h, g): head h on the channels of group g
-        qt_lo = tl.load(q_ptr, mask=valid[None, :] & ((j[:, None] // V_GROUP) == rg[None, :]), other=0.0)
-        qt_hi = tl.load(q_ptr + DH, mask=valid[None, :] & ((j[:, None] + DH) // V_GROUP == rg[None, :]), other=0.0)
-        q_sum = (reduce_sum(qt_lo.to(tl.float32), 0) + reduce_sum(qt_hi.to(tl.float32), 0)) * (1.0 / NIBBLE_HI)
-        qt_lo = qt_lo.to(tl.float16)
-        qt_hi = qt_hi.to(tl.float16)
+    qf = 1.0  # the power of two the query operand is scaled by (K_FOLD 1)
+    if K_FOLD == 1:  # column (h, g): head h on the channels of group g; row i: channel perm4(i)
+        i = tl.arange(0, D)
+        q_mask = valid[None, :] & ((i[:, None] // V_GROUP) == rg[None, :])
+        qt = tl.load(Q + b64 * q_sb + (h * REP + rh)[None, :] * q_sh + perm4(i)[:, None], mask=q_mask, other=0.0)
+        qt = qt.to(tl.float32)
+        # rows of the low nibbles' channels x 16 (their codes' units: nibble_tiles), all rows x qf <= 1, a power of
+        # two that keeps 16 qf |q| < 2**15 (qf = 1 unless max |q| >= 2048): exact fp16 operands
+        e = (reduce_max(reduce_max(tl.abs(qt), 0), 0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        qf = ((127 - tl.maximum(e - 137, 0)) << 23).to(tl.float32, bitcast=True)
+        q_sum = reduce_sum(qt, 0) * (qf / NIBBLE_HI)
+        qt_lo = (qt * (tl.where(i < DH, 16.0, 1.0) * qf)[:, None]).to(tl.float16)
+        qt_hi = qt_lo  # unused
     else:  # per-channel keys: the whole query in the g = 0 columns, fp32 (the block scale multiplies it)
         m0 = valid[None, :] & (rg[None, :] == 0) & (j[:, None] >= 0)
         qt_lo = tl.load(q_ptr, mask=m0, other=0.0).to(tl.float32)
@@ -728,7 +749,7 @@ def _decode_partial_rows_t(
     k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
     v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
     tbl = TBL + b64 * tbl_sb
-    scale = qk_scale * NIBBLE_HI  # the key tiles' subnormal codes (nibble_tiles)
+    scale = qk_scale * (NIBBLE_HI / qf)  # the key tiles' subnormal codes (nibble_tiles), the query's scale
     m_i = tl.full([REPP], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_N, REPP], 0, tl.float32)  # per (token, head); summed after the loop
     acc = tl.full([D, R], 0, tl.float32)  # row i: channel perm4(i)
