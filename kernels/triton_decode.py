@@ -606,6 +606,19 @@ def _cat_cols(lo, hi, BLOCK_N: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _split_cols(a, DH: tl.constexpr, REPP: tl.constexpr):
+    """fp32 ``a [DH, REPP]`` as an fp16 MMA operand ``[DH, max(16, 2 REPP)]``: columns ``[hi | lo]`` with ``hi`` = ``a``
+    rounded to fp16 and ``lo`` = the rest (``hi + lo`` holds ``a`` to ~2**-22), zero columns after them (an MMA's
+    N is at least 16)."""
+    ah = a.to(tl.float16)
+    al = (a - ah.to(tl.float32)).to(tl.float16)
+    x = tl.reshape(tl.permute(tl.join(ah, al), (0, 2, 1)), [DH, 2 * REPP])
+    if 2 * REPP < 16:
+        x = tl.reshape(tl.permute(tl.join(x, tl.zeros_like(x)), (0, 2, 1)), [DH, 4 * REPP])
+    return x
+
+
+@triton.jit
 def _head_cols(x, G: tl.constexpr):
     """``x [..., REPP]`` (per head) repeated for the ``G`` groups of each head: ``[..., REPP * G]`` (column r: head
     ``r // G``)."""
@@ -649,28 +662,24 @@ def _rows_tile_t(
         ks = _group_cols(ks_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
         kz = _group_cols(kz_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
         st = st * ks + q_sum[None, :] * kz
+        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2)  # [BLOCK_N, REPP]
     else:
-        # per-channel keys (the tile lies in one pool block): the block's scale row folded into the query
-        # (fp32, split into two fp16 MMA operands), its zero into one term per column; qt_*: fp32, the whole
-        # query in the g = 0 columns
+        # per-channel keys (the tile lies in one pool block; qt_lo / qt_hi: the heads' query [D/2, REPP] on the
+        # channels of the low / high nibbles, fp32): the block's scale row folded into the query, a = q * s split
+        # into two fp16 MMA operands (columns [hi | lo] of each head), its zero into one fp32 term per head q . z
         DH: tl.constexpr = D // 2
         jc = perm4(tl.arange(0, DH))
-        srow = ks_base + blk * ks_sb
-        zrow = kz_base + blk * ks_sb
-        a_lo = qt_lo * tl.load(srow + jc).to(tl.float32)[:, None]
-        a_hi = qt_hi * tl.load(srow + DH + jc).to(tl.float32)[:, None]
-        # the zero term q . z, the same for every token: an MMA of ones with q * z (hi + lo halves)
-        b_lo = qt_lo * tl.load(zrow + jc).to(tl.float32)[:, None]
-        b_hi = qt_hi * tl.load(zrow + DH + jc).to(tl.float32)[:, None]
-        ones = tl.full([BLOCK_N, DH], 2.0**-24, tl.float16)  # the fp16 subnormal 0x0001: in the low nibbles' units
-        h_lo = a_lo.to(tl.float16)
-        h_hi = a_hi.to(tl.float16)
-        b = b_lo + b_hi
-        bh = b.to(tl.float16)
-        st = tl.dot(k_lo, (a_lo - h_lo.to(tl.float32)).to(tl.float16), tl.dot(k_lo, h_lo))
-        st = tl.dot(ones, (b - bh.to(tl.float32)).to(tl.float16), tl.dot(ones, bh, st))
-        st = tl.dot(k_hi, (a_hi - h_hi.to(tl.float32)).to(tl.float16), tl.dot(k_hi, h_hi, st * 16.0))
-    s = cap_scores(reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2) * scale, SOFTCAP)  # [BLOCK_N, REPP]
+        srow = ks_base + blk * ks_sb + jc
+        zrow = kz_base + blk * ks_sb + jc
+        a_lo = qt_lo * tl.load(srow).to(tl.float32)[:, None]
+        a_hi = qt_hi * tl.load(srow + DH).to(tl.float32)[:, None]
+        zq = qt_lo * tl.load(zrow).to(tl.float32)[:, None] + qt_hi * tl.load(zrow + DH).to(tl.float32)[:, None]
+        zq = reduce_sum(zq, 0)
+        st = tl.dot(k_lo, _split_cols(a_lo, DH, REPP)) * 16.0  # 2**-20 units, as the high nibbles'
+        st = tl.dot(k_hi, _split_cols(a_hi, DH, REPP), st)
+        NC: tl.constexpr = st.shape[1]
+        s = reduce_sum(tl.reshape(st, [BLOCK_N, NC // REPP, REPP]), 1) + zq[None, :] * (1.0 / NIBBLE_HI)
+    s = cap_scores(s * scale, SOFTCAP)
     if MASKED:
         s = tl.where(mask_n[:, None], s, float("-inf"))
     if MASKED:
@@ -726,7 +735,6 @@ def _decode_partial_rows_t(
     valid = rh < REP
     j = tl.arange(0, DH)
     jc = perm4(j)  # position j holds channel jc (nibble_tiles); perm4 keeps every channel in its group
-    q_ptr = Q + b64 * q_sb + (h * REP + rh)[None, :] * q_sh + jc[:, None]
     qf = 1.0  # the power of two the query operand is scaled by (K_FOLD 1)
     if K_FOLD == 1:  # column (h, g): head h on the channels of group g; row i: channel perm4(i)
         i = tl.arange(0, D)
@@ -740,10 +748,11 @@ def _decode_partial_rows_t(
         q_sum = reduce_sum(qt, 0) * (qf / NIBBLE_HI)
         qt_lo = (qt * (tl.where(i < DH, 16.0, 1.0) * qf)[:, None]).to(tl.float16)
         qt_hi = qt_lo  # unused
-    else:  # per-channel keys: the whole query in the g = 0 columns, fp32 (the block scale multiplies it)
-        m0 = valid[None, :] & (rg[None, :] == 0) & (j[:, None] >= 0)
-        qt_lo = tl.load(q_ptr, mask=m0, other=0.0).to(tl.float32)
-        qt_hi = tl.load(q_ptr + DH, mask=m0, other=0.0).to(tl.float32)
+    else:  # per-channel keys: the heads' query [D/2, REPP] per half, fp32 (the block scale multiplies it)
+        hh = tl.arange(0, REPP)
+        q_ptr = Q + b64 * q_sb + (h * REP + hh)[None, :] * q_sh + jc[:, None]
+        qt_lo = tl.load(q_ptr, mask=(hh < REP)[None, :], other=0.0).to(tl.float32)
+        qt_hi = tl.load(q_ptr + DH, mask=(hh < REP)[None, :], other=0.0).to(tl.float32)
         q_sum = reduce_sum(qt_lo, 0)  # unused
 
     k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
