@@ -606,16 +606,17 @@ def _cat_cols(lo, hi, BLOCK_N: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _split_cols(a, DH: tl.constexpr, REPP: tl.constexpr):
-    """fp32 ``a [DH, REPP]`` as an fp16 MMA operand ``[DH, max(16, 2 REPP)]``: columns ``[hi | lo]`` with ``hi`` = ``a``
-    rounded to fp16 and ``lo`` = the rest (``hi + lo`` holds ``a`` to ~2**-22), zero columns after them (an MMA's
-    N is at least 16)."""
+def _split_cols(a, DH: tl.constexpr, REPP: tl.constexpr, G: tl.constexpr):
+    """fp32 ``a [DH, REPP]`` as an fp16 MMA operand ``[DH, REPP * G]`` (``G`` in 2, 4, 8), the columns (h, g) of the
+    grouped keys: ``a[:, h]`` rounded to fp16 and the rest (together ``a`` to ~2**-22) in two of head h's G columns,
+    zeros in the others (summed over g like the grouped keys' partial scores)."""
     ah = a.to(tl.float16)
-    al = (a - ah.to(tl.float32)).to(tl.float16)
-    x = tl.reshape(tl.permute(tl.join(ah, al), (0, 2, 1)), [DH, 2 * REPP])
-    if 2 * REPP < 16:
-        x = tl.reshape(tl.permute(tl.join(x, tl.zeros_like(x)), (0, 2, 1)), [DH, 4 * REPP])
-    return x
+    x = tl.join(ah, (a - ah.to(tl.float32)).to(tl.float16))  # [DH, REPP, 2]
+    if G >= 4:
+        x = tl.reshape(tl.join(x, tl.zeros_like(x)), [DH, REPP, 4])
+    if G >= 8:
+        x = tl.reshape(tl.join(x, tl.zeros_like(x)), [DH, REPP, 8])
+    return tl.reshape(x, [DH, REPP * G])
 
 
 @triton.jit
@@ -675,10 +676,9 @@ def _rows_tile_t(
         a_hi = qt_hi * tl.load(srow + DH).to(tl.float32)[:, None]
         zq = qt_lo * tl.load(zrow).to(tl.float32)[:, None] + qt_hi * tl.load(zrow + DH).to(tl.float32)[:, None]
         zq = reduce_sum(zq, 0)
-        st = tl.dot(k_lo, _split_cols(a_lo, DH, REPP)) * 16.0  # 2**-20 units, as the high nibbles'
-        st = tl.dot(k_hi, _split_cols(a_hi, DH, REPP), st)
-        NC: tl.constexpr = st.shape[1]
-        s = reduce_sum(tl.reshape(st, [BLOCK_N, NC // REPP, REPP]), 1) + zq[None, :] * (1.0 / NIBBLE_HI)
+        st = tl.dot(k_lo, _split_cols(a_lo, DH, REPP, G)) * 16.0  # 2**-20 units, as the high nibbles'
+        st = tl.dot(k_hi, _split_cols(a_hi, DH, REPP, G), st)
+        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2) + zq[None, :] * (1.0 / NIBBLE_HI)
     s = cap_scores(s * scale, SOFTCAP)
     if MASKED:
         s = tl.where(mask_n[:, None], s, float("-inf"))
