@@ -671,11 +671,10 @@ def _rows_tile_t(
         DH: tl.constexpr = D // 2
         jc = perm4(tl.arange(0, DH))
         srow = ks_base + blk * ks_sb + jc
-        zrow = kz_base + blk * ks_sb + jc
         a_lo = qt_lo * tl.load(srow).to(tl.float32)[:, None]
         a_hi = qt_hi * tl.load(srow + DH).to(tl.float32)[:, None]
-        zq = qt_lo * tl.load(zrow).to(tl.float32)[:, None] + qt_hi * tl.load(zrow + DH).to(tl.float32)[:, None]
-        zq = reduce_sum(zq, 0)
+        # q . z over the natural channel order: q_sum holds the heads' query rows [REPP, D] (fp32)
+        zq = reduce_sum(q_sum * tl.load(kz_base + blk * ks_sb + tl.arange(0, D)).to(tl.float32)[None, :], 1)
         st = tl.dot(k_lo, _split_cols(a_lo, DH, REPP, G)) * 16.0  # 2**-20 units, as the high nibbles'
         st = tl.dot(k_hi, _split_cols(a_hi, DH, REPP, G), st)
         s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2) + zq[None, :] * (1.0 / NIBBLE_HI)
@@ -753,7 +752,8 @@ def _decode_partial_rows_t(
         q_ptr = Q + b64 * q_sb + (h * REP + hh)[None, :] * q_sh + jc[:, None]
         qt_lo = tl.load(q_ptr, mask=(hh < REP)[None, :], other=0.0).to(tl.float32)
         qt_hi = tl.load(q_ptr + DH, mask=(hh < REP)[None, :], other=0.0).to(tl.float32)
-        q_sum = reduce_sum(qt_lo, 0)  # unused
+        q_rows = Q + b64 * q_sb + (h * REP + hh)[:, None] * q_sh + tl.arange(0, D)[None, :]
+        q_sum = tl.load(q_rows, mask=(hh < REP)[:, None], other=0.0).to(tl.float32)  # [REPP, D]: for q . z
 
     k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
     v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
