@@ -1009,16 +1009,20 @@ def decode_launches(
             # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
             kernel = _decode_partial_rows
             meta["BLOCK_H"] = rows_h
-            if dot_kind == DOT_FP16 and (kop.folds4(D) or num_warps >= 4):
-                # fp16 queries (grouped or per-channel int4 K): transposed, on warpgroup MMAs (launch_config's
-                # warps: 4 at head_dim 128, also for 32 rows; 2 at 64, where per-channel keys keep the kernel
-                # above: 420 B of spills at 2 warps, 1.18x at 4). maxnreg 168: at ptxas' own choice (127
-                # registers) the bit-trick constants are rematerialised before every use (~4 instructions per token;
-                # per-channel keys: no cap, at 168 they spill 336 B with 32 columns, GQA 8)
+            if dot_kind == DOT_FP16:
+                # fp16 queries (grouped or per-channel int4 K): transposed, on warpgroup MMAs (4 warps, also at
+                # head_dim 64: int4 1.15 -> 1.11 issue/HBM, int4-channel 2.20 -> 1.35 vs the kernel above at 2
+                # warps). Register caps (sm_90a SASS, benchmarks/kernel_static.py): grouped keys 168 (ptxas' own
+                # choice issues ~1% more; at GQA 8 uncapped 218 registers); per-channel keys with 16 (head, group)
+                # columns 128 (470 vs 476 SASS per tile at hd128 GQA 4, 4 programs / SM; 32 columns: no cap, 128
+                # spills 544 B)
                 kernel = _decode_partial_rows_t
+                meta["num_warps"] = 4
                 meta["OFF32"] = kop.offsets32() and vop.offsets32()
                 if kop.folds4(D):
                     meta["maxnreg"] = 168
+                elif rows_h * (D // vop.group) <= 16:
+                    meta["maxnreg"] = 128
             elif rows_h * (D // vop.group) >= 32:
                 meta["num_warps"] = 8
         launches.append(Launch(kernel, (B * Hg, S), args, meta))

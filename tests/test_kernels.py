@@ -476,7 +476,7 @@ def test_transposed_decode_fp16_queries_exact(row, D, rep, block):
         assert err <= 2e-5, f"{row} D={D} rep={rep}: max error {err:.2e} vs the fp32 reference"
 
 
-@pytest.mark.parametrize(("D", "rep", "block"), [(128, 3, 64), (128, 8, 128)])
+@pytest.mark.parametrize(("D", "rep", "block"), [(128, 3, 64), (128, 8, 128), (64, 4, 64)])
 def test_transposed_decode_channel_keys_fp16_exact(D, rep, block):
     """Per-channel int4 keys + grouped int4 values with fp16 queries (:func:`_decode_partial_rows_t`,
     ``K_FOLD`` 2: the block's key scale folded into an fp32 query split into two fp16 MMA operands, the zero
