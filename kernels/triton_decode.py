@@ -692,7 +692,12 @@ def _rows_tile_t(
     pc = _head_cols(p, G)  # [BLOCK_N, R]
     a = _head_cols(alpha, G)[None, :]
     gv_off = blk * vs_sb + n_in * G
-    ps = pc * _group_cols(vs_base + gv_off, g_offs, G, REPP, BLOCK_N, mask_n)
+    # V's scale and zero loaded together (joined: both pipelined like operands of the MMA)
+    vsz = tl.join(tl.load(vs_base + gv_off + g_offs, mask=mask_n[:, None], other=0.0),
+                  tl.load(vz_base + gv_off + g_offs, mask=mask_n[:, None], other=0.0)).to(tl.float32)  # fmt: skip
+    vsz = tl.reshape(tl.broadcast_to(vsz[:, None, :, :], [BLOCK_N, REPP, G, 2]), [BLOCK_N, REPP * G, 2])
+    vs_c, vz_c = tl.split(vsz)
+    ps = pc * vs_c
     ph = ps.to(tl.float16)
     pl = (ps - ph.to(tl.float32)).to(tl.float16)
     vp = (v_base + (blk * v_sb + n_in * (v_st * 4))).to(tl.pointer_type(tl.int32))
@@ -702,7 +707,7 @@ def _rows_tile_t(
     vt = tl.trans(_cat_cols(v_lo, v_hi, BLOCK_N, D))
     acc = tl.dot(vt, pl, tl.dot(vt, ph, acc * a))
     # V's zero term per (token, row), summed over the tokens after the loop
-    zacc = zacc * a + pc * _group_cols(vz_base + gv_off, g_offs, G, REPP, BLOCK_N, mask_n)
+    zacc = zacc * a + pc * vz_c
     return m_new, l_i, acc, zacc
 
 
