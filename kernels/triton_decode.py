@@ -611,7 +611,7 @@ def _cat_cols(lo, hi, BLOCK_N: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _split_cols(a, DH: tl.constexpr, REPP: tl.constexpr, G: tl.constexpr):
-    """fp32 ``a [DH, REPP]`` as an fp16 MMA operand ``[DH, REPP * G]`` (``G`` in 2, 4, 8), the columns (h, g) of the
+    """fp32 ``a [DH, REPP]`` as an fp16 MMA operand ``[DH, REPP * G]`` (``G`` in 2, 4, 8, 16), the columns (h, g) of the
     grouped keys: ``a[:, h]`` rounded to fp16 and the rest (together ``a`` to ~2**-22) in two of head h's G columns,
     zeros in the others (summed over g like the grouped keys' partial scores)."""
     ah = a.to(tl.float16)
@@ -620,6 +620,8 @@ def _split_cols(a, DH: tl.constexpr, REPP: tl.constexpr, G: tl.constexpr):
         x = tl.reshape(tl.join(x, tl.zeros_like(x)), [DH, REPP, 4])
     if G >= 8:
         x = tl.reshape(tl.join(x, tl.zeros_like(x)), [DH, REPP, 8])
+    if G >= 16:
+        x = tl.reshape(tl.join(x, tl.zeros_like(x)), [DH, REPP, 16])
     return tl.reshape(x, [DH, REPP * G])
 
 

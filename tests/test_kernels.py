@@ -476,8 +476,9 @@ def test_transposed_decode_fp16_queries_exact(row, D, rep, block):
         assert err <= 2e-5, f"{row} D={D} rep={rep}: max error {err:.2e} vs the fp32 reference"
 
 
-@pytest.mark.parametrize(("D", "rep", "block"), [(128, 3, 64), (128, 8, 128), (64, 4, 64)])
-def test_transposed_decode_channel_keys_fp16_exact(D, rep, block):
+@pytest.mark.parametrize(("D", "rep", "block", "group"), [(128, 3, 64, 32), (128, 8, 128, 32), (64, 4, 64, 32),
+                                                      (256, 2, 64, 16)])  # fmt: skip
+def test_transposed_decode_channel_keys_fp16_exact(D, rep, block, group):
     """Per-channel int4 keys + grouped int4 values with fp16 queries (:func:`_decode_partial_rows_t`,
     ``K_FOLD`` 2: the block's key scale folded into an fp32 query split into two fp16 MMA operands, the zero
     term an MMA of ones): the kernels' fp32 result over the quantized pool within 2e-5 of the fp32 reference."""
@@ -486,7 +487,8 @@ def test_transposed_decode_channel_keys_fp16_exact(D, rep, block):
     from kvquant.kernels.triton_dequant import DOT_FP16, operand
 
     row = [KVPrecision("int4-channel", "int4")] * 2
-    layer, fk, fv = make_layer(row, D=D, past=300, block=block, steps=(130, 131, 200), dtype=torch.float16)
+    layer, fk, fv = make_layer(row, D=D, past=300, block=block, steps=(130, 131, 200), dtype=torch.float16,
+                               group_size=group)  # fmt: skip
     hist = layer.q_end  # the pool: whole blocks
     Hq = 2 * rep
     q = query(2, Hq, 1, D, dtype=torch.float16)
