@@ -292,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     from triton.backends.nvidia.compiler import get_ptxas
 
     get_ptxas(90)  # raises when triton has no CUDA toolchain
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     t0 = time.perf_counter()
     base = {}
     rows: list[Row] = []
@@ -329,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python benchmarks/kernel_static.py " + " ".join(argv if argv is not None else sys.argv[1:])
     md = "\n".join([
         "# Static decode-kernel benchmark (sm_90a SASS, no GPU)", "",
-        f"Command: `{cmd.strip()}` ({elapsed:.0f} s on CPU). Shape: batch {args.batch}, {args.kv_heads} KV heads, "
+        f"Command: `{cmd.strip()}` ({elapsed:.0f} s on CPU; started {started}, load average {load:.1f} on "
+        f"{os.cpu_count()} CPUs: the compile times depend on it, the counts do not). "
+        f"Shape: batch {args.batch}, {args.kv_heads} KV heads, "
         f"history {args.context - 1} tokens, fp16 queries; the launches of `decode_launches` on `meta` tensors "
         "(split count for 132 SMs), compiled through Triton's runtime binder for sm_90a. Model and column "
         "definitions: the docstring of `benchmarks/kernel_static.py` (t = max(HBM bytes / 4.3 TB/s, "

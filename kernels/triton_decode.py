@@ -41,6 +41,8 @@ from .triton_dequant import (
     KIND_FP8,
     KIND_INTN,
     KIND_TOKEN,
+    NIBBLE_HI,
+    NIBBLE_LO,
     Operand,
     _mma,
     cap_scores,
@@ -581,90 +583,138 @@ def _decode_partial_rows(
     tl.store(o_ptr + DH, (acc_hi + zacc[:, None]) / den[:, None], mask=keep_hi)
 
 
-# ------------------------------------------------ int4 K and V on (group, head) rows, transposed (wgmma)
+# ------------------------------------------------ int4 K and V on (head, group) columns, transposed (wgmma)
 # fp16 queries: the rows kernel's products transposed, so that tokens (keys) and channels (values) are the MMA
-# rows: scores^T [BLOCK_N, R] = K codes [BLOCK_N, D/2] @ q_rows^T [D/2, R] per half of D (warpgroup MMAs, the
-# loop-invariant query rows in shared memory), and out^T [D/2, R] += V codes^T @ (p x V scale)^T per half
-# (:func:`nibble_tiles`: exact fp16 codes, channels in perm4 order). Per-(token, group) scales and zeros are
-# per-column factors of the [BLOCK_N, R] tiles; V's zero term is accumulated per (token, row) and summed over
-# the tokens after the loop. Per-channel keys (int4-channel) fold their block's scale into the query, an fp32
-# B operand split into two fp16 halves, and their zero term q . z into an MMA of ones with q * z.
+# rows, on R = heads x G columns (h, g) (column r: head r // G, group r % G): scores^T [BLOCK_N, R] = K codes
+# [BLOCK_N, D] @ q_cols [D, R] (warpgroup MMAs, the loop-invariant query in shared memory; grouped keys: column
+# (h, g) holds head h on the channels of group g) and out^T [D, R] += V codes^T [D, BLOCK_N] @ (p x V scale)
+# [BLOCK_N, R] (hi + lo fp16 halves). Codes come as fp16 subnormals (:func:`nibble_tiles`: one and per two codes,
+# channels in perm4 order; the low nibbles' tile [:, :D/2] in units of 2**-24, the high ones' in 2**-20: the key
+# operand's low-channel rows carry the x16, the powers of two go into the softmax scale and the epilogue). Per-(token,
+# group) scales and zeros are per-column factors of the [BLOCK_N, R] tiles; V's zero term is accumulated per (token,
+# column) and summed over the tokens after the loop. Per-channel keys (int4-channel) fold their block's scale into
+# the query (fp32 [D/2, heads] per nibble half, split into hi + lo fp16 columns (h, 0) and (h, 1)) and add their
+# zero term q . z (an fp32 reduction per head) to the scores.
 @triton.jit
-def _group_cols(ptr, n_in, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.constexpr, mask_n):
-    """Per-(token, group) values (``ptr + t * G + g``) of the tokens ``n_in ..`` as columns ``[BLOCK_N, G * REPP]``
-    (column r: group ``r // REPP``), fp32; 0 outside ``mask_n``."""
-    x = tl.load(ptr + (n_in + tl.arange(0, BLOCK_N))[:, None] * G + tl.arange(0, G)[None, :], mask=mask_n[:, None],
-                other=0.0).to(tl.float32)  # fmt: skip
-    return tl.reshape(tl.broadcast_to(x[:, :, None], [BLOCK_N, G, REPP]), [BLOCK_N, G * REPP])
+def _group_cols(ptr, offs, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.constexpr, mask_n):
+    """Per-(token, group) values ``ptr + offs`` (``offs [BLOCK_N, G]``: ``t * G + g``) of ``BLOCK_N`` tokens as columns
+    ``[BLOCK_N, REPP * G]`` (column r: group ``r % G``), fp32; 0 outside ``mask_n``."""
+    x = tl.load(ptr + offs, mask=mask_n[:, None], other=0.0).to(tl.float32)
+    return tl.reshape(tl.broadcast_to(x[:, None, :], [BLOCK_N, REPP, G]), [BLOCK_N, REPP * G])
+
+
+@triton.jit
+def _cat_cols(lo, hi, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """``[BLOCK_N, D]``: the columns of ``lo [BLOCK_N, D/2]`` then those of ``hi`` (register views)."""
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BLOCK_N, D])
+
+
+@triton.jit
+def _split_cols(a, DH: tl.constexpr, REPP: tl.constexpr, G: tl.constexpr):
+    """fp32 ``a [DH, REPP]`` as an fp16 MMA operand ``[DH, REPP * G]`` (``G`` in 2, 4, 8, 16), the columns (h, g) of the
+    grouped keys: ``a[:, h]`` rounded to fp16 and the rest (together ``a`` to ~2**-22) in two of head h's G columns,
+    zeros in the others (summed over g like the grouped keys' partial scores)."""
+    ah = a.to(tl.float16)
+    x = tl.join(ah, (a - ah.to(tl.float32)).to(tl.float16))  # [DH, REPP, 2]
+    if G >= 4:
+        x = tl.reshape(tl.join(x, tl.zeros_like(x)), [DH, REPP, 4])
+    if G >= 8:
+        x = tl.reshape(tl.join(x, tl.zeros_like(x)), [DH, REPP, 8])
+    if G >= 16:
+        x = tl.reshape(tl.join(x, tl.zeros_like(x)), [DH, REPP, 16])
+    return tl.reshape(x, [DH, REPP * G])
+
+
+@triton.jit
+def _head_cols(x, G: tl.constexpr):
+    """``x [..., REPP]`` (per head) repeated for the ``G`` groups of each head: ``[..., REPP * G]`` (column r: head
+    ``r // G``)."""
+    if len(x.shape) == 1:
+        r = tl.reshape(tl.broadcast_to(x[:, None], [x.shape[0], G]), [x.shape[0] * G])
+    else:
+        r = tl.reshape(tl.broadcast_to(x[:, :, None], [x.shape[0], x.shape[1], G]), [x.shape[0], x.shape[1] * G])
+    return r
 
 
 @triton.jit
 def _rows_tile_t(
     n0, start, end, MASKED: tl.constexpr, qt_lo, qt_hi, q_sum, scale, tbl,
     k_base, ks_base, kz_base, k_sb, k_st, ks_sb,
-    v_base, vs_base, vz_base, v_sb, v_st, vs_sb,
-    m_i, l_i, acc_lo, acc_hi, zacc,
+    v_base, vs_base, vz_base, v_sb, v_st, vs_sb, k_offs, v_offs, g_offs,
+    m_i, l_i, acc, zacc,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
-    G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr,
+    G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, OFF32: tl.constexpr,
 ):  # fmt: skip
-    """One tile of :func:`_decode_partial_rows_t`."""
-    R: tl.constexpr = G * REPP
+    """One tile of :func:`_decode_partial_rows_t`. Addresses: a scalar base per part and tile (block, first
+    token) plus the loop-invariant offsets ``k_offs`` / ``v_offs`` (words of the rows, ``k_st`` / ``v_st`` in words)
+    and ``g_offs`` (per-(token, group) scale / zero rows)."""
     n_blk, n_in = _block_pos(n0, BS)
-    inner = n_in + tl.arange(0, BLOCK_N)
     if MASKED:
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= start) & (offs_n < end)
-        blk = tl.load(tbl + n_blk, mask=n0 < end, other=0).to(tl.int64)
+        blk = tl.load(tbl + n_blk, mask=n0 < end, other=0)
     else:
         mask_n = tl.full([BLOCK_N], 1, tl.int1)
-        blk = tl.load(tbl + n_blk).to(tl.int64)
-    k_lo, k_hi = nibble_tiles(k_base + blk * k_sb, inner * k_st, mask_n, BLOCK_N, D)  # k_st: in words
+        blk = tl.load(tbl + n_blk)
+    if not OFF32:  # 64-bit element offsets (OFF32: every offset of the parts fits in 31 bits)
+        blk = blk.to(tl.int64)
+    # codes as fp16 subnormals (nibble_tiles): the low nibbles' dot is 2**-24 q . c, the high ones' 2**-20 q . c
+    kp = (k_base + (blk * k_sb + n_in * (k_st * 4))).to(tl.pointer_type(tl.int32))
+    k_lo, k_hi = nibble_tiles(kp, k_offs, mask_n, BLOCK_N, D)
     if K_FOLD == 1:
-        st = tl.dot(k_hi, qt_hi, tl.dot(k_lo, qt_lo))  # [BLOCK_N, R]: column (g, h) = head h on group g
-        ks = _group_cols(ks_base + blk * ks_sb, n_in, G, REPP, BLOCK_N, mask_n)
-        kz = _group_cols(kz_base + blk * ks_sb, n_in, G, REPP, BLOCK_N, mask_n)
+        # one MMA over D: [low | high nibbles] @ qt (rows: 16 f q of the low channels, f q of the high ones), so
+        # st = 2**-20 f q . c per column (h, g) = head h on group g (q_sum comes scaled alike, `scale` holds 2**20 / f)
+        st = tl.dot(_cat_cols(k_lo, k_hi, BLOCK_N, D), qt_lo)
+        g_off = blk * ks_sb + n_in * G
+        ks = _group_cols(ks_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
+        kz = _group_cols(kz_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
         st = st * ks + q_sum[None, :] * kz
+        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2)  # [BLOCK_N, REPP]
     else:
-        # per-channel keys (the tile lies in one pool block): the block's scale row folded into the query
-        # (fp32, split into two fp16 MMA operands), its zero into one term per column; qt_*: fp32, the whole
-        # query in the g = 0 columns
+        # per-channel keys (the tile lies in one pool block; qt_lo / qt_hi: the heads' query [D/2, REPP] on the
+        # channels of the low / high nibbles, fp32): the block's scale row folded into the query, a = q * s split
+        # into two fp16 MMA operands (columns [hi | lo] of each head), its zero into one fp32 term per head q . z
         DH: tl.constexpr = D // 2
         jc = perm4(tl.arange(0, DH))
-        srow = ks_base + blk * ks_sb
-        zrow = kz_base + blk * ks_sb
-        a_lo = qt_lo * tl.load(srow + jc).to(tl.float32)[:, None]
-        a_hi = qt_hi * tl.load(srow + DH + jc).to(tl.float32)[:, None]
-        # the zero term q . z, the same for every token: an MMA of ones with q * z (hi + lo halves)
-        b_lo = qt_lo * tl.load(zrow + jc).to(tl.float32)[:, None]
-        b_hi = qt_hi * tl.load(zrow + DH + jc).to(tl.float32)[:, None]
-        ones = tl.full([BLOCK_N, DH], 1.0, tl.float16)
-        h_lo = a_lo.to(tl.float16)
-        h_hi = a_hi.to(tl.float16)
-        st = tl.dot(k_lo, h_lo, tl.dot(k_hi, h_hi))
-        st = tl.dot(k_lo, (a_lo - h_lo.to(tl.float32)).to(tl.float16), st)
-        st = tl.dot(k_hi, (a_hi - h_hi.to(tl.float32)).to(tl.float16), st)
-        b = b_lo + b_hi
-        bh = b.to(tl.float16)
-        st = tl.dot(ones, (b - bh.to(tl.float32)).to(tl.float16), tl.dot(ones, bh, st))
-    s = cap_scores(reduce_sum(tl.reshape(st, [BLOCK_N, G, REPP]), 1) * scale, SOFTCAP)  # [BLOCK_N, REPP]
+        srow = ks_base + blk * ks_sb + jc
+        a_lo = qt_lo * tl.load(srow).to(tl.float32)[:, None]
+        a_hi = qt_hi * tl.load(srow + DH).to(tl.float32)[:, None]
+        # q . z over the natural channel order: q_sum holds the heads' query rows [REPP, D] (fp32)
+        zq = reduce_sum(q_sum * tl.load(kz_base + blk * ks_sb + tl.arange(0, D)).to(tl.float32)[None, :], 1)
+        st = tl.dot(k_lo, _split_cols(a_lo, DH, REPP, G)) * 16.0  # 2**-20 units, as the high nibbles'
+        st = tl.dot(k_hi, _split_cols(a_hi, DH, REPP, G), st)
+        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2) + zq[None, :] * (1.0 / NIBBLE_HI)
+    s = cap_scores(s * scale, SOFTCAP)
     if MASKED:
         s = tl.where(mask_n[:, None], s, float("-inf"))
-    m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 0))
+    if MASKED:
+        m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 0))
+    else:  # an interior tile's scores are finite: so is the new maximum (no -inf guard)
+        m_new = tl.maximum(m_i, reduce_max(s, 0))
+        m_safe = m_new
+        alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_safe[None, :])
-    l_i = l_i * alpha + reduce_sum(p, 0)
-    pc = tl.reshape(tl.broadcast_to(p[:, None, :], [BLOCK_N, G, REPP]), [BLOCK_N, R])
-    a = _to_rows(alpha, G)[None, :]
-    ps = pc * _group_cols(vs_base + blk * vs_sb, n_in, G, REPP, BLOCK_N, mask_n)
+    l_i = l_i * alpha[None, :] + p  # per (token, head): summed over the tokens after the loop
+    pc = _head_cols(p, G)  # [BLOCK_N, R]
+    a = _head_cols(alpha, G)[None, :]
+    gv_off = blk * vs_sb + n_in * G
+    # V's scale and zero loaded together (joined: both pipelined like operands of the MMA)
+    vsz = tl.join(tl.load(vs_base + gv_off + g_offs, mask=mask_n[:, None], other=0.0),
+                  tl.load(vz_base + gv_off + g_offs, mask=mask_n[:, None], other=0.0)).to(tl.float32)  # fmt: skip
+    vsz = tl.reshape(tl.broadcast_to(vsz[:, None, :, :], [BLOCK_N, REPP, G, 2]), [BLOCK_N, REPP * G, 2])
+    vs_c, vz_c = tl.split(vsz)
+    ps = pc * vs_c
     ph = ps.to(tl.float16)
     pl = (ps - ph.to(tl.float32)).to(tl.float16)
-    v_lo, v_hi = nibble_tiles(v_base + blk * v_sb, inner * v_st, mask_n, BLOCK_N, D)  # v_st: in words
-    vt_lo = tl.trans(v_lo)
-    vt_hi = tl.trans(v_hi)
-    acc_lo = tl.dot(vt_lo, pl, tl.dot(vt_lo, ph, acc_lo * a))
-    acc_hi = tl.dot(vt_hi, pl, tl.dot(vt_hi, ph, acc_hi * a))
+    vp = (v_base + (blk * v_sb + n_in * (v_st * 4))).to(tl.pointer_type(tl.int32))
+    v_lo, v_hi = nibble_tiles(vp, v_offs, mask_n, BLOCK_N, D)
+    # one [D, BLOCK_N] operand: rows [0, D/2) the low nibbles' channels (2**-24 of the value sums), [D/2, D)
+    # the high ones' (2**-20); one MMA per probability half for both
+    vt = tl.trans(_cat_cols(v_lo, v_hi, BLOCK_N, D))
+    acc = tl.dot(vt, pl, tl.dot(vt, ph, acc * a))
     # V's zero term per (token, row), summed over the tokens after the loop
-    zacc = zacc * a + pc * _group_cols(vz_base + blk * vs_sb, n_in, G, REPP, BLOCK_N, mask_n)
-    return m_new, l_i, acc_lo, acc_hi, zacc
+    zacc = zacc * a + pc * vz_c
+    return m_new, l_i, acc, zacc
 
 
 @triton.jit
@@ -679,10 +729,11 @@ def _decode_partial_rows_t(
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
     K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
-    V_W8: tl.constexpr = False,
+    V_W8: tl.constexpr = False, OFF32: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`_decode_partial_rows` transposed (fp16 queries; grouped int4 V, int4 K grouped alike
-    (``K_FOLD`` 1) or per channel (``K_FOLD`` 2))."""
+    (``K_FOLD`` 1) or per channel (``K_FOLD`` 2)); ``OFF32``: the parts' element offsets in 32-bit integers
+    (:meth:`Operand.offsets32`)."""
     G: tl.constexpr = D // V_GROUP
     REPP: tl.constexpr = BLOCK_H
     R: tl.constexpr = G * REPP
@@ -690,67 +741,82 @@ def _decode_partial_rows_t(
     pid, split, b, hg, b64, h, start, end = _program_span(HEAD_IDX, LO, HI, lo_sb, past_len, part_len, Hg, HAS_RANGE)
 
     r = tl.arange(0, R)
-    rh = r % REPP
-    rg = r // REPP
+    rh = r // G  # column (h, g): head h, group g
+    rg = r % G
     valid = rh < REP
     j = tl.arange(0, DH)
     jc = perm4(j)  # position j holds channel jc (nibble_tiles); perm4 keeps every channel in its group
-    q_ptr = Q + b64 * q_sb + (h * REP + rh)[None, :] * q_sh + jc[:, None]
-    if K_FOLD == 1:  # column (g, h): head h on the channels of group g
-        qt_lo = tl.load(q_ptr, mask=valid[None, :] & ((j[:, None] // V_GROUP) == rg[None, :]), other=0.0)
-        qt_hi = tl.load(q_ptr + DH, mask=valid[None, :] & ((j[:, None] + DH) // V_GROUP == rg[None, :]), other=0.0)
-        q_sum = reduce_sum(qt_lo.to(tl.float32), 0) + reduce_sum(qt_hi.to(tl.float32), 0)
-        qt_lo = qt_lo.to(tl.float16)
-        qt_hi = qt_hi.to(tl.float16)
-    else:  # per-channel keys: the whole query in the g = 0 columns, fp32 (the block scale multiplies it)
-        m0 = valid[None, :] & (rg[None, :] == 0) & (j[:, None] >= 0)
-        qt_lo = tl.load(q_ptr, mask=m0, other=0.0).to(tl.float32)
-        qt_hi = tl.load(q_ptr + DH, mask=m0, other=0.0).to(tl.float32)
-        q_sum = reduce_sum(qt_lo, 0)  # unused
+    qf = 1.0  # the power of two the query operand is scaled by (K_FOLD 1)
+    if K_FOLD == 1:  # column (h, g): head h on the channels of group g; row i: channel perm4(i)
+        i = tl.arange(0, D)
+        q_mask = valid[None, :] & ((i[:, None] // V_GROUP) == rg[None, :])
+        qt = tl.load(Q + b64 * q_sb + (h * REP + rh)[None, :] * q_sh + perm4(i)[:, None], mask=q_mask, other=0.0)
+        qt = qt.to(tl.float32)
+        # rows of the low nibbles' channels x 16 (their codes' units: nibble_tiles), all rows x qf <= 1, a power of
+        # two that keeps 16 qf |q| < 2**15 (qf = 1 unless max |q| >= 2048): exact fp16 operands
+        e = (reduce_max(reduce_max(tl.abs(qt), 0), 0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        qf = ((127 - tl.maximum(e - 137, 0)) << 23).to(tl.float32, bitcast=True)
+        q_sum = reduce_sum(qt, 0) * (qf / NIBBLE_HI)
+        qt_lo = (qt * (tl.where(i < DH, 16.0, 1.0) * qf)[:, None]).to(tl.float16)
+        qt_hi = qt_lo  # unused
+    else:  # per-channel keys: the heads' query [D/2, REPP] per half, fp32 (the block scale multiplies it)
+        hh = tl.arange(0, REPP)
+        q_ptr = Q + b64 * q_sb + (h * REP + hh)[None, :] * q_sh + jc[:, None]
+        qt_lo = tl.load(q_ptr, mask=(hh < REP)[None, :], other=0.0).to(tl.float32)
+        qt_hi = tl.load(q_ptr + DH, mask=(hh < REP)[None, :], other=0.0).to(tl.float32)
+        q_rows = Q + b64 * q_sb + (h * REP + hh)[:, None] * q_sh + tl.arange(0, D)[None, :]
+        q_sum = tl.load(q_rows, mask=(hh < REP)[:, None], other=0.0).to(tl.float32)  # [REPP, D]: for q . z
 
     k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
     v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
     tbl = TBL + b64 * tbl_sb
-    scale = qk_scale
+    scale = qk_scale * (NIBBLE_HI / qf)  # the key tiles' subnormal codes (nibble_tiles), the query's scale
     m_i = tl.full([REPP], float("-inf"), tl.float32)
-    l_i = tl.full([REPP], 0, tl.float32)
-    acc_lo = tl.full([DH, R], 0, tl.float32)
-    acc_hi = tl.full([DH, R], 0, tl.float32)
+    l_i = tl.full([BLOCK_N, REPP], 0, tl.float32)  # per (token, head); summed after the loop
+    acc = tl.full([D, R], 0, tl.float32)  # row i: channel perm4(i)
     zacc = tl.full([BLOCK_N, R], 0, tl.float32)
+    # loop-invariant offsets of a tile's rows (codes: 32-bit words, row strides in words)
+    k_stw = k_st // 4
+    v_stw = v_st // 4
+    tok = tl.arange(0, BLOCK_N)[:, None]
+    k_offs = tok * k_stw + tl.arange(0, D // 8)[None, :]
+    v_offs = tok * v_stw + tl.arange(0, D // 8)[None, :]
+    g_offs = tok * G + tl.arange(0, G)[None, :]
     full_lo = tl.cdiv(start, BLOCK_N) * BLOCK_N
     full_hi = (end // BLOCK_N) * BLOCK_N
     for n0 in range(full_lo, full_hi, BLOCK_N):
-        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile_t(
+        m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, False, qt_lo, qt_hi, q_sum, scale, tbl,
-            k_base, ks_base, kz_base, k_sb, k_st // 4, ks_sb, v_base, vs_base, vz_base, v_sb, v_st // 4, vs_sb,
-            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+            k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
+            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32)  # fmt: skip
     if (start % BLOCK_N != 0) & (start < end):
         n0 = start - start % BLOCK_N
-        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile_t(
+        m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
-            k_base, ks_base, kz_base, k_sb, k_st // 4, ks_sb, v_base, vs_base, vz_base, v_sb, v_st // 4, vs_sb,
-            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+            k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
+            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32)  # fmt: skip
     if tl.maximum(full_hi, full_lo) < end:
         n0 = tl.maximum(full_hi, full_lo)
-        m_i, l_i, acc_lo, acc_hi, zacc = _rows_tile_t(
+        m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
-            k_base, ks_base, kz_base, k_sb, k_st // 4, ks_sb, v_base, vs_base, vz_base, v_sb, v_st // 4, vs_sb,
-            m_i, l_i, acc_lo, acc_hi, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD)  # fmt: skip
+            k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
+            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32)  # fmt: skip
 
+    l_i = reduce_sum(l_i, 0)
     has = l_i != 0
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     offs_h = tl.arange(0, REPP)
     prow_h = (b64 * n_qheads + h * REP + offs_h) * S + split
     tl.store(LSE_PART + prow_h, lse, mask=offs_h < REP)
-    # column (g, h) keeps the channels of group g: out[h, c] = (acc[pos(c), (g(c), h)] + zero[(g(c), h)]) / l[h]
-    den = _to_rows(tl.where(has, l_i, 1.0), G)
+    # column (h, g) keeps the channels of group g: out[h, c] = (acc[pos(c), (h, g(c))] + zero[(h, g(c))]) / l[h]
+    den = _head_cols(tl.where(has, l_i, 1.0), G)
     zsum = reduce_sum(zacc, 0)
     prow = (b64 * n_qheads + h * REP + rh) * S + split
-    o_ptr = O_PART + prow[None, :] * D + jc[:, None]
-    keep_lo = valid[None, :] & ((j[:, None] // V_GROUP) == rg[None, :])
-    keep_hi = valid[None, :] & ((j[:, None] + DH) // V_GROUP == rg[None, :])
-    tl.store(o_ptr, (acc_lo + zsum[None, :]) / den[None, :], mask=keep_lo)
-    tl.store(o_ptr + DH, (acc_hi + zsum[None, :]) / den[None, :], mask=keep_hi)
+    i = tl.arange(0, D)
+    fac = tl.where(i < DH, NIBBLE_LO, NIBBLE_HI)  # the value codes' subnormal units (nibble_tiles)
+    keep = valid[None, :] & ((i[:, None] // V_GROUP) == rg[None, :])  # perm4 keeps channels in their group
+    tl.store(O_PART + prow[None, :] * D + perm4(i)[:, None], (acc * fac[:, None] + zsum[None, :]) / den[None, :],
+             mask=keep)  # fmt: skip
 
 
 @triton.jit
@@ -955,15 +1021,20 @@ def decode_launches(
             # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
             kernel = _decode_partial_rows
             meta["BLOCK_H"] = rows_h
-            if dot_kind == DOT_FP16 and (kop.folds4(D) or num_warps >= 4):
-                # fp16 queries (grouped or per-channel int4 K): transposed, on warpgroup MMAs (launch_config's
-                # warps: 4 at head_dim 128, also for 32 rows; 2 at 64, where per-channel keys keep the kernel
-                # above: 420 B of spills at 2 warps, 1.18x at 4). maxnreg 168: at ptxas' own choice (127
-                # registers) the bit-trick constants are rematerialised before every use (~4 instructions per token;
-                # per-channel keys: no cap, at 168 they spill 336 B with 32 columns, GQA 8)
+            if dot_kind == DOT_FP16:
+                # fp16 queries (grouped or per-channel int4 K): transposed, on warpgroup MMAs (4 warps, also at
+                # head_dim 64: int4 1.15 -> 1.11 issue/HBM, int4-channel 2.20 -> 1.35 vs the kernel above at 2
+                # warps). Register caps (sm_90a SASS, benchmarks/kernel_static.py): grouped keys 168 (ptxas' own
+                # choice issues ~1% more; at GQA 8 uncapped 218 registers); per-channel keys with 16 (head, group)
+                # columns 128 (470 vs 476 SASS per tile at hd128 GQA 4, 4 programs / SM; 32 columns: no cap, 128
+                # spills 544 B)
                 kernel = _decode_partial_rows_t
+                meta["num_warps"] = 4
+                meta["OFF32"] = kop.offsets32() and vop.offsets32()
                 if kop.folds4(D):
                     meta["maxnreg"] = 168
+                elif rows_h * (D // vop.group) <= 16:
+                    meta["maxnreg"] = 128
             elif rows_h * (D // vop.group) >= 32:
                 meta["num_warps"] = 8
         launches.append(Launch(kernel, (B * Hg, S), args, meta))

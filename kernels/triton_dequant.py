@@ -189,21 +189,25 @@ def _pairs_fp16(e, o, BLOCK_N: tl.constexpr, DH: tl.constexpr):
 
 
 @triton.jit
-def nibble_tiles(ptr, words, mask_n, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """Split-packed int4 codes (byte j: channel j in the low nibble, channel j + D/2 in the high one) of the
-    tokens whose rows start at the 32-bit word offsets ``words`` from ``ptr`` (rows outside ``mask_n`` read as 0), as
-    two exact fp16 tiles ``[BLOCK_N, D/2]`` of the codes of channels [0, D/2) (``lo``) and [D/2, D) (``hi``),
-    both in :func:`perm4` order. Per 32-bit word of 8 codes: one shift, four and + or
-    (``(w & 0x000F000F) | 0x64006400`` is the fp16 pair 1024 + c of the low nibbles of bytes 0 and 2;
-    ``0x00F000F0`` gives 1024 + 16 c of their high nibbles) and four fp16-pair operations (``x - 1024``,
-    ``x / 16 - 64``: exact), two codes per instruction."""
-    W: tl.constexpr = D // 8
-    wp = ptr.to(tl.pointer_type(tl.int32))
-    w = tl.load(wp + words[:, None] + tl.arange(0, W)[None, :], mask=mask_n[:, None], other=0)
+def nibble_tiles(wp, offs, mask_n, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Split-packed int4 codes (byte j: channel j in the low nibble, channel j + D/2 in the high one) of
+    ``BLOCK_N`` tokens, the 32-bit words ``wp + offs`` (``offs [BLOCK_N, D/8]``: row r's words; rows outside
+    ``mask_n`` read as 0), as
+    two fp16 tiles ``[BLOCK_N, D/2]`` of the codes of channels [0, D/2) (``lo``) and [D/2, D) (``hi``), both in
+    :func:`perm4` order, as fp16 *subnormals*: ``lo = c * 2**-24``, ``hi = 16 c * 2**-24`` (exact; the caller
+    multiplies the MMA results by :data:`NIBBLE_LO` / :data:`NIBBLE_HI`). Per 32-bit word of 8 codes: one shift
+    and four ands (``w & 0x000F000F`` is the fp16 pair of the low nibbles of bytes 0 and 2 as subnormals,
+    ``0x00F000F0`` their high nibbles, times 16), two codes per instruction, no constant to add or subtract."""
+    w = tl.load(wp + offs, mask=mask_n[:, None], other=0)
     w8 = w >> 8
-    lo = _pairs_fp16((w & 0x000F000F) | 0x64006400, (w8 & 0x000F000F) | 0x64006400, BLOCK_N, D // 2)
-    hi = _pairs_fp16((w & 0x00F000F0) | 0x64006400, (w8 & 0x00F000F0) | 0x64006400, BLOCK_N, D // 2)
-    return (lo - 1024.0).to(tl.float16), (hi * 0.0625 - 64.0).to(tl.float16)
+    lo = _pairs_fp16(w & 0x000F000F, w8 & 0x000F000F, BLOCK_N, D // 2)
+    hi = _pairs_fp16(w & 0x00F000F0, w8 & 0x00F000F0, BLOCK_N, D // 2)
+    return lo, hi
+
+
+#: what the MMA results of :func:`nibble_tiles`' ``lo`` / ``hi`` tiles are multiplied by (powers of two: exact)
+NIBBLE_LO: tl.constexpr = tl.constexpr(16777216.0)  # 2**24
+NIBBLE_HI: tl.constexpr = tl.constexpr(1048576.0)  # 2**20
 
 
 # ------------------------------------------------------------ int4 grouped, folded (decode inner loop)
@@ -546,6 +550,12 @@ class Operand:
     def int8_words(self, dot: int) -> bool:
         """True when the decode kernel reads this part with :func:`int8_words_fp16` (int8 codes, fp16 MMAs)."""
         return dot == DOT_FP16 and self.kind in (KIND_HEAD, KIND_TOKEN)
+
+    def offsets32(self) -> bool:
+        """True when every element offset of this part's tensors (codes, scale, zero) fits in 31 bits, so that a
+        kernel may compute them in 32-bit integers."""
+        return all(sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) < 2**31
+                   for t in (self.data, self.scale, self.zero))  # fmt: skip
 
     def folds4(self, head_dim: int) -> bool:
         """True when the decode kernel reads this part on the folded int4 path (:func:`qk_fold4`,

@@ -476,8 +476,9 @@ def test_transposed_decode_fp16_queries_exact(row, D, rep, block):
         assert err <= 2e-5, f"{row} D={D} rep={rep}: max error {err:.2e} vs the fp32 reference"
 
 
-@pytest.mark.parametrize(("D", "rep", "block"), [(128, 3, 64), (128, 8, 128)])
-def test_transposed_decode_channel_keys_fp16_exact(D, rep, block):
+@pytest.mark.parametrize(("D", "rep", "block", "group"), [(128, 3, 64, 32), (128, 8, 128, 32), (64, 4, 64, 32),
+                                                      (256, 2, 64, 16)])  # fmt: skip
+def test_transposed_decode_channel_keys_fp16_exact(D, rep, block, group):
     """Per-channel int4 keys + grouped int4 values with fp16 queries (:func:`_decode_partial_rows_t`,
     ``K_FOLD`` 2: the block's key scale folded into an fp32 query split into two fp16 MMA operands, the zero
     term an MMA of ones): the kernels' fp32 result over the quantized pool within 2e-5 of the fp32 reference."""
@@ -486,7 +487,8 @@ def test_transposed_decode_channel_keys_fp16_exact(D, rep, block):
     from kvquant.kernels.triton_dequant import DOT_FP16, operand
 
     row = [KVPrecision("int4-channel", "int4")] * 2
-    layer, fk, fv = make_layer(row, D=D, past=300, block=block, steps=(130, 131, 200), dtype=torch.float16)
+    layer, fk, fv = make_layer(row, D=D, past=300, block=block, steps=(130, 131, 200), dtype=torch.float16,
+                               group_size=group)  # fmt: skip
     hist = layer.q_end  # the pool: whole blocks
     Hq = 2 * rep
     q = query(2, Hq, 1, D, dtype=torch.float16)
@@ -502,3 +504,40 @@ def test_transposed_decode_channel_keys_fp16_exact(D, rep, block):
             launch.run()
         err = (out - attend_naive(q.float(), fk, fv, layer, hist, mask, D**-0.5)).abs().max().item()
         assert err <= 2e-5, f"D={D} rep={rep}: max error {err:.2e} vs the fp32 reference"
+
+
+@pytest.mark.parametrize("case", ["offsets64", "large_query"])
+def test_transposed_rows_kernel_options(case, monkeypatch):
+    """Grouped int4 K/V on :func:`_decode_partial_rows_t` (fp16 queries) beyond the default specialisation:
+    ``offsets64`` -- the 64-bit offset path (``OFF32`` False: what a pool with offsets past 2**31 elements gets);
+    ``large_query`` -- a query with max |q| ~ 6000, where the key operand (16 x the low channels' query rows) would
+    overflow fp16 without the power-of-two prescale ``qf`` < 1. Both within 2e-5 of the fp32 reference."""
+    from kvquant.kernels import triton_decode
+    from kvquant.kernels.triton_attention import block_table
+    from kvquant.kernels.triton_dequant import DOT_FP16, Operand, operand
+
+    D, rep, block, past = 128, 4, 64, 150
+    layer, fk, fv = make_layer(["int4", "int4"], D=D, past=past, block=block, steps=(70,), dtype=torch.float16)
+    Hq = 2 * rep
+    q = query(2, Hq, 1, D)
+    scaling = D**-0.5
+    if case == "offsets64":
+        monkeypatch.setattr(Operand, "offsets32", lambda self: False)
+    else:
+        q = q * (6000.0 / q.abs().max())  # |16 q| past fp16's 65504
+        scaling = scaling / 4000.0  # scores of the usual size
+    q = q.to(torch.float16)
+    groups = [(g.head_index, operand(g.key, D, False), operand(g.value, D, False)) for g in layer.groups]
+    table = block_table(layer, past, 2, DEV)
+    for mask in (None, padded_mask([0, 41], past, 1)):
+        ranges = key_ranges(mask, 2, Hq, 1, past)
+        out = torch.zeros(2, Hq, 1, D)
+        launches = triton_decode.decode_launches(q, fk, fv, groups, layer.num_heads, past, ranges, scaling, out,
+                                                 DOT_FP16, splits=3, table=table, block_size=block)  # fmt: skip
+        assert launches[0].kernel is triton_decode._decode_partial_rows_t
+        assert launches[0].meta["OFF32"] is (case != "offsets64")
+        for launch in launches:
+            launch.run()
+        ref = attend_naive(q.float(), fk, fv, layer, past, mask, scaling)
+        err = (out - ref).abs().max().item()
+        assert err <= 2e-5, f"{case}: max error {err:.2e} vs the fp32 reference"
