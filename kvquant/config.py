@@ -32,7 +32,7 @@ from .errors import ConfigError, InputError
 from .evict import BUDGETS, DECODE_POLICIES, POLICIES, EvictConfig
 from .inputs import read_text
 from .outputs import check_output, write_text
-from .quantizers import CHANNEL, CODEBOOK, GROUPED, PRECISIONS, make_quantizer
+from .quantizers import CHANNEL, CODEBOOK, GROUPED, PRECISIONS, is_precision, make_quantizer
 from .shape import ModelShape
 
 BITS_TO_PRECISION = {2: "int2", 4: "int4", 8: "int8", 16: "fp16"}
@@ -555,7 +555,7 @@ def _parse_precision(value: Any, where: str) -> str:
             value = value["precision"]
         else:
             raise ConfigError(f"{where}: expected a precision name or {{bits: N}}, got {dict(value)!r}")
-    if not isinstance(value, str) or value not in PRECISIONS:
+    if not is_precision(value):
         raise ConfigError(f"{where}: unknown precision {value!r} (known: {', '.join(PRECISIONS)})")
     return value
 
