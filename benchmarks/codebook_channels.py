@@ -26,13 +26,47 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvquant import KVQuantConfig, ModelShape
 from kvquant.eval.data import load_text, tokenize
 from kvquant.eval.models import load_model
-from kvquant.quantizers import CODEBOOK, allocate_widths, channel_precision
+from kvquant.quantizers import CODEBOOK, allocate_widths, channel_precision, make_quantizer
 
-WINDOW, SINK = 1024, 4
+WINDOW, SINK, PREFILL = 1024, 4, 960
 
 
-def channel_weights(windows: int) -> dict[int, torch.Tensor]:
-    """Per layer ``[Hkv, D]``: ``E[q_j^2]`` of each KV head's query group times the keys' ``var(k_j)``."""
+def attention_kl(q: torch.Tensor, k: torch.Tensor, kh: torch.Tensor, residual: int) -> float:
+    """Mean KL(exact || quantized) of the attention of decode queries ``q[G, Tq, D]`` (the last ``Tq`` positions)
+    over keys ``k[T, D]`` vs ``kh`` (stored rows; the sinks and the newest ``residual`` keys of each query exact)."""
+    T, d = k.shape
+    pos = torch.arange(T - q.shape[1], T)
+    j = torch.arange(T)[None, :]
+    causal = j <= pos[:, None]
+    exact = (j < SINK) | (j > pos[:, None] - max(residual, 1))
+    s = (q @ k.T) / d**0.5
+    sh = torch.where(exact, s, (q @ kh.T) / d**0.5)
+    lp = torch.log_softmax(s.masked_fill(~causal, -torch.inf), -1)
+    lph = torch.log_softmax(sh.masked_fill(~causal, -torch.inf), -1)
+    return float((lp.exp() * (lp - lph)).masked_fill(~causal, 0).sum(-1).mean())
+
+
+def head_kls(captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]], layer: int, h: int, names: list[str],
+             residual: int) -> list[float]:  # fmt: skip
+    """Per candidate key precision, the mean :func:`attention_kl` of KV head ``h`` of ``layer`` over the captured
+    windows (state fitted on the prefill's non-sink tokens, like the recipe)."""
+    out = []
+    for name in names:
+        kls = []
+        for q, k in captured[layer]:
+            qz = make_quantizer(name, k.shape[-1])
+            kk = k[h][None, None]
+            state = qz.fit(kk[:, :, SINK:PREFILL])
+            kh = qz.dequantize(qz.quantize(kk, state), state, torch.float32)[0, 0]
+            g = q.shape[0] // k.shape[0]
+            kls.append(attention_kl(q[g * h:g * (h + 1), PREFILL:], k[h], kh, residual))
+        out.append(sum(kls) / len(kls))
+    return out
+
+
+def channel_weights(windows: int, captured: dict | None = None) -> dict[int, torch.Tensor]:
+    """Per layer ``[Hkv, D]``: ``E[q_j^2]`` of each KV head's query group times the keys' ``var(k_j)``;
+    ``captured`` (if given) receives per layer the windows' ``(q, k)`` (float32, batch dim dropped)."""
     lm = load_model("smollm2-135m", dtype="float32", progress=False)
     ids = tokenize(load_text("wikitext-2").text, lm.tokenizer)
     n = len(ids) // WINDOW
@@ -44,6 +78,8 @@ def channel_weights(windows: int) -> dict[int, torch.Tensor]:
         qq = q[0, :, SINK:].double().reshape(h, -1, d)  # query heads grouped by KV head (GQA order)
         kk = k[0, :, SINK:].double()
         st = [(qq**2).mean(1), kk.var(1)]
+        if captured is not None:
+            captured.setdefault(module.layer_idx, []).append((q[0].float(), k[0].float()))
         prev = sums.get(module.layer_idx)
         sums[module.layer_idx] = st if prev is None else [a + b for a, b in zip(prev, st, strict=True)]
         return sdpa(module, q, k, v, mask, scaling=scaling, **kw)
@@ -64,28 +100,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--name", required=True)
     ap.add_argument("--calib-windows", type=int, default=2)
+    ap.add_argument("--select", action="store_true",
+                    help="keep a head's base precision unless tqc lowers its decode attention KL on the calibration "
+                    "windows (queries 960..1023, the base config's residual window exact)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    weights = channel_weights(args.calib_windows)
+    captured: dict[int, list] = {}
+    weights = channel_weights(args.calib_windows, captured if args.select else None)
     shape = ModelShape(num_layers=len(weights), num_kv_heads=next(iter(weights.values())).shape[0],
                        head_dim=next(iter(weights.values())).shape[1])  # fmt: skip
     plan = KVQuantConfig.load(args.base).resolve(shape)
     raw = yaml.safe_load(Path(args.base).read_text())
-    heads = {}
+    residual = int(raw.get("residual_tokens", 0))
+    heads, picked, est = {}, 0, [0.0, 0.0]
     for layer, row in enumerate(plan):
         for h, p in enumerate(row):
             key = p.key
             if key in CODEBOOK:
-                key = channel_precision(allocate_widths(weights[layer][h], CODEBOOK[key] * shape.head_dim))
+                tqc = channel_precision(allocate_widths(weights[layer][h], CODEBOOK[key] * shape.head_dim))
+                if args.select:
+                    base_kl, tqc_kl = head_kls(captured, layer, h, [key, tqc], residual)
+                    est[0] += base_kl
+                    est[1] += min(base_kl, tqc_kl)
+                    if tqc_kl < base_kl:
+                        key, picked = tqc, picked + 1
+                else:
+                    key, picked = tqc, picked + 1
             heads[f"{layer}.{h}"] = {"key": key, "value": p.value}
+    if args.select:
+        print(f"{picked} key heads as tqc; summed attention KL on the calibration windows (keys only, residual "
+              f"{residual}): base {est[0]:.4f} -> {est[1]:.4f} (in-sample: the same windows chose the heads)")
     raw["name"] = args.name
-    raw["description"] = (f"{raw.get('description', '')} Key heads: tqc per-channel widths (same bits), "
-                          f"E[q^2] var(k) allocation on the last {args.calib_windows} x {WINDOW} tokens.").strip()
+    sel = "where they lower the attention KL there" if args.select else "all"
+    raw["description"] = (f"{raw.get('description', '')} {picked} key heads as tqc per-channel widths (same bits; "
+                          f"{sel}), E[q^2] var(k) allocation on the last {args.calib_windows} x {WINDOW} tokens.")
     raw["heads"] = heads
-    head = (f"# {args.name}: {args.base} with every tq2/3/4 key head as tqc-<per-channel widths> at the same bits,\n"
+    head = (f"# {args.name}: {args.base} with tq2/3/4 key heads as tqc-<per-channel widths> at the same bits,\n"
             f"# written by: python benchmarks/codebook_channels.py {args.base} --name {args.name} --out {args.out}"
-            f" --calib-windows {args.calib_windows}\n# (calibration: the LAST {args.calib_windows} x {WINDOW} tokens of"
+            f" --calib-windows {args.calib_windows}{' --select' if args.select else ''}\n"
+            f"# (calibration: the LAST {args.calib_windows} x {WINDOW} tokens of"
             " the WikiText-2 test split; evaluation windows come from its start)\n")
     Path(args.out).write_text(head + yaml.safe_dump(raw, sort_keys=False, width=200))
     KVQuantConfig.load(args.out).validate(shape)

@@ -123,3 +123,20 @@ def test_memory_counts_codes_norms_and_state():
     assert mem["keys"] == tokens * 224 // 8
     assert mem["scales"] >= 2 * tokens + 2 * 64 * 4  # norm bytes (K, V) + the key mean and spread (fp32)
     assert math.isfinite(mem["scales"])
+
+
+def test_row_norm_over_wide_channels_only():
+    """A token with one huge narrow channel keeps its other channels' error: the row norm is taken over the
+    channels at least as wide as the average (16 channels of 8 bits here), not over every channel."""
+    widths = [8] * 16 + [2] * 48  # 224 bits, average 3.5: the norm is over the 16 wide channels
+    q = ChannelCodebook(64, widths)
+    assert int(q.norm_mask.sum()) == 16
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 1, 512, 64, generator=g)
+    state = q.fit(x)
+    y = x.clone()
+    y[0, 0, -1, 20] = 30.0  # one narrow channel of the last row far out
+    err = (q.dequantize(q.quantize(y, state), state, torch.float32) - y)[0, 0] ** 2
+    others = [j for j in range(64) if j != 20]
+    typical = float(err[:-1, others].mean())
+    assert float(err[-1, others].mean()) < 2 * typical

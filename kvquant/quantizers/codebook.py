@@ -280,11 +280,14 @@ class ChannelCodebook(Quantizer):
 
     No rotation: each channel ``j`` of a row is centered and scaled by its own mean ``mu_j`` and spread
     ``sigma_j`` (fitted per sequence and head on the first chunk, like :class:`Codebook`'s mean), the
-    whitened row ``w = (x - mu) / sigma`` is divided by one norm ``g = |w| / sqrt(D)`` (8-bit log code,
-    least-squares refitted), and channel ``j`` is coded on the ``2^{width_j}``-level Lloyd-Max grid of a
-    unit Gaussian (width 0: the channel is stored as its mean). The widths are part of the precision name
-    (``tqc-`` and one digit 0-8 per channel, summing to a multiple of 8), chosen offline per (layer, KV
-    head) by :func:`allocate_widths` from calibration text: after RoPE a few channel pairs carry most of
+    whitened row ``w = (x - mu) / sigma`` is divided by one norm ``g``, the RMS of ``w`` over the channels
+    whose width is at least the average width (8-bit log code), and channel ``j`` is coded on the
+    ``2^{width_j}``-level Lloyd-Max grid of a unit Gaussian (width 0: the channel is stored as its mean).
+    A norm over every channel couples them: a token with one large channel then codes all its narrow
+    channels coarsely, and such tokens are the ones attention picks (1.5x the attention KL). The widths
+    are part of the precision name (``tqc-`` and one digit 0-8 per channel, summing to a multiple of 8),
+    chosen offline per (layer, KV head) by :func:`allocate_widths` from calibration text: after RoPE a few
+    channel pairs carry most of
     the query energy, so spending the bits there lowers the score error of keys ~2x against
     ``tq3``/``tq4`` at the same bits (``benchmarks/codebook_channels.py``). Read in its head space
     ``x - mu`` (queries unchanged; the mean shifts every score of a query alike). Torch path only.
@@ -317,6 +320,7 @@ class ChannelCodebook(Quantizer):
             if b:
                 table[j, : 2**b] = torch.tensor(gaussian_levels(b))
         self.table = table
+        self.norm_mask = self.widths >= int(self.bits)  # the channels the row norm is taken over
         self.by_width = {b: torch.tensor([j for j, w in enumerate(widths) if w == b]) for b in sorted(set(widths)) if b}
         bit = torch.arange(GAUSS_MAX_BITS)
         self._bit = bit
@@ -359,7 +363,7 @@ class ChannelCodebook(Quantizer):
         sd = var.sqrt()
         floor = (sd.amax(-1, keepdim=True) * 1e-4).clamp_min(1e-12)
         state = {"mean": mean, "scale": torch.maximum(sd, floor)}
-        g = self._whiten(xf, state).norm(dim=-1) / math.sqrt(D)  # [B, H, T]
+        g = self._row_norm(self._whiten(xf, state)).squeeze(-1)  # [B, H, T]
         ok = (g > 0) & (w.view(B, 1, T) > 0)
         logn = torch.log2(g.clamp_min(1e-30))
         lo = torch.where(ok, logn, torch.full_like(logn, math.inf)).amin(dim=2)
@@ -369,6 +373,11 @@ class ChannelCodebook(Quantizer):
         hi = torch.where(torch.isfinite(hi), hi, torch.zeros_like(hi)) + margin
         state["params"] = torch.stack([lo, (hi - lo) / (NORM_CODES - 2)], dim=2).contiguous()
         return state
+
+    def _row_norm(self, w: torch.Tensor) -> torch.Tensor:
+        """RMS of whitened rows ``w[..., D]`` over the channels of :attr:`norm_mask` -> ``[..., 1]``."""
+        sel = w[..., self.norm_mask.to(w.device)]
+        return sel.norm(dim=-1, keepdim=True) / math.sqrt(sel.shape[-1])
 
     def _whiten(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         return (x.float() - _per_head(state["mean"].float(), x)) / _per_head(state["scale"].float(), x)
@@ -389,8 +398,8 @@ class ChannelCodebook(Quantizer):
     # -- math -------------------------------------------------------------------------------
     def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
         w = self._whiten(x, state)
-        g = w.norm(dim=-1, keepdim=True) / math.sqrt(self.head_dim)
-        u = w / g.clamp_min(1e-30)
+        norm = self._row_norm(w)
+        u = w / norm.clamp_min(1e-30)
         codes = torch.zeros(u.shape, dtype=torch.long, device=x.device)
         c = torch.zeros_like(u)
         for b, idx in self.by_width.items():
@@ -399,7 +408,6 @@ class ChannelCodebook(Quantizer):
             k = torch.bucketize(u.index_select(-1, idx).contiguous(), (lv[1:] + lv[:-1]) / 2)
             codes[..., idx] = k
             c[..., idx] = lv[k]
-        norm = (w * c).sum(-1, keepdim=True) / (c * c).sum(-1, keepdim=True).clamp_min(1e-30)
         lo, step = _per_head(state["params"][..., :1], x), _per_head(state["params"][..., 1:2], x)
         ncode = torch.round((torch.log2(norm.clamp_min(1e-30)) - lo) / step) + 1
         ncode = torch.where(norm > 0, ncode.clamp(1, NORM_CODES - 1), torch.zeros_like(ncode))
@@ -407,7 +415,7 @@ class ChannelCodebook(Quantizer):
 
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Rows whose norm falls outside the 8-bit norm code's range (stored at its nearest end)."""
-        logn = torch.log2((self._whiten(x, state).norm(dim=-1) / math.sqrt(self.head_dim)).clamp_min(1e-30))
+        logn = torch.log2(self._row_norm(self._whiten(x, state)).squeeze(-1).clamp_min(1e-30))
         lo, step = state["params"][..., 0].unsqueeze(-1), state["params"][..., 1].unsqueeze(-1)
         hi = lo + step * (NORM_CODES - 2)
         real = x.abs().amax(dim=-1) > 0
