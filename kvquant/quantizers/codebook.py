@@ -283,8 +283,10 @@ class ChannelCodebook(Quantizer):
     whitened row ``w = (x - mu) / sigma`` is divided by one norm ``g``, the RMS of ``w`` over the channels
     whose width is at least the average width (8-bit log code), and channel ``j`` is coded on the
     ``2^{width_j}``-level Lloyd-Max grid of a unit Gaussian (width 0: the channel is stored as its mean).
-    A norm over every channel couples them: a token with one large channel then codes all its narrow
-    channels coarsely, and such tokens are the ones attention picks (1.5x the attention KL). The widths
+    (A norm over every channel couples them: a token with one large channel then codes all its narrow
+    channels coarsely; with this norm more heads beat ``tq4``, median attention KL 0.009 vs 0.014, but
+    neither norm wins on every head: outlier tokens, the ones attention picks, are what a per-channel
+    code handles worst. Choose per head: ``benchmarks/codebook_channels.py --select``.) The widths
     are part of the precision name (``tqc-`` and one digit 0-8 per channel, summing to a multiple of 8),
     chosen offline per (layer, KV head) by :func:`allocate_widths` from calibration text: after RoPE a few
     channel pairs carry most of
