@@ -98,6 +98,11 @@ def test_names_and_config():
         ChannelCodebook(8, [1] * 7 + [2])
     with pytest.raises(ConfigError, match="precision"):
         KVQuantConfig.from_dict({"default": "tqc-abc"})
+    from kvquant.shape import ModelShape
+
+    with pytest.raises(ConfigError, match="widths: 63 given, head_dim is 64"):
+        KVQuantConfig.from_dict({"default": {"key": "tqc-" + "3" * 63, "value": "tq3"}}).validate(
+            ModelShape(num_layers=1, num_kv_heads=1, head_dim=64))
 
 
 @pytest.mark.parametrize("option", [{}, {"sink_tokens": 3, "residual_tokens": 16}], ids=["plain", "sinks+residual"])
