@@ -327,6 +327,8 @@ class ChannelCodebook(Quantizer):
         bit = torch.arange(GAUSS_MAX_BITS)
         self._bit = bit
         self._select = (bit[None, :] < self.widths[:, None]).flatten().nonzero().squeeze(1)  # channel-major bits
+        start = torch.cumsum(self.widths, 0) - self.widths  # first bit of each channel's code in the row
+        self._byte, self._shift, self._mask = start // 8, start % 8, (1 << self.widths) - 1
 
     @classmethod
     def from_name(cls, precision: str, head_dim: int) -> ChannelCodebook:
@@ -346,12 +348,12 @@ class ChannelCodebook(Quantizer):
         return (bits.view(*codes.shape[:-1], -1, 8) << bit).sum(-1).to(torch.uint8)
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`pack`: ``[..., total_bits / 8]`` uint8 -> codes ``[..., D]`` (int64)."""
-        bit = self._bit.to(packed.device)
-        bits = ((packed.long().unsqueeze(-1) >> bit) & 1).flatten(-2)
-        full = torch.zeros(*packed.shape[:-1], self.head_dim * GAUSS_MAX_BITS, dtype=torch.long, device=packed.device)
-        full[..., self._select.to(packed.device)] = bits
-        return (full.view(*packed.shape[:-1], self.head_dim, GAUSS_MAX_BITS) << bit).sum(-1)
+        """Inverse of :meth:`pack`: ``[..., total_bits / 8]`` uint8 -> codes ``[..., D]`` (int64). A code of at
+        most 8 bits spans at most two bytes: one gather of a 16-bit little-endian word per channel, a shift, a mask."""
+        dev = packed.device
+        p = torch.nn.functional.pad(packed, (0, 1)).long()  # a zero byte past the end for the last word
+        word = p.index_select(-1, self._byte.to(dev)) | (p.index_select(-1, self._byte.to(dev) + 1) << 8)
+        return (word >> self._shift.to(dev)) & self._mask.to(dev)
 
     # -- static state -----------------------------------------------------------------------
     def fit(self, x: torch.Tensor, use: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
