@@ -32,7 +32,7 @@ from .errors import ConfigError, InputError
 from .evict import BUDGETS, DECODE_POLICIES, POLICIES, EvictConfig
 from .inputs import read_text
 from .outputs import check_output, write_text
-from .quantizers import CHANNEL, CODEBOOK, GROUPED, PRECISIONS, make_quantizer
+from .quantizers import CHANNEL, CHANNEL_PREFIX, CODEBOOK, GROUPED, PRECISIONS, is_precision, make_quantizer
 from .shape import ModelShape
 
 BITS_TO_PRECISION = {2: "int2", 4: "int4", 8: "int8", 16: "fp16"}
@@ -454,6 +454,11 @@ class KVQuantConfig:
             if shape.head_dim & (shape.head_dim - 1) or shape.head_dim < 8:
                 raise ConfigError(f"default: {p} rotates by Hadamard and needs a power-of-two head_dim >= 8, "
                                   f"not {shape.head_dim}")
+        for p in sorted(p for p in self.precisions() if p.startswith(CHANNEL_PREFIX)):
+            try:
+                make_quantizer(p, shape.head_dim)
+            except ValueError as e:
+                raise ConfigError(f"default: {p[:12]}...: {e}") from None
         if self.rotate != "none" and shape.head_dim & (shape.head_dim - 1):
             raise ConfigError(f"rotate: the Hadamard rotation needs a power-of-two head_dim, not {shape.head_dim}")
 
@@ -555,7 +560,7 @@ def _parse_precision(value: Any, where: str) -> str:
             value = value["precision"]
         else:
             raise ConfigError(f"{where}: expected a precision name or {{bits: N}}, got {dict(value)!r}")
-    if not isinstance(value, str) or value not in PRECISIONS:
+    if not is_precision(value):
         raise ConfigError(f"{where}: unknown precision {value!r} (known: {', '.join(PRECISIONS)})")
     return value
 

@@ -6,7 +6,15 @@
 from __future__ import annotations
 
 from .base import Parts, PartSpec, Quantizer
-from .codebook import Codebook, lloyd_max_levels, uniform_levels
+from .codebook import (
+    CHANNEL_PREFIX,
+    ChannelCodebook,
+    Codebook,
+    allocate_widths,
+    channel_precision,
+    lloyd_max_levels,
+    uniform_levels,
+)
 from .fp8 import FP8_DTYPES, Fp8
 from .int8 import Int8PerToken, Int8SharedScale
 from .intn import Int3Grouped, IntNChannel, IntNGrouped, pack_codes, unpack_codes
@@ -36,6 +44,19 @@ PRECISIONS: dict[str, str] = {
 GROUPED = {"int4": 4, "int3": 3, "int2": 2}
 CHANNEL = {"int8-channel": 8, "int4-channel": 4, "int3-channel": 3, "int2-channel": 2}
 CODEBOOK = {"tq4": 4, "tq3": 3, "tq2": 2}
+#: Precision families whose name carries parameters: prefix -> description.
+PRECISION_FAMILIES: dict[str, str] = {
+    CHANNEL_PREFIX: "tqc-<one width digit 0-8 per channel>: per-channel Gaussian Lloyd-Max codes of calibrated "
+    "widths, channel mean/spread per sequence, one 8-bit log norm per token and KV head (keys; torch path)",
+}
+
+
+def is_precision(name: object) -> bool:
+    """True when ``name`` is a precision a config may name: one of :data:`PRECISIONS` or of a
+    :data:`PRECISION_FAMILIES` family (checked in full when its quantizer is built)."""
+    return isinstance(name, str) and (
+        name in PRECISIONS or (name.startswith(CHANNEL_PREFIX) and name[len(CHANNEL_PREFIX):].isdigit())
+    )
 
 
 def make_quantizer(
@@ -56,13 +77,21 @@ def make_quantizer(
         return IntNChannel(head_dim, bits=CHANNEL[precision], token_group=block_size)
     if precision in CODEBOOK:
         return Codebook(head_dim, bits=CODEBOOK[precision])
+    if precision.startswith(CHANNEL_PREFIX):
+        return ChannelCodebook.from_name(precision, head_dim)
     if precision in FP8_DTYPES:
         return Fp8(head_dim, precision, headroom=headroom)
     raise ValueError(f"precision: unknown {precision!r} (known: {', '.join(PRECISIONS)})")
 
 
 __all__ = [
+    "CHANNEL_PREFIX",
     "CODEBOOK",
+    "PRECISION_FAMILIES",
+    "ChannelCodebook",
+    "allocate_widths",
+    "channel_precision",
+    "is_precision",
     "PRECISIONS",
     "Codebook",
     "Fp8",

@@ -220,3 +220,218 @@ class Codebook(Quantizer):
 
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return self.from_space(self.decode_space(parts, state), state).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-channel widths: ``tqc-<widths>`` (keys of RoPE models)
+
+GAUSS_MAX_BITS = 8
+
+
+@functools.cache
+def gaussian_levels(bits: int) -> tuple[float, ...]:
+    """The ``2^bits`` Lloyd-Max levels of a unit Gaussian, ascending (``bits`` 1..8)."""
+    if not 1 <= bits <= GAUSS_MAX_BITS:
+        raise ValueError(f"bits: {bits} outside 1..{GAUSS_MAX_BITS}")
+    grid = torch.linspace(-9.0, 9.0, 72_001, dtype=torch.float64)
+    c = _lloyd_max(torch.exp(-grid * grid / 2), grid, 2**bits)
+    return tuple(((c - c.flip(0)) / 2).tolist())  # the density is symmetric: so are its levels
+
+
+@functools.cache
+def gaussian_distortion(bits: int) -> float:
+    """MSE of :func:`gaussian_levels` on a unit Gaussian (1.0 for 0 bits: the channel is dropped)."""
+    if bits == 0:
+        return 1.0
+    grid = torch.linspace(-9.0, 9.0, 72_001, dtype=torch.float64)
+    w = torch.exp(-grid * grid / 2)
+    lv = torch.tensor(gaussian_levels(bits), dtype=torch.float64)
+    q = lv[torch.bucketize(grid, (lv[1:] + lv[:-1]) / 2)]
+    return float((w * (grid - q) ** 2).sum() / w.sum())
+
+
+def allocate_widths(weights: torch.Tensor | list[float], total_bits: int, max_bits: int = GAUSS_MAX_BITS) -> list[int]:
+    """Per-channel code widths summing to ``total_bits`` that minimise ``sum_j weights[j] * D(width_j)``
+    (``D``: :func:`gaussian_distortion`), greedily (optimal: ``D`` is convex and decreasing in the width).
+
+    For keys, ``weights[j] = E[q_j^2] * var(k_j)`` makes the objective the expected squared score error
+    of a query against a key whose channel ``j`` is quantized at its own scale (channels independent)."""
+    w = [float(x) for x in weights]
+    if total_bits < 0 or total_bits > max_bits * len(w):
+        raise ValueError(f"total_bits: {total_bits} outside 0..{max_bits * len(w)} for {len(w)} channels")
+    widths = [0] * len(w)
+    for _ in range(total_bits):
+        gain = [w[j] * (gaussian_distortion(b) - gaussian_distortion(b + 1)) if b < max_bits else -math.inf
+                for j, b in enumerate(widths)]  # fmt: skip
+        widths[max(range(len(w)), key=gain.__getitem__)] += 1
+    return widths
+
+
+CHANNEL_PREFIX = "tqc-"
+
+
+def channel_precision(widths: list[int]) -> str:
+    """The config precision name of a :class:`ChannelCodebook` with these per-channel widths."""
+    return CHANNEL_PREFIX + "".join(str(int(b)) for b in widths)
+
+
+class ChannelCodebook(Quantizer):
+    """``tqc-<widths>``: per-channel Gaussian Lloyd-Max codes of different widths, one 8-bit log norm per row.
+
+    No rotation: each channel ``j`` of a row is centered and scaled by its own mean ``mu_j`` and spread
+    ``sigma_j`` (fitted per sequence and head on the first chunk, like :class:`Codebook`'s mean), the
+    whitened row ``w = (x - mu) / sigma`` is divided by one norm ``g``, the RMS of ``w`` over the channels
+    whose width is at least the average width (8-bit log code), and channel ``j`` is coded on the
+    ``2^{width_j}``-level Lloyd-Max grid of a unit Gaussian (width 0: the channel is stored as its mean).
+    (A norm over every channel couples them: a token with one large channel then codes all its narrow
+    channels coarsely; with this norm more heads beat ``tq4``, median attention KL 0.009 vs 0.014, but
+    neither norm wins on every head: outlier tokens, the ones attention picks, are what a per-channel
+    code handles worst. Choose per head: ``benchmarks/codebook_channels.py --select``.) The widths
+    are part of the precision name (``tqc-`` and one digit 0-8 per channel, summing to a multiple of 8),
+    chosen offline per (layer, KV head) by :func:`allocate_widths` from calibration text: after RoPE a few
+    channel pairs carry most of
+    the query energy, so spending the bits there lowers the score error of keys ~2x against
+    ``tq3``/``tq4`` at the same bits (``benchmarks/codebook_channels.py``). Read in its head space
+    ``x - mu`` (queries unchanged; the mean shifts every score of a query alike). Torch path only.
+    """
+
+    static = True
+    space = True
+    center = True
+
+    def __init__(self, head_dim: int, widths: list[int] | tuple[int, ...]) -> None:
+        super().__init__(head_dim)
+        widths = [int(b) for b in widths]
+        if len(widths) != head_dim:
+            raise ValueError(f"widths: {len(widths)} given, head_dim is {head_dim}")
+        if any(not 0 <= b <= GAUSS_MAX_BITS for b in widths):
+            raise ValueError(f"widths: each must be 0..{GAUSS_MAX_BITS}, got {widths}")
+        total = sum(widths)
+        if total == 0 or total % 8:
+            raise ValueError(f"widths: they sum to {total} bits, not a positive multiple of 8 (whole bytes per row)")
+        self.widths = torch.tensor(widths, dtype=torch.long)
+        self.total_bits = total
+        self.bits = total / head_dim
+        self.name = channel_precision(widths)
+        self.granularity = (
+            f"per token and KV head: per-channel mean/spread, 8-bit log norm, {self.bits:g}-bit average "
+            f"per-channel Lloyd-Max widths {min(widths)}..{max(widths)}"
+        )
+        table = torch.zeros(head_dim, 2**GAUSS_MAX_BITS)
+        for j, b in enumerate(widths):
+            if b:
+                table[j, : 2**b] = torch.tensor(gaussian_levels(b))
+        self.table = table
+        self.norm_mask = self.widths >= int(self.bits)  # the channels the row norm is taken over
+        self.by_width = {b: torch.tensor([j for j, w in enumerate(widths) if w == b]) for b in sorted(set(widths)) if b}
+        bit = torch.arange(GAUSS_MAX_BITS)
+        self._bit = bit
+        self._select = (bit[None, :] < self.widths[:, None]).flatten().nonzero().squeeze(1)  # channel-major bits
+        start = torch.cumsum(self.widths, 0) - self.widths  # first bit of each channel's code in the row
+        self._byte, self._shift, self._mask = start // 8, start % 8, (1 << self.widths) - 1
+
+    @classmethod
+    def from_name(cls, precision: str, head_dim: int) -> ChannelCodebook:
+        digits = precision[len(CHANNEL_PREFIX):]
+        if not precision.startswith(CHANNEL_PREFIX) or not digits.isdigit():
+            raise ValueError(f"precision: {precision!r} is not tqc-<one width digit per channel>")
+        return cls(head_dim, [int(c) for c in digits])
+
+    def parts(self) -> dict[str, PartSpec]:
+        return {"q": PartSpec((self.total_bits // 8,), torch.uint8), "norm": PartSpec((1,), torch.uint8)}
+
+    # -- packing ----------------------------------------------------------------------------
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes ``[..., D]`` (channel ``j`` below ``2^width_j``) -> ``[..., total_bits / 8]`` uint8, channel-major."""
+        bit = self._bit.to(codes.device)
+        bits = ((codes.long().unsqueeze(-1) >> bit) & 1).flatten(-2)[..., self._select.to(codes.device)]
+        return (bits.view(*codes.shape[:-1], -1, 8) << bit).sum(-1).to(torch.uint8)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`pack`: ``[..., total_bits / 8]`` uint8 -> codes ``[..., D]`` (int64). A code of at
+        most 8 bits spans at most two bytes: one gather of a 16-bit little-endian word per channel, a shift, a mask."""
+        dev = packed.device
+        p = torch.nn.functional.pad(packed, (0, 1)).long()  # a zero byte past the end for the last word
+        word = p.index_select(-1, self._byte.to(dev)) | (p.index_select(-1, self._byte.to(dev) + 1) << 8)
+        return (word >> self._shift.to(dev)) & self._mask.to(dev)
+
+    # -- static state -----------------------------------------------------------------------
+    def fit(self, x: torch.Tensor, use: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Per sequence and head, over the tokens where ``use[B, T]``: channel means and spreads, norm code range."""
+        B, H, T, D = x.shape
+        xf = x.detach().float()
+        w = torch.ones(B, T, device=x.device) if use is None else use.float()
+        w = torch.where(w.sum(1, keepdim=True) > 0, w, torch.ones_like(w)).view(B, 1, T, 1)
+        mean = (xf * w).sum(2) / w.sum(2)
+        var = (((xf - mean.unsqueeze(2)) ** 2) * w).sum(2) / w.sum(2)
+        sd = var.sqrt()
+        floor = (sd.amax(-1, keepdim=True) * 1e-4).clamp_min(1e-12)
+        state = {"mean": mean, "scale": torch.maximum(sd, floor)}
+        g = self._row_norm(self._whiten(xf, state)).squeeze(-1)  # [B, H, T]
+        ok = (g > 0) & (w.view(B, 1, T) > 0)
+        logn = torch.log2(g.clamp_min(1e-30))
+        lo = torch.where(ok, logn, torch.full_like(logn, math.inf)).amin(dim=2)
+        hi = torch.where(ok, logn, torch.full_like(logn, -math.inf)).amax(dim=2)
+        margin = NORM_MARGIN if T >= SHORT_CHUNK else NORM_MARGIN + 4.0
+        lo = torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo)) - margin
+        hi = torch.where(torch.isfinite(hi), hi, torch.zeros_like(hi)) + margin
+        state["params"] = torch.stack([lo, (hi - lo) / (NORM_CODES - 2)], dim=2).contiguous()
+        return state
+
+    def _row_norm(self, w: torch.Tensor) -> torch.Tensor:
+        """RMS of whitened rows ``w[..., D]`` over the channels of :attr:`norm_mask` -> ``[..., 1]``."""
+        sel = w[..., self.norm_mask.to(w.device)]
+        return sel.norm(dim=-1, keepdim=True) / math.sqrt(sel.shape[-1])
+
+    def _whiten(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (x.float() - _per_head(state["mean"].float(), x)) / _per_head(state["scale"].float(), x)
+
+    # -- head space ---------------------------------------------------------------------------
+    def to_space(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Model-space rows -> head space ``x - mu`` (float32)."""
+        return x.float() - _per_head(state["mean"].float(), x)
+
+    def query_to_space(self, q: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Queries are unchanged (the head space is only shifted)."""
+        return q
+
+    def from_space(self, y: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Head space -> model space ``mu + y`` (float32)."""
+        return y.float() + _per_head(state["mean"].float(), y)
+
+    # -- math -------------------------------------------------------------------------------
+    def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
+        w = self._whiten(x, state)
+        norm = self._row_norm(w)
+        u = w / norm.clamp_min(1e-30)
+        codes = torch.zeros(u.shape, dtype=torch.long, device=x.device)
+        c = torch.zeros_like(u)
+        for b, idx in self.by_width.items():
+            idx = idx.to(x.device)
+            lv = torch.tensor(gaussian_levels(b), device=x.device, dtype=u.dtype)
+            k = torch.bucketize(u.index_select(-1, idx).contiguous(), (lv[1:] + lv[:-1]) / 2)
+            codes[..., idx] = k
+            c[..., idx] = lv[k]
+        lo, step = _per_head(state["params"][..., :1], x), _per_head(state["params"][..., 1:2], x)
+        ncode = torch.round((torch.log2(norm.clamp_min(1e-30)) - lo) / step) + 1
+        ncode = torch.where(norm > 0, ncode.clamp(1, NORM_CODES - 1), torch.zeros_like(ncode))
+        return {"q": self.pack(codes), "norm": ncode.to(torch.uint8)}
+
+    def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Rows whose norm falls outside the 8-bit norm code's range (stored at its nearest end)."""
+        logn = torch.log2(self._row_norm(self._whiten(x, state)).squeeze(-1).clamp_min(1e-30))
+        lo, step = state["params"][..., 0].unsqueeze(-1), state["params"][..., 1].unsqueeze(-1)
+        hi = lo + step * (NORM_CODES - 2)
+        real = x.abs().amax(dim=-1) > 0
+        return (real & ((logn < lo - step / 2) | (logn > hi + step / 2))).sum()
+
+    def decode_space(self, parts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Stored rows in head space: ``sigma * g * c[code]``, float32 ``[B, H, T, D]``."""
+        codes = self.unpack(parts["q"])
+        ch = torch.arange(self.head_dim, device=codes.device)
+        c = self.table.to(codes.device)[ch, codes]
+        g = norm_of_code(parts["norm"], state["params"])
+        return c * g * _per_head(state["scale"].float(), c)
+
+    def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return self.from_space(self.decode_space(parts, state), state).to(dtype)
