@@ -109,7 +109,7 @@ class QuantizedTensorStore:
         self.clipped = torch.zeros((), dtype=torch.int64, device=blocks.device)
         # real (non-pad) values written through a static scale: the denominator of the clip rate
         self.static_values = torch.zeros((), dtype=torch.int64, device=blocks.device)
-        self._pair: tuple[list[tuple[int, int]], dict[str, torch.Tensor], tuple] | None = None  # paired_state's cache
+        self._pair: tuple[dict, dict, dict[str, torch.Tensor] | None] | None = None  # paired_state's cache
 
     @property
     def parts(self) -> dict[str, torch.Tensor]:
@@ -194,17 +194,16 @@ class QuantizedTensorStore:
     def paired_state(self, other: QuantizedTensorStore) -> dict[str, torch.Tensor] | None:
         """This store's state and ``other``'s side by side on the head axis, when both quantizers are the
         same pairable kind (:attr:`Quantizer.pairable`) with states of the same shapes; else None. Cached
-        while neither state changes (states are replaced, never modified in place)."""
+        while neither state dict is replaced (state dicts are replaced, never modified in place)."""
+        if self._pair is not None and self._pair[0] is self.state and self._pair[1] is other.state:
+            return self._pair[2]
         mine, theirs = self.quantizer, other.quantizer
-        if not (mine.pairable and type(mine) is type(theirs) and self.state.keys() == other.state.keys()):
-            return None
-        key = [(id(self.state[n]), id(other.state[n])) for n in self.state]
-        if self._pair is None or self._pair[0] != key:
-            if any(self.state[n].shape != other.state[n].shape for n in self.state):
-                return None
+        both = None
+        same = mine.pairable and type(mine) is type(theirs) and self.state.keys() == other.state.keys()
+        if same and all(self.state[n].shape == other.state[n].shape for n in self.state):
             both = {n: torch.cat([self.state[n], other.state[n]], dim=-1) for n in self.state}
-            self._pair = (key, both, (self.state, other.state))  # the states are held: their ids stay theirs
-        return self._pair[1]
+        self._pair = (self.state, other.state, both)
+        return both
 
     def _widen_parts(self) -> None:
         """Re-type the block tensors whose dtype the quantizer changed (fp16 scales -> fp32; values kept)."""

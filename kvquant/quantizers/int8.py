@@ -20,6 +20,7 @@ from .base import Factored, Parts, PartSpec, Quantizer, WidenableScales, head_vi
 
 QMAX = 127.0
 FP16_TINY = 2.0**-14  # smallest normal fp16: per-token scales are stored in fp16
+_CLIP = torch.tensor(QMAX + 0.5)  # |x / scale| beyond it is clipped (a 0-dim tensor: no scalar wrap per call)
 
 
 def _codes(scaled: torch.Tensor) -> torch.Tensor:
@@ -51,7 +52,7 @@ class Int8SharedScale(Quantizer):
         self, x: torch.Tensor, state: dict[str, torch.Tensor], real: torch.Tensor | None = None
     ) -> tuple[Parts, torch.Tensor]:
         y = x.float() / head_view(state["scale"])
-        over = y.abs() > QMAX + 0.5  # the same test as clipped(), on the scaled values
+        over = y.abs() > _CLIP  # the same test as clipped(), on the scaled values
         if real is not None:
             over &= real[:, None, :, None]
         return {"q": _codes(y)}, over.sum()
