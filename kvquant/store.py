@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy as _copy
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1630,10 +1630,17 @@ class LayerStore:
                "host": len(hids) * self.blocks.bytes_per_block, "moved_to_host": self.bytes_offloaded,
                "index": self.slots.nbytes() if self.slots is not None else 0,
                "shared": shared * self.blocks.bytes_per_block, "reserved": self.blocks.nbytes()}  # fmt: skip
-        for g in self.groups:
+        return self._count_parts(out, lambda gi, s, b: b * n)
+
+    def _count_parts(
+        self, out: dict[str, int], held: Callable[[int, QuantizedTensorStore, int], int]
+    ) -> dict[str, int]:
+        """Add to ``out`` the bytes of every part held (``held(group index, K or V store, bytes of one block of
+        the part)``), the static states, the key mean and the dense (sink / residual) buffers."""
+        for gi, g in enumerate(self.groups):
             for kind, s in (("keys", g.key), ("values", g.value)):
                 for name, b in s.block_nbytes().items():
-                    out["scales" if name in ("scale", "zero", "norm") else kind] += b * n
+                    out["scales" if name in ("scale", "zero", "norm") else kind] += held(gi, s, b)
                 out["scales"] += s.state_nbytes()
         if self.key_mean is not None:
             out["scales"] += self.key_mean.numel() * self.key_mean.element_size()
@@ -1655,16 +1662,7 @@ class LayerStore:
         out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "blocks": len(self.block_ids()), "lanes": len(lanes),
                "blocks_host": 0, "host": 0, "moved_to_host": 0, "shared": shared, "reserved": self.blocks.nbytes(),
                "index": self.slots.nbytes() if self.slots is not None else 0}  # fmt: skip
-        for gi, g in enumerate(self.groups):
-            for kind, s in (("keys", g.key), ("values", g.value)):
-                for name, b in s.block_nbytes().items():
-                    out["scales" if name in ("scale", "zero", "norm") else kind] += b // s.heads * per_group[gi]
-                out["scales"] += s.state_nbytes()
-        if self.key_mean is not None:
-            out["scales"] += self.key_mean.numel() * self.key_mean.element_size()
-        for k, v in self.dense_buffers().values():
-            out["dense"] += k.numel() * k.element_size() + v.numel() * v.element_size()
-        return out
+        return self._count_parts(out, lambda gi, s, b: b // s.heads * per_group[gi])
 
     def clipped(self) -> int:
         return int(sum(int(g.key.clipped) + int(g.value.clipped) for g in self.groups))

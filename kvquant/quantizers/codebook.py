@@ -115,6 +115,28 @@ def norm_of_code(ncode: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     return torch.where(c > 0, torch.exp2(lo + step * (c - 1)), torch.zeros_like(c))
 
 
+def token_weights(use: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
+    """``[B, 1, T, 1]`` weights of the tokens a fit uses (``use[B, T]``; None: all); a row that uses no token
+    uses them all."""
+    w = torch.ones(B, T, device=device) if use is None else use.float()
+    return torch.where(w.sum(1, keepdim=True) > 0, w, torch.ones_like(w)).view(B, 1, T, 1)
+
+
+def norm_code_range(norms: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log2 of norm code 1 and the log2 step of the 8-bit norm code, per (sequence, head), from the first
+    chunk's row norms ``norms[B, H, T]`` over the tokens weighted by ``w`` (:func:`token_weights`), with
+    NORM_MARGIN on both sides (4 more for a short chunk: it says little about later norms)."""
+    B, _, T = norms.shape
+    ok = (norms > 0) & (w.view(B, 1, T) > 0)
+    logn = torch.log2(norms.clamp_min(1e-30))
+    lo = torch.where(ok, logn, torch.full_like(logn, math.inf)).amin(dim=2)
+    hi = torch.where(ok, logn, torch.full_like(logn, -math.inf)).amax(dim=2)
+    margin = NORM_MARGIN if T >= SHORT_CHUNK else NORM_MARGIN + 4.0
+    lo = torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo)) - margin
+    hi = torch.where(torch.isfinite(hi), hi, torch.zeros_like(hi)) + margin
+    return lo, (hi - lo) / (NORM_CODES - 2)
+
+
 class Codebook(Quantizer):
     """``tq{bits}``: randomized-Hadamard-rotated rows, one 8-bit log norm, a ``2^bits``-level codebook.
 
@@ -156,20 +178,10 @@ class Codebook(Quantizer):
         ``use[B, T]`` (real, non-sink tokens; None: all): mean, norm code range; signs per head."""
         B, H, T, D = x.shape
         xf = x.detach().float()
-        w = torch.ones(B, T, device=x.device) if use is None else use.float()
-        w = torch.where(w.sum(1, keepdim=True) > 0, w, torch.ones_like(w)).view(B, 1, T, 1)
+        w = token_weights(use, B, T, x.device)
         mean = (xf * w).sum(2) / w.sum(2) if self.center else torch.zeros(B, H, D, device=x.device)
         state = {"sign": head_signs(H, D).to(device=x.device, dtype=torch.int8), "mean": mean}
-        n = self.to_space(xf, state).norm(dim=-1)  # [B, H, T]
-        ok = (n > 0) & (w.view(B, 1, T) > 0)
-        logn = torch.log2(n.clamp_min(1e-30))
-        lo = torch.where(ok, logn, torch.full_like(logn, math.inf)).amin(dim=2)
-        hi = torch.where(ok, logn, torch.full_like(logn, -math.inf)).amax(dim=2)
-        # a short first chunk says little about later norms: a wider range (coarser steps) for it
-        margin = NORM_MARGIN if T >= SHORT_CHUNK else NORM_MARGIN + 4.0
-        lo = torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo)) - margin
-        hi = torch.where(torch.isfinite(hi), hi, torch.zeros_like(hi)) + margin
-        step = (hi - lo) / (NORM_CODES - 2)
+        lo, step = norm_code_range(self.to_space(xf, state).norm(dim=-1), w)
         # what the kernels read, one row per (sequence, head): [log2 of norm code 1, log2 step, the 2^b levels]
         levels = self.levels.to(x.device).expand(B, H, -1)
         state["params"] = torch.cat([lo[..., None], step[..., None], levels], dim=2).contiguous()
@@ -360,22 +372,14 @@ class ChannelCodebook(Quantizer):
         """Per sequence and head, over the tokens where ``use[B, T]``: channel means and spreads, norm code range."""
         B, H, T, D = x.shape
         xf = x.detach().float()
-        w = torch.ones(B, T, device=x.device) if use is None else use.float()
-        w = torch.where(w.sum(1, keepdim=True) > 0, w, torch.ones_like(w)).view(B, 1, T, 1)
+        w = token_weights(use, B, T, x.device)
         mean = (xf * w).sum(2) / w.sum(2)
         var = (((xf - mean.unsqueeze(2)) ** 2) * w).sum(2) / w.sum(2)
         sd = var.sqrt()
         floor = (sd.amax(-1, keepdim=True) * 1e-4).clamp_min(1e-12)
         state = {"mean": mean, "scale": torch.maximum(sd, floor)}
-        g = self._row_norm(self._whiten(xf, state)).squeeze(-1)  # [B, H, T]
-        ok = (g > 0) & (w.view(B, 1, T) > 0)
-        logn = torch.log2(g.clamp_min(1e-30))
-        lo = torch.where(ok, logn, torch.full_like(logn, math.inf)).amin(dim=2)
-        hi = torch.where(ok, logn, torch.full_like(logn, -math.inf)).amax(dim=2)
-        margin = NORM_MARGIN if T >= SHORT_CHUNK else NORM_MARGIN + 4.0
-        lo = torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo)) - margin
-        hi = torch.where(torch.isfinite(hi), hi, torch.zeros_like(hi)) + margin
-        state["params"] = torch.stack([lo, (hi - lo) / (NORM_CODES - 2)], dim=2).contiguous()
+        lo, step = norm_code_range(self._row_norm(self._whiten(xf, state)).squeeze(-1), w)
+        state["params"] = torch.stack([lo, step], dim=2).contiguous()
         return state
 
     def _row_norm(self, w: torch.Tensor) -> torch.Tensor:
