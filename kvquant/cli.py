@@ -15,7 +15,7 @@ from .config import DEFAULT_PRESET, PRESETS, KVQuantConfig, check_int
 from .errors import ArgumentError, KVQuantError
 from .memory import estimate, human, parse_bytes, plot_lengths_cdf, read_lengths
 from .outputs import check_output
-from .quantizers import PRECISIONS, make_quantizer
+from .quantizers import PRECISION_FAMILIES, PRECISIONS, make_quantizer
 from .shape import ModelShape
 
 DESCRIPTION = """\
@@ -224,6 +224,8 @@ def cmd_presets(args: argparse.Namespace) -> int:
     print("precisions (per layer / per KV head, K and V separately):")
     for name, desc in PRECISIONS.items():
         print(f"  {name:16s} {desc}")
+    for prefix, desc in PRECISION_FAMILIES.items():
+        print(f"  {prefix + '...':16s} {desc}")
     return 0
 
 

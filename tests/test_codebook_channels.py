@@ -145,3 +145,14 @@ def test_row_norm_over_wide_channels_only():
     others = [j for j in range(64) if j != 20]
     typical = float(err[:-1, others].mean())
     assert float(err[-1, others].mean()) < 2 * typical
+
+
+def test_presets_lists_every_precision_family(capsys):
+    """`kvquant presets` names the parameterised families (tqc-...) beside the fixed precisions."""
+    from kvquant.cli import main
+    from kvquant.quantizers import PRECISION_FAMILIES
+
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    for prefix in PRECISION_FAMILIES:
+        assert f"  {prefix}..." in out
