@@ -22,7 +22,7 @@ import torch
 
 from kvquant.blocks import LayerBlocks
 from kvquant.quantizers import make_quantizer
-from kvquant.store import QuantizedTensorStore
+from kvquant.tensor_store import QuantizedTensorStore
 
 from .triton_dequant import operand
 from .triton_launch import compile_launch, resource_usage

@@ -571,7 +571,7 @@ def native_fp8(device: torch.device) -> bool:
 
 
 def operand(store, head_dim: int, fp8_native: bool) -> Operand:
-    """Describe one :class:`~kvquant.store.QuantizedTensorStore` for the kernels; raise Unsupported if unknown."""
+    """Describe one :class:`~kvquant.tensor_store.QuantizedTensorStore` for the kernels (Unsupported if unknown)."""
     qz = store.quantizer
     parts = store.parts
     main = parts.get("q", parts.get("x"))

@@ -41,13 +41,22 @@ from typing import Any
 
 import torch
 
-from .blocks import LayerBlocks, part_rows
+from .blocks import LayerBlocks
 from .config import KVPrecision, KVQuantConfig
 from .offload import Prefetcher, host_entry, host_id, is_host
 from .quantizers import Quantizer, make_quantizer
 from .quantizers.base import Factored, PartSpec
 from .rotation import fwht
 from .slots import SlotMap
+from .tensor_store import (
+    QuantizedTensorStore,
+    StoredOverflow,
+    WritePlan,
+    require_finite,
+    stored_finite,
+    write_pair,
+    write_pair_lanes,
+)
 
 # Static (per-head) scales are calibrated on at least this many real tokens of every row; until then the
 # tokens are held in full precision (a 1-token prompt says little about later magnitudes) ...
@@ -67,280 +76,6 @@ def safe_amax(amax: torch.Tensor) -> torch.Tensor:
     1.0 when all are zero: a scale of 0 would turn every later value into 0."""
     top = amax.max()
     return torch.where(amax > 0, amax, torch.where(top > 0, top, torch.ones_like(top)))
-
-
-def require_finite(keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Raise ``ValueError`` if K or V holds a NaN or an Inf. On CPU one min / max pass per tensor (NaN and
-    Inf show in the extremes); elsewhere an asynchronous device assert (no host synchronisation: it raises
-    at the next one)."""
-    msg = "key_states/value_states: NaN or Inf values cannot be quantized"
-    if keys.device.type == "cpu":
-        if not all(math.isfinite(e) for x in (keys, values) if x.numel() for e in torch.aminmax(x)):
-            raise ValueError(msg)
-    else:
-        torch._assert_async(torch.isfinite(keys).all() & torch.isfinite(values).all(), msg)
-
-
-class StoredOverflow(ValueError):
-    """K/V values that the configured storage cannot hold (e.g. |x| > 65504 in fp16 passthrough)."""
-
-
-def stored_finite(parts: dict[str, torch.Tensor]) -> bool:
-    """True when every 16/32-bit float part is finite (fp8 parts saturate and integer codes cannot overflow)."""
-    wide = (torch.float16, torch.bfloat16, torch.float32)
-    checks = [torch.isfinite(t).all() for t in parts.values() if t.dtype in wide]
-    return bool(torch.stack(checks).all()) if checks else True
-
-
-class QuantizedTensorStore:
-    """The K (or V) of one head group: quantizer, static state, and the group's part tensors in the
-    layer's :class:`~kvquant.blocks.LayerBlocks` (``[num_blocks, heads, block_size or 1, *shape]``)."""
-
-    def __init__(self, quantizer: Quantizer, blocks: LayerBlocks, group: int, kind: str) -> None:
-        self.quantizer = quantizer
-        self.blocks = blocks
-        self.group, self.kind = group, kind
-        self.block_size = blocks.block_size
-        self.state: dict[str, torch.Tensor] = {}
-        self.specs = quantizer.parts()
-        self.heads = blocks.specs[group][0]
-        self.batch = 0  # rows of the owning LayerStore (kept in step by it)
-        self.device = blocks.device
-        self.clipped = torch.zeros((), dtype=torch.int64, device=blocks.device)
-        # real (non-pad) values written through a static scale: the denominator of the clip rate
-        self.static_values = torch.zeros((), dtype=torch.int64, device=blocks.device)
-        self._pair: tuple[dict, dict, dict[str, torch.Tensor] | None] | None = None  # paired_state's cache
-
-    @property
-    def parts(self) -> dict[str, torch.Tensor]:
-        """The block tensors of every part (looked up each time: the arena may have grown)."""
-        return self.blocks.parts[self.group][self.kind]
-
-    def write(self, x: torch.Tensor, plan: WritePlan, check: bool = True, real: torch.Tensor | None = None) -> None:
-        """Quantize ``x[B, H, T, D]`` and scatter the planned (row, token) pairs into their blocks.
-
-        ``check``: verify that what is *stored* is finite (one reduction). fp16 scales / zeros that
-        overflow (|x| > 65504) are widened to fp32 for this group's blocks (exact, bytes counted) and
-        the chunk quantized again; anything else non-finite (fp16 passthrough storage) raises
-        :class:`StoredOverflow`.
-        ``real[B, T]``: False at left-padding positions, which static-scale clipping does not count.
-        """
-        self.scatter(self._quantize(x, check, real), plan)
-
-    def scatter(self, q: dict[str, torch.Tensor], plan: WritePlan) -> None:
-        """Write quantized parts ``q`` (``[B, H, T or blocks, *shape]``) where ``plan`` says."""
-        for name, t in q.items():
-            dst = self.parts[name]
-            if self.specs[name].per_block:
-                if plan.blk_src_b.numel():
-                    dst[plan.blk_dst, :, 0] = t.transpose(1, 2)[plan.blk_src_b, plan.blk_src_j].to(dst.dtype)
-            elif plan.single is not None:
-                b, t_, blk, off = plan.single
-                dst[blk, :, off] = t[b, :, t_]
-            else:
-                dst[plan.dst_blk, :, plan.dst_off] = t.transpose(1, 2)[plan.src_b, plan.src_t].to(dst.dtype)
-
-    def write_heads(
-        self, x: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor, blk: torch.Tensor, off: torch.Tensor,
-        check: bool = True,
-    ) -> None:
-        """Quantize the one-token ``x[B, H, 1, D]`` and write the pairs ``(rows[i], heads[i])`` (group-local head
-        indices) at block ``blk[i]``, offset ``off[i]``: each head to its own slot (decode-time eviction
-        replaces a different token in every head). Per-token parts only."""
-        q = self._quantize(x, check, None)
-        for name, t in q.items():
-            dst = self.parts[name]
-            dst[blk, heads, off] = t[rows, heads, 0].to(dst.dtype)
-
-    def write_lanes(
-        self, x: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor, toks: torch.Tensor, blk: torch.Tensor,
-        lanes: torch.Tensor, off: torch.Tensor, check: bool = True,
-    ) -> None:
-        """Quantize ``x[B, H, T, D]`` and write token ``toks[i]`` of (row ``rows[i]``, group-local head ``heads[i]``)
-        at block ``blk[i]``, lane ``lanes[i]`` (a head slot of the group, see :mod:`kvquant.blocks`), offset
-        ``off[i]``: per-head block lanes (AdaKV layers). Per-token parts only."""
-        self.scatter_lanes(self._quantize(x, check, None), (rows, heads, toks, blk, lanes, off))
-
-    def scatter_lanes(self, q: dict[str, torch.Tensor], idx: tuple[torch.Tensor, ...]) -> None:
-        """Write quantized parts ``q`` (``[B, H, T, *shape]``) at the lanes ``idx`` (see :meth:`write_lanes`)."""
-        rows, heads, toks, blk, lanes, off = idx
-        for name, t in q.items():
-            dst = self.parts[name]
-            dst[blk, lanes, off] = t[rows, heads, toks].to(dst.dtype)
-
-    def _quantize(
-        self, x: torch.Tensor, check: bool, real: torch.Tensor | None, state: dict[str, torch.Tensor] | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The parts of ``x`` (static-scale clipping counted; see :meth:`write` for ``check`` and ``real``).
-        ``state``: the quantizer state to use instead of this store's (K and V side by side, see :func:`write_pair`)."""
-        state = self.state if state is None else state
-        if self.quantizer.static:
-            q, clipped = self.quantizer.quantize_counted(x, state, real)
-            self.clipped += clipped
-            self.static_values += x.numel() if real is None else real.sum() * x.shape[1] * x.shape[3]
-        else:
-            q = self.quantizer.quantize(x, state)
-        if check and not stored_finite(q):
-            if self.quantizer.widen_scales():
-                self._widen_parts()
-                q = self.quantizer.quantize(x, state)
-            if not stored_finite(q):
-                raise StoredOverflow(
-                    f"precision: {self.quantizer.name} cannot store |K/V| up to {x.abs().max().item():.3g} "
-                    "(the stored values overflow); use bf16 or fp32 storage for this layer / head"
-                )
-        return q
-
-    def paired_state(self, other: QuantizedTensorStore) -> dict[str, torch.Tensor] | None:
-        """This store's state and ``other``'s side by side on the head axis, when both quantizers are the
-        same pairable kind (:attr:`Quantizer.pairable`) with states of the same shapes; else None. Cached
-        while neither state dict is replaced (state dicts are replaced, never modified in place)."""
-        if self._pair is not None and self._pair[0] is self.state and self._pair[1] is other.state:
-            return self._pair[2]
-        mine, theirs = self.quantizer, other.quantizer
-        both = None
-        same = mine.pairable and type(mine) is type(theirs) and self.state.keys() == other.state.keys()
-        if same and all(self.state[n].shape == other.state[n].shape for n in self.state):
-            both = {n: torch.cat([self.state[n], other.state[n]], dim=-1) for n in self.state}
-        self._pair = (self.state, other.state, both)
-        return both
-
-    def _widen_parts(self) -> None:
-        """Re-type the block tensors whose dtype the quantizer changed (fp16 scales -> fp32; values kept)."""
-        self.specs = self.quantizer.parts()
-        for name, spec in self.specs.items():
-            self.blocks.retype(self.group, self.kind, name, spec)
-
-    def gather(
-        self, table: torch.Tensor, run: int | None = None, parts: dict[str, torch.Tensor] | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The parts of the blocks ``table[B, nb]`` as ``[B, H, nb * rows, *shape]``: one copy of the
-        quantized bytes, or a view when ``run`` says the (single) row's blocks are ``run, run + 1, ...``.
-        ``parts``: block tensors to index instead of the arena's (a tile staged from the host tier).
-        ``table`` may also be a pair ``(blocks, lanes)`` of ``[B, H, nb]`` tensors: per-head block lanes (each
-        head of each row reads its own blocks, at its own head slot; see :mod:`kvquant.blocks`)."""
-        out = {}
-        if isinstance(table, tuple):
-            blk, lane = table
-            B, H, nb = blk.shape
-            for name, t in (self.parts if parts is None else parts).items():
-                base = t.transpose(0, 1)  # [H, num_blocks, rows, *shape], contiguous: one index over (head, block)
-                flat = base.reshape(-1, *base.shape[2:]).index_select(0, (lane * base.shape[1] + blk).reshape(-1))
-                out[name] = flat.reshape(B, H, nb * base.shape[2], *base.shape[3:])
-            return out
-        B, nb = table.shape
-        for name, t in (self.parts if parts is None else parts).items():
-            base = t.transpose(0, 1)  # [H, num_blocks, rows, *shape], contiguous
-            H, _, rows = base.shape[:3]
-            g = base[:, run:run + nb] if run is not None else base.index_select(1, table.reshape(-1))
-            out[name] = g.reshape(H, B, nb * rows, *base.shape[3:]).transpose(0, 1)
-        return out
-
-    def read(
-        self, table: torch.Tensor, offset: int, length: int, dtype: torch.dtype = torch.float32,
-        run: int | None = None, parts: dict[str, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """Dequantize ``length`` tokens from ``offset`` of the blocks ``table[B, nb]`` -> ``[B, H, length, D]``.
-
-        Per-block parts need ``offset == 0`` (reads start at a block boundary). ``parts``: see :meth:`gather`."""
-        parts = self._window(table, offset, length, run, parts)
-        if self.quantizer.space:  # codebook rows stay in their head space (see LayerStore.read)
-            return self.quantizer.decode_space(parts, self.state).to(dtype)
-        return self.quantizer.dequantize(parts, self.state, dtype)
-
-    def read_factored(
-        self, table: torch.Tensor, offset: int, length: int, run: int | None = None,
-        parts: dict[str, torch.Tensor] | None = None,
-    ) -> Factored:
-        """Like :meth:`read` (float32), as codes and scales when the quantizer factors them (see
-        :class:`~kvquant.quantizers.base.Factored`), else as the dequantized rows with no scale."""
-        window = self._window(table, offset, length, run, parts)
-        if self.quantizer.space:
-            return Factored(self.quantizer.decode_space(window, self.state).float())
-        fac = self.quantizer.factored(window, self.state)
-        return fac if fac is not None else Factored(self.quantizer.dequantize(window, self.state, torch.float32))
-
-    def _window(
-        self, table: torch.Tensor, offset: int, length: int, run: int | None,
-        parts: dict[str, torch.Tensor] | None,
-    ) -> dict[str, torch.Tensor]:
-        """The parts of tokens ``[offset, offset + length)`` of the blocks ``table`` (per-block parts whole)."""
-        parts = self.gather(table, run, parts)
-        for name in parts:
-            if self.specs[name].per_block:
-                if offset:
-                    raise AssertionError("per-block parts are read from a block boundary")
-            else:
-                parts[name] = parts[name][:, :, offset:offset + length]
-        return parts
-
-    def block_nbytes(self) -> dict[str, int]:
-        """Bytes of one block of each part."""
-        heads = self.blocks.specs[self.group][0]
-        return {
-            n: heads * part_rows(spec, self.block_size) * math.prod(spec.shape) * _itemsize(spec.dtype)
-            for n, spec in self.specs.items()
-        }
-
-    def state_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state.values())
-
-
-def write_pair(
-    key: QuantizedTensorStore, value: QuantizedTensorStore, k: torch.Tensor, v: torch.Tensor, plan: WritePlan,
-    check: bool = True, real: torch.Tensor | None = None,
-) -> None:
-    """Write a head group's K and V (see :meth:`QuantizedTensorStore.write`). When their quantizers pair
-    (:meth:`QuantizedTensorStore.paired_state`: int8, fp8), both are quantized in one pass, side by side on
-    the head axis -- half the tensor operations of a decode step's write, the same stored values; K's store
-    then counts the clipping of both (a layer reports the sum)."""
-    state = key.paired_state(value)
-    if state is None:
-        key.write(k, plan, check, real)
-        value.write(v, plan, check, real)
-        return
-    H = k.shape[1]
-    q = key._quantize(torch.cat([k, v], dim=1), check, real, state)
-    key.scatter({n: t[:, :H] for n, t in q.items()}, plan)
-    value.scatter({n: t[:, H:] for n, t in q.items()}, plan)
-
-
-def write_pair_lanes(
-    key: QuantizedTensorStore, value: QuantizedTensorStore, k: torch.Tensor, v: torch.Tensor,
-    idx: tuple[torch.Tensor, ...], check: bool = True,
-) -> None:
-    """:func:`write_pair` for per-head block lanes (``idx``: see :meth:`QuantizedTensorStore.write_lanes`)."""
-    state = key.paired_state(value)
-    if state is None:
-        key.write_lanes(k, *idx, check)
-        value.write_lanes(v, *idx, check)
-        return
-    H = k.shape[1]
-    q = key._quantize(torch.cat([k, v], dim=1), check, None, state)
-    key.scatter_lanes({n: t[:, :H] for n, t in q.items()}, idx)
-    value.scatter_lanes({n: t[:, H:] for n, t in q.items()}, idx)
-
-
-_NO_INDEX = torch.empty(0, dtype=torch.long)  # the index fields of a one-token plan (unused: see ``single``)
-
-
-@dataclass
-class WritePlan:
-    """Where one write goes: per-token rows ``(src_b, src_t) -> (dst_blk, dst_off)`` and, for per-block
-    parts, ``(blk_src_b, blk_src_j) -> blk_dst`` (``blk_src_j`` counts blocks from the write's start)."""
-
-    src_b: torch.Tensor
-    src_t: torch.Tensor
-    dst_blk: torch.Tensor
-    dst_off: torch.Tensor
-    blk_src_b: torch.Tensor
-    blk_src_j: torch.Tensor
-    blk_dst: torch.Tensor
-    single: tuple[int, int, int, int] | None = None  # (src_b, src_t, dst_blk, dst_off) of a one-token write
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def make_groups(
@@ -880,8 +615,7 @@ class LayerStore:
         if changed:
             self._table_cache = None
         if len(src_b) == 1 and not bdst:  # one token of one row (decode): basic indexing, no index tensors
-            return WritePlan(*(_NO_INDEX,) * 7,
-                             single=(src_b[0], src_t[0], dst_blk[0], dst_off[0]))  # fmt: skip
+            return WritePlan.one(src_b[0], src_t[0], dst_blk[0], dst_off[0])
         tok = torch.tensor([src_b, src_t, dst_blk, dst_off], dtype=torch.long).to(self.device)
         if self.has_block_parts and bdst:
             blk = torch.tensor([bsrc_b, bsrc_j, bdst], dtype=torch.long).to(self.device)

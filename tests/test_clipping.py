@@ -111,7 +111,7 @@ def test_paired_kv_write_stores_and_counts_as_separate_writes(monkeypatch, rows)
     """K and V of a pairable group (int8, fp8) are quantized in one pass (store.write_pair): the stored
     parts, the clipping count and the values counted must equal two separate writes, for a prompt with
     left padding and for decode tokens that clip."""
-    import kvquant.store as store_mod
+    import kvquant.tensor_store as store_mod
 
     g = torch.Generator().manual_seed(1)
     k, v = torch.randn(2, 2, 2, 60, 32, generator=g)

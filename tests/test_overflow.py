@@ -10,7 +10,8 @@ import kvquant
 from kvquant import KVPrecision, KVQuantConfig
 from kvquant.kernels import attend_naive, attend_torch, dequantize_history
 from kvquant.quantizers import PRECISIONS
-from kvquant.store import LayerStore, StoredOverflow
+from kvquant.store import LayerStore
+from kvquant.tensor_store import StoredOverflow
 
 from conftest import tiny_model
 
