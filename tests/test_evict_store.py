@@ -282,6 +282,9 @@ def test_triton_reads_uniformly_evicted_layers_and_hands_tracked_ones_to_torch(m
         return out
 
     monkeypatch.setattr(ta, "attend_triton", counting)
+    from kvquant.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_logged", set())  # logged once per process: an earlier test may have logged it
     ids = torch.randint(3, 128, (1, 60))
     cont = torch.randint(3, 128, (1, 2))
     for policy in ("snapkv", "h2o"):
