@@ -81,12 +81,14 @@ def test_pack_unpack_round_trip(bits):
     assert torch.equal(unpack_codes(packed, bits), codes)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("side", ["key", "value"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_nan_inf_rejected_when_written(bad):
+def test_nan_inf_rejected_when_written(bad, side, dtype):
     store = LayerStore([KVQuantConfig.preset("int8").default] * 2, KVQuantConfig.preset("int8"), D, 1,
                        torch.device("cpu"))
-    k = torch.randn(1, 2, 3, D)
-    k[0, 1, 2, 3] = bad
+    k, v = torch.randn(2, 1, 2, 3, D, dtype=dtype)
+    (k if side == "key" else v)[0, 1, 2, 3] = bad
     with pytest.raises(ValueError, match="NaN or Inf"):
-        store.append(k, torch.randn(1, 2, 3, D))
+        store.append(k, v)
     assert store.cache_pos == 0  # nothing half-written
