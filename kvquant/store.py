@@ -49,13 +49,13 @@ from .quantizers.base import Factored, PartSpec
 from .rotation import fwht
 from .slots import SlotMap
 from .tensor_store import (
+    LanePlan,
     QuantizedTensorStore,
     StoredOverflow,
     WritePlan,
     require_finite,
     stored_finite,
     write_pair,
-    write_pair_lanes,
 )
 
 # Static (per-head) scales are calibrated on at least this many real tokens of every row; until then the
@@ -662,7 +662,7 @@ class LayerStore:
         those slots (``fill``); empty slots take no lane. On the first write, rows whose head holds the same
         tokens share its lanes (beam search's identical prompts: written once)."""
         B, H, T, _ = keys.shape
-        bs, L, end = self.block_size, self.blocks.lanes_per_block, pos + T
+        bs, end = self.block_size, pos + T
         writer = [[True] * H for _ in range(B)]
         same: list[tuple[int, int, int]] = []  # (row, head, row whose lanes it shares)
         if pos == 0 and B > 1:
@@ -700,12 +700,20 @@ class LayerStore:
                 continue
             s = toks + pos
             gt = table if g.all_heads else table.index_select(1, g.head_index)
-            e = gt[rows, heads, s // bs]
-            blk, lane, off = e // L, e % L - self.lane_offset[gi], s % bs
-            k = keys if g.all_heads else keys.index_select(1, g.head_index)
-            v = values if g.all_heads else values.index_select(1, g.head_index)
-            write_pair_lanes(g.key, g.value, k, v, (rows, heads, toks, blk, lane, off), self.config.check_finite)
+            self._put_lanes(gi, keys, values, rows, heads, toks, gt[rows, heads, s // bs], s)
         self.q_end = end
+
+    def _put_lanes(
+        self, gi: int, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor,
+        toks: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor,
+    ) -> None:
+        """Quantize and write token ``toks[i]`` of (row ``rows[i]``, group-local head ``heads[i]``) of head group
+        ``gi`` at lane entry ``entries[i]`` (``block * lanes_per_block + lane``), slot ``slots[i]``."""
+        g, L = self.groups[gi], self.blocks.lanes_per_block
+        k = keys if g.all_heads else keys.index_select(1, g.head_index)
+        v = values if g.all_heads else values.index_select(1, g.head_index)
+        plan = LanePlan(rows, heads, toks, entries // L, entries % L - self.lane_offset[gi], slots % self.block_size)
+        write_pair(g.key, g.value, k, v, plan, self.config.check_finite)
 
     def _same_state(self, b: int, r: int) -> bool:
         """Rows ``b`` and ``r`` have the same per-sequence static state (scales) in every head group."""
@@ -748,7 +756,7 @@ class LayerStore:
         """Lanes: write the one-token ``keys/values`` of every (row, head) at its slot ``target[b, h]`` (lanes
         made ready by :meth:`grow_lanes`; a head whose slot :meth:`append` wrote is written again, unchanged)."""
         self._lane_overwrite = False
-        B, bs, L = self.batch, self.block_size, self.blocks.lanes_per_block
+        B, bs = self.batch, self.block_size
         t = target.long()
         pool = None
         if self.q_end < self.cache_pos:  # static scales not calibrated yet: slots past q_end are held dense
@@ -770,11 +778,7 @@ class LayerStore:
             if pool is not None:
                 sel = (pool if g.all_heads else pool.index_select(1, g.head_index)).reshape(-1).nonzero().flatten()
                 rows, heads, eg, tg = rows[sel], heads[sel], eg[sel], tg[sel]
-            blk, lane, off = eg // L, eg % L - self.lane_offset[gi], tg % bs
-            toks = torch.zeros_like(rows)
-            k = keys if g.all_heads else keys.index_select(1, g.head_index)
-            v = values if g.all_heads else values.index_select(1, g.head_index)
-            write_pair_lanes(g.key, g.value, k, v, (rows, heads, toks, blk, lane, off), self.config.check_finite)
+            self._put_lanes(gi, keys, values, rows, heads, torch.zeros_like(rows), eg, tg)
 
     def _lane_run(self, gi: int) -> int | None:
         """One sequence whose heads of group ``gi`` hold lanes ``j`` at blocks ``run + j``, each at its own head

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -61,8 +62,11 @@ class QuantizedTensorStore:
         """The block tensors of every part (looked up each time: the arena may have grown)."""
         return self.blocks.parts[self.group][self.kind]
 
-    def write(self, x: torch.Tensor, plan: WritePlan, check: bool = True, real: torch.Tensor | None = None) -> None:
-        """Quantize ``x[B, H, T, D]`` and scatter the planned (row, token) pairs into their blocks.
+    def write(
+        self, x: torch.Tensor, plan: WritePlan | LanePlan, check: bool = True, real: torch.Tensor | None = None
+    ) -> None:
+        """Quantize ``x[B, H, T, D]`` and scatter the planned (row, token) pairs into their blocks (or, with a
+        :class:`LanePlan`, the planned (row, head, token) triples into their lanes).
 
         ``check``: verify that what is *stored* is finite (one reduction). fp16 scales / zeros that
         overflow (|x| > 65504) are widened to fp32 for this group's blocks (exact, bytes counted) and
@@ -72,11 +76,13 @@ class QuantizedTensorStore:
         """
         self.scatter(self._quantize(x, check, real), plan)
 
-    def scatter(self, q: dict[str, torch.Tensor], plan: WritePlan) -> None:
+    def scatter(self, q: dict[str, torch.Tensor], plan: WritePlan | LanePlan) -> None:
         """Write quantized parts ``q`` (``[B, H, T or blocks, *shape]``) where ``plan`` says."""
         for name, t in q.items():
             dst = self.parts[name]
-            if self.specs[name].per_block:
+            if isinstance(plan, LanePlan):  # per-token parts only
+                dst[plan.blk, plan.lanes, plan.off] = t[plan.rows, plan.heads, plan.toks].to(dst.dtype)
+            elif self.specs[name].per_block:
                 if plan.blk_src_b.numel():
                     dst[plan.blk_dst, :, 0] = t.transpose(1, 2)[plan.blk_src_b, plan.blk_src_j].to(dst.dtype)
             elif plan.single is not None:
@@ -96,22 +102,6 @@ class QuantizedTensorStore:
         for name, t in q.items():
             dst = self.parts[name]
             dst[blk, heads, off] = t[rows, heads, 0].to(dst.dtype)
-
-    def write_lanes(
-        self, x: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor, toks: torch.Tensor, blk: torch.Tensor,
-        lanes: torch.Tensor, off: torch.Tensor, check: bool = True,
-    ) -> None:
-        """Quantize ``x[B, H, T, D]`` and write token ``toks[i]`` of (row ``rows[i]``, group-local head ``heads[i]``)
-        at block ``blk[i]``, lane ``lanes[i]`` (a head slot of the group, see :mod:`kvquant.blocks`), offset
-        ``off[i]``: per-head block lanes (AdaKV layers). Per-token parts only."""
-        self.scatter_lanes(self._quantize(x, check, None), (rows, heads, toks, blk, lanes, off))
-
-    def scatter_lanes(self, q: dict[str, torch.Tensor], idx: tuple[torch.Tensor, ...]) -> None:
-        """Write quantized parts ``q`` (``[B, H, T, *shape]``) at the lanes ``idx`` (see :meth:`write_lanes`)."""
-        rows, heads, toks, blk, lanes, off = idx
-        for name, t in q.items():
-            dst = self.parts[name]
-            dst[blk, lanes, off] = t[rows, heads, toks].to(dst.dtype)
 
     def _quantize(
         self, x: torch.Tensor, check: bool, real: torch.Tensor | None, state: dict[str, torch.Tensor] | None = None
@@ -232,8 +222,8 @@ class QuantizedTensorStore:
 
 
 def write_pair(
-    key: QuantizedTensorStore, value: QuantizedTensorStore, k: torch.Tensor, v: torch.Tensor, plan: WritePlan,
-    check: bool = True, real: torch.Tensor | None = None,
+    key: QuantizedTensorStore, value: QuantizedTensorStore, k: torch.Tensor, v: torch.Tensor,
+    plan: WritePlan | LanePlan, check: bool = True, real: torch.Tensor | None = None,
 ) -> None:
     """Write a head group's K and V (see :meth:`QuantizedTensorStore.write`). When their quantizers pair
     (:meth:`QuantizedTensorStore.paired_state`: int8, fp8), both are quantized in one pass, side by side on
@@ -250,23 +240,20 @@ def write_pair(
     value.scatter({n: t[:, H:] for n, t in q.items()}, plan)
 
 
-def write_pair_lanes(
-    key: QuantizedTensorStore, value: QuantizedTensorStore, k: torch.Tensor, v: torch.Tensor,
-    idx: tuple[torch.Tensor, ...], check: bool = True,
-) -> None:
-    """:func:`write_pair` for per-head block lanes (``idx``: see :meth:`QuantizedTensorStore.write_lanes`)."""
-    state = key.paired_state(value)
-    if state is None:
-        key.write_lanes(k, *idx, check)
-        value.write_lanes(v, *idx, check)
-        return
-    H = k.shape[1]
-    q = key._quantize(torch.cat([k, v], dim=1), check, None, state)
-    key.scatter_lanes({n: t[:, :H] for n, t in q.items()}, idx)
-    value.scatter_lanes({n: t[:, H:] for n, t in q.items()}, idx)
-
-
 _NO_INDEX = torch.empty(0, dtype=torch.long)  # the index fields of a one-token plan (unused: see ``single``)
+
+
+class LanePlan(NamedTuple):
+    """Where a write to per-head block lanes (AdaKV layers, :mod:`kvquant.blocks`) goes: token ``toks[i]`` of
+    (row ``rows[i]``, group-local head ``heads[i]``) to block ``blk[i]``, lane ``lanes[i]`` (a head slot of the
+    group), offset ``off[i]``. Per-token parts only."""
+
+    rows: torch.Tensor
+    heads: torch.Tensor
+    toks: torch.Tensor
+    blk: torch.Tensor
+    lanes: torch.Tensor
+    off: torch.Tensor
 
 
 @dataclass
