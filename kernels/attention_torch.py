@@ -149,9 +149,14 @@ def _tiles(total: int, size: int) -> list[tuple[int, int]]:
 def _fits_at_once(layer: LayerStore, batch: int, rows: int, tokens: int) -> bool:
     """True when ``tokens`` history keys of every head group fit the workspace in one tile pair (see
     :func:`attend_torch`'s tile sizes): then one softmax covers them, with no online rescaling."""
-    row_bytes = 4 * batch * layer.num_heads * max(rows, layer.head_dim)
-    tk = max(layer.block_size, (WORKSPACE_BYTES // row_bytes) // layer.block_size * layer.block_size)
-    return tokens + 1 <= 2 * tk
+    return tokens + 1 <= 2 * _key_tile(layer, batch, layer.num_heads, rows)
+
+
+def _key_tile(layer: LayerStore, batch: int, heads: int, rows: int) -> int:
+    """Keys per tile (whole blocks) such that the scores ``[batch, heads, rows, tile]`` and a K/V tile
+    ``[batch, heads, tile, head_dim]`` stay within ``WORKSPACE_BYTES`` each."""
+    row_bytes = 4 * batch * heads * max(rows, layer.head_dim)
+    return max(layer.block_size, (WORKSPACE_BYTES // row_bytes) // layer.block_size * layer.block_size)
 
 
 def _decode_one(query, fresh_k, fresh_v, layer: LayerStore, past_len: int, mask, scaling: float, softcap, key_mass):
@@ -267,8 +272,7 @@ def attend_torch(
         q = q5 if g.all_heads else q5.index_select(1, g.head_index)
         # tile sizes: scores [B, Hg, rep, tq, tk] and a K/V tile [B, Hg, tk, D] within the workspace
         tq = min(Tq, QUERY_TILE)
-        row_bytes = 4 * B * Hg * max(rep * tq, D)
-        tk = max(layer.block_size, (WORKSPACE_BYTES // row_bytes) // layer.block_size * layer.block_size)
+        tk = _key_tile(layer, B, Hg, rep * tq)
         fk = fresh_k if g.all_heads else fresh_k.index_select(1, g.head_index)
         fv = fresh_v if g.all_heads else fresh_v.index_select(1, g.head_index)
         for q0, q1 in _tiles(Tq, tq):
