@@ -45,15 +45,16 @@ from .blocks import LayerBlocks
 from .config import KVPrecision, KVQuantConfig
 from .offload import Prefetcher, host_entry, host_id, is_host
 from .quantizers import Quantizer, make_quantizer
-from .quantizers.base import Factored, PartSpec
+from .quantizers.base import Factored, PartSpec, require_finite
 from .rotation import fwht
 from .slots import SlotMap
 from .tensor_store import (
+    ClipCounts,
     LanePlan,
     QuantizedTensorStore,
     StoredOverflow,
     WritePlan,
-    require_finite,
+    quantize_pair,
     stored_finite,
     write_pair,
 )
@@ -194,6 +195,7 @@ class LayerStore:
             )
         for g in self.groups:
             g.key.batch = g.value.batch = batch
+        self._quantizers_check = all(s.quantizer.checks_finite for g in self.groups for s in (g.key, g.value))
         per_block = any(g.key.quantizer.per_block or g.value.quantizer.per_block for g in self.groups)
         self.has_block_parts = any(spec.per_block for g in self.groups for s in (g.key, g.value)
                                    for spec in s.specs.values())  # fmt: skip
@@ -285,9 +287,9 @@ class LayerStore:
         ``row_start[B]`` (first append only): each row's first real token; the positions before it are
         left padding. Sink tokens are then each row's first real tokens, and static scales ignore pads.
         """
-        if self.config.check_finite:
-            require_finite(keys, values)
         past = self.cache_pos
+        if self.config.check_finite and not self._checked_by_quantizers(past):
+            require_finite(keys, values)
         if self.lanes and self._lane_step:  # the fills were set by append_kept / grow_lanes
             self._lane_step = False
         elif self.lanes:  # a plain append: every head holds the chunk
@@ -329,6 +331,14 @@ class LayerStore:
         self.cache_pos = past + T
         self.offload_cold()
         return past
+
+    def _checked_by_quantizers(self, past: int) -> bool:
+        """True when a chunk appended at ``past`` goes straight to the pool's quantizers, before any state
+        changes, and they all reject NaN / Inf themselves (:attr:`Quantizer.checks_finite`, CPU): no
+        separate pass over it is needed. Calibration, sink, residual, dense-segment, key-mean and lane
+        writes keep raw values first, so they are checked up front."""
+        return (self._quantizers_check and self.device.type == "cpu" and self.calibrated and past >= self.sink_end
+                and not (self.residual_mode or self.lanes or self.has_dense_segments or self.res_k is not None))
 
     def append_kept(
         self, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, row_start: torch.Tensor | None = None,
@@ -531,12 +541,16 @@ class LayerStore:
             return
         masked = {c: self._mask_sinks(keys, values, pos, c) for c in {g.per_block for g in self.groups}}
         real = self.real_tokens(pos, pos + keys.shape[2]) if pos < self.pad_end else None
-        plan = self._place(*next(iter(masked.values())), pos)  # rows that differ only in sinks share blocks
+        quantized = []  # every group quantized (which may raise) before any block or table changes
         for g in self.groups:
             gk, gv = masked[g.per_block]
             k = gk if g.all_heads else gk.index_select(1, g.head_index)
             v = gv if g.all_heads else gv.index_select(1, g.head_index)
-            write_pair(g.key, g.value, k, v, plan, self.config.check_finite, real)
+            quantized.append(quantize_pair(g.key, g.value, k, v, self.config.check_finite, real))
+        plan = self._place(*next(iter(masked.values())), pos)  # rows that differ only in sinks share blocks
+        for g, (qk, qv) in zip(self.groups, quantized, strict=True):
+            g.key.commit(qk, plan)
+            g.value.commit(qv, plan)
         self.q_end = pos + keys.shape[2]
 
     def _place(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> WritePlan:
@@ -548,6 +562,10 @@ class LayerStore:
         blocks are reserved before any table changes, so :class:`KVCacheFull` leaves everything as it was.
         """
         bs, T = self.block_size, keys.shape[2]
+        if T == 1 and self.batch == 1 and not self.has_block_parts:  # decode of one sequence ...
+            t, j = self.tables[0], pos // bs
+            if j < len(t) and t[j] >= 0 and self.blocks.refs[t[j]] == 1:  # ... into its own partial block
+                return WritePlan.one(0, 0, t[j], pos - j * bs)
         end = pos + T
         j0, j1 = pos // bs, -(-end // bs)
         if self.per_block and (pos % bs or T % bs):
@@ -1247,8 +1265,7 @@ class LayerStore:
         self._lane_step = False
         for g in self.groups:
             for s in (g.key, g.value):
-                s.clipped.zero_()
-                s.static_values.zero_()
+                s.counts = ClipCounts(s.device)
                 s.state = {}
 
     def adopt(self, tables: list[list[int]], tokens: int) -> None:
@@ -1276,8 +1293,7 @@ class LayerStore:
             for s in (g.key, g.value):
                 c = _copy.copy(s)
                 c.state = dict(s.state)
-                c.clipped = s.clipped.clone()
-                c.static_values = s.static_values.clone()
+                c.counts = s.counts.copy()
                 kv.append(c)
             new.groups.append(HeadGroup(g.precision, g.heads, kv[0], kv[1], g.head_index, g.all_heads))
         for name in ("sink_k", "sink_v", "res_k", "res_v", "key_mean"):
@@ -1403,8 +1419,8 @@ class LayerStore:
         return self._count_parts(out, lambda gi, s, b: b // s.heads * per_group[gi])
 
     def clipped(self) -> int:
-        return int(sum(int(g.key.clipped) + int(g.value.clipped) for g in self.groups))
+        return sum(s.counts.totals()[0] for g in self.groups for s in (g.key, g.value))
 
     def static_values(self) -> int:
         """Real (non-pad) values written through static scales so far (what :meth:`clipped` counts against)."""
-        return int(sum(int(g.key.static_values) + int(g.value.static_values) for g in self.groups))
+        return sum(s.counts.totals()[1] for g in self.groups for s in (g.key, g.value))

@@ -12,19 +12,39 @@ import torch
 
 from .blocks import LayerBlocks, part_rows
 from .quantizers import Quantizer
-from .quantizers.base import Factored
+from .quantizers.base import Factored, Parts
 
 
-def require_finite(keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Raise ``ValueError`` if K or V holds a NaN or an Inf. On CPU one min / max pass per tensor (NaN and
-    Inf show in the extremes); elsewhere an asynchronous device assert (no host synchronisation: it raises
-    at the next one)."""
-    msg = "key_states/value_states: NaN or Inf values cannot be quantized"
-    if keys.device.type == "cpu":
-        if not all(math.isfinite(e) for x in (keys, values) if x.numel() for e in torch.aminmax(x)):
-            raise ValueError(msg)
-    else:
-        torch._assert_async(torch.isfinite(keys).all() & torch.isfinite(values).all(), msg)
+class ClipCounts:
+    """Values clipped by a static scale and real (non-pad) values written through it (the clip rate's
+    numerator and denominator): device tensors for counts that live on the device (adding them never
+    synchronises), host ints for counts already known on the host."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.clipped_dev = torch.zeros((), dtype=torch.int64, device=device)
+        self.values_dev = torch.zeros((), dtype=torch.int64, device=device)
+        self.clipped_host = self.values_host = 0
+
+    def add(self, clipped: torch.Tensor | int, values: torch.Tensor | int) -> None:
+        if isinstance(clipped, torch.Tensor):
+            self.clipped_dev += clipped
+        else:
+            self.clipped_host += clipped
+        if isinstance(values, torch.Tensor):
+            self.values_dev += values
+        else:
+            self.values_host += values
+
+    def totals(self) -> tuple[int, int]:
+        """``(clipped, values)`` as ints (synchronises with the device)."""
+        return int(self.clipped_dev) + self.clipped_host, int(self.values_dev) + self.values_host
+
+    def copy(self) -> ClipCounts:
+        new = ClipCounts(self.device)
+        new.clipped_dev, new.values_dev = self.clipped_dev.clone(), self.values_dev.clone()
+        new.clipped_host, new.values_host = self.clipped_host, self.values_host
+        return new
 
 
 class StoredOverflow(ValueError):
@@ -52,9 +72,7 @@ class QuantizedTensorStore:
         self.heads = blocks.specs[group][0]
         self.batch = 0  # rows of the owning LayerStore (kept in step by it)
         self.device = blocks.device
-        self.clipped = torch.zeros((), dtype=torch.int64, device=blocks.device)
-        # real (non-pad) values written through a static scale: the denominator of the clip rate
-        self.static_values = torch.zeros((), dtype=torch.int64, device=blocks.device)
+        self.counts = ClipCounts(blocks.device)  # static-scale clipping (see LayerStore.clipped)
         self._pair: tuple[dict, dict, dict[str, torch.Tensor] | None] | None = None  # paired_state's cache
 
     @property
@@ -66,17 +84,16 @@ class QuantizedTensorStore:
         self, x: torch.Tensor, plan: WritePlan | LanePlan, check: bool = True, real: torch.Tensor | None = None
     ) -> None:
         """Quantize ``x[B, H, T, D]`` and scatter the planned (row, token) pairs into their blocks (or, with a
-        :class:`LanePlan`, the planned (row, head, token) triples into their lanes).
+        :class:`LanePlan`, the planned (row, head, token) triples into their lanes); see :meth:`quantize`."""
+        self.commit(self.quantize(x, check, real), plan)
 
-        ``check``: verify that what is *stored* is finite (one reduction). fp16 scales / zeros that
-        overflow (|x| > 65504) are widened to fp32 for this group's blocks (exact, bytes counted) and
-        the chunk quantized again; anything else non-finite (fp16 passthrough storage) raises
-        :class:`StoredOverflow`.
-        ``real[B, T]``: False at left-padding positions, which static-scale clipping does not count.
-        """
-        self.scatter(self._quantize(x, check, real), plan)
+    def commit(self, q: Quantized, plan: WritePlan | LanePlan) -> None:
+        """Store what :meth:`quantize` returned where ``plan`` says, and count its clipping."""
+        self.scatter(q.parts, plan)
+        if q.counted is not None:
+            self.counts.add(q.clipped, q.counted)
 
-    def scatter(self, q: dict[str, torch.Tensor], plan: WritePlan | LanePlan) -> None:
+    def scatter(self, q: Parts, plan: WritePlan | LanePlan) -> None:
         """Write quantized parts ``q`` (``[B, H, T or blocks, *shape]``) where ``plan`` says."""
         for name, t in q.items():
             dst = self.parts[name]
@@ -98,21 +115,30 @@ class QuantizedTensorStore:
         """Quantize the one-token ``x[B, H, 1, D]`` and write the pairs ``(rows[i], heads[i])`` (group-local head
         indices) at block ``blk[i]``, offset ``off[i]``: each head to its own slot (decode-time eviction
         replaces a different token in every head). Per-token parts only."""
-        q = self._quantize(x, check, None)
-        for name, t in q.items():
+        q = self.quantize(x, check, None)
+        for name, t in q.parts.items():
             dst = self.parts[name]
             dst[blk, heads, off] = t[rows, heads, 0].to(dst.dtype)
+        if q.counted is not None:
+            self.counts.add(q.clipped, q.counted)
 
-    def _quantize(
+    def quantize(
         self, x: torch.Tensor, check: bool, real: torch.Tensor | None, state: dict[str, torch.Tensor] | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The parts of ``x`` (static-scale clipping counted; see :meth:`write` for ``check`` and ``real``).
-        ``state``: the quantizer state to use instead of this store's (K and V side by side, see :func:`write_pair`)."""
+    ) -> Quantized:
+        """The parts of ``x`` and, for static scales, its clipped and counted values (nothing is stored or
+        counted yet: :meth:`commit` does both).
+
+        ``check``: verify that what is *stored* is finite (one reduction). fp16 scales / zeros that
+        overflow (|x| > 65504) are widened to fp32 for this group's blocks (exact, bytes counted) and
+        the chunk quantized again; anything else non-finite (fp16 passthrough storage) raises
+        :class:`StoredOverflow`. ``real[B, T]``: False at left-padding positions, which static-scale
+        clipping does not count. ``state``: the quantizer state to use instead of this store's (K and V
+        side by side, see :func:`quantize_pair`)."""
         state = self.state if state is None else state
+        clipped, counted = 0, None
         if self.quantizer.static:
             q, clipped = self.quantizer.quantize_counted(x, state, real)
-            self.clipped += clipped
-            self.static_values += x.numel() if real is None else real.sum() * x.shape[1] * x.shape[3]
+            counted = x.numel() if real is None else real.sum() * x.shape[1] * x.shape[3]
         else:
             q = self.quantizer.quantize(x, state)
         if check and not stored_finite(q):
@@ -124,7 +150,7 @@ class QuantizedTensorStore:
                     f"precision: {self.quantizer.name} cannot store |K/V| up to {x.abs().max().item():.3g} "
                     "(the stored values overflow); use bf16 or fp32 storage for this layer / head"
                 )
-        return q
+        return Quantized(q, clipped, counted)
 
     def paired_state(self, other: QuantizedTensorStore) -> dict[str, torch.Tensor] | None:
         """This store's state and ``other``'s side by side on the head axis, when both quantizers are the
@@ -221,23 +247,40 @@ class QuantizedTensorStore:
         return sum(t.numel() * t.element_size() for t in self.state.values())
 
 
+def quantize_pair(
+    key: QuantizedTensorStore, value: QuantizedTensorStore, k: torch.Tensor, v: torch.Tensor, check: bool = True,
+    real: torch.Tensor | None = None,
+) -> tuple[Quantized, Quantized]:
+    """A head group's K and V quantized (see :meth:`QuantizedTensorStore.quantize`; nothing stored yet). When
+    their quantizers pair (:meth:`QuantizedTensorStore.paired_state`: int8, fp8), both in one pass, side by
+    side on the head axis -- half the tensor operations of a decode step's write, the same stored values;
+    K's part then carries the clipping of both (a layer reports the sum)."""
+    state = key.paired_state(value)
+    if state is None:
+        return key.quantize(k, check, real), value.quantize(v, check, real)
+    H = k.shape[1]
+    q = key.quantize(torch.cat([k, v], dim=1), check, real, state)
+    return (Quantized({n: t[:, :H] for n, t in q.parts.items()}, q.clipped, q.counted),
+            Quantized({n: t[:, H:] for n, t in q.parts.items()}, 0, None))
+
+
 def write_pair(
     key: QuantizedTensorStore, value: QuantizedTensorStore, k: torch.Tensor, v: torch.Tensor,
     plan: WritePlan | LanePlan, check: bool = True, real: torch.Tensor | None = None,
 ) -> None:
-    """Write a head group's K and V (see :meth:`QuantizedTensorStore.write`). When their quantizers pair
-    (:meth:`QuantizedTensorStore.paired_state`: int8, fp8), both are quantized in one pass, side by side on
-    the head axis -- half the tensor operations of a decode step's write, the same stored values; K's store
-    then counts the clipping of both (a layer reports the sum)."""
-    state = key.paired_state(value)
-    if state is None:
-        key.write(k, plan, check, real)
-        value.write(v, plan, check, real)
-        return
-    H = k.shape[1]
-    q = key._quantize(torch.cat([k, v], dim=1), check, real, state)
-    key.scatter({n: t[:, :H] for n, t in q.items()}, plan)
-    value.scatter({n: t[:, H:] for n, t in q.items()}, plan)
+    """Quantize (:func:`quantize_pair`) and store a head group's K and V where ``plan`` says."""
+    qk, qv = quantize_pair(key, value, k, v, check, real)
+    key.commit(qk, plan)
+    value.commit(qv, plan)
+
+
+class Quantized(NamedTuple):
+    """A chunk quantized for one store (:meth:`QuantizedTensorStore.quantize`): its parts, and for static
+    scales the values clipped and the real values counted (``counted`` None: nothing to count)."""
+
+    parts: Parts
+    clipped: torch.Tensor | int
+    counted: torch.Tensor | int | None
 
 
 _NO_INDEX = torch.empty(0, dtype=torch.long)  # the index fields of a one-token plan (unused: see ``single``)

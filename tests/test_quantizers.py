@@ -92,3 +92,42 @@ def test_nan_inf_rejected_when_written(bad, side, dtype):
     with pytest.raises(ValueError, match="NaN or Inf"):
         store.append(k, v)
     assert store.cache_pos == 0  # nothing half-written
+
+
+@pytest.mark.parametrize("preset", ["int8", "int8-token", "int4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_inf_rejected_in_a_decode_token(preset, bad):
+    """After the prefill, int8's decode writes skip the separate NaN/Inf pass (its quantizer checks while
+    quantizing); a bad token is still refused, before any block or table changes."""
+    cfg = KVQuantConfig.load({**KVQuantConfig.preset(preset).to_dict(), "block_size": 16})
+    store = LayerStore([cfg.default] * 2, cfg, D, 1, torch.device("cpu"))
+    clean = LayerStore([cfg.default] * 2, cfg, D, 1, torch.device("cpu"))
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 1, 2, 32, D)  # 32 tokens: two whole blocks, the next token starts a third
+    for s in (store, clean):
+        s.append(k, v)
+    tables, held = [list(t) for t in store.tables], len(store.blocks.free)
+    nk, nv = torch.randn(2, 1, 2, 1, D)
+    bad_v = nv.clone()
+    bad_v[0, 1, 0, 5] = bad
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        store.append(nk, bad_v)
+    assert store.cache_pos == 32 and store.tables == tables and len(store.blocks.free) == held
+    for s in (store, clean):
+        s.append(nk, nv)
+    for g, h in zip(store.groups, clean.groups, strict=True):
+        assert torch.equal(torch.cat(store.read(g, 0, 33)), torch.cat(clean.read(h, 0, 33)))
+    assert store.clipped() == clean.clipped() and store.static_values() == clean.static_values()
+
+
+def test_int8_static_overflowing_scaled_value_is_clipped_not_refused():
+    """x / scale may overflow to inf where x is finite (a tiny scale): that is clipping, counted, not NaN/Inf."""
+    q = Int8SharedScale(D)
+    state = {"scale": torch.full((2,), torch.finfo(torch.float32).tiny)}
+    x = torch.zeros(1, 2, 3, D)
+    x[0, 1, 2, 3] = 1e3
+    parts, clipped = q.quantize_counted(x, state)
+    assert int(clipped) == 1 and parts["q"][0, 1, 2, 3] == 127
+    x[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        q.quantize_counted(x, state)

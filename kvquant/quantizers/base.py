@@ -7,6 +7,7 @@ so that the block store can preallocate them and the kernels can read them.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -60,6 +61,9 @@ class Quantizer(ABC):
     # axis (see kvquant.tensor_store.write_pair)
     pairable: bool = False
     per_block = False  # True: quantizes whole blocks of tokens at once (per-channel granularity)
+    # True when quantize_counted raises ValueError (require_finite's) for NaN / Inf input on CPU, so a
+    # store writing straight to this quantizer may skip its own check (kvquant.store.LayerStore.append)
+    checks_finite = False
     space = False  # True: rows are read in a per-head rotated space (codebook quantizers, see ``fit``)
 
     def __init__(self, head_dim: int) -> None:
@@ -137,6 +141,23 @@ class Quantizer(ABC):
 def head_view(scale: torch.Tensor) -> torch.Tensor:
     """A static scale as a ``[B or 1, H, 1, 1]`` factor: ``[H]`` (one per head) or ``[B, H]`` (per sequence)."""
     return scale.view(1, -1, 1, 1) if scale.dim() == 1 else scale[..., None, None]
+
+
+NON_FINITE = "key_states/value_states: NaN or Inf values cannot be quantized"
+
+
+def require_finite(*tensors: torch.Tensor) -> None:
+    """Raise ``ValueError`` if a tensor holds a NaN or an Inf. On CPU one min / max pass per tensor (NaN and
+    Inf show in the extremes); elsewhere an asynchronous device assert (no host synchronisation: it raises
+    at the next one)."""
+    if tensors[0].device.type == "cpu":
+        if not all(math.isfinite(e) for x in tensors if x.numel() for e in torch.aminmax(x)):
+            raise ValueError(NON_FINITE)
+    else:
+        ok = torch.isfinite(tensors[0]).all()
+        for x in tensors[1:]:
+            ok = ok & torch.isfinite(x).all()
+        torch._assert_async(ok, NON_FINITE)
 
 
 class WidenableScales:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Factored, Parts, PartSpec, Quantizer, WidenableScales, head_view
+from .base import Factored, Parts, PartSpec, Quantizer, WidenableScales, head_view, require_finite
 
 QMAX = 127.0
 FP16_TINY = 2.0**-14  # smallest normal fp16: per-token scales are stored in fp16
@@ -33,6 +33,7 @@ class Int8SharedScale(Quantizer):
     granularity = "per (layer, KV head), shared by K and V"
     static = True
     pairable = True
+    checks_finite = True
 
     def __init__(self, head_dim: int, headroom: float = 1.0) -> None:
         super().__init__(head_dim)
@@ -50,8 +51,15 @@ class Int8SharedScale(Quantizer):
 
     def quantize_counted(
         self, x: torch.Tensor, state: dict[str, torch.Tensor], real: torch.Tensor | None = None
-    ) -> tuple[Parts, torch.Tensor]:
+    ) -> tuple[Parts, torch.Tensor | int]:
+        """On CPU one min / max pass over ``x / scale`` answers the common case (finite, nothing clipped:
+        the count is 0); otherwise NaN / Inf raise and the clipped values are counted exactly."""
         y = x.float() / head_view(state["scale"])
+        if y.device.type == "cpu":
+            lo, hi = (e.item() for e in torch.aminmax(y)) if y.numel() else (0.0, 0.0)
+            if lo >= -QMAX - 0.5 and hi <= QMAX + 0.5:
+                return {"q": _codes(y)}, 0
+            require_finite(x)  # (x / a tiny scale may overflow where x is finite: then x is clipped, not refused)
         over = y.abs() > _CLIP  # the same test as clipped(), on the scaled values
         if real is not None:
             over &= real[:, None, :, None]
