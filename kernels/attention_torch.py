@@ -216,8 +216,10 @@ def _key_scores(q: torch.Tensor, k: Factored) -> torch.Tensor:
         s = qs @ k.codes.view(B, H, n, k.block, D).transpose(-1, -2)  # [B, H, n, R, block]
         s = s + (q @ k.zero.transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)  # + q . zero[block]
         return s.permute(0, 1, 3, 2, 4).reshape(B, H, q.shape[2], T)
+    if k.scale is not None and k.scale.shape[2] == 1:  # per head: scale the query's R x D, not R x T scores
+        return (q * k.scale) @ k.codes.transpose(-1, -2)
     s = q @ k.codes.transpose(-1, -2)
-    if k.scale is not None:  # [.., 1, 1] per head or [.., T, 1] per token -> one factor per score column
+    if k.scale is not None:  # [.., T, 1] per token -> one factor per score column
         s = s * k.scale.transpose(-1, -2)
     return s
 
