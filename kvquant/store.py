@@ -288,8 +288,9 @@ class LayerStore:
         left padding. Sink tokens are then each row's first real tokens, and static scales ignore pads.
         """
         past = self.cache_pos
+        largest = None  # max |K|, |V| when the finiteness check found it (CPU)
         if self.config.check_finite and not self._checked_by_quantizers(past):
-            require_finite(keys, values)
+            largest = require_finite(keys, values)
         if self.lanes and self._lane_step:  # the fills were set by append_kept / grow_lanes
             self._lane_step = False
         elif self.lanes:  # a plain append: every head holds the chunk
@@ -299,14 +300,16 @@ class LayerStore:
             self.fill = [[past + keys.shape[2]] * self.num_heads for _ in range(self.batch)]
         if self.center_keys and self.key_mean is None:
             self._set_key_mean(keys, past)
-        keys, values = self.to_storage_space(keys, values)
+        if self.transforms:
+            keys, values = self.to_storage_space(keys, values)
+            largest = None  # (a rotation or centering changes the magnitudes)
         T = keys.shape[2]
         if past == 0:
             self._set_row_start(row_start)
         if self.dense_dtype is None:
             self.dense_dtype = torch.float16 if keys.dtype == torch.float32 else keys.dtype
         if self.config.check_finite and (self.has_dense_segments or not self.calibrated):
-            self._fit_dense(keys, values)
+            self._fit_dense(keys, values, largest)
         if past < self.sink_end:
             self._keep_sinks(keys, values, past)
         held = self.res_k.shape[2] if self.res_k is not None and not self.calibrated else 0
@@ -455,11 +458,14 @@ class LayerStore:
         self.res_k, self.res_v = dk, dv
         return True
 
-    def _fit_dense(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """fp16 sink / residual buffers (fp32 models) become fp32 when a value would overflow fp16."""
+    def _fit_dense(self, keys: torch.Tensor, values: torch.Tensor, largest: float | None = None) -> None:
+        """fp16 sink / residual buffers (fp32 models) become fp32 when a value would overflow fp16.
+        ``largest``: max |K|, |V| when already known (:func:`require_finite` on CPU)."""
         if self.dense_dtype != torch.float16:
             return
-        if float(torch.maximum(keys.abs().amax(), values.abs().amax())) <= torch.finfo(torch.float16).max:
+        if largest is None:
+            largest = float(torch.maximum(keys.abs().amax(), values.abs().amax()))
+        if largest <= torch.finfo(torch.float16).max:
             return
         self.dense_dtype = torch.float32
         for name in ("sink_k", "sink_v", "res_k", "res_v"):

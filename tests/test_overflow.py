@@ -85,6 +85,21 @@ def test_fp32_model_dense_buffers_widen():
     assert torch.isfinite(hk).all()
 
 
+@pytest.mark.parametrize("rotate", ["keys", "kv"])
+def test_fp32_model_dense_buffers_widen_for_the_rotated_magnitudes(rotate):
+    """The widening test looks at what is stored: a rotation adds up equal channels (20000 in each of 64
+    channels -> 160000 in one), so fp16 buffers must widen although no raw value exceeds 65504."""
+    cfg = KVQuantConfig.from_dict({"default": "int8-token", "block_size": 16, "residual_tokens": 8, "rotate": rotate})
+    store = LayerStore([KVPrecision("int8-token", "int8-token")] * 2, cfg, 64, 1, torch.device("cpu"))
+    store.append(torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 64))
+    assert store.res_k.dtype == torch.float16
+    k = torch.full((1, 2, 1, 64), 2e4)
+    store.append(k, k.clone())
+    assert store.res_k.dtype == torch.float32
+    hk, hv = dequantize_history(store, 5)
+    assert torch.isfinite(hk).all() and torch.isfinite(hv).all()
+
+
 def test_headroom_overflow_is_refused():
     with pytest.raises(ValueError, match="^headroom: "):  # refused at load (bounded) ...
         KVQuantConfig.from_dict({"default": "int8", "block_size": 16, "headroom": 1e40})

@@ -146,18 +146,20 @@ def head_view(scale: torch.Tensor) -> torch.Tensor:
 NON_FINITE = "key_states/value_states: NaN or Inf values cannot be quantized"
 
 
-def require_finite(*tensors: torch.Tensor) -> None:
+def require_finite(*tensors: torch.Tensor) -> float | None:
     """Raise ``ValueError`` if a tensor holds a NaN or an Inf. On CPU one min / max pass per tensor (NaN and
-    Inf show in the extremes); elsewhere an asynchronous device assert (no host synchronisation: it raises
-    at the next one)."""
+    Inf show in the extremes), and the largest magnitude found is returned; elsewhere an asynchronous device
+    assert (no host synchronisation: it raises at the next one), and None."""
     if tensors[0].device.type == "cpu":
-        if not all(math.isfinite(e) for x in tensors if x.numel() for e in torch.aminmax(x)):
+        ext = [e.item() for x in tensors if x.numel() for e in torch.aminmax(x)]
+        if not all(math.isfinite(e) for e in ext):
             raise ValueError(NON_FINITE)
-    else:
-        ok = torch.isfinite(tensors[0]).all()
-        for x in tensors[1:]:
-            ok = ok & torch.isfinite(x).all()
-        torch._assert_async(ok, NON_FINITE)
+        return max((abs(e) for e in ext), default=0.0)
+    ok = torch.isfinite(tensors[0]).all()
+    for x in tensors[1:]:
+        ok = ok & torch.isfinite(x).all()
+    torch._assert_async(ok, NON_FINITE)
+    return None
 
 
 class WidenableScales:
