@@ -42,10 +42,11 @@ from .triton_dequant import (
     KIND_INTN,
     KIND_TOKEN,
     NIBBLE_HI,
-    NIBBLE_LO,
     Operand,
     _mma,
     cap_scores,
+    code_exp,
+    code_tiles,
     codes_operand,
     dot_pv,
     dot_qk,
@@ -61,6 +62,7 @@ from .triton_dequant import (
     nibbles_operand,
     online_rescale,
     perm4,
+    pow2,
     pv_acc,
     pv_fold4,
     qk_channel4,
@@ -604,12 +606,6 @@ def _group_cols(ptr, offs, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _cat_cols(lo, hi, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """``[BLOCK_N, D]``: the columns of ``lo [BLOCK_N, D/2]`` then those of ``hi`` (register views)."""
-    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BLOCK_N, D])
-
-
-@triton.jit
 def _split_cols(a, DH: tl.constexpr, REPP: tl.constexpr, G: tl.constexpr):
     """fp32 ``a [DH, REPP]`` as an fp16 MMA operand ``[DH, REPP * G]`` (``G`` in 2, 4, 8, 16), the columns (h, g) of the
     grouped keys: ``a[:, h]`` rounded to fp16 and the rest (together ``a`` to ~2**-22) in two of head h's G columns,
@@ -644,6 +640,7 @@ def _rows_tile_t(
     m_i, l_i, acc, zacc,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
     G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, OFF32: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr,
 ):  # fmt: skip
     """One tile of :func:`_decode_partial_rows_t`. Addresses: a scalar base per part and tile (block, first
     token) plus the loop-invariant offsets ``k_offs`` / ``v_offs`` (words of the rows, ``k_st`` / ``v_st`` in words)
@@ -660,11 +657,11 @@ def _rows_tile_t(
         blk = blk.to(tl.int64)
     # codes as fp16 subnormals (nibble_tiles): the low nibbles' dot is 2**-24 q . c, the high ones' 2**-20 q . c
     kp = (k_base + (blk * k_sb + n_in * (k_st * 4))).to(tl.pointer_type(tl.int32))
-    k_lo, k_hi = nibble_tiles(kp, k_offs, mask_n, BLOCK_N, D)
     if K_FOLD == 1:
-        # one MMA over D: [low | high nibbles] @ qt (rows: 16 f q of the low channels, f q of the high ones), so
-        # st = 2**-20 f q . c per column (h, g) = head h on group g (q_sum comes scaled alike, `scale` holds 2**20 / f)
-        st = tl.dot(_cat_cols(k_lo, k_hi, BLOCK_N, D), qt_lo)
+        # one MMA over D: the code tile (code_tiles: position i = c 2**(e(i) - 24)) @ qt (row i: 2**(EMAX - e(i)) f q),
+        # so st = 2**(EMAX - 24) f q . c per column (h, g) = head h on group g (q_sum comes scaled alike, `scale`
+        # holds 2**(24 - EMAX) / f)
+        st = tl.dot(code_tiles(kp, k_offs, mask_n, K_BITS, BLOCK_N, D), qt_lo)
         g_off = blk * ks_sb + n_in * G
         ks = _group_cols(ks_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
         kz = _group_cols(kz_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
@@ -675,6 +672,7 @@ def _rows_tile_t(
         # channels of the low / high nibbles, fp32): the block's scale row folded into the query, a = q * s split
         # into two fp16 MMA operands (columns [hi | lo] of each head), its zero into one fp32 term per head q . z
         DH: tl.constexpr = D // 2
+        k_lo, k_hi = nibble_tiles(kp, k_offs, mask_n, BLOCK_N, D)
         jc = perm4(tl.arange(0, DH))
         srow = ks_base + blk * ks_sb + jc
         a_lo = qt_lo * tl.load(srow).to(tl.float32)[:, None]
@@ -707,10 +705,9 @@ def _rows_tile_t(
     ph = ps.to(tl.float16)
     pl = (ps - ph.to(tl.float32)).to(tl.float16)
     vp = (v_base + (blk * v_sb + n_in * (v_st * 4))).to(tl.pointer_type(tl.int32))
-    v_lo, v_hi = nibble_tiles(vp, v_offs, mask_n, BLOCK_N, D)
-    # one [D, BLOCK_N] operand: rows [0, D/2) the low nibbles' channels (2**-24 of the value sums), [D/2, D)
-    # the high ones' (2**-20); one MMA per probability half for both
-    vt = tl.trans(_cat_cols(v_lo, v_hi, BLOCK_N, D))
+    # one [D, BLOCK_N] operand (code_tiles: row i in units of 2**(e(i) - 24), applied in the epilogue); one MMA
+    # per probability half
+    vt = tl.trans(code_tiles(vp, v_offs, mask_n, V_BITS, BLOCK_N, D))
     acc = tl.dot(vt, pl, tl.dot(vt, ph, acc * a))
     # V's zero term per (token, row), summed over the tokens after the loop
     zacc = zacc * a + pc * vz_c
@@ -747,17 +744,19 @@ def _decode_partial_rows_t(
     j = tl.arange(0, DH)
     jc = perm4(j)  # position j holds channel jc (nibble_tiles); perm4 keeps every channel in its group
     qf = 1.0  # the power of two the query operand is scaled by (K_FOLD 1)
+    # the largest power of two of the key code tiles (code_tiles, code_exp)
+    K_EMAX: tl.constexpr = 4 if K_BITS == 4 else (7 if K_BITS == 3 else 6)
     if K_FOLD == 1:  # column (h, g): head h on the channels of group g; row i: channel perm4(i)
         i = tl.arange(0, D)
         q_mask = valid[None, :] & ((i[:, None] // V_GROUP) == rg[None, :])
         qt = tl.load(Q + b64 * q_sb + (h * REP + rh)[None, :] * q_sh + perm4(i)[:, None], mask=q_mask, other=0.0)
         qt = qt.to(tl.float32)
-        # rows of the low nibbles' channels x 16 (their codes' units: nibble_tiles), all rows x qf <= 1, a power of
-        # two that keeps 16 qf |q| < 2**15 (qf = 1 unless max |q| >= 2048): exact fp16 operands
+        # row i x 2**(EMAX - e(i)) (the units of its codes: code_tiles), all rows x qf <= 1, a power of two that keeps
+        # 2**EMAX qf |q| < 2**15 (qf = 1 unless max |q| >= 2**(15 - EMAX)): exact fp16 operands
         e = (reduce_max(reduce_max(tl.abs(qt), 0), 0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-        qf = ((127 - tl.maximum(e - 137, 0)) << 23).to(tl.float32, bitcast=True)
-        q_sum = reduce_sum(qt, 0) * (qf / NIBBLE_HI)
-        qt_lo = (qt * (tl.where(i < DH, 16.0, 1.0) * qf)[:, None]).to(tl.float16)
+        qf = ((127 - tl.maximum(e - (141 - K_EMAX), 0)) << 23).to(tl.float32, bitcast=True)
+        q_sum = reduce_sum(qt, 0) * (qf * pow2(K_EMAX - 24))
+        qt_lo = (qt * (pow2(K_EMAX - code_exp(i, K_BITS, D)).to(tl.float32) * qf)[:, None]).to(tl.float16)
         qt_hi = qt_lo  # unused
     else:  # per-channel keys: the heads' query [D/2, REPP] per half, fp32 (the block scale multiplies it)
         hh = tl.arange(0, REPP)
@@ -770,7 +769,7 @@ def _decode_partial_rows_t(
     k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
     v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
     tbl = TBL + b64 * tbl_sb
-    scale = qk_scale * (NIBBLE_HI / qf)  # the key tiles' subnormal codes (nibble_tiles), the query's scale
+    scale = qk_scale * (pow2(24 - K_EMAX) / qf)  # the key tiles' subnormal codes (code_tiles), the query's scale
     m_i = tl.full([REPP], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_N, REPP], 0, tl.float32)  # per (token, head); summed after the loop
     acc = tl.full([D, R], 0, tl.float32)  # row i: channel perm4(i)
@@ -779,8 +778,10 @@ def _decode_partial_rows_t(
     k_stw = k_st // 4
     v_stw = v_st // 4
     tok = tl.arange(0, BLOCK_N)[:, None]
-    k_offs = tok * k_stw + tl.arange(0, D // 8)[None, :]
-    v_offs = tok * v_stw + tl.arange(0, D // 8)[None, :]
+    KW: tl.constexpr = D // 32 if K_BITS == 3 else D * K_BITS // 32  # words per row (int3: per byte plane)
+    VW: tl.constexpr = D // 32 if V_BITS == 3 else D * V_BITS // 32
+    k_offs = tok * k_stw + tl.arange(0, KW)[None, :]
+    v_offs = tok * v_stw + tl.arange(0, VW)[None, :]
     g_offs = tok * G + tl.arange(0, G)[None, :]
     full_lo = tl.cdiv(start, BLOCK_N) * BLOCK_N
     full_hi = (end // BLOCK_N) * BLOCK_N
@@ -788,19 +789,22 @@ def _decode_partial_rows_t(
         m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, False, qt_lo, qt_hi, q_sum, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
-            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32)  # fmt: skip
+            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
+            K_BITS, V_BITS)  # fmt: skip
     if (start % BLOCK_N != 0) & (start < end):
         n0 = start - start % BLOCK_N
         m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
-            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32)  # fmt: skip
+            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
+            K_BITS, V_BITS)  # fmt: skip
     if tl.maximum(full_hi, full_lo) < end:
         n0 = tl.maximum(full_hi, full_lo)
         m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
-            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32)  # fmt: skip
+            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
+            K_BITS, V_BITS)  # fmt: skip
 
     l_i = reduce_sum(l_i, 0)
     has = l_i != 0
@@ -813,7 +817,7 @@ def _decode_partial_rows_t(
     zsum = reduce_sum(zacc, 0)
     prow = (b64 * n_qheads + h * REP + rh) * S + split
     i = tl.arange(0, D)
-    fac = tl.where(i < DH, NIBBLE_LO, NIBBLE_HI)  # the value codes' subnormal units (nibble_tiles)
+    fac = pow2(24 - code_exp(i, V_BITS, D))  # the value codes' subnormal units (code_tiles)
     keep = valid[None, :] & ((i[:, None] // V_GROUP) == rg[None, :])  # perm4 keeps channels in their group
     tl.store(O_PART + prow[None, :] * D + perm4(i)[:, None], (acc * fac[:, None] + zsum[None, :]) / den[None, :],
              mask=keep)  # fmt: skip
@@ -912,6 +916,13 @@ def rows_kernel(kop: Operand, vop: Operand, head_dim: int) -> bool:
         return False
     ops = (kop, vop) if kop.kind == KIND_INTN else (vop,)
     return all(op.scale.stride(-1) == 1 and op.scale.stride(-2) == head_dim // op.group for op in ops)
+
+
+def code_rows_kernel(kop: Operand, vop: Operand, dot: int, head_dim: int) -> bool:
+    """True when a group runs on :func:`_decode_partial_rows_t` with grouped int4 / int3 / int2 K and V of one group
+    size (:meth:`Operand.code_rows`), fp16 queries. (Grouped int4 K and V, or per-channel int4 keys, take it through
+    :func:`rows_kernel`.)"""
+    return dot == DOT_FP16 and kop.code_rows(head_dim) and vop.code_rows(head_dim) and kop.group == vop.group
 
 
 def transposed_kernel(kop: Operand, vop: Operand, dot: int) -> bool:
@@ -1016,7 +1027,13 @@ def decode_launches(
             kernel = _decode_partial_t
             meta.update(K_W8=True, V_W8=True)
         rows_h = max(triton.next_power_of_2(rep), 16 // max(1, D // vop.group))  # query heads per row group
-        if rows_kernel(kop, vop, D):
+        if not rows_kernel(kop, vop, D) and code_rows_kernel(kop, vop, dot_kind, D):
+            # grouped int3 / int2 (or int4 with one of them) K and V: the transposed rows kernel, its int4 launch
+            # (64-token tiles, 4 warps, the grouped keys' register cap)
+            kernel = _decode_partial_rows_t
+            meta.update(BLOCK_N=min(64, block_size), BLOCK_H=rows_h, num_warps=4, K_FOLD=1, V_FOLD=True,
+                        OFF32=kop.offsets32() and vop.offsets32(), maxnreg=168)  # fmt: skip
+        elif rows_kernel(kop, vop, D):
             # int4 K and V on (group, head) rows; 32+ rows (GQA 8 at head_dim 128) take 8 warps: 4 spill
             # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
             kernel = _decode_partial_rows
