@@ -191,7 +191,8 @@ def measure(variant: str, head_dim: int, group: int, batch: int, kv_heads: int, 
         sass = Sass.parse(text)
         use = resource_usage(compiled.asm["cubin"])
         named = dict(zip(launch.kernel.arg_names, launch.args, strict=False))
-        warps, block_n = compiled.metadata.num_warps, launch.meta["BLOCK_N"]
+        # tokens per loop iteration: BLOCK_N, times SUB tiles per step where a kernel unrolls several
+        warps, block_n = compiled.metadata.num_warps, launch.meta["BLOCK_N"] * launch.meta.get("SUB", 1)
         per_program = named["part_len"]
         per_tok = warps / block_n
         per_prog = warps / per_program

@@ -640,78 +640,85 @@ def _rows_tile_t(
     m_i, l_i, acc, zacc,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
     G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, OFF32: tl.constexpr,
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, SUB: tl.constexpr,
 ):  # fmt: skip
-    """One tile of :func:`_decode_partial_rows_t`. Addresses: a scalar base per part and tile (block, first
-    token) plus the loop-invariant offsets ``k_offs`` / ``v_offs`` (words of the rows, ``k_st`` / ``v_st`` in words)
-    and ``g_offs`` (per-(token, group) scale / zero rows)."""
-    n_blk, n_in = _block_pos(n0, BS)
-    if MASKED:
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = (offs_n >= start) & (offs_n < end)
+    """One step of :func:`_decode_partial_rows_t`: ``SUB`` tiles of ``BLOCK_N`` tokens from ``n0``, all in one pool
+    block (one block-table read; per-channel keys: the block's query operands built once). Addresses: a scalar
+    base per part and tile (block, first token) plus the loop-invariant offsets ``k_offs`` / ``v_offs`` (words of
+    the rows, ``k_st`` / ``v_st`` in words) and ``g_offs`` (per-(token, group) scale / zero rows)."""
+    n_blk, n_in0 = _block_pos(n0, BS)
+    if MASKED:  # noqa: SIM108 (a constexpr branch)
         blk = tl.load(tbl + n_blk, mask=n0 < end, other=0)
     else:
-        mask_n = tl.full([BLOCK_N], 1, tl.int1)
         blk = tl.load(tbl + n_blk)
     if not OFF32:  # 64-bit element offsets (OFF32: every offset of the parts fits in 31 bits)
         blk = blk.to(tl.int64)
-    # codes as fp16 subnormals (nibble_tiles): the low nibbles' dot is 2**-24 q . c, the high ones' 2**-20 q . c
-    kp = (k_base + (blk * k_sb + n_in * (k_st * 4))).to(tl.pointer_type(tl.int32))
-    if K_FOLD == 1:
-        # one MMA over D: the code tile (code_tiles: position i = c 2**(e(i) - 24)) @ qt (row i: 2**(EMAX - e(i)) f q),
-        # so st = 2**(EMAX - 24) f q . c per column (h, g) = head h on group g (q_sum comes scaled alike, `scale`
-        # holds 2**(24 - EMAX) / f)
-        st = tl.dot(code_tiles(kp, k_offs, mask_n, K_BITS, BLOCK_N, D), qt_lo)
-        g_off = blk * ks_sb + n_in * G
-        ks = _group_cols(ks_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
-        kz = _group_cols(kz_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
-        st = st * ks + q_sum[None, :] * kz
-        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2)  # [BLOCK_N, REPP]
-    else:
-        # per-channel keys (the tile lies in one pool block; qt_lo / qt_hi: the heads' query [D/2, REPP] on the
-        # channels of the low / high nibbles, fp32): the block's scale row folded into the query, a = q * s split
-        # into two fp16 MMA operands (columns [hi | lo] of each head), its zero into one fp32 term per head q . z
+    if K_FOLD == 2:
+        # per-channel keys (qt_lo / qt_hi: the heads' query [D/2, REPP] on the channels of the low / high nibbles,
+        # fp32): the block's scale row folded into the query, a = q * s split into two fp16 MMA operands (columns
+        # [hi | lo] of each head), its zero into one fp32 term per head q . z; once per block step
         DH: tl.constexpr = D // 2
-        k_lo, k_hi = nibble_tiles(kp, k_offs, mask_n, BLOCK_N, D)
         jc = perm4(tl.arange(0, DH))
         srow = ks_base + blk * ks_sb + jc
-        a_lo = qt_lo * tl.load(srow).to(tl.float32)[:, None]
-        a_hi = qt_hi * tl.load(srow + DH).to(tl.float32)[:, None]
+        b_lo = _split_cols(qt_lo * tl.load(srow).to(tl.float32)[:, None], DH, REPP, G)
+        b_hi = _split_cols(qt_hi * tl.load(srow + DH).to(tl.float32)[:, None], DH, REPP, G)
         # q . z over the natural channel order: q_sum holds the heads' query rows [REPP, D] (fp32)
         zq = reduce_sum(q_sum * tl.load(kz_base + blk * ks_sb + tl.arange(0, D)).to(tl.float32)[None, :], 1)
-        st = tl.dot(k_lo, _split_cols(a_lo, DH, REPP, G)) * 16.0  # 2**-20 units, as the high nibbles'
-        st = tl.dot(k_hi, _split_cols(a_hi, DH, REPP, G), st)
-        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2) + zq[None, :] * (1.0 / NIBBLE_HI)
-    s = cap_scores(s * scale, SOFTCAP)
-    if MASKED:
-        s = tl.where(mask_n[:, None], s, float("-inf"))
-    if MASKED:
-        m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 0))
-    else:  # an interior tile's scores are finite: so is the new maximum (no -inf guard)
-        m_new = tl.maximum(m_i, reduce_max(s, 0))
-        m_safe = m_new
-        alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_safe[None, :])
-    l_i = l_i * alpha[None, :] + p  # per (token, head): summed over the tokens after the loop
-    pc = _head_cols(p, G)  # [BLOCK_N, R]
-    a = _head_cols(alpha, G)[None, :]
-    gv_off = blk * vs_sb + n_in * G
-    # V's scale and zero loaded together (joined: both pipelined like operands of the MMA)
-    vsz = tl.join(tl.load(vs_base + gv_off + g_offs, mask=mask_n[:, None], other=0.0),
-                  tl.load(vz_base + gv_off + g_offs, mask=mask_n[:, None], other=0.0)).to(tl.float32)  # fmt: skip
-    vsz = tl.reshape(tl.broadcast_to(vsz[:, None, :, :], [BLOCK_N, REPP, G, 2]), [BLOCK_N, REPP * G, 2])
-    vs_c, vz_c = tl.split(vsz)
-    ps = pc * vs_c
-    ph = ps.to(tl.float16)
-    pl = (ps - ph.to(tl.float32)).to(tl.float16)
-    vp = (v_base + (blk * v_sb + n_in * (v_st * 4))).to(tl.pointer_type(tl.int32))
-    # one [D, BLOCK_N] operand (code_tiles: row i in units of 2**(e(i) - 24), applied in the epilogue); one MMA
-    # per probability half
-    vt = tl.trans(code_tiles(vp, v_offs, mask_n, V_BITS, BLOCK_N, D))
-    acc = tl.dot(vt, pl, tl.dot(vt, ph, acc * a))
-    # V's zero term per (token, row), summed over the tokens after the loop
-    zacc = zacc * a + pc * vz_c
-    return m_new, l_i, acc, zacc
+        zq = zq * (1.0 / NIBBLE_HI)
+    for u in tl.static_range(SUB):
+        n_in = n_in0 + u * BLOCK_N
+        if MASKED:
+            offs_n = n0 + u * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = (offs_n >= start) & (offs_n < end)
+        else:
+            mask_n = tl.full([BLOCK_N], 1, tl.int1)
+        kp = (k_base + (blk * k_sb + n_in * (k_st * 4))).to(tl.pointer_type(tl.int32))
+        if K_FOLD == 1:
+            # one MMA over D: the code tile (code_tiles: position i = c 2**(e(i) - 24)) @ qt (row i: 2**(EMAX - e(i))
+            # f q), so st = 2**(EMAX - 24) f q . c per column (h, g) = head h on group g (q_sum comes scaled alike,
+            # `scale` holds 2**(24 - EMAX) / f)
+            st = tl.dot(code_tiles(kp, k_offs, mask_n, K_BITS, BLOCK_N, D), qt_lo)
+            g_off = blk * ks_sb + n_in * G
+            ks = _group_cols(ks_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
+            kz = _group_cols(kz_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
+            st = st * ks + q_sum[None, :] * kz
+            s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2)  # [BLOCK_N, REPP]
+        else:
+            k_lo, k_hi = nibble_tiles(kp, k_offs, mask_n, BLOCK_N, D)
+            st = tl.dot(k_lo, b_lo) * 16.0  # 2**-20 units, as the high nibbles'
+            st = tl.dot(k_hi, b_hi, st)
+            s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2) + zq[None, :]
+        s = cap_scores(s * scale, SOFTCAP)
+        if MASKED:
+            s = tl.where(mask_n[:, None], s, float("-inf"))
+        if MASKED:
+            m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 0))
+        else:  # an interior tile's scores are finite: so is the new maximum (no -inf guard)
+            m_new = tl.maximum(m_i, reduce_max(s, 0))
+            m_safe = m_new
+            alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha[None, :] + p  # per (token, head): summed over the tokens after the loop
+        pc = _head_cols(p, G)  # [BLOCK_N, R]
+        a = _head_cols(alpha, G)[None, :]
+        gv_off = blk * vs_sb + n_in * G
+        # V's scale and zero loaded together (joined: both pipelined like operands of the MMA)
+        vsz = tl.join(tl.load(vs_base + gv_off + g_offs, mask=mask_n[:, None], other=0.0),
+                      tl.load(vz_base + gv_off + g_offs, mask=mask_n[:, None], other=0.0)).to(tl.float32)  # fmt: skip
+        vsz = tl.reshape(tl.broadcast_to(vsz[:, None, :, :], [BLOCK_N, REPP, G, 2]), [BLOCK_N, REPP * G, 2])
+        vs_c, vz_c = tl.split(vsz)
+        ps = pc * vs_c
+        ph = ps.to(tl.float16)
+        pl = (ps - ph.to(tl.float32)).to(tl.float16)
+        vp = (v_base + (blk * v_sb + n_in * (v_st * 4))).to(tl.pointer_type(tl.int32))
+        # one [D, BLOCK_N] operand (code_tiles: row i in units of 2**(e(i) - 24), applied in the epilogue); one MMA
+        # per probability half
+        vt = tl.trans(code_tiles(vp, v_offs, mask_n, V_BITS, BLOCK_N, D))
+        acc = tl.dot(vt, pl, tl.dot(vt, ph, acc * a))
+        # V's zero term per (token, row), summed over the tokens after the loop
+        zacc = zacc * a + pc * vz_c
+        m_i = m_new
+    return m_i, l_i, acc, zacc
 
 
 @triton.jit
@@ -726,7 +733,7 @@ def _decode_partial_rows_t(
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
     K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
-    V_W8: tl.constexpr = False, OFF32: tl.constexpr = False,
+    V_W8: tl.constexpr = False, OFF32: tl.constexpr = False, SUB: tl.constexpr = 1,
 ):  # fmt: skip
     """:func:`_decode_partial_rows` transposed (fp16 queries; grouped int4 V, int4 K grouped alike
     (``K_FOLD`` 1) or per channel (``K_FOLD`` 2)); ``OFF32``: the parts' element offsets in 32-bit integers
@@ -783,28 +790,29 @@ def _decode_partial_rows_t(
     k_offs = tok * k_stw + tl.arange(0, KW)[None, :]
     v_offs = tok * v_stw + tl.arange(0, VW)[None, :]
     g_offs = tok * G + tl.arange(0, G)[None, :]
-    full_lo = tl.cdiv(start, BLOCK_N) * BLOCK_N
-    full_hi = (end // BLOCK_N) * BLOCK_N
-    for n0 in range(full_lo, full_hi, BLOCK_N):
+    STEP: tl.constexpr = SUB * BLOCK_N  # tokens per loop step (SUB tiles in one pool block)
+    full_lo = tl.cdiv(start, STEP) * STEP
+    full_hi = (end // STEP) * STEP
+    for n0 in range(full_lo, full_hi, STEP):
         m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, False, qt_lo, qt_hi, q_sum, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
             k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
-            K_BITS, V_BITS)  # fmt: skip
-    if (start % BLOCK_N != 0) & (start < end):
-        n0 = start - start % BLOCK_N
+            K_BITS, V_BITS, SUB)  # fmt: skip
+    if (start % STEP != 0) & (start < end):
+        n0 = start - start % STEP
         m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
             k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
-            K_BITS, V_BITS)  # fmt: skip
+            K_BITS, V_BITS, SUB)  # fmt: skip
     if tl.maximum(full_hi, full_lo) < end:
         n0 = tl.maximum(full_hi, full_lo)
         m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
             k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
-            K_BITS, V_BITS)  # fmt: skip
+            K_BITS, V_BITS, SUB)  # fmt: skip
 
     l_i = reduce_sum(l_i, 0)
     has = l_i != 0
@@ -1050,8 +1058,12 @@ def decode_launches(
                 meta["OFF32"] = kop.offsets32() and vop.offsets32()
                 if kop.folds4(D):
                     meta["maxnreg"] = 168
-                elif rows_h * (D // vop.group) <= 16:
-                    meta["maxnreg"] = 128
+                else:
+                    # per-channel keys: two tiles per loop step when a pool block holds them (the block's query
+                    # operands built once per two tiles)
+                    meta["SUB"] = 2 if block_size % (2 * meta["BLOCK_N"]) == 0 else 1
+                    if rows_h * (D // vop.group) <= 16:
+                        meta["maxnreg"] = 128 if meta["SUB"] == 1 else 168
             elif rows_h * (D // vop.group) >= 32:
                 meta["num_warps"] = 8
         launches.append(Launch(kernel, (B * Hg, S), args, meta))

@@ -506,6 +506,8 @@ def test_transposed_decode_channel_keys_fp16_exact(D, rep, block, group):
         launches = triton_decode.decode_launches(q, fk, fv, groups, layer.num_heads, hist, ranges, D**-0.5, out,
                                                  DOT_FP16, splits=3, table=table, block_size=block)  # fmt: skip
         assert launches[0].kernel is triton_decode._decode_partial_rows_t
+        # two tiles per loop step (the block's query operands built once) where a pool block holds them
+        assert launches[0].meta["SUB"] == (2 if block % (2 * launches[0].meta["BLOCK_N"]) == 0 else 1)
         for launch in launches:
             launch.run()
         err = (out - attend_naive(q.float(), fk, fv, layer, hist, mask, D**-0.5)).abs().max().item()
