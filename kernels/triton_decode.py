@@ -926,11 +926,19 @@ def rows_kernel(kop: Operand, vop: Operand, head_dim: int) -> bool:
     return all(op.scale.stride(-1) == 1 and op.scale.stride(-2) == head_dim // op.group for op in ops)
 
 
+def _rows_sub(block_n: int, block_size: int, columns: int) -> int:
+    """Tiles per loop step of :func:`_decode_partial_rows_t` with grouped keys: 2 when a pool block holds two tiles
+    and the MMAs have at most 16 (head, group) columns (sm_90a SASS, hd128 GQA 4: int4 409 -> 391, int3 429 -> 411,
+    int2 389 -> 371 per 64 tokens; with 32 columns two tiles spill under the 168-register cap), else 1."""
+    return 2 if block_size % (2 * block_n) == 0 and columns <= 16 else 1
+
+
 def code_rows_kernel(kop: Operand, vop: Operand, dot: int, head_dim: int) -> bool:
-    """True when a group runs on :func:`_decode_partial_rows_t` with grouped int4 / int3 / int2 K and V of one group
-    size (:meth:`Operand.code_rows`), fp16 queries. (Grouped int4 K and V, or per-channel int4 keys, take it through
-    :func:`rows_kernel`.)"""
-    return dot == DOT_FP16 and kop.code_rows(head_dim) and vop.code_rows(head_dim) and kop.group == vop.group
+    """True when a group runs on :func:`_decode_partial_rows_t` with grouped int4 / int3 / int2 values
+    (:meth:`Operand.code_rows`) and keys grouped alike or per-channel int4, fp16 queries. (Grouped int4 K and V, or
+    per-channel int4 keys with them, take it through :func:`rows_kernel`.)"""
+    keys = kop.folds_channel4() or (kop.code_rows(head_dim) and kop.group == vop.group)
+    return dot == DOT_FP16 and keys and vop.code_rows(head_dim)
 
 
 def transposed_kernel(kop: Operand, vop: Operand, dot: int) -> bool:
@@ -1039,8 +1047,16 @@ def decode_launches(
             # grouped int3 / int2 (or int4 with one of them) K and V: the transposed rows kernel, its int4 launch
             # (64-token tiles, 4 warps, the grouped keys' register cap)
             kernel = _decode_partial_rows_t
-            meta.update(BLOCK_N=min(64, block_size), BLOCK_H=rows_h, num_warps=4, K_FOLD=1, V_FOLD=True,
-                        OFF32=kop.offsets32() and vop.offsets32(), maxnreg=168)  # fmt: skip
+            chan = kop.folds_channel4()
+            meta.update(BLOCK_N=min(64 if D <= 128 else 32, block_size), BLOCK_H=rows_h, num_warps=4,
+                        K_FOLD=2 if chan else 1, V_FOLD=True, OFF32=kop.offsets32() and vop.offsets32())  # fmt: skip
+            if chan:  # as the per-channel keys' launch below
+                meta["SUB"] = 2 if block_size % (2 * meta["BLOCK_N"]) == 0 else 1
+                if rows_h * (D // vop.group) <= 16:
+                    meta["maxnreg"] = 128 if meta["SUB"] == 1 else 168
+            else:
+                meta["maxnreg"] = 168
+                meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group))
         elif rows_kernel(kop, vop, D):
             # int4 K and V on (group, head) rows; 32+ rows (GQA 8 at head_dim 128) take 8 warps: 4 spill
             # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
@@ -1058,6 +1074,7 @@ def decode_launches(
                 meta["OFF32"] = kop.offsets32() and vop.offsets32()
                 if kop.folds4(D):
                     meta["maxnreg"] = 168
+                    meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group))
                 else:
                     # per-channel keys: two tiles per loop step when a pool block holds them (the block's query
                     # operands built once per two tiles)

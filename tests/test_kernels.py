@@ -441,7 +441,7 @@ def test_rotated_store_through_dispatch(monkeypatch, triton_calls):
         (["int4", "int4"], 128, 8, 64),
         (["int4", "int8"], 128, 2, 32),
         (["int2", "int2"], 64, 4, 16),
-        (["int2", "int3"], 128, 4, 64),
+        (["int2", "int3"], 128, 4, 128),
         (["int3", "int3"], 64, 8, 32),
         ([KVPrecision("int4", "int2"), KVPrecision("int3", "int4")], 128, 3, 64),
     ],
