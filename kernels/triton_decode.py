@@ -633,6 +633,78 @@ def _head_cols(x, G: tl.constexpr):
 
 
 @triton.jit
+def _rows_mask(n0, start, end, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tokens ``[n0, n0 + BLOCK_N)`` inside ``[start, end)`` (all of them for an interior tile)."""
+    if MASKED:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = (offs_n >= start) & (offs_n < end)
+    else:
+        mask_n = tl.full([BLOCK_N], 1, tl.int1)
+    return mask_n
+
+
+@triton.jit
+def _rows_scores(
+    n0, n_in, blk, start, end, MASKED: tl.constexpr, qt_lo, q_sum, scale, b_lo, b_hi, zq,
+    k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+    G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, K_BITS: tl.constexpr,
+):  # fmt: skip
+    """Scaled scores ``[BLOCK_N, REPP]`` of the tile at ``n0`` (offset ``n_in`` in pool block ``blk``) for
+    :func:`_rows_tile_t` (-inf outside ``[start, end)``)."""
+    mask_n = _rows_mask(n0, start, end, MASKED, BLOCK_N)
+    kp = (k_base + (blk * k_sb + n_in * (k_st * 4))).to(tl.pointer_type(tl.int32))
+    if K_FOLD == 1:
+        # one MMA over D: the code tile (code_tiles: position i = c 2**(e(i) - 24)) @ qt (row i: 2**(EMAX - e(i))
+        # f q), so st = 2**(EMAX - 24) f q . c per column (h, g) = head h on group g (q_sum comes scaled alike,
+        # `scale` holds 2**(24 - EMAX) / f)
+        st = tl.dot(code_tiles(kp, k_offs, mask_n, K_BITS, BLOCK_N, D), qt_lo)
+        g_off = blk * ks_sb + n_in * G
+        ks = _group_cols(ks_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
+        kz = _group_cols(kz_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
+        st = st * ks + q_sum[None, :] * kz
+        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2)  # [BLOCK_N, REPP]
+    else:  # per-channel keys: the block's operands b_lo / b_hi and zero term zq (_rows_tile_t)
+        k_lo, k_hi = nibble_tiles(kp, k_offs, mask_n, BLOCK_N, D)
+        st = tl.dot(k_lo, b_lo) * 16.0  # 2**-20 units, as the high nibbles'
+        st = tl.dot(k_hi, b_hi, st)
+        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2) + zq[None, :]
+    s = cap_scores(s * scale, SOFTCAP)
+    if MASKED:
+        s = tl.where(mask_n[:, None], s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _rows_pv(
+    n0, n_in, blk, start, end, MASKED: tl.constexpr, p, acc, zacc,
+    v_base, vs_base, vz_base, v_sb, v_st, vs_sb, v_offs, g_offs,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr, V_BITS: tl.constexpr,
+):  # fmt: skip
+    """``acc`` and ``zacc`` (already rescaled) plus the tile's probabilities ``p [BLOCK_N, REPP]`` times its values,
+    for :func:`_rows_tile_t`."""
+    mask_n = _rows_mask(n0, start, end, MASKED, BLOCK_N)
+    pc = _head_cols(p, G)  # [BLOCK_N, R]
+    gv_off = blk * vs_sb + n_in * G
+    # V's scale and zero loaded together (joined: both pipelined like operands of the MMA)
+    vsz = tl.join(tl.load(vs_base + gv_off + g_offs, mask=mask_n[:, None], other=0.0),
+                  tl.load(vz_base + gv_off + g_offs, mask=mask_n[:, None], other=0.0)).to(tl.float32)  # fmt: skip
+    vsz = tl.reshape(tl.broadcast_to(vsz[:, None, :, :], [BLOCK_N, REPP, G, 2]), [BLOCK_N, REPP * G, 2])
+    vs_c, vz_c = tl.split(vsz)
+    ps = pc * vs_c
+    ph = ps.to(tl.float16)
+    pl = (ps - ph.to(tl.float32)).to(tl.float16)
+    vp = (v_base + (blk * v_sb + n_in * (v_st * 4))).to(tl.pointer_type(tl.int32))
+    # one [D, BLOCK_N] operand (code_tiles: row i in units of 2**(e(i) - 24), applied in the epilogue); one MMA
+    # per probability half
+    vt = tl.trans(code_tiles(vp, v_offs, mask_n, V_BITS, BLOCK_N, D))
+    acc = tl.dot(vt, pl, tl.dot(vt, ph, acc))
+    # V's zero term per (token, row), summed over the tokens after the loop
+    zacc = zacc + pc * vz_c
+    return acc, zacc
+
+
+@triton.jit
 def _rows_tile_t(
     n0, start, end, MASKED: tl.constexpr, qt_lo, qt_hi, q_sum, scale, tbl,
     k_base, ks_base, kz_base, k_sb, k_st, ks_sb,
@@ -642,21 +714,25 @@ def _rows_tile_t(
     G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, OFF32: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, SUB: tl.constexpr,
 ):  # fmt: skip
-    """One step of :func:`_decode_partial_rows_t`: ``SUB`` tiles of ``BLOCK_N`` tokens from ``n0``, all in one pool
-    block (one block-table read; per-channel keys: the block's query operands built once). Addresses: a scalar
-    base per part and tile (block, first token) plus the loop-invariant offsets ``k_offs`` / ``v_offs`` (words of
-    the rows, ``k_st`` / ``v_st`` in words) and ``g_offs`` (per-(token, group) scale / zero rows)."""
-    n_blk, n_in0 = _block_pos(n0, BS)
+    """One step of :func:`_decode_partial_rows_t`: ``SUB`` (1 or 2) tiles of ``BLOCK_N`` tokens from ``n0``, all in
+    one pool block (one block-table read; per-channel keys: the block's query operands built once), under one
+    softmax update (both tiles' scores first, then one running-maximum rescale of the accumulators). Addresses: a
+    scalar base per part and tile (block, first token) plus the loop-invariant offsets ``k_offs`` / ``v_offs``
+    (words of the rows, ``k_st`` / ``v_st`` in words) and ``g_offs`` (per-(token, group) scale / zero rows)."""
+    n_blk, n_in = _block_pos(n0, BS)
     if MASKED:  # noqa: SIM108 (a constexpr branch)
         blk = tl.load(tbl + n_blk, mask=n0 < end, other=0)
     else:
         blk = tl.load(tbl + n_blk)
     if not OFF32:  # 64-bit element offsets (OFF32: every offset of the parts fits in 31 bits)
         blk = blk.to(tl.int64)
+    b_lo = qt_lo  # unused unless K_FOLD == 2
+    b_hi = qt_hi
+    zq = scale
     if K_FOLD == 2:
         # per-channel keys (qt_lo / qt_hi: the heads' query [D/2, REPP] on the channels of the low / high nibbles,
         # fp32): the block's scale row folded into the query, a = q * s split into two fp16 MMA operands (columns
-        # [hi | lo] of each head), its zero into one fp32 term per head q . z; once per block step
+        # [hi | lo] of each head), its zero into one fp32 term per head q . z; once per step
         DH: tl.constexpr = D // 2
         jc = perm4(tl.arange(0, DH))
         srow = ks_base + blk * ks_sb + jc
@@ -665,60 +741,36 @@ def _rows_tile_t(
         # q . z over the natural channel order: q_sum holds the heads' query rows [REPP, D] (fp32)
         zq = reduce_sum(q_sum * tl.load(kz_base + blk * ks_sb + tl.arange(0, D)).to(tl.float32)[None, :], 1)
         zq = zq * (1.0 / NIBBLE_HI)
-    for u in tl.static_range(SUB):
-        n_in = n_in0 + u * BLOCK_N
-        if MASKED:
-            offs_n = n0 + u * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = (offs_n >= start) & (offs_n < end)
-        else:
-            mask_n = tl.full([BLOCK_N], 1, tl.int1)
-        kp = (k_base + (blk * k_sb + n_in * (k_st * 4))).to(tl.pointer_type(tl.int32))
-        if K_FOLD == 1:
-            # one MMA over D: the code tile (code_tiles: position i = c 2**(e(i) - 24)) @ qt (row i: 2**(EMAX - e(i))
-            # f q), so st = 2**(EMAX - 24) f q . c per column (h, g) = head h on group g (q_sum comes scaled alike,
-            # `scale` holds 2**(24 - EMAX) / f)
-            st = tl.dot(code_tiles(kp, k_offs, mask_n, K_BITS, BLOCK_N, D), qt_lo)
-            g_off = blk * ks_sb + n_in * G
-            ks = _group_cols(ks_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
-            kz = _group_cols(kz_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
-            st = st * ks + q_sum[None, :] * kz
-            s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2)  # [BLOCK_N, REPP]
-        else:
-            k_lo, k_hi = nibble_tiles(kp, k_offs, mask_n, BLOCK_N, D)
-            st = tl.dot(k_lo, b_lo) * 16.0  # 2**-20 units, as the high nibbles'
-            st = tl.dot(k_hi, b_hi, st)
-            s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2) + zq[None, :]
-        s = cap_scores(s * scale, SOFTCAP)
-        if MASKED:
-            s = tl.where(mask_n[:, None], s, float("-inf"))
-        if MASKED:
-            m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 0))
-        else:  # an interior tile's scores are finite: so is the new maximum (no -inf guard)
-            m_new = tl.maximum(m_i, reduce_max(s, 0))
-            m_safe = m_new
-            alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_safe[None, :])
-        l_i = l_i * alpha[None, :] + p  # per (token, head): summed over the tokens after the loop
-        pc = _head_cols(p, G)  # [BLOCK_N, R]
-        a = _head_cols(alpha, G)[None, :]
-        gv_off = blk * vs_sb + n_in * G
-        # V's scale and zero loaded together (joined: both pipelined like operands of the MMA)
-        vsz = tl.join(tl.load(vs_base + gv_off + g_offs, mask=mask_n[:, None], other=0.0),
-                      tl.load(vz_base + gv_off + g_offs, mask=mask_n[:, None], other=0.0)).to(tl.float32)  # fmt: skip
-        vsz = tl.reshape(tl.broadcast_to(vsz[:, None, :, :], [BLOCK_N, REPP, G, 2]), [BLOCK_N, REPP * G, 2])
-        vs_c, vz_c = tl.split(vsz)
-        ps = pc * vs_c
-        ph = ps.to(tl.float16)
-        pl = (ps - ph.to(tl.float32)).to(tl.float16)
-        vp = (v_base + (blk * v_sb + n_in * (v_st * 4))).to(tl.pointer_type(tl.int32))
-        # one [D, BLOCK_N] operand (code_tiles: row i in units of 2**(e(i) - 24), applied in the epilogue); one MMA
-        # per probability half
-        vt = tl.trans(code_tiles(vp, v_offs, mask_n, V_BITS, BLOCK_N, D))
-        acc = tl.dot(vt, pl, tl.dot(vt, ph, acc * a))
-        # V's zero term per (token, row), summed over the tokens after the loop
-        zacc = zacc * a + pc * vz_c
-        m_i = m_new
-    return m_i, l_i, acc, zacc
+    s0 = _rows_scores(n0, n_in, blk, start, end, MASKED, qt_lo, q_sum, scale, b_lo, b_hi, zq,
+                      k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
+                      D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
+    m_blk = reduce_max(s0, 0)
+    if SUB == 2:
+        s1 = _rows_scores(n0 + BLOCK_N, n_in + BLOCK_N, blk, start, end, MASKED, qt_lo, q_sum, scale, b_lo, b_hi,
+                          zq, k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
+                          D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
+        m_blk = tl.maximum(m_blk, reduce_max(s1, 0))
+    if MASKED:
+        m_new, m_safe, alpha = online_rescale(m_i, m_blk)
+    else:  # an interior step's scores are finite: so is the new maximum (no -inf guard)
+        m_new = tl.maximum(m_i, m_blk)
+        m_safe = m_new
+        alpha = tl.exp2(m_i - m_new)
+    a = _head_cols(alpha, G)[None, :]
+    acc = acc * a
+    zacc = zacc * a
+    p = tl.exp2(s0 - m_safe[None, :])
+    l_i = l_i * alpha[None, :] + p  # per (token, head): summed over the tokens after the loop
+    acc, zacc = _rows_pv(n0, n_in, blk, start, end, MASKED, p, acc, zacc,
+                         v_base, vs_base, vz_base, v_sb, v_st, vs_sb, v_offs, g_offs,
+                         D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+    if SUB == 2:
+        p = tl.exp2(s1 - m_safe[None, :])
+        l_i = l_i + p
+        acc, zacc = _rows_pv(n0 + BLOCK_N, n_in + BLOCK_N, blk, start, end, MASKED, p, acc, zacc,
+                             v_base, vs_base, vz_base, v_sb, v_st, vs_sb, v_offs, g_offs,
+                             D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+    return m_new, l_i, acc, zacc
 
 
 @triton.jit
@@ -1073,8 +1125,9 @@ def decode_launches(
                 meta["num_warps"] = 4
                 meta["OFF32"] = kop.offsets32() and vop.offsets32()
                 if kop.folds4(D):
-                    meta["maxnreg"] = 168
                     meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group))
+                    # two tiles per step: 176 (ptxas then takes 150, no spills; at 168 it spills 8 B)
+                    meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176
                 else:
                     # per-channel keys: two tiles per loop step when a pool block holds them (the block's query
                     # operands built once per two tiles)
