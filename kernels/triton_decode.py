@@ -1107,8 +1107,8 @@ def decode_launches(
                 if rows_h * (D // vop.group) <= 16:
                     meta["maxnreg"] = 128 if meta["SUB"] == 1 else 168
             else:
-                meta["maxnreg"] = 168
                 meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group))
+                meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176  # as grouped int4 (int3 / int2: 149 registers)
         elif rows_kernel(kop, vop, D):
             # int4 K and V on (group, head) rows; 32+ rows (GQA 8 at head_dim 128) take 8 warps: 4 spill
             # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
