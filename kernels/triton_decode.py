@@ -585,18 +585,19 @@ def _decode_partial_rows(
     tl.store(o_ptr + DH, (acc_hi + zacc[:, None]) / den[:, None], mask=keep_hi)
 
 
-# ------------------------------------------------ int4 K and V on (head, group) columns, transposed (wgmma)
+# ------------------------------------- int4 / int3 / int2 K and V on (head, group) columns, transposed (wgmma)
 # fp16 queries: the rows kernel's products transposed, so that tokens (keys) and channels (values) are the MMA
 # rows, on R = heads x G columns (h, g) (column r: head r // G, group r % G): scores^T [BLOCK_N, R] = K codes
 # [BLOCK_N, D] @ q_cols [D, R] (warpgroup MMAs, the loop-invariant query in shared memory; grouped keys: column
 # (h, g) holds head h on the channels of group g) and out^T [D, R] += V codes^T [D, BLOCK_N] @ (p x V scale)
-# [BLOCK_N, R] (hi + lo fp16 halves). Codes come as fp16 subnormals (:func:`nibble_tiles`: one and per two codes,
-# channels in perm4 order; the low nibbles' tile [:, :D/2] in units of 2**-24, the high ones' in 2**-20: the key
-# operand's low-channel rows carry the x16, the powers of two go into the softmax scale and the epilogue). Per-(token,
-# group) scales and zeros are per-column factors of the [BLOCK_N, R] tiles; V's zero term is accumulated per (token,
-# column) and summed over the tokens after the loop. Per-channel keys (int4-channel) fold their block's scale into
-# the query (fp32 [D/2, heads] per nibble half, split into hi + lo fp16 columns (h, 0) and (h, 1)) and add their
-# zero term q . z (an fp32 reduction per head) to the scores.
+# [BLOCK_N, R] (hi + lo fp16 halves). Codes come as fp16 subnormals (:func:`code_tiles`: one and per two codes,
+# channels in perm4 order; position i in units of 2**(code_exp(i) - 24): the key operand's rows carry the
+# complementary powers of two, the rest goes into the softmax scale and the epilogue). Per-(token, group) scales and
+# zeros are per-column factors of the [BLOCK_N, R] tiles; V's zero term is accumulated per (token, column) and summed
+# over the tokens after the loop. Per-channel int4 keys (int4-channel) fold their block's scale into the query (fp32
+# [D/2, heads] per nibble half, split into hi + lo fp16 columns (h, 0) and (h, 1)) and add their zero term q . z (an
+# fp32 reduction per head) to the scores. A loop step is SUB (1 or 2) tiles of one pool block under one softmax
+# update.
 @triton.jit
 def _group_cols(ptr, offs, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.constexpr, mask_n):
     """Per-(token, group) values ``ptr + offs`` (``offs [BLOCK_N, G]``: ``t * G + g``) of ``BLOCK_N`` tokens as columns
@@ -787,9 +788,9 @@ def _decode_partial_rows_t(
     K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
     V_W8: tl.constexpr = False, OFF32: tl.constexpr = False, SUB: tl.constexpr = 1,
 ):  # fmt: skip
-    """:func:`_decode_partial_rows` transposed (fp16 queries; grouped int4 V, int4 K grouped alike
-    (``K_FOLD`` 1) or per channel (``K_FOLD`` 2)); ``OFF32``: the parts' element offsets in 32-bit integers
-    (:meth:`Operand.offsets32`)."""
+    """:func:`_decode_partial_rows` transposed (fp16 queries; grouped int4 / int3 / int2 V, K grouped alike with
+    any of these widths (``K_FOLD`` 1) or per-channel int4 (``K_FOLD`` 2)); ``OFF32``: the parts' element offsets
+    in 32-bit integers (:meth:`Operand.offsets32`); ``SUB``: tiles per loop step (:func:`_rows_tile_t`)."""
     G: tl.constexpr = D // V_GROUP
     REPP: tl.constexpr = BLOCK_H
     R: tl.constexpr = G * REPP
