@@ -7,9 +7,10 @@ count) on ``meta`` tensors with the store's real part shapes and strides, and ar
 Triton's own runtime binder (``triton_launch.compile_launch``: integer 1 -> constant, divisibility-16
 hints on pointers and integers). The cubin is disassembled (``nvdisasm``, shipped with Triton) and the
 steady-state loop -- the body of the kernel's backward branch, one iteration = one tile of BLOCK_N
-tokens -- is counted. Per KV token (of one KV head; all ``group`` query heads of it):
+tokens, or ``SUB`` such tiles where a kernel unrolls several per step (the rows kernel: ``BLOCK_N x SUB``
+tokens, shown as the tile) -- is counted. Per KV token (of one KV head; all ``group`` query heads of it):
 
-* warp-instructions: loop body x warps / BLOCK_N, plus the rest of the kernel (prologue, epilogue)
+* warp-instructions: loop body x warps / (BLOCK_N x SUB), plus the rest of the kernel (prologue, epilogue)
   x warps / tokens per program (the partition length of this shape);
 * conversion instructions (``I2F F2I F2F I2I I2FP F2FP F2IP``) per token, the same way;
 * shared-memory traffic: bytes moved by ``LDS STS LDSM STSM LDGSTS`` per token (all lanes);
@@ -191,7 +192,8 @@ def measure(variant: str, head_dim: int, group: int, batch: int, kv_heads: int, 
         sass = Sass.parse(text)
         use = resource_usage(compiled.asm["cubin"])
         named = dict(zip(launch.kernel.arg_names, launch.args, strict=False))
-        warps, block_n = compiled.metadata.num_warps, launch.meta["BLOCK_N"]
+        # tokens per loop iteration: BLOCK_N, times SUB tiles per step where a kernel unrolls several
+        warps, block_n = compiled.metadata.num_warps, launch.meta["BLOCK_N"] * launch.meta.get("SUB", 1)
         per_program = named["part_len"]
         per_tok = warps / block_n
         per_prog = warps / per_program
@@ -234,7 +236,7 @@ def measure(variant: str, head_dim: int, group: int, batch: int, kv_heads: int, 
 
 
 def table(rows: list[Row]) -> str:
-    head = ("| variant | D | group | BLOCK_N x warps | SASS / warp / tile | warp-instr / token | conv / token "
+    head = ("| variant | D | group | tokens / tile x warps | SASS / warp / tile | warp-instr / token | conv / token "
             "| smem B / token | HBM B / token | regs | smem B | spill B | programs / SM | wave fill "
             "| issue / HBM time | limit | predicted vs fp16 |")
     lines = [head, "|" + "---|" * 3 + "---:|" * 14]

@@ -42,10 +42,11 @@ from .triton_dequant import (
     KIND_INTN,
     KIND_TOKEN,
     NIBBLE_HI,
-    NIBBLE_LO,
     Operand,
     _mma,
     cap_scores,
+    code_exp,
+    code_tiles,
     codes_operand,
     dot_pv,
     dot_qk,
@@ -61,6 +62,7 @@ from .triton_dequant import (
     nibbles_operand,
     online_rescale,
     perm4,
+    pow2,
     pv_acc,
     pv_fold4,
     qk_channel4,
@@ -583,30 +585,25 @@ def _decode_partial_rows(
     tl.store(o_ptr + DH, (acc_hi + zacc[:, None]) / den[:, None], mask=keep_hi)
 
 
-# ------------------------------------------------ int4 K and V on (head, group) columns, transposed (wgmma)
+# ------------------------------------- int4 / int3 / int2 K and V on (head, group) columns, transposed (wgmma)
 # fp16 queries: the rows kernel's products transposed, so that tokens (keys) and channels (values) are the MMA
 # rows, on R = heads x G columns (h, g) (column r: head r // G, group r % G): scores^T [BLOCK_N, R] = K codes
 # [BLOCK_N, D] @ q_cols [D, R] (warpgroup MMAs, the loop-invariant query in shared memory; grouped keys: column
 # (h, g) holds head h on the channels of group g) and out^T [D, R] += V codes^T [D, BLOCK_N] @ (p x V scale)
-# [BLOCK_N, R] (hi + lo fp16 halves). Codes come as fp16 subnormals (:func:`nibble_tiles`: one and per two codes,
-# channels in perm4 order; the low nibbles' tile [:, :D/2] in units of 2**-24, the high ones' in 2**-20: the key
-# operand's low-channel rows carry the x16, the powers of two go into the softmax scale and the epilogue). Per-(token,
-# group) scales and zeros are per-column factors of the [BLOCK_N, R] tiles; V's zero term is accumulated per (token,
-# column) and summed over the tokens after the loop. Per-channel keys (int4-channel) fold their block's scale into
-# the query (fp32 [D/2, heads] per nibble half, split into hi + lo fp16 columns (h, 0) and (h, 1)) and add their
-# zero term q . z (an fp32 reduction per head) to the scores.
+# [BLOCK_N, R] (hi + lo fp16 halves). Codes come as fp16 subnormals (:func:`code_tiles`: one and per two codes,
+# channels in perm4 order; position i in units of 2**(code_exp(i) - 24): the key operand's rows carry the
+# complementary powers of two, the rest goes into the softmax scale and the epilogue). Per-(token, group) scales and
+# zeros are per-column factors of the [BLOCK_N, R] tiles; V's zero term is accumulated per (token, column) and summed
+# over the tokens after the loop. Per-channel int4 keys (int4-channel) fold their block's scale into the query (fp32
+# [D/2, heads] per nibble half, split into hi + lo fp16 columns (h, 0) and (h, 1)) and add their zero term q . z (an
+# fp32 reduction per head) to the scores. A loop step is SUB (1 or 2) tiles of one pool block under one softmax
+# update.
 @triton.jit
 def _group_cols(ptr, offs, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.constexpr, mask_n):
     """Per-(token, group) values ``ptr + offs`` (``offs [BLOCK_N, G]``: ``t * G + g``) of ``BLOCK_N`` tokens as columns
     ``[BLOCK_N, REPP * G]`` (column r: group ``r % G``), fp32; 0 outside ``mask_n``."""
     x = tl.load(ptr + offs, mask=mask_n[:, None], other=0.0).to(tl.float32)
     return tl.reshape(tl.broadcast_to(x[:, None, :], [BLOCK_N, REPP, G]), [BLOCK_N, REPP * G])
-
-
-@triton.jit
-def _cat_cols(lo, hi, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """``[BLOCK_N, D]``: the columns of ``lo [BLOCK_N, D/2]`` then those of ``hi`` (register views)."""
-    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BLOCK_N, D])
 
 
 @triton.jit
@@ -637,66 +634,58 @@ def _head_cols(x, G: tl.constexpr):
 
 
 @triton.jit
-def _rows_tile_t(
-    n0, start, end, MASKED: tl.constexpr, qt_lo, qt_hi, q_sum, scale, tbl,
-    k_base, ks_base, kz_base, k_sb, k_st, ks_sb,
-    v_base, vs_base, vz_base, v_sb, v_st, vs_sb, k_offs, v_offs, g_offs,
-    m_i, l_i, acc, zacc,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
-    G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, OFF32: tl.constexpr,
-):  # fmt: skip
-    """One tile of :func:`_decode_partial_rows_t`. Addresses: a scalar base per part and tile (block, first
-    token) plus the loop-invariant offsets ``k_offs`` / ``v_offs`` (words of the rows, ``k_st`` / ``v_st`` in words)
-    and ``g_offs`` (per-(token, group) scale / zero rows)."""
-    n_blk, n_in = _block_pos(n0, BS)
+def _rows_mask(n0, start, end, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tokens ``[n0, n0 + BLOCK_N)`` inside ``[start, end)`` (all of them for an interior tile)."""
     if MASKED:
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= start) & (offs_n < end)
-        blk = tl.load(tbl + n_blk, mask=n0 < end, other=0)
     else:
         mask_n = tl.full([BLOCK_N], 1, tl.int1)
-        blk = tl.load(tbl + n_blk)
-    if not OFF32:  # 64-bit element offsets (OFF32: every offset of the parts fits in 31 bits)
-        blk = blk.to(tl.int64)
-    # codes as fp16 subnormals (nibble_tiles): the low nibbles' dot is 2**-24 q . c, the high ones' 2**-20 q . c
+    return mask_n
+
+
+@triton.jit
+def _rows_scores(
+    n0, n_in, blk, start, end, MASKED: tl.constexpr, qt_lo, q_sum, scale, b_lo, b_hi, zq,
+    k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+    G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, K_BITS: tl.constexpr,
+):  # fmt: skip
+    """Scaled scores ``[BLOCK_N, REPP]`` of the tile at ``n0`` (offset ``n_in`` in pool block ``blk``) for
+    :func:`_rows_tile_t` (-inf outside ``[start, end)``)."""
+    mask_n = _rows_mask(n0, start, end, MASKED, BLOCK_N)
     kp = (k_base + (blk * k_sb + n_in * (k_st * 4))).to(tl.pointer_type(tl.int32))
-    k_lo, k_hi = nibble_tiles(kp, k_offs, mask_n, BLOCK_N, D)
     if K_FOLD == 1:
-        # one MMA over D: [low | high nibbles] @ qt (rows: 16 f q of the low channels, f q of the high ones), so
-        # st = 2**-20 f q . c per column (h, g) = head h on group g (q_sum comes scaled alike, `scale` holds 2**20 / f)
-        st = tl.dot(_cat_cols(k_lo, k_hi, BLOCK_N, D), qt_lo)
+        # one MMA over D: the code tile (code_tiles: position i = c 2**(e(i) - 24)) @ qt (row i: 2**(EMAX - e(i))
+        # f q), so st = 2**(EMAX - 24) f q . c per column (h, g) = head h on group g (q_sum comes scaled alike,
+        # `scale` holds 2**(24 - EMAX) / f)
+        st = tl.dot(code_tiles(kp, k_offs, mask_n, K_BITS, BLOCK_N, D), qt_lo)
         g_off = blk * ks_sb + n_in * G
         ks = _group_cols(ks_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
         kz = _group_cols(kz_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
         st = st * ks + q_sum[None, :] * kz
         s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2)  # [BLOCK_N, REPP]
-    else:
-        # per-channel keys (the tile lies in one pool block; qt_lo / qt_hi: the heads' query [D/2, REPP] on the
-        # channels of the low / high nibbles, fp32): the block's scale row folded into the query, a = q * s split
-        # into two fp16 MMA operands (columns [hi | lo] of each head), its zero into one fp32 term per head q . z
-        DH: tl.constexpr = D // 2
-        jc = perm4(tl.arange(0, DH))
-        srow = ks_base + blk * ks_sb + jc
-        a_lo = qt_lo * tl.load(srow).to(tl.float32)[:, None]
-        a_hi = qt_hi * tl.load(srow + DH).to(tl.float32)[:, None]
-        # q . z over the natural channel order: q_sum holds the heads' query rows [REPP, D] (fp32)
-        zq = reduce_sum(q_sum * tl.load(kz_base + blk * ks_sb + tl.arange(0, D)).to(tl.float32)[None, :], 1)
-        st = tl.dot(k_lo, _split_cols(a_lo, DH, REPP, G)) * 16.0  # 2**-20 units, as the high nibbles'
-        st = tl.dot(k_hi, _split_cols(a_hi, DH, REPP, G), st)
-        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2) + zq[None, :] * (1.0 / NIBBLE_HI)
+    else:  # per-channel keys: the block's operands b_lo / b_hi and zero term zq (_rows_tile_t)
+        k_lo, k_hi = nibble_tiles(kp, k_offs, mask_n, BLOCK_N, D)
+        st = tl.dot(k_lo, b_lo) * 16.0  # 2**-20 units, as the high nibbles'
+        st = tl.dot(k_hi, b_hi, st)
+        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2) + zq[None, :]
     s = cap_scores(s * scale, SOFTCAP)
     if MASKED:
         s = tl.where(mask_n[:, None], s, float("-inf"))
-    if MASKED:
-        m_new, m_safe, alpha = online_rescale(m_i, reduce_max(s, 0))
-    else:  # an interior tile's scores are finite: so is the new maximum (no -inf guard)
-        m_new = tl.maximum(m_i, reduce_max(s, 0))
-        m_safe = m_new
-        alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_safe[None, :])
-    l_i = l_i * alpha[None, :] + p  # per (token, head): summed over the tokens after the loop
+    return s
+
+
+@triton.jit
+def _rows_pv(
+    n0, n_in, blk, start, end, MASKED: tl.constexpr, p, acc, zacc,
+    v_base, vs_base, vz_base, v_sb, v_st, vs_sb, v_offs, g_offs,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr, V_BITS: tl.constexpr,
+):  # fmt: skip
+    """``acc`` and ``zacc`` (already rescaled) plus the tile's probabilities ``p [BLOCK_N, REPP]`` times its values,
+    for :func:`_rows_tile_t`."""
+    mask_n = _rows_mask(n0, start, end, MASKED, BLOCK_N)
     pc = _head_cols(p, G)  # [BLOCK_N, R]
-    a = _head_cols(alpha, G)[None, :]
     gv_off = blk * vs_sb + n_in * G
     # V's scale and zero loaded together (joined: both pipelined like operands of the MMA)
     vsz = tl.join(tl.load(vs_base + gv_off + g_offs, mask=mask_n[:, None], other=0.0),
@@ -707,13 +696,81 @@ def _rows_tile_t(
     ph = ps.to(tl.float16)
     pl = (ps - ph.to(tl.float32)).to(tl.float16)
     vp = (v_base + (blk * v_sb + n_in * (v_st * 4))).to(tl.pointer_type(tl.int32))
-    v_lo, v_hi = nibble_tiles(vp, v_offs, mask_n, BLOCK_N, D)
-    # one [D, BLOCK_N] operand: rows [0, D/2) the low nibbles' channels (2**-24 of the value sums), [D/2, D)
-    # the high ones' (2**-20); one MMA per probability half for both
-    vt = tl.trans(_cat_cols(v_lo, v_hi, BLOCK_N, D))
-    acc = tl.dot(vt, pl, tl.dot(vt, ph, acc * a))
+    # one [D, BLOCK_N] operand (code_tiles: row i in units of 2**(e(i) - 24), applied in the epilogue); one MMA
+    # per probability half
+    vt = tl.trans(code_tiles(vp, v_offs, mask_n, V_BITS, BLOCK_N, D))
+    acc = tl.dot(vt, pl, tl.dot(vt, ph, acc))
     # V's zero term per (token, row), summed over the tokens after the loop
-    zacc = zacc * a + pc * vz_c
+    zacc = zacc + pc * vz_c
+    return acc, zacc
+
+
+@triton.jit
+def _rows_tile_t(
+    n0, start, end, MASKED: tl.constexpr, qt_lo, qt_hi, q_sum, scale, tbl,
+    k_base, ks_base, kz_base, k_sb, k_st, ks_sb,
+    v_base, vs_base, vz_base, v_sb, v_st, vs_sb, k_offs, v_offs, g_offs,
+    m_i, l_i, acc, zacc,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
+    G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, OFF32: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, SUB: tl.constexpr,
+):  # fmt: skip
+    """One step of :func:`_decode_partial_rows_t`: ``SUB`` (1 or 2) tiles of ``BLOCK_N`` tokens from ``n0``, all in
+    one pool block (one block-table read; per-channel keys: the block's query operands built once), under one
+    softmax update (both tiles' scores first, then one running-maximum rescale of the accumulators). Addresses: a
+    scalar base per part and tile (block, first token) plus the loop-invariant offsets ``k_offs`` / ``v_offs``
+    (words of the rows, ``k_st`` / ``v_st`` in words) and ``g_offs`` (per-(token, group) scale / zero rows)."""
+    n_blk, n_in = _block_pos(n0, BS)
+    if MASKED:  # noqa: SIM108 (a constexpr branch)
+        blk = tl.load(tbl + n_blk, mask=n0 < end, other=0)
+    else:
+        blk = tl.load(tbl + n_blk)
+    if not OFF32:  # 64-bit element offsets (OFF32: every offset of the parts fits in 31 bits)
+        blk = blk.to(tl.int64)
+    b_lo = qt_lo  # unused unless K_FOLD == 2
+    b_hi = qt_hi
+    zq = scale
+    if K_FOLD == 2:
+        # per-channel keys (qt_lo / qt_hi: the heads' query [D/2, REPP] on the channels of the low / high nibbles,
+        # fp32): the block's scale row folded into the query, a = q * s split into two fp16 MMA operands (columns
+        # [hi | lo] of each head), its zero into one fp32 term per head q . z; once per step
+        DH: tl.constexpr = D // 2
+        jc = perm4(tl.arange(0, DH))
+        srow = ks_base + blk * ks_sb + jc
+        b_lo = _split_cols(qt_lo * tl.load(srow).to(tl.float32)[:, None], DH, REPP, G)
+        b_hi = _split_cols(qt_hi * tl.load(srow + DH).to(tl.float32)[:, None], DH, REPP, G)
+        # q . z over the natural channel order: q_sum holds the heads' query rows [REPP, D] (fp32)
+        zq = reduce_sum(q_sum * tl.load(kz_base + blk * ks_sb + tl.arange(0, D)).to(tl.float32)[None, :], 1)
+        zq = zq * (1.0 / NIBBLE_HI)
+    s0 = _rows_scores(n0, n_in, blk, start, end, MASKED, qt_lo, q_sum, scale, b_lo, b_hi, zq,
+                      k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
+                      D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
+    m_blk = reduce_max(s0, 0)
+    if SUB == 2:
+        s1 = _rows_scores(n0 + BLOCK_N, n_in + BLOCK_N, blk, start, end, MASKED, qt_lo, q_sum, scale, b_lo, b_hi,
+                          zq, k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
+                          D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
+        m_blk = tl.maximum(m_blk, reduce_max(s1, 0))
+    if MASKED:
+        m_new, m_safe, alpha = online_rescale(m_i, m_blk)
+    else:  # an interior step's scores are finite: so is the new maximum (no -inf guard)
+        m_new = tl.maximum(m_i, m_blk)
+        m_safe = m_new
+        alpha = tl.exp2(m_i - m_new)
+    a = _head_cols(alpha, G)[None, :]
+    acc = acc * a
+    zacc = zacc * a
+    p = tl.exp2(s0 - m_safe[None, :])
+    l_i = l_i * alpha[None, :] + p  # per (token, head): summed over the tokens after the loop
+    acc, zacc = _rows_pv(n0, n_in, blk, start, end, MASKED, p, acc, zacc,
+                         v_base, vs_base, vz_base, v_sb, v_st, vs_sb, v_offs, g_offs,
+                         D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+    if SUB == 2:
+        p = tl.exp2(s1 - m_safe[None, :])
+        l_i = l_i + p
+        acc, zacc = _rows_pv(n0 + BLOCK_N, n_in + BLOCK_N, blk, start, end, MASKED, p, acc, zacc,
+                             v_base, vs_base, vz_base, v_sb, v_st, vs_sb, v_offs, g_offs,
+                             D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
     return m_new, l_i, acc, zacc
 
 
@@ -729,11 +786,11 @@ def _decode_partial_rows_t(
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
     K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
-    V_W8: tl.constexpr = False, OFF32: tl.constexpr = False,
+    V_W8: tl.constexpr = False, OFF32: tl.constexpr = False, SUB: tl.constexpr = 1,
 ):  # fmt: skip
-    """:func:`_decode_partial_rows` transposed (fp16 queries; grouped int4 V, int4 K grouped alike
-    (``K_FOLD`` 1) or per channel (``K_FOLD`` 2)); ``OFF32``: the parts' element offsets in 32-bit integers
-    (:meth:`Operand.offsets32`)."""
+    """:func:`_decode_partial_rows` transposed (fp16 queries; grouped int4 / int3 / int2 V, K grouped alike with
+    any of these widths (``K_FOLD`` 1) or per-channel int4 (``K_FOLD`` 2)); ``OFF32``: the parts' element offsets
+    in 32-bit integers (:meth:`Operand.offsets32`); ``SUB``: tiles per loop step (:func:`_rows_tile_t`)."""
     G: tl.constexpr = D // V_GROUP
     REPP: tl.constexpr = BLOCK_H
     R: tl.constexpr = G * REPP
@@ -747,17 +804,19 @@ def _decode_partial_rows_t(
     j = tl.arange(0, DH)
     jc = perm4(j)  # position j holds channel jc (nibble_tiles); perm4 keeps every channel in its group
     qf = 1.0  # the power of two the query operand is scaled by (K_FOLD 1)
+    # the largest power of two of the key code tiles (code_tiles, code_exp)
+    K_EMAX: tl.constexpr = 4 if K_BITS == 4 else (7 if K_BITS == 3 else 6)
     if K_FOLD == 1:  # column (h, g): head h on the channels of group g; row i: channel perm4(i)
         i = tl.arange(0, D)
         q_mask = valid[None, :] & ((i[:, None] // V_GROUP) == rg[None, :])
         qt = tl.load(Q + b64 * q_sb + (h * REP + rh)[None, :] * q_sh + perm4(i)[:, None], mask=q_mask, other=0.0)
         qt = qt.to(tl.float32)
-        # rows of the low nibbles' channels x 16 (their codes' units: nibble_tiles), all rows x qf <= 1, a power of
-        # two that keeps 16 qf |q| < 2**15 (qf = 1 unless max |q| >= 2048): exact fp16 operands
+        # row i x 2**(EMAX - e(i)) (the units of its codes: code_tiles), all rows x qf <= 1, a power of two that keeps
+        # 2**EMAX qf |q| < 2**15 (qf = 1 unless max |q| >= 2**(15 - EMAX)): exact fp16 operands
         e = (reduce_max(reduce_max(tl.abs(qt), 0), 0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-        qf = ((127 - tl.maximum(e - 137, 0)) << 23).to(tl.float32, bitcast=True)
-        q_sum = reduce_sum(qt, 0) * (qf / NIBBLE_HI)
-        qt_lo = (qt * (tl.where(i < DH, 16.0, 1.0) * qf)[:, None]).to(tl.float16)
+        qf = ((127 - tl.maximum(e - (141 - K_EMAX), 0)) << 23).to(tl.float32, bitcast=True)
+        q_sum = reduce_sum(qt, 0) * (qf * pow2(K_EMAX - 24))
+        qt_lo = (qt * (pow2(K_EMAX - code_exp(i, K_BITS, D)).to(tl.float32) * qf)[:, None]).to(tl.float16)
         qt_hi = qt_lo  # unused
     else:  # per-channel keys: the heads' query [D/2, REPP] per half, fp32 (the block scale multiplies it)
         hh = tl.arange(0, REPP)
@@ -770,7 +829,7 @@ def _decode_partial_rows_t(
     k_base, ks_base, kz_base = head_ptrs(K, KS, KZ, k_sh, ks_sh, hg)
     v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
     tbl = TBL + b64 * tbl_sb
-    scale = qk_scale * (NIBBLE_HI / qf)  # the key tiles' subnormal codes (nibble_tiles), the query's scale
+    scale = qk_scale * (pow2(24 - K_EMAX) / qf)  # the key tiles' subnormal codes (code_tiles), the query's scale
     m_i = tl.full([REPP], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_N, REPP], 0, tl.float32)  # per (token, head); summed after the loop
     acc = tl.full([D, R], 0, tl.float32)  # row i: channel perm4(i)
@@ -779,28 +838,34 @@ def _decode_partial_rows_t(
     k_stw = k_st // 4
     v_stw = v_st // 4
     tok = tl.arange(0, BLOCK_N)[:, None]
-    k_offs = tok * k_stw + tl.arange(0, D // 8)[None, :]
-    v_offs = tok * v_stw + tl.arange(0, D // 8)[None, :]
+    KW: tl.constexpr = D // 32 if K_BITS == 3 else D * K_BITS // 32  # words per row (int3: per byte plane)
+    VW: tl.constexpr = D // 32 if V_BITS == 3 else D * V_BITS // 32
+    k_offs = tok * k_stw + tl.arange(0, KW)[None, :]
+    v_offs = tok * v_stw + tl.arange(0, VW)[None, :]
     g_offs = tok * G + tl.arange(0, G)[None, :]
-    full_lo = tl.cdiv(start, BLOCK_N) * BLOCK_N
-    full_hi = (end // BLOCK_N) * BLOCK_N
-    for n0 in range(full_lo, full_hi, BLOCK_N):
+    STEP: tl.constexpr = SUB * BLOCK_N  # tokens per loop step (SUB tiles in one pool block)
+    full_lo = tl.cdiv(start, STEP) * STEP
+    full_hi = (end // STEP) * STEP
+    for n0 in range(full_lo, full_hi, STEP):
         m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, False, qt_lo, qt_hi, q_sum, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
-            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32)  # fmt: skip
-    if (start % BLOCK_N != 0) & (start < end):
-        n0 = start - start % BLOCK_N
+            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
+            K_BITS, V_BITS, SUB)  # fmt: skip
+    if (start % STEP != 0) & (start < end):
+        n0 = start - start % STEP
         m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
-            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32)  # fmt: skip
+            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
+            K_BITS, V_BITS, SUB)  # fmt: skip
     if tl.maximum(full_hi, full_lo) < end:
         n0 = tl.maximum(full_hi, full_lo)
         m_i, l_i, acc, zacc = _rows_tile_t(
             n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
             k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
-            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32)  # fmt: skip
+            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
+            K_BITS, V_BITS, SUB)  # fmt: skip
 
     l_i = reduce_sum(l_i, 0)
     has = l_i != 0
@@ -813,7 +878,7 @@ def _decode_partial_rows_t(
     zsum = reduce_sum(zacc, 0)
     prow = (b64 * n_qheads + h * REP + rh) * S + split
     i = tl.arange(0, D)
-    fac = tl.where(i < DH, NIBBLE_LO, NIBBLE_HI)  # the value codes' subnormal units (nibble_tiles)
+    fac = pow2(24 - code_exp(i, V_BITS, D))  # the value codes' subnormal units (code_tiles)
     keep = valid[None, :] & ((i[:, None] // V_GROUP) == rg[None, :])  # perm4 keeps channels in their group
     tl.store(O_PART + prow[None, :] * D + perm4(i)[:, None], (acc * fac[:, None] + zsum[None, :]) / den[None, :],
              mask=keep)  # fmt: skip
@@ -912,6 +977,21 @@ def rows_kernel(kop: Operand, vop: Operand, head_dim: int) -> bool:
         return False
     ops = (kop, vop) if kop.kind == KIND_INTN else (vop,)
     return all(op.scale.stride(-1) == 1 and op.scale.stride(-2) == head_dim // op.group for op in ops)
+
+
+def _rows_sub(block_n: int, block_size: int, columns: int) -> int:
+    """Tiles per loop step of :func:`_decode_partial_rows_t` with grouped keys: 2 when a pool block holds two tiles
+    and the MMAs have at most 16 (head, group) columns (sm_90a SASS, hd128 GQA 4: int4 409 -> 391, int3 429 -> 411,
+    int2 389 -> 371 per 64 tokens; with 32 columns two tiles spill under the 168-register cap), else 1."""
+    return 2 if block_size % (2 * block_n) == 0 and columns <= 16 else 1
+
+
+def code_rows_kernel(kop: Operand, vop: Operand, dot: int, head_dim: int) -> bool:
+    """True when a group runs on :func:`_decode_partial_rows_t` with grouped int4 / int3 / int2 values
+    (:meth:`Operand.code_rows`) and keys grouped alike or per-channel int4, fp16 queries. (Grouped int4 K and V, or
+    per-channel int4 keys with them, take it through :func:`rows_kernel`.)"""
+    keys = kop.folds_channel4() or (kop.code_rows(head_dim) and kop.group == vop.group)
+    return dot == DOT_FP16 and keys and vop.code_rows(head_dim)
 
 
 def transposed_kernel(kop: Operand, vop: Operand, dot: int) -> bool:
@@ -1016,7 +1096,21 @@ def decode_launches(
             kernel = _decode_partial_t
             meta.update(K_W8=True, V_W8=True)
         rows_h = max(triton.next_power_of_2(rep), 16 // max(1, D // vop.group))  # query heads per row group
-        if rows_kernel(kop, vop, D):
+        if not rows_kernel(kop, vop, D) and code_rows_kernel(kop, vop, dot_kind, D):
+            # grouped int3 / int2 (or int4 with one of them) K and V: the transposed rows kernel, its int4 launch
+            # (64-token tiles, 4 warps, the grouped keys' register cap)
+            kernel = _decode_partial_rows_t
+            chan = kop.folds_channel4()
+            meta.update(BLOCK_N=min(64 if D <= 128 else 32, block_size), BLOCK_H=rows_h, num_warps=4,
+                        K_FOLD=2 if chan else 1, V_FOLD=True, OFF32=kop.offsets32() and vop.offsets32())  # fmt: skip
+            if chan:  # as the per-channel keys' launch below
+                meta["SUB"] = 2 if block_size % (2 * meta["BLOCK_N"]) == 0 else 1
+                if rows_h * (D // vop.group) <= 16:
+                    meta["maxnreg"] = 128 if meta["SUB"] == 1 else 168
+            else:
+                meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group))
+                meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176  # as grouped int4 (int3 / int2: 149 registers)
+        elif rows_kernel(kop, vop, D):
             # int4 K and V on (group, head) rows; 32+ rows (GQA 8 at head_dim 128) take 8 warps: 4 spill
             # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
             kernel = _decode_partial_rows
@@ -1032,9 +1126,15 @@ def decode_launches(
                 meta["num_warps"] = 4
                 meta["OFF32"] = kop.offsets32() and vop.offsets32()
                 if kop.folds4(D):
-                    meta["maxnreg"] = 168
-                elif rows_h * (D // vop.group) <= 16:
-                    meta["maxnreg"] = 128
+                    meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group))
+                    # two tiles per step: 176 (ptxas then takes 150, no spills; at 168 it spills 8 B)
+                    meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176
+                else:
+                    # per-channel keys: two tiles per loop step when a pool block holds them (the block's query
+                    # operands built once per two tiles)
+                    meta["SUB"] = 2 if block_size % (2 * meta["BLOCK_N"]) == 0 else 1
+                    if rows_h * (D // vop.group) <= 16:
+                        meta["maxnreg"] = 128 if meta["SUB"] == 1 else 168
             elif rows_h * (D // vop.group) >= 32:
                 meta["num_warps"] = 8
         launches.append(Launch(kernel, (B * Hg, S), args, meta))

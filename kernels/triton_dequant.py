@@ -205,6 +205,85 @@ def nibble_tiles(wp, offs, mask_n, BLOCK_N: tl.constexpr, D: tl.constexpr):
     return lo, hi
 
 
+@triton.jit
+def code_tiles(wp, offs, mask_n, BITS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Grouped int4 / int3 / int2 codes of ``BLOCK_N`` tokens as one fp16 ``[BLOCK_N, D]`` tile of *subnormals*,
+    position ``i`` = channel :func:`perm4` ``(i)`` holding ``c * 2**(code_exp(i) - 24)`` (exact; powers of two the
+    caller folds into the query rows / the output rows). ``offs [BLOCK_N, W]``: each row's first 32-bit words from
+    ``wp`` (rows outside ``mask_n`` read as 0), ``W = D BITS / 32`` (int3: ``D / 32`` words per byte plane).
+    Stored layouts (``quantizers/intn.py``):
+
+    * 4 and 2 bits, split packing: byte j holds channels ``j + k D/n`` (``n = 8 / BITS``) at bit ``BITS k``. Per
+      32-bit word (bytes j..j+3) and chunk k: ``w & (m << BITS k)`` (``m`` = 0x000F000F / 0x00030003) is the fp16
+      pair of bytes 0 and 2's code k times ``2**(BITS k)`` as subnormals, the same of ``w >> 8`` for bytes 1 and
+      3: one and per two codes, one shift per word.
+    * 3 bits, three byte planes (low, mid, high of the 24-bit word of channels ``j + k D/8``, code k at bit 3k):
+      per three words L, M, H of the planes, ``A = [L | M << 8]`` (bits 0-15: codes 0-2 at bits 0, 3, 6),
+      ``B = [M | H << 8]`` (bits 8-23: codes 3-5 at bits 1, 4, 7) per fp16 half (bytes 0 / 2, then 1 / 3), and H
+      itself (codes 6, 7 at bits 2, 5): every code inside a half's 10 mantissa bits, one and per two codes.
+
+    Chunk k (code k of every byte / word) fills positions ``[k D/n, (k + 1) D/n)``, so ``perm4`` of the
+    position is the channel (``D/n`` is a multiple of 4)."""
+    if BITS == 3:
+        W: tl.constexpr = D // 32
+        lw = tl.load(wp + offs, mask=mask_n[:, None], other=0)
+        mw = tl.load(wp + offs + W, mask=mask_n[:, None], other=0)
+        hw = tl.load(wp + offs + 2 * W, mask=mask_n[:, None], other=0)
+        ae = (lw & 0x00FF00FF) | ((mw & 0x00FF00FF) << 8)
+        ao = ((lw >> 8) & 0x00FF00FF) | (mw & -16711936)  # -16711936: 0xFF00FF00 as int32
+        be = (mw & 0x00FF00FF) | ((hw & 0x00FF00FF) << 8)
+        bo = ((mw >> 8) & 0x00FF00FF) | (hw & -16711936)
+        ho = hw >> 8
+        DC: tl.constexpr = D // 8
+        c0 = _pairs_fp16(ae & 0x00070007, ao & 0x00070007, BLOCK_N, DC)
+        c1 = _pairs_fp16(ae & 0x00380038, ao & 0x00380038, BLOCK_N, DC)
+        c2 = _pairs_fp16(ae & 0x01C001C0, ao & 0x01C001C0, BLOCK_N, DC)
+        c3 = _pairs_fp16(be & 0x000E000E, bo & 0x000E000E, BLOCK_N, DC)
+        c4 = _pairs_fp16(be & 0x00700070, bo & 0x00700070, BLOCK_N, DC)
+        c5 = _pairs_fp16(be & 0x03800380, bo & 0x03800380, BLOCK_N, DC)
+        c6 = _pairs_fp16(hw & 0x001C001C, ho & 0x001C001C, BLOCK_N, DC)
+        c7 = _pairs_fp16(hw & 0x00E000E0, ho & 0x00E000E0, BLOCK_N, DC)
+        x = _cat_tiles(_cat_tiles(_cat_tiles(c0, c1, BLOCK_N, D // 4), _cat_tiles(c2, c3, BLOCK_N, D // 4), BLOCK_N,
+                                  D // 2),
+                       _cat_tiles(_cat_tiles(c4, c5, BLOCK_N, D // 4), _cat_tiles(c6, c7, BLOCK_N, D // 4), BLOCK_N,
+                                  D // 2), BLOCK_N, D)  # fmt: skip
+    elif BITS == 2:
+        w = tl.load(wp + offs, mask=mask_n[:, None], other=0)
+        w8 = w >> 8
+        DC: tl.constexpr = D // 4
+        c0 = _pairs_fp16(w & 0x00030003, w8 & 0x00030003, BLOCK_N, DC)
+        c1 = _pairs_fp16(w & 0x000C000C, w8 & 0x000C000C, BLOCK_N, DC)
+        c2 = _pairs_fp16(w & 0x00300030, w8 & 0x00300030, BLOCK_N, DC)
+        c3 = _pairs_fp16(w & 0x00C000C0, w8 & 0x00C000C0, BLOCK_N, DC)
+        x = _cat_tiles(_cat_tiles(c0, c1, BLOCK_N, D // 2), _cat_tiles(c2, c3, BLOCK_N, D // 2), BLOCK_N, D)
+    else:
+        lo, hi = nibble_tiles(wp, offs, mask_n, BLOCK_N, D)
+        x = _cat_tiles(lo, hi, BLOCK_N, D)
+    return x
+
+
+@triton.jit
+def _cat_tiles(lo, hi, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """``[BLOCK_N, D]``: the columns of ``lo [BLOCK_N, D/2]`` then those of ``hi`` (register views)."""
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BLOCK_N, D])
+
+
+@triton.jit
+def code_exp(i, BITS: tl.constexpr, D: tl.constexpr):
+    """The power of two of position ``i`` of a :func:`code_tiles` tile, ``(BITS k) % 8`` for chunk ``k``."""
+    if BITS == 3:  # noqa: SIM108 (a constexpr branch)
+        e = (3 * (i // (D // 8))) % 8
+    else:
+        e = BITS * (i // (D * BITS // 8))
+    return e
+
+
+@triton.jit
+def pow2(e):
+    """``2**e`` in fp32 for integer ``e`` in [-126, 127], exactly (built from its bits)."""
+    return ((tl.zeros([], tl.int32) + e + 127) << 23).to(tl.float32, bitcast=True)  # e: a tensor or an int
+
+
 #: what the MMA results of :func:`nibble_tiles`' ``lo`` / ``hi`` tiles are multiplied by (powers of two: exact)
 NIBBLE_LO: tl.constexpr = tl.constexpr(16777216.0)  # 2**24
 NIBBLE_HI: tl.constexpr = tl.constexpr(1048576.0)  # 2**20
@@ -556,6 +635,15 @@ class Operand:
         kernel may compute them in 32-bit integers."""
         return all(sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) < 2**31
                    for t in (self.data, self.scale, self.zero))  # fmt: skip
+
+    def code_rows(self, head_dim: int) -> bool:
+        """True when the fp16-query decode kernel :func:`~kvquant.kernels.triton_decode._decode_partial_rows_t` can
+        read this part with :func:`code_tiles`: grouped int4 / int3 / int2 codes, groups of >= 16 channels, each
+        chunk of the packing a multiple of 4 channels, scale / zero rows contiguous per token."""
+        chunk = head_dim // 8 if self.bits == 3 else head_dim * self.bits // 8
+        return (self.kind == KIND_INTN and self.bits in (2, 3, 4) and self.group >= 16
+                and head_dim % self.group == 0 and chunk % 4 == 0
+                and self.scale.stride(-1) == 1 and self.scale.stride(-2) == head_dim // self.group)  # fmt: skip
 
     def folds4(self, head_dim: int) -> bool:
         """True when the decode kernel reads this part on the folded int4 path (:func:`qk_fold4`,

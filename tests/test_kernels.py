@@ -440,6 +440,10 @@ def test_rotated_store_through_dispatch(monkeypatch, triton_calls):
         (["int4", "int4"], 64, 4, 16),
         (["int4", "int4"], 128, 8, 64),
         (["int4", "int8"], 128, 2, 32),
+        (["int2", "int2"], 64, 4, 16),
+        (["int2", "int3"], 128, 4, 128),
+        (["int3", "int3"], 64, 8, 32),
+        ([KVPrecision("int4", "int2"), KVPrecision("int3", "int4")], 128, 3, 64),
     ],
     ids=lambda x: str(x),
 )
@@ -460,7 +464,9 @@ def test_transposed_decode_fp16_queries_exact(row, D, rep, block):
     scaling = D**-0.5
     groups = [(g.head_index, operand(g.key, D, False), operand(g.value, D, False)) for g in layer.groups]
     table = block_table(layer, past, 2, DEV)
-    want = {"int8": "_decode_partial_t", "int8-token": "_decode_partial_t", "int4": "_decode_partial_rows_t"}
+    rows_t = "_decode_partial_rows_t"
+    want = {"int8": "_decode_partial_t", "int8-token": "_decode_partial_t", "int4": rows_t, "int3": rows_t,
+            "int2": rows_t, KVPrecision("int4", "int2"): rows_t, KVPrecision("int3", "int4"): rows_t}  # fmt: skip
     for mask in (None, padded_mask([0, 41], past, 1)):
         ranges = key_ranges(mask, 2, Hq, 1, past)
         out = torch.zeros(2, Hq, 1, D)  # fp32: the kernels' result unrounded
@@ -500,6 +506,8 @@ def test_transposed_decode_channel_keys_fp16_exact(D, rep, block, group):
         launches = triton_decode.decode_launches(q, fk, fv, groups, layer.num_heads, hist, ranges, D**-0.5, out,
                                                  DOT_FP16, splits=3, table=table, block_size=block)  # fmt: skip
         assert launches[0].kernel is triton_decode._decode_partial_rows_t
+        # two tiles per loop step (the block's query operands built once) where a pool block holds them
+        assert launches[0].meta["SUB"] == (2 if block % (2 * launches[0].meta["BLOCK_N"]) == 0 else 1)
         for launch in launches:
             launch.run()
         err = (out - attend_naive(q.float(), fk, fv, layer, hist, mask, D**-0.5)).abs().max().item()
