@@ -43,6 +43,7 @@ import torch
 
 from .blocks import LayerBlocks
 from .config import KVPrecision, KVQuantConfig
+from .lanes import TailLanes
 from .offload import Prefetcher, host_entry, host_id, is_host
 from .quantizers import Quantizer, make_quantizer
 from .quantizers.base import Factored, PartSpec
@@ -118,7 +119,7 @@ class HeadGroup:
         return bool(self.key.quantizer.per_block or self.value.quantizer.per_block)
 
 
-class LayerStore:
+class LayerStore(TailLanes):
     """All K/V of one layer of one cache: head groups, one block table per batch row over the layer's
     :class:`~kvquant.blocks.LayerBlocks` (shared with other caches of a pool), the ``cache_pos`` cursor.
 
@@ -128,8 +129,9 @@ class LayerStore:
             the window of every later query are released.
         lanes: the layer's KV heads keep different token counts (an AdaKV budget): hold per-head block lanes,
             one table per (row, KV head), so that each head holds ``ceil(n_h / block_size)`` lanes of its own
-            (see :meth:`grow_lanes`). Ignored (per-row blocks, sized by the largest head) with a full-precision
-            residual window or per-channel keys, a sliding window, or ``offload``.
+            (see :meth:`grow_lanes`); with a full-precision residual window or per-channel keys, whole lanes
+            and a full-precision tail per (row, head) (:mod:`kvquant.lanes`). Ignored (per-row blocks, sized by
+            the largest head) with a sliding window or ``offload``.
     """
 
     def __init__(
@@ -206,8 +208,12 @@ class LayerStore:
         # per-head block lanes (AdaKV): ``tables[b * H + h]`` holds the lane ids of (row b, KV head h)
         self._lane_step = False  # append_kept / grow_lanes set the fills of this append
         self._lane_overwrite = False  # grow_lanes: overwrite() writes this step's token (append need not)
-        self.lanes = bool(lanes and not self.residual_mode and window is None and not config.offload)
+        self.lanes = bool(lanes and window is None and not config.offload)
         self.fill: list[list[int]] = [[0] * self.num_heads for _ in range(batch)]  # lanes: slots per (row, head)
+        # lanes in residual mode: of which in lanes (the rest in the head's tail, see kvquant.lanes)
+        self.qfill: list[list[int]] = [[0] * self.num_heads for _ in range(batch)]
+        self._tail_base_cache: torch.Tensor | None = None
+        self._lane_grows: list[list[bool]] | None = None  # grow_lanes: the heads that take their next slot
         self.cap_host: list[list[int]] | None = None  # lanes: decode budget per (row, head) (H2O / TOVA)
         self.lane_offset = [blocks.lane_of.index((gi, 0)) for gi in range(len(self.groups))]
         self.head_lane = {h: (gi, i) for gi, g in enumerate(self.groups) for i, h in enumerate(g.heads)}
@@ -246,7 +252,8 @@ class LayerStore:
                 for h, f in enumerate(row):
                     t = self.tables[b * H + h]
                     shared = any(self.blocks.lane_refs[e] > 1 for e in t)
-                    need[self.head_lane[h][0]] += max(0, -(-(f + tokens) // bs) - len(t)) + shared
+                    new = self.lanes_to_add(b, h, tokens) if self.tail_lanes else -(-(f + tokens) // bs) - len(t)
+                    need[self.head_lane[h][0]] += max(0, new) + shared
             return max(0, *(-(-(n - len(self.blocks.lane_free[g])) // len(self.groups[g].heads))
                             for g, n in enumerate(need)))  # fmt: skip
         if self.residual_mode:
@@ -733,14 +740,18 @@ class LayerStore:
         B, H, S = self.batch, self.num_heads, self.cache_pos
         cap = self.cap_host if victim is not None else None
         grows = [[cap is None or self.fill[b][h] < cap[b][h] for h in range(H)] for b in range(B)]
-        # (slots past q_end are held dense while static scales wait for calibration: lanes when flushed)
-        ranges = {(b, h): (self.fill[b][h], self.fill[b][h] + 1) for b in range(B) for h in range(H)
-                  if grows[b][h] and (self.calibrated or self.fill[b][h] < self.q_end)}  # fmt: skip
+        self._lane_grows = grows
+        if self.tail_lanes:  # the token joins the head's tail; the lanes are those of the tail blocks it fills
+            ranges = self.flush_ranges(grows)
+        else:  # (slots past q_end are held dense while static scales wait for calibration: lanes when flushed)
+            ranges = {(b, h): (self.fill[b][h], self.fill[b][h] + 1) for b in range(B) for h in range(H)
+                      if grows[b][h] and (self.calibrated or self.fill[b][h] < self.q_end)}  # fmt: skip
         replace = victim is not None and not all(all(r) for r in grows)
         if replace and any(self.blocks.lane_refs[e] > 1 for t in self.tables for e in t):
             vt = victim.tolist()  # a shared lane may be written: copy it first (host read only then)
+            lim = self.qfill if self.tail_lanes else [[self.q_end] * H] * B
             ranges.update({(b, h): (vt[b][h], vt[b][h] + 1) for b in range(B) for h in range(H)
-                           if not grows[b][h] and vt[b][h] < self.q_end})  # fmt: skip
+                           if not grows[b][h] and vt[b][h] < lim[b][h]})  # fmt: skip
         self._lane_plan(ranges)  # may raise KVCacheFull: nothing changed yet
         old = torch.tensor(self.fill, dtype=torch.long, device=self.device)
         appended = any(self.fill[b][h] == S for b in range(B) for h in range(H) if grows[b][h])
@@ -756,9 +767,14 @@ class LayerStore:
         """Lanes: write the one-token ``keys/values`` of every (row, head) at its slot ``target[b, h]`` (lanes
         made ready by :meth:`grow_lanes`; a head whose slot :meth:`append` wrote is written again, unchanged)."""
         self._lane_overwrite = False
-        B, bs = self.batch, self.block_size
         t = target.long()
         pool = None
+        if self.tail_lanes:  # each head's tail takes its token, unless its target is in its lanes (a victim)
+            pool = self._write_tails(keys, values, t)
+            if pool is not None and self.tables and max(len(x) for x in self.tables):
+                self._put_lane_token(keys, values, torch.where(pool, t, 0), pool)
+            self.flush_tails()
+            return
         if self.q_end < self.cache_pos:  # static scales not calibrated yet: slots past q_end are held dense
             dense = t >= self.q_end
             b, h = dense.nonzero(as_tuple=True)
@@ -766,8 +782,15 @@ class LayerStore:
             self.res_v[b, h, t[b, h] - self.q_end] = values[b, h, 0].to(self.res_v.dtype)
             pool = ~dense
             t = torch.where(dense, 0, t)
-        if not self.tables or not max(len(x) for x in self.tables):
-            return
+        if self.tables and max(len(x) for x in self.tables):
+            self._put_lane_token(keys, values, t, pool)
+
+    def _put_lane_token(
+        self, keys: torch.Tensor, values: torch.Tensor, t: torch.Tensor, pool: torch.Tensor | None
+    ) -> None:
+        """Write the one-token ``keys/values`` of every (row, head) at lane slot ``t[b, h]`` (only where
+        ``pool[b, h]``, when given)."""
+        B, bs = self.batch, self.block_size
         e = self.table().gather(2, (t // bs).unsqueeze(-1)).squeeze(-1)  # [B, H] lane ids
         for gi, g in enumerate(self.groups):
             n = len(g.heads)
@@ -822,6 +845,9 @@ class LayerStore:
 
     def _append_residual(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Residual mode: keep the newest tokens dense; quantize whole blocks beyond ``residual_tokens``."""
+        if self.lanes:  # each head its own tail (kvquant.lanes)
+            self._append_tails(keys, values)
+            return
         dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
         if self.res_k is not None and self.res_k.shape[2]:
             dk = torch.cat([self.res_k, dk], dim=2)  # bounded: the residual holds < R + block tokens
@@ -977,10 +1003,16 @@ class LayerStore:
             k1, v1 = self.read(group, start, self.q_end)
             k2, v2 = self.read(group, self.q_end, end)
             return torch.cat([k1, k2], dim=2), torch.cat([v1, v2], dim=2)
+        if start >= self.q_end and self.tail_lanes:  # each head's lanes, then its own tail
+            return self._read_tails(group, start, end)
         if start >= self.q_end:  # residual buffer (dense)
             a, b = start - self.q_end, end - self.q_end
             k, v = self.res_k[:, :, a:b], self.res_v[:, :, a:b]
             return self._dense_to_group_space(group, self._group_rows(k, group), self._group_rows(v, group))
+        return self._read_quantized(group, start, end)
+
+    def _read_quantized(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``group``'s pool tokens ``[start, end)`` (:meth:`read_pool`), sink rows from the sink buffer."""
         k, v = self.read_pool(group, start, end)
         if self.sink_k is not None and start < self.sink_end:
             # each row's sink tokens from the sink buffer, selected on the device (no host synchronisation)
@@ -1243,6 +1275,7 @@ class LayerStore:
         self.key_mean = None
         self.slots = None
         self.fill = [[0] * self.num_heads for _ in range(self.batch)]
+        self._set_qfill([[0] * self.num_heads for _ in range(self.batch)])
         self.cap_host = None
         self._lane_step = False
         for g in self.groups:
@@ -1267,6 +1300,7 @@ class LayerStore:
         for t in new.tables:
             self._incref(t)
         new.fill = [list(r) for r in self.fill]
+        new.qfill = [list(r) for r in self.qfill]
         new.cap_host = None if self.cap_host is None else [list(r) for r in self.cap_host]
         new._table_cache = None
         new.prefetcher = None
@@ -1294,6 +1328,7 @@ class LayerStore:
             H = self.num_heads
             self.tables = [list(old[i * H + h]) for i in rows for h in range(H)]
             self.fill = [list(self.fill[i]) for i in rows]
+            self._set_qfill([list(self.qfill[i]) for i in rows])
             if self.cap_host is not None:
                 self.cap_host = [list(self.cap_host[i]) for i in rows]
         else:

@@ -506,11 +506,3 @@ def test_lanes_for_every_per_token_precision(model, monkeypatch, default):
         no_lanes(m)
         _, ref = run(model, config, ids, cont)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-
-
-def test_per_channel_keys_keep_per_row_blocks(model):
-    """Per-channel keys quantize whole blocks of every head at once (residual window): such an AdaKV layer keeps
-    per-row blocks, sized by its largest head, and still runs."""
-    cache, _ = run(model, cfg(Peaked(), keep=0.5, default="int4-channel"), torch.randint(3, 128, (1, 70)),
-                   torch.randint(3, 128, (1, 3)))  # fmt: skip
-    assert not any(la.store.lanes for la in cache.layers)
