@@ -96,8 +96,7 @@ class TailLanes:
         """Blocks each (row, head) quantizes now (0 while static scales wait for calibration)."""
         if not self.calibrated:
             return [[0] * self.num_heads for _ in range(self.batch)]
-        return [[self.lanes_to_add(b, h, 0) for h in range(self.num_heads)]
-                for b in range(self.batch)]  # fmt: skip
+        return [[self.lanes_to_add(b, h, 0) for h in range(self.num_heads)] for b in range(self.batch)]
 
     def flush_ranges(self, grows: list[list[bool]] | None = None) -> dict[tuple[int, int], tuple[int, int]]:
         """The slot ranges of the lanes the next flush writes (``grows[b][h]``: that head's tail takes one more
@@ -126,7 +125,8 @@ class TailLanes:
             dk = torch.cat([self.res_k[:, :, :held], dk], dim=2)
             dv = torch.cat([self.res_v[:, :, :held], dv], dim=2)
         self.res_k, self.res_v = dk.contiguous(), dv.contiguous()
-        self.flush_tails()
+        first = not any(self.tables)  # nothing in lanes yet: identical prompt rows share their lanes
+        self.flush_tails(self._identical_heads(dk, dv, dk.shape[2]) if first else [])
 
     def _write_tails(self, keys: torch.Tensor, values: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
         """Write the one-token ``keys/values[B, H, 1, D]`` of every (row, head) whose slot ``target[b, h]`` is in
@@ -144,20 +144,26 @@ class TailLanes:
         grows = self._lane_grows
         return None if grows is not None and all(all(r) for r in grows) else ~in_tail
 
-    def flush_tails(self) -> None:
+    def flush_tails(self, same: list[tuple[int, int, int]] | None = None) -> None:
         """Quantize each (row, head)'s full tail blocks beyond ``residual_tokens`` into new lanes of its own
         (lanes reserved first: :class:`~kvquant.blocks.KVCacheFull` before anything changes), then shift the
-        tails. One quantization per head group for all flushing heads; only their tokens are written."""
+        tails. One quantization per head group for all flushing heads; only their tokens are written.
+        ``same``: ``(row b, head h, row r)`` whose tails are equal (the first flush of identical prompt rows):
+        ``(b, h)`` shares the lanes ``(r, h)`` writes."""
         m = self._flush_counts()
         M = max((x for r in m for x in r), default=0)
         if not M:
             return
         bs, B, H = self.block_size, self.batch, self.num_heads
-        self._lane_plan(self.flush_ranges())
+        sharing = {(b, h) for b, h, _ in same or []}
+        self._lane_plan({k: r for k, r in self.flush_ranges().items() if k not in sharing})
+        self._share_lanes(same or [])
         dev = self.device
         mt = torch.tensor(m, dtype=torch.long, device=dev)  # [B, H] blocks flushed
-        use = torch.arange(M * bs, device=dev).view(1, 1, -1) < (mt * bs).unsqueeze(-1)  # [B, H, M * bs]
-        buse = torch.arange(M, device=dev).view(1, 1, -1) < mt.unsqueeze(-1)  # [B, H, M]
+        wt = torch.tensor([[x * ((b, h) not in sharing) for h, x in enumerate(r)] for b, r in enumerate(m)],
+                          dtype=torch.long, device=dev)  # blocks written  # fmt: skip
+        use = torch.arange(M * bs, device=dev).view(1, 1, -1) < (wt * bs).unsqueeze(-1)  # [B, H, M * bs]
+        buse = torch.arange(M, device=dev).view(1, 1, -1) < wt.unsqueeze(-1)  # [B, H, M]
         base = self._tail_base()
         k, v = self.res_k[:, :, :M * bs], self.res_v[:, :, :M * bs]
         table, L = self.table(), self.blocks.lanes_per_block

@@ -670,32 +670,14 @@ class LayerStore(TailLanes):
         tokens share its lanes (beam search's identical prompts: written once)."""
         B, H, T, _ = keys.shape
         bs, end = self.block_size, pos + T
+        same = self._identical_heads(keys, values, end) if pos == 0 else []
         writer = [[True] * H for _ in range(B)]
-        same: list[tuple[int, int, int]] = []  # (row, head, row whose lanes it shares)
-        if pos == 0 and B > 1:
-            for h in range(H):
-                reps: list[int] = []
-                for b in range(B):
-                    f = min(end, self.fill[b][h])
-                    for r in reps:
-                        if (self.fill[r][h] == self.fill[b][h] and self._same_state(b, r)
-                                and torch.equal(keys[b, h, :f], keys[r, h, :f])
-                                and torch.equal(values[b, h, :f], values[r, h, :f])):  # fmt: skip
-                            writer[b][h] = False
-                            same.append((b, h, r))
-                            break
-                    else:
-                        reps.append(b)
+        for b, h, _ in same:
+            writer[b][h] = False
         ranges = {(b, h): (pos, min(end, self.fill[b][h]))
                   for b in range(B) for h in range(H) if writer[b][h] and self.fill[b][h] > pos}  # fmt: skip
         self._lane_plan(ranges)
-        for b, h, r in same:
-            t = list(self.tables[r * H + h])
-            self.blocks.incref_lanes(t)
-            self.blocks.decref_lanes(self.tables[b * H + h])
-            self.tables[b * H + h] = t
-        if same:
-            self._table_cache = None
+        self._share_lanes(same)
         # which (row, head, token) pairs are written: from the host's fills (no device read)
         slot = torch.arange(pos, end)
         use = (slot.view(1, 1, -1) < torch.tensor(self.fill).unsqueeze(-1)) & torch.tensor(writer).unsqueeze(-1)
@@ -709,6 +691,36 @@ class LayerStore(TailLanes):
             gt = table if g.all_heads else table.index_select(1, g.head_index)
             self._put_lanes(gi, keys, values, rows, heads, toks, gt[rows, heads, s // bs], s)
         self.q_end = end
+
+    def _identical_heads(self, keys: torch.Tensor, values: torch.Tensor, end: int) -> list[tuple[int, int, int]]:
+        """``(row b, head h, row r)``: row ``b``'s head ``h`` holds the same slots ``[0, end)`` as row ``r < b``'s (same
+        fill, static state, K and V), so it can share ``r``'s lanes (beam search's identical prompt rows)."""
+        B, H = keys.shape[:2]
+        same: list[tuple[int, int, int]] = []
+        for h in range(H if B > 1 else 0):
+            reps: list[int] = []
+            for b in range(B):
+                f = min(end, self.fill[b][h])
+                for r in reps:
+                    if (self.fill[r][h] == self.fill[b][h] and self._same_state(b, r)
+                            and torch.equal(keys[b, h, :f], keys[r, h, :f])
+                            and torch.equal(values[b, h, :f], values[r, h, :f])):  # fmt: skip
+                        same.append((b, h, r))
+                        break
+                else:
+                    reps.append(b)
+        return same
+
+    def _share_lanes(self, same: list[tuple[int, int, int]]) -> None:
+        """Give each ``(row b, head h)`` of ``same`` the lanes of ``(row r, head h)`` (references taken)."""
+        H = self.num_heads
+        for b, h, r in same:
+            t = list(self.tables[r * H + h])
+            self.blocks.incref_lanes(t)
+            self.blocks.decref_lanes(self.tables[b * H + h])
+            self.tables[b * H + h] = t
+        if same:
+            self._table_cache = None
 
     def _put_lanes(
         self, gi: int, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor,
@@ -740,7 +752,6 @@ class LayerStore(TailLanes):
         B, H, S = self.batch, self.num_heads, self.cache_pos
         cap = self.cap_host if victim is not None else None
         grows = [[cap is None or self.fill[b][h] < cap[b][h] for h in range(H)] for b in range(B)]
-        self._lane_grows = grows
         if self.tail_lanes:  # the token joins the head's tail; the lanes are those of the tail blocks it fills
             ranges = self.flush_ranges(grows)
         else:  # (slots past q_end are held dense while static scales wait for calibration: lanes when flushed)
@@ -753,6 +764,7 @@ class LayerStore(TailLanes):
             ranges.update({(b, h): (vt[b][h], vt[b][h] + 1) for b in range(B) for h in range(H)
                            if not grows[b][h] and vt[b][h] < lim[b][h]})  # fmt: skip
         self._lane_plan(ranges)  # may raise KVCacheFull: nothing changed yet
+        self._lane_grows = grows
         old = torch.tensor(self.fill, dtype=torch.long, device=self.device)
         appended = any(self.fill[b][h] == S for b in range(B) for h in range(H) if grows[b][h])
         for b in range(B):

@@ -8,14 +8,15 @@ import math
 
 import pytest
 import torch
+from test_evict_lanes import BS, Peaked, held, lane_store, run, snapshot, step
 
-from kvquant import KVCacheFull, KVQuantConfig, QuantizedKVCache
+from kvquant import KVCacheFull, KVQuantConfig, PagedKVPool, QuantizedKVCache
+from kvquant.blocks import LayerBlocks
 from kvquant.cache import QuantizedLayer
 from kvquant.kernels.attention_torch import attend_torch, dequantize_history
-from kvquant.store import LayerStore
+from kvquant.store import LayerStore, block_specs, make_groups
 
 from conftest import tiny_model
-from test_evict_lanes import BS, Peaked, held, lane_store, run, snapshot, step
 
 D = 32
 # (name, config extras): per-channel keys without / with a residual window, a per-token residual window, static
@@ -25,6 +26,7 @@ CONFIGS = {
     "int4-kchannel-r8": {"default": "int4-kchannel", "residual_tokens": 8},
     "int4-r8": {"default": "int4", "residual_tokens": 8},
     "int8-r8": {"default": "int8", "residual_tokens": 8},  # static per-(row, head) scales
+    "int4-kchannel-sinks": {"default": "int4-kchannel", "sink_tokens": 4},  # first 4 slots read from fp16 sinks
 }
 
 
@@ -44,9 +46,10 @@ def cfg(name: str, policy="snapkv", keep=0.5, **extra) -> KVQuantConfig:
 
 
 def reference(store: LayerStore, seq_k: torch.Tensor, seq_v: torch.Tensor, b: int, h: int) -> tuple[torch.Tensor, ...]:
-    """(Row ``b``, head ``h``)'s tokens ``seq[1, 1, n, D]`` as a plain per-head reference stores them (no paging): whole blocks
-    of ``block_size`` quantized from slot 0 (each block its own per-channel scales) while ``residual_tokens`` +
-    a block are held, the rest in the dense dtype (tokens reach the quantizer through it, as in per-row blocks)."""
+    """(Row ``b``, head ``h``)'s tokens ``seq[1, 1, n, D]`` as a plain per-head reference stores them (no
+    paging): whole blocks of ``block_size`` quantized from slot 0 (each block its own per-channel scales) while
+    ``residual_tokens`` + a block are held, the rest in the dense dtype (tokens reach the quantizer through it, as
+    in per-row blocks)."""
     n = seq_k.shape[2]
     q = max(0, (n - store.residual_tokens) // BS) * BS
     gi, _ = store.head_lane[h]
@@ -56,8 +59,15 @@ def reference(store: LayerStore, seq_k: torch.Tensor, seq_v: torch.Tensor, b: in
         seq = seq.to(store.dense_dtype).float()
         i = g.heads.index(h)  # static scales: this (row, head)'s
         state = {name: t[b:b + 1, i:i + 1] if t.dim() == 2 else t for name, t in st.state.items()}
-        parts = [st.quantizer.dequantize(st.quantizer.quantize(seq[:, :, j:j + BS], state), state, torch.float32)
-                 for j in range(0, q, BS)]  # fmt: skip
+        sinks = store.sink_tokens if q else 0
+        first = seq[:, :, :BS].clone()
+        if sinks:  # a sink row is masked in its block (copy of the first non-sink token, or 0) and read dense
+            first[:, :, :sinks] = first[:, :, sinks:sinks + 1] if g.per_block else 0.0
+        chunks = [first] + [seq[:, :, j:j + BS] for j in range(BS, q, BS)]
+        quant = st.quantizer
+        parts = [quant.dequantize(quant.quantize(c, state), state, torch.float32) for c in chunks[:q // BS]]
+        if sinks:
+            parts[0][:, :, :sinks] = seq[:, :, :sinks]
         parts.append(seq[:, :, q:])
         out.append(torch.cat(parts, dim=2))
     return out[0], out[1], q
@@ -87,7 +97,8 @@ def check_tails(store: LayerStore, seqs: dict[tuple[int, int], tuple[torch.Tenso
     assert held(store) == lane_bytes
     width = max(store.fill[b][h] - store.qfill[b][h] for b in range(store.batch) for h in range(H))
     assert store.res_k.shape[2] == width
-    assert mem["dense"] == 2 * store.batch * H * width * D * store.res_k.element_size()
+    sinks = 2 * store.sink_k.numel() * store.sink_k.element_size() if store.sink_k is not None else 0
+    assert mem["dense"] == 2 * store.batch * H * width * D * store.res_k.element_size() + sinks
 
 
 def prompt(store: LayerStore, counts: list[list[int]], T: int, gen: torch.Generator):
@@ -124,6 +135,19 @@ def test_each_head_holds_its_lanes_and_tail_exactly(name):
     decode(st, seqs, 41, gen)
     check_tails(st, seqs)
     assert st.q_end == min(min(r) for r in st.qfill) and st.q_end < max(max(r) for r in st.qfill)
+
+
+def test_static_scales_held_dense_until_calibrated_then_flushed_per_head():
+    """Static int8 scales wait for 16 real tokens: a short prompt is held dense (every head's tail from slot 0),
+    each head grows at its own slot; at calibration the heads' full blocks go to lanes of their own."""
+    gen = torch.Generator().manual_seed(8)
+    st = lane_store(cfg("int8-r8"), batch=2)
+    seqs = prompt(st, [[4, 9], [7, 2]], 12, gen)
+    assert not st.calibrated and st.q_end == 0 and not any(st.tables)
+    check_tails(st, seqs)
+    decode(st, seqs, 40, gen)
+    assert st.calibrated and all(st.tables)
+    check_tails(st, seqs)
 
 
 @pytest.mark.parametrize("name", ["int8-kchannel", "int4-kchannel-r8"])
@@ -217,16 +241,24 @@ def model_seqs(store: LayerStore, chunks: list) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", ["int8-kchannel", "int4-kchannel", "int4-r8"])
+@pytest.mark.parametrize("name", ["int8-kchannel", "int4-kchannel", "int4-r8", "int4-r8-h2o"])
 def test_model_prefill_and_decode_hold_the_reference(model, monkeypatch, name):
     """A left-padded batch through the model (uneven AdaKV budgets), prompt then 30 decode steps: every layer's
-    (row, head) holds its lanes and tail exactly, its history equal to the per-head reference of its kept tokens."""
+    (row, head) holds its lanes and tail exactly, its history equal to the per-head reference of its kept tokens
+    (``-h2o``: a decode-time policy; each head at its budget replaces a token in its lanes or its tail)."""
     torch.manual_seed(4)
     ids = torch.randint(3, 128, (2, 90))
     mask = torch.ones_like(ids)
     mask[1, :17] = 0
     seen = capture(monkeypatch)
-    cache, logits = run(model, cfg(name, Peaked()), ids, torch.randint(3, 128, (2, 30)), mask)
+    tracked = name.endswith("-h2o")
+    config = cfg(name.removesuffix("-h2o"), Peaked("accumulate" if tracked else None))
+    # (tracked: a bf16 model, so that a victim written in place inside a lane -- quantized from the model's K/V,
+    # as per-row blocks do -- and the reference's tokens, through the 16-bit tail, are the same values)
+    net = model
+    if tracked:
+        net = tiny_model("llama", kv_heads=2, heads=4, head_dim=D, layers=2, vocab=128).to(torch.bfloat16)
+    cache, logits = run(net, config, ids, torch.randint(3, 128, (2, 30)), mask)
     assert torch.isfinite(logits).all()
     for layer in cache.layers:
         st = layer.store
@@ -303,3 +335,53 @@ def test_reset_and_crop(model):
         got = model(new, cache=cache).logits
         ref = model(new, cache=QuantizedKVCache(model, config)).logits
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bounded_pool_refuses_a_step_before_any_layer_writes(model):
+    """A bounded pool and int8-kchannel AdaKV: decode until a step's tail flush does not fit; KVCacheFull leaves
+    every layer's lanes, fills, tails and the pool's counts as they were; reset() returns every block."""
+    torch.manual_seed(9)
+    config = cfg("int8-kchannel", Peaked())
+    per_block = sum(LayerBlocks(block_specs(make_groups([config.default] * 2, config, D)), BS,
+                                torch.device("cpu")).bytes_per_block for _ in range(2))  # fmt: skip
+    pool = PagedKVPool(model, config, max_bytes=per_block * 10)  # 10 blocks = 20 lanes per layer
+    ids = torch.randint(3, 128, (1, 120))
+    cache = pool.cache_for(ids)
+
+    def state():
+        return [(snapshot(la.store), la.store.res_k.clone(), [list(r) for r in la.store.qfill]) for la in cache.layers]
+
+    with torch.no_grad():
+        model(ids, cache=cache)
+        for _ in range(300):
+            before = state()
+            try:
+                model(torch.randint(3, 128, (1, 1)), cache=cache)
+            except KVCacheFull:
+                break
+        else:
+            raise AssertionError("the pool never filled")
+    after = state()
+    for (s0, r0, q0), (s1, r1, q1) in zip(before, after, strict=True):
+        assert s0 == s1 and torch.equal(r0, r1) and q0 == q1
+    for la in cache.layers:
+        assert la.store.memory()["lanes"] > 8
+    cache.reset()
+    assert pool.stats()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("name", ["int8-kchannel", "int8-r8"])
+def test_identical_prompt_rows_share_their_lanes_once(model, name):
+    """generate()'s beams start from identical prompt rows: each head's flushed lanes are written once and shared
+    (its tail stays per row, as any row's)."""
+    torch.manual_seed(10)
+    ids = torch.randint(3, 128, (1, 100))
+    config = cfg(name, Peaked())
+    single, _ = run(model, config, ids, ids[:, :0])
+    beams, _ = run(model, config, ids.repeat(3, 1), ids[:, :0])
+    for one, three in zip(single.layers, beams.layers, strict=True):
+        assert three.store.memory()["lanes"] == one.store.memory()["lanes"] > 0
+        assert held(three.store) == held(one.store) == three.store.memory()["shared"]
+        H = three.store.num_heads
+        assert three.store.tables[:H] == three.store.tables[H:2 * H] == three.store.tables[2 * H:]
+        assert three.store.res_k.shape[0] == 3 and torch.equal(three.store.res_k[0], three.store.res_k[2])
