@@ -295,6 +295,8 @@ def test_beams_share_lanes_and_each_row_equals_its_own_run(model):
         st = la.store
         assert st.tables[0:2] == st.tables[2:4] and st.qfill[0] == st.qfill[1]
         assert torch.equal(st.res_k[0], st.res_k[1])
+    d = cache.dump()["layers"][0]  # the debug dump lists each (row, head)'s tail
+    assert d["lanes"] and d["tail_tokens"] == cache.layers[0].store.tail_lengths()
 
 
 @pytest.mark.parametrize("name", ["int8-kchannel", "int4-kchannel"])
