@@ -269,12 +269,14 @@ def test_model_prefill_and_decode_hold_the_reference(model, monkeypatch, name):
                                                                                        "dense"))  # fmt: skip
 
 
-def test_beams_share_lanes_and_each_row_equals_its_own_run(model):
+@pytest.mark.parametrize("name", ["int8-kchannel", "int4-r8-h2o"])
+def test_beams_share_lanes_and_each_row_equals_its_own_run(model, name):
     """Rows repeated (beams) share their lanes (counted once) and keep their own tails; each row then decodes as
-    its own single-row run."""
+    its own single-row run (``-h2o``: victims inside shared lanes are written to copies: copy-on-write)."""
     torch.manual_seed(5)
     ids, cont = torch.randint(3, 128, (1, 100)), torch.randint(3, 128, (2, 24))
-    config = cfg("int8-kchannel", Peaked())
+    tracked = name.endswith("-h2o")
+    config = cfg(name.removesuffix("-h2o"), Peaked("accumulate" if tracked else None))
     cache, _ = run(model, config, ids, cont[:1, :0])
     before = [held(la.store) for la in cache.layers]
     cache.batch_repeat_interleave(2)
@@ -282,14 +284,20 @@ def test_beams_share_lanes_and_each_row_equals_its_own_run(model):
         assert held(la.store) == b == la.store.memory()["shared"]
     with torch.no_grad():
         got = torch.stack([model(cont[:, i:i + 1], cache=cache).logits[:, -1] for i in range(cont.shape[1])], dim=1)
+    # (tracked: the batched step's scores differ from a single row's by float noise, which can move a K value of
+    # the fp16 tail by one ulp: ~3e-5 on these logits; a head reading another row's lane moves them by far more)
+    tol = 1e-4 if tracked else 1e-5
     for row in range(2):
         _, ref = run(model, config, ids, cont[row:row + 1])
-        torch.testing.assert_close(got[row:row + 1], ref[:, 1:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[row:row + 1], ref[:, 1:], rtol=tol, atol=tol)
     for la in cache.layers:
         H = la.store.num_heads
-        # lanes flushed while decoding are each row's own; the prompt's lanes stay shared
-        assert any(la.store.blocks.lane_refs[e] == 2 for t in la.store.tables[:H] for e in t)
+        # lanes flushed (or copied before a victim's write) while decoding are each row's own
         assert la.store.tables[:H] != la.store.tables[H:]
+        if tracked:
+            assert la.store.bytes_moved > 0
+        else:  # the prompt's lanes stay shared
+            assert any(la.store.blocks.lane_refs[e] == 2 for t in la.store.tables[:H] for e in t)
     cache.reorder_cache(torch.tensor([1, 1]))
     for la in cache.layers:
         st = la.store
