@@ -1,20 +1,24 @@
-"""Per-head full-precision tails of AdaKV lane layers that quantize whole blocks (per-channel keys, or a
-``residual_tokens`` window): :class:`TailLanes`, mixed into :class:`~kvquant.store.LayerStore`.
+"""Per-head block lanes of AdaKV layers: the lane methods of :class:`~kvquant.store.LayerStore` (:class:`LaneLayer`).
 
-A lane layer (:mod:`kvquant.blocks` lanes, one table per (row, KV head)) fills each head's slots from 0 without
-holes, each head at its own pace. A layer whose quantizers need whole blocks (per-channel key scales over a
-block's tokens) or that keeps its newest tokens in full precision cannot quantize a row's block of every head at
-once: each (row, head) then has its own *tail*. Slots ``[0, qfill[b][h])`` of (row ``b``, head ``h``) are in
-its lanes (whole lanes, ``qfill`` a multiple of ``block_size``), slots ``[qfill[b][h], fill[b][h])`` in full
-precision, at ``res_k[b, h, slot - qfill[b][h]]`` (``res_k`` / ``res_v``: ``[B, H, W, D]``, ``W`` the longest
-tail; a head's entries past its own tail are unused). When a head's tail reaches ``residual_tokens +
-block_size`` tokens, its oldest ``block_size`` tokens are quantized into a new lane of that head alone (per-channel
-scales of that lane: that head's tokens only), once. So a (row, head) holding ``n`` tokens holds
-``max(0, (n - residual_tokens) // block_size)`` lanes and ``n`` minus that many blocks' tokens in its tail.
+A layer whose KV heads keep different token counts (``budget: adakv``) holds *lanes* (one head's rows of one
+block, :mod:`kvquant.blocks`) through one table per (row, KV head) (``tables[b * H + h]``). Each head fills its
+slots from 0 without holes, at its own pace (``fill[b][h]``): the prompt's kept tokens compacted per head
+(:meth:`LaneLayer._write_lanes`), each decoded token at the head's own next slot or, for a decode-time policy at
+its budget, over its victim (:meth:`LaneLayer.grow_lanes`, then ``overwrite``). Lanes shared by rows (beams) are
+copied before a write; the lanes a step needs are reserved before anything changes.
 
-The layer's ``q_end`` is the smallest ``qfill`` (slots below it are in every head's lanes): reads of
-``[0, q_end)`` are plain lane reads, reads past it merge each head's lanes and tail by its own ``qfill``.
-While static scales wait for calibration every ``qfill`` is 0: the tails are then the layer's held tokens.
+*Tails.* A layer whose quantizers need whole blocks (per-channel key scales over a block's tokens) or that keeps
+its newest tokens in full precision (``residual_tokens``) cannot quantize a row's block of every head at once:
+each (row, head) then has its own tail. Slots ``[0, qfill[b][h])`` of (row ``b``, head ``h``) are in its lanes
+(whole lanes, ``qfill`` a multiple of ``block_size``), slots ``[qfill[b][h], fill[b][h])`` in full precision, at
+``res_k[b, h, slot - qfill[b][h]]`` (``res_k`` / ``res_v``: ``[B, H, W, D]``, ``W`` the longest tail; a head's
+entries past its own tail are unused). When a head's tail reaches ``residual_tokens + block_size`` tokens, its
+oldest ``block_size`` tokens are quantized into a new lane of that head alone (per-channel scales of that lane:
+that head's tokens only), once. So a (row, head) holding ``n`` tokens holds ``max(0, (n - residual_tokens) //
+block_size)`` lanes and the rest of its tokens in its tail. The layer's ``q_end`` is the smallest ``qfill``
+(slots below it are in every head's lanes): reads of ``[0, q_end)`` are plain lane reads, reads past it merge
+each head's lanes and tail by its own ``qfill``. While static scales wait for calibration every ``qfill`` is 0:
+the tails are then the layer's held tokens.
 """
 
 from __future__ import annotations
@@ -26,13 +30,22 @@ import torch
 from .tensor_store import LanePlan, write_pair
 
 if TYPE_CHECKING:
+    from .blocks import LayerBlocks
     from .store import HeadGroup
 
 
-class TailLanes:
-    """Per-(row, head) tails of a lane layer in residual mode (see the module doc); ``LayerStore`` methods."""
+class LaneLayer:
+    """The per-head lane methods of :class:`~kvquant.store.LayerStore` (lane tables, fills, tails: see the module
+    doc)."""
 
     # attributes of LayerStore that these methods use
+    tables: list[list[int]]  # lane ids per (row, head): tables[b * H + h]
+    blocks: LayerBlocks
+    groups: list[HeadGroup]
+    head_lane: dict[int, tuple[int, int]]  # KV head -> (group, index in the group)
+    lane_offset: list[int]  # per group: its first head slot in a block's lanes
+    cap_host: list[list[int]] | None
+    bytes_moved: int
     lanes: bool
     residual_mode: bool
     calibrated: bool
@@ -54,6 +67,7 @@ class TailLanes:
     _lane_grows: list[list[bool]] | None  # grow_lanes: which heads take their next slot this step
     _lane_overwrite: bool
 
+    # ---------------------------------------------------------------- per-head tails (residual mode)
     @property
     def tail_lanes(self) -> bool:
         """True when this is a lane layer whose heads keep their own full-precision tails."""
@@ -228,3 +242,221 @@ class TailLanes:
             k[:, :, :n] = torch.where(lanes, lk[:, :, start - a0:start - a0 + n], k[:, :, :n])
             v[:, :, :n] = torch.where(lanes, lv[:, :, start - a0:start - a0 + n], v[:, :, :n])
         return k, v
+
+    # ---------------------------------------------------------------- per-head block lanes (AdaKV layers)
+    def _lane_plan(self, ranges: dict[tuple[int, int], tuple[int, int]]) -> None:
+        """Lanes: make the lanes that slots ``[a, e)`` of every (row ``b``, head ``h``) in ``ranges`` touch exist
+        and be held by this (row, head) alone (new lanes allocated, shared ones copied first). Every lane is
+        reserved before any table changes, so :class:`KVCacheFull` leaves everything as it was."""
+        bs, H = self.block_size, self.num_heads
+        need = [0] * len(self.groups)
+        todo = []
+        for (b, h), (a, e) in ranges.items():
+            t = self.tables[b * H + h]
+            g = self.head_lane[h][0]
+            if a // bs > len(t):
+                raise AssertionError(f"lanes: row {b} head {h} would skip block {len(t)}")
+            for j in range(a // bs, -(-e // bs)):
+                if j >= len(t) or self.blocks.lane_refs[t[j]] > 1:
+                    todo.append((b, h, j, g))
+                    need[g] += 1
+        if not todo:
+            return
+        self.blocks.ensure_lanes(need)  # may raise KVCacheFull: nothing changed yet
+        L = self.blocks.lanes_per_block
+        for b, h, j, g in sorted(todo, key=lambda w: (w[0], w[2], w[1])):  # block index first: heads side by side
+            t = self.tables[b * H + h]
+            if j >= len(t):  # in order: j == len(t); at the head's slot of the row's block j if that lane is free
+                k = self.lane_offset[g] + self.head_lane[h][1]
+                rb = next((x[j] // L for x in self.tables[b * H:(b + 1) * H] if j < len(x)), None)
+                t.append(self.blocks.allocate_lane(g, prefer=None if rb is None else rb * L + k))
+            else:  # copy-on-write (beams share lanes after a reorder)
+                old = t[j]
+                t[j] = self.blocks.copy_lane(old)
+                self.blocks.decref_lanes([old])
+                self.bytes_moved += self.blocks.lane_bytes(g)
+        self._table_cache = None
+
+    def _write_lanes(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> None:
+        """Lanes: quantize a chunk at slots ``[pos, pos + T)`` into the lanes of the (row, head) pairs that hold
+        those slots (``fill``); empty slots take no lane. On the first write, rows whose head holds the same
+        tokens share its lanes (beam search's identical prompts: written once)."""
+        B, H, T, _ = keys.shape
+        bs, end = self.block_size, pos + T
+        same = self._identical_heads(keys, values, end) if pos == 0 else []
+        writer = [[True] * H for _ in range(B)]
+        for b, h, _ in same:
+            writer[b][h] = False
+        ranges = {(b, h): (pos, min(end, self.fill[b][h]))
+                  for b in range(B) for h in range(H) if writer[b][h] and self.fill[b][h] > pos}  # fmt: skip
+        self._lane_plan(ranges)
+        self._share_lanes(same)
+        # which (row, head, token) pairs are written: from the host's fills (no device read)
+        slot = torch.arange(pos, end)
+        use = (slot.view(1, 1, -1) < torch.tensor(self.fill).unsqueeze(-1)) & torch.tensor(writer).unsqueeze(-1)
+        table = self.table()
+        for gi, g in enumerate(self.groups):
+            gu = use if g.all_heads else use[:, g.heads]
+            rows, heads, toks = (x.to(self.device) for x in gu.nonzero(as_tuple=True))
+            if not rows.numel():
+                continue
+            s = toks + pos
+            gt = table if g.all_heads else table.index_select(1, g.head_index)
+            self._put_lanes(gi, keys, values, rows, heads, toks, gt[rows, heads, s // bs], s)
+        self.q_end = end
+
+    def _identical_heads(self, keys: torch.Tensor, values: torch.Tensor, end: int) -> list[tuple[int, int, int]]:
+        """``(row b, head h, row r)``: row ``b``'s head ``h`` holds the same slots ``[0, end)`` as row ``r < b``'s (same
+        fill, static state, K and V), so it can share ``r``'s lanes (beam search's identical prompt rows)."""
+        B, H = keys.shape[:2]
+        same: list[tuple[int, int, int]] = []
+        for h in range(H if B > 1 else 0):
+            reps: list[int] = []
+            for b in range(B):
+                f = min(end, self.fill[b][h])
+                for r in reps:
+                    if (self.fill[r][h] == self.fill[b][h] and self._same_state(b, r)
+                            and torch.equal(keys[b, h, :f], keys[r, h, :f])
+                            and torch.equal(values[b, h, :f], values[r, h, :f])):  # fmt: skip
+                        same.append((b, h, r))
+                        break
+                else:
+                    reps.append(b)
+        return same
+
+    def _share_lanes(self, same: list[tuple[int, int, int]]) -> None:
+        """Give each ``(row b, head h)`` of ``same`` the lanes of ``(row r, head h)`` (references taken)."""
+        H = self.num_heads
+        for b, h, r in same:
+            t = list(self.tables[r * H + h])
+            self.blocks.incref_lanes(t)
+            self.blocks.decref_lanes(self.tables[b * H + h])
+            self.tables[b * H + h] = t
+        if same:
+            self._table_cache = None
+
+    def _put_lanes(
+        self, gi: int, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor,
+        toks: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor,
+    ) -> None:
+        """Quantize and write token ``toks[i]`` of (row ``rows[i]``, group-local head ``heads[i]``) of head group
+        ``gi`` at lane entry ``entries[i]`` (``block * lanes_per_block + lane``), slot ``slots[i]``."""
+        g, L = self.groups[gi], self.blocks.lanes_per_block
+        k = keys if g.all_heads else keys.index_select(1, g.head_index)
+        v = values if g.all_heads else values.index_select(1, g.head_index)
+        plan = LanePlan(rows, heads, toks, entries // L, entries % L - self.lane_offset[gi], slots % self.block_size)
+        write_pair(g.key, g.value, k, v, plan, self.config.check_finite)
+
+    def _same_state(self, b: int, r: int) -> bool:
+        """Rows ``b`` and ``r`` have the same per-sequence static state (scales) in every head group."""
+        return all(torch.equal(t[b], t[r]) for g in self.groups for st in (g.key, g.value)
+                   for t in st.state.values() if t.dim() == 2)  # fmt: skip
+
+    def grow_lanes(self, victim: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+        """Lanes, one new token per row: where each head writes it, ``(target[B, H], appended)``.
+
+        Heads fill their slots from 0 without holes, so a (row, head) holding ``n`` tokens holds slots
+        ``[0, n)`` and ``ceil(n / block_size)`` lanes. A head below its decode budget (``cap``; none for
+        prefill-time policies) or without ``victim`` writes the token at its next slot ``n``; a head at its
+        budget writes it over ``victim[b, h]`` (a decode-time policy's choice, :func:`~kvquant.evict.choose_slots`).
+        ``appended``: some head's next slot is the slot axis' end, which then grows by one (call :meth:`append`,
+        which writes only those heads, then :meth:`overwrite` with ``target``). The lanes these writes need are
+        allocated (or copied, when shared) here, before anything changes."""
+        B, H, S = self.batch, self.num_heads, self.cache_pos
+        cap = self.cap_host if victim is not None else None
+        grows = [[cap is None or self.fill[b][h] < cap[b][h] for h in range(H)] for b in range(B)]
+        if self.tail_lanes:  # the token joins the head's tail; the lanes are those of the tail blocks it fills
+            ranges = self.flush_ranges(grows)
+        else:  # (slots past q_end are held dense while static scales wait for calibration: lanes when flushed)
+            ranges = {(b, h): (self.fill[b][h], self.fill[b][h] + 1) for b in range(B) for h in range(H)
+                      if grows[b][h] and (self.calibrated or self.fill[b][h] < self.q_end)}  # fmt: skip
+        replace = victim is not None and not all(all(r) for r in grows)
+        if replace and any(self.blocks.lane_refs[e] > 1 for t in self.tables for e in t):
+            vt = victim.tolist()  # a shared lane may be written: copy it first (host read only then)
+            lim = self.qfill if self.tail_lanes else [[self.q_end] * H] * B
+            ranges.update({(b, h): (vt[b][h], vt[b][h] + 1) for b in range(B) for h in range(H)
+                           if not grows[b][h] and vt[b][h] < lim[b][h]})  # fmt: skip
+        self._lane_plan(ranges)  # may raise KVCacheFull: nothing changed yet
+        self._lane_grows = grows
+        old = torch.tensor(self.fill, dtype=torch.long, device=self.device)
+        appended = any(self.fill[b][h] == S for b in range(B) for h in range(H) if grows[b][h])
+        for b in range(B):
+            for h in range(H):
+                self.fill[b][h] += grows[b][h]
+        self._lane_step = self._lane_overwrite = appended
+        if not replace:
+            return old, appended
+        return torch.where(torch.tensor(grows, device=self.device), old, victim.to(old.device)), appended
+
+    def _overwrite_lanes(self, keys: torch.Tensor, values: torch.Tensor, target: torch.Tensor) -> None:
+        """Lanes: write the one-token ``keys/values`` of every (row, head) at its slot ``target[b, h]`` (lanes
+        made ready by :meth:`grow_lanes`; a head whose slot :meth:`append` wrote is written again, unchanged)."""
+        self._lane_overwrite = False
+        t = target.long()
+        pool = None
+        if self.tail_lanes:  # each head's tail takes its token, unless its target is in its lanes (a victim)
+            pool = self._write_tails(keys, values, t)
+            if pool is not None and self.tables and max(len(x) for x in self.tables):
+                self._put_lane_token(keys, values, torch.where(pool, t, 0), pool)
+            self.flush_tails()
+            return
+        if self.q_end < self.cache_pos:  # static scales not calibrated yet: slots past q_end are held dense
+            dense = t >= self.q_end
+            b, h = dense.nonzero(as_tuple=True)
+            self.res_k[b, h, t[b, h] - self.q_end] = keys[b, h, 0].to(self.res_k.dtype)
+            self.res_v[b, h, t[b, h] - self.q_end] = values[b, h, 0].to(self.res_v.dtype)
+            pool = ~dense
+            t = torch.where(dense, 0, t)
+        if self.tables and max(len(x) for x in self.tables):
+            self._put_lane_token(keys, values, t, pool)
+
+    def _put_lane_token(
+        self, keys: torch.Tensor, values: torch.Tensor, t: torch.Tensor, pool: torch.Tensor | None
+    ) -> None:
+        """Write the one-token ``keys/values`` of every (row, head) at lane slot ``t[b, h]`` (only where
+        ``pool[b, h]``, when given)."""
+        B, bs = self.batch, self.block_size
+        e = self.table().gather(2, (t // bs).unsqueeze(-1)).squeeze(-1)  # [B, H] lane ids
+        for gi, g in enumerate(self.groups):
+            n = len(g.heads)
+            eg, tg = (e, t) if g.all_heads else (e.index_select(1, g.head_index), t.index_select(1, g.head_index))
+            rows = torch.arange(B, device=self.device).repeat_interleave(n)
+            heads = torch.arange(n, device=self.device).repeat(B)
+            eg, tg = eg.reshape(-1), tg.reshape(-1)
+            if pool is not None:
+                sel = (pool if g.all_heads else pool.index_select(1, g.head_index)).reshape(-1).nonzero().flatten()
+                rows, heads, eg, tg = rows[sel], heads[sel], eg[sel], tg[sel]
+            self._put_lanes(gi, keys, values, rows, heads, torch.zeros_like(rows), eg, tg)
+
+    def _lane_run(self, gi: int) -> int | None:
+        """One sequence whose heads of group ``gi`` hold lanes ``j`` at blocks ``run + j``, each at its own head
+        slot: ``run`` (the attention then reads the group's blocks ``[run, run + width)`` in place; a head's
+        slots past its count are masked), else None."""
+        if self.batch != 1:
+            return None
+        L, off, run = self.blocks.lanes_per_block, self.lane_offset[gi], None
+        for i, h in enumerate(self.groups[gi].heads):
+            t = self.tables[h]
+            if not t:
+                continue
+            run = t[0] // L if run is None else run
+            if any(e != (run + j) * L + off + i for j, e in enumerate(t)):
+                return None
+        width = max(len(t) for t in self.tables)
+        return run if run is not None and run + width <= self.blocks.num_blocks else None
+
+    def _lane_memory(self) -> dict[str, int]:
+        """:meth:`memory` of a lane layer: every distinct lane once (``lanes``: their number, ``blocks``: the
+        blocks they lie in, ``shared``: lanes referenced more than once)."""
+        lanes = self.lane_ids()
+        per_group = [0] * len(self.groups)
+        shared = 0
+        for e in lanes:
+            g = self.blocks.lane_where(e)[1]
+            per_group[g] += 1
+            if self.blocks.lane_refs[e] > 1:
+                shared += self.blocks.lane_bytes(g)
+        out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "blocks": len(self.block_ids()), "lanes": len(lanes),
+               "blocks_host": 0, "host": 0, "moved_to_host": 0, "shared": shared, "reserved": self.blocks.nbytes(),
+               "index": self.slots.nbytes() if self.slots is not None else 0}  # fmt: skip
+        return self._count_parts(out, lambda gi, s, b: b // s.heads * per_group[gi])
