@@ -218,30 +218,28 @@ class LaneLayer:
 
     def _read_tails(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``group``'s slots ``[start, end)`` (``start >= q_end``) as float32 ``[B, Hg, t, D]``: each
-        (row, head) from its lanes below its ``qfill``, from its tail above."""
+        (row, head) from its lanes below its ``qfill``, from its tail above. The lanes of the range are read for
+        every head, then each head's tail (at most the buffer's width) is written over its own slots: a head's
+        slots past its lanes are its tail, or empty (never visible)."""
         sel = (lambda t: t) if group.all_heads else (lambda t, i=group.head_index: t.index_select(1, i))
         base = sel(self._tail_base())
         B, Hg, D, t = self.batch, base.shape[1], self.head_dim, end - start
-        slot = torch.arange(start, end, device=base.device)
-        if self.res_k is not None and self.res_k.shape[2]:
-            idx = (slot.view(1, 1, -1) - base.unsqueeze(-1)).clamp(0, self.res_k.shape[2] - 1)
-            idx = idx.unsqueeze(-1).expand(B, Hg, t, D)
-            k = sel(self.res_k).gather(2, idx)
-            v = sel(self.res_v).gather(2, idx)
-            k, v = self._dense_to_group_space(group, k, v)
-        else:
-            k = torch.zeros((B, Hg, t, D), device=base.device)
-            v = torch.zeros_like(k)
         top = max(self.qfill[b][h] for b in range(B) for h in group.heads)
+        k = torch.zeros((B, Hg, t + 1, D), device=base.device)  # (+ 1: where tail rows outside the range go)
+        v = torch.zeros_like(k)
         if top > start:  # some head holds some of these slots in lanes
             bs = self.block_size
-            a0, e = start // bs * bs, min(end, top)
-            lk, lv = self._read_quantized(group, a0, -(-e // bs) * bs)
-            n = e - start
-            lanes = (slot[:n].view(1, 1, -1) < base.unsqueeze(-1)).unsqueeze(-1)
-            k[:, :, :n] = torch.where(lanes, lk[:, :, start - a0:start - a0 + n], k[:, :, :n])
-            v[:, :, :n] = torch.where(lanes, lv[:, :, start - a0:start - a0 + n], v[:, :, :n])
-        return k, v
+            a0, n = start // bs * bs, min(end, top) - start
+            lk, lv = self._read_quantized(group, a0, -(-(start + n) // bs) * bs)
+            k[:, :, :n], v[:, :, :n] = lk[:, :, start - a0:start - a0 + n], lv[:, :, start - a0:start - a0 + n]
+        W = 0 if self.res_k is None else self.res_k.shape[2]
+        if W:
+            dk, dv = self._dense_to_group_space(group, sel(self.res_k), sel(self.res_v))
+            at = base.unsqueeze(-1) + torch.arange(W, device=base.device) - start  # [B, Hg, W]: each tail row's slot
+            at = torch.where((at >= 0) & (at < t), at, t).unsqueeze(-1).expand(B, Hg, W, D)
+            k.scatter_(2, at, dk)
+            v.scatter_(2, at, dv)
+        return k[:, :, :t], v[:, :, :t]
 
     # ---------------------------------------------------------------- per-head block lanes (AdaKV layers)
     def _lane_plan(self, ranges: dict[tuple[int, int], tuple[int, int]]) -> None:
