@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .quantizers.base import Factored
 from .tensor_store import LanePlan, write_pair
 
 if TYPE_CHECKING:
@@ -216,30 +217,68 @@ class LaneLayer:
         first = (base == 0).view(*base.shape, 1, 1)
         return torch.where(first, mk, k), torch.where(first, mv, v)
 
+    def lane_top(self, group: HeadGroup) -> int:
+        """The largest ``qfill`` of ``group``'s heads: slots past it are in no lane of the group."""
+        return max(self.qfill[b][h] for b in range(self.batch) for h in group.heads)
+
+    def _tail_rows(self, group: HeadGroup, start: int, end: int, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Write each (row, head)'s tail rows of ``group`` that fall in slots ``[start, end)`` into ``out`` (K and V,
+        float32 ``[B, Hg, end - start + 1, D]``: the last row takes the tail rows outside the range) at their slots."""
+        W = 0 if self.res_k is None else self.res_k.shape[2]
+        if not W:
+            return
+        sel = (lambda t: t) if group.all_heads else (lambda t, i=group.head_index: t.index_select(1, i))
+        base = sel(self._tail_base())
+        B, Hg, t = base.shape[0], base.shape[1], end - start
+        dk, dv = self._dense_to_group_space(group, sel(self.res_k), sel(self.res_v))
+        at = base.unsqueeze(-1) + torch.arange(W, device=base.device) - start  # [B, Hg, W]: each tail row's slot
+        at = torch.where((at >= 0) & (at < t), at, t).unsqueeze(-1).expand(B, Hg, W, self.head_dim)
+        out[0].scatter_(2, at, dk)
+        out[1].scatter_(2, at, dv)
+
     def _read_tails(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``group``'s slots ``[start, end)`` (``start >= q_end``) as float32 ``[B, Hg, t, D]``: each
         (row, head) from its lanes below its ``qfill``, from its tail above. The lanes of the range are read for
         every head, then each head's tail (at most the buffer's width) is written over its own slots: a head's
         slots past its lanes are its tail, or empty (never visible)."""
-        sel = (lambda t: t) if group.all_heads else (lambda t, i=group.head_index: t.index_select(1, i))
-        base = sel(self._tail_base())
-        B, Hg, D, t = self.batch, base.shape[1], self.head_dim, end - start
-        top = max(self.qfill[b][h] for b in range(B) for h in group.heads)
-        k = torch.zeros((B, Hg, t + 1, D), device=base.device)  # (+ 1: where tail rows outside the range go)
+        t = end - start
+        k = torch.zeros((self.batch, len(group.heads), t + 1, self.head_dim), device=self.device)
         v = torch.zeros_like(k)
+        top = self.lane_top(group)
         if top > start:  # some head holds some of these slots in lanes
             bs = self.block_size
             a0, n = start // bs * bs, min(end, top) - start
             lk, lv = self._read_quantized(group, a0, -(-(start + n) // bs) * bs)
             k[:, :, :n], v[:, :, :n] = lk[:, :, start - a0:start - a0 + n], lv[:, :, start - a0:start - a0 + n]
-        W = 0 if self.res_k is None else self.res_k.shape[2]
-        if W:
-            dk, dv = self._dense_to_group_space(group, sel(self.res_k), sel(self.res_v))
-            at = base.unsqueeze(-1) + torch.arange(W, device=base.device) - start  # [B, Hg, W]: each tail row's slot
-            at = torch.where((at >= 0) & (at < t), at, t).unsqueeze(-1).expand(B, Hg, W, D)
-            k.scatter_(2, at, dk)
-            v.scatter_(2, at, dv)
+        self._tail_rows(group, start, end, (k, v))
         return k[:, :, :t], v[:, :, :t]
+
+    def _factored_tails(self, group: HeadGroup, start: int, end: int) -> tuple[Factored, Factored]:
+        """``group``'s slots ``[start, end)`` (``end <=`` :meth:`lane_top`, block-aligned ``start``) as factored K and
+        V: each (row, head, block) either in the head's lanes (codes and scales) or in its tail or empty (the tail's
+        values as codes, scale 1, zero 0). Dequantized (:meth:`_read_tails`) when a scale is one per head."""
+        kf, vf = self.read_pool(group, start, end, factored=True)
+        if any(f.scale is not None and not f.block and f.scale.shape[2] == 1 for f in (kf, vf)):
+            k, v = self._read_tails(group, start, end)
+            return Factored(k), Factored(v)
+        t = end - start
+        k = torch.zeros((self.batch, len(group.heads), t + 1, self.head_dim), device=self.device)
+        rows = (k, torch.zeros_like(k))
+        self._tail_rows(group, start, end, rows)
+        sel = (lambda x: x) if group.all_heads else (lambda x, i=group.head_index: x.index_select(1, i))
+        base = sel(self._tail_base()).unsqueeze(-1)  # [B, Hg, 1]
+        tail = torch.arange(start, end, device=base.device) >= base  # [B, Hg, t]: not in the head's lanes
+        out = []
+        for f, r in zip((kf, vf), rows, strict=True):
+            codes = torch.where(tail.unsqueeze(-1), r[:, :, :t], f.codes)
+            if f.block:  # per (block, channel): a block is wholly in the lanes or wholly past them
+                tb = (torch.arange(start, end, f.block, device=base.device) >= base).unsqueeze(-1)
+                out.append(Factored(codes, torch.where(tb, 1.0, f.scale), torch.where(tb, 0.0, f.zero), f.block))
+            elif f.scale is not None:  # per token
+                out.append(Factored(codes, torch.where(tail.unsqueeze(-1), 1.0, f.scale)))
+            else:
+                out.append(Factored(codes))
+        return out[0], out[1]
 
     # ---------------------------------------------------------------- per-head block lanes (AdaKV layers)
     def _lane_plan(self, ranges: dict[tuple[int, int], tuple[int, int]]) -> None:

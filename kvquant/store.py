@@ -860,7 +860,7 @@ class LayerStore(LaneLayer):
         scales queries or probabilities, not the history), sink and residual tokens dequantized. Same values
         as :meth:`read`."""
         pieces = []
-        pool_end = min(end, self.q_end)
+        pool_end = min(end, self.lane_top(group) if self.tail_lanes else self.q_end)  # (tails: see kvquant.lanes)
         a = start
         if a < pool_end and self.sink_k is not None and a < self.sink_end:  # sink rows: read() merges them
             b = min(pool_end, -(-self.sink_end // self.block_size) * self.block_size)
@@ -868,7 +868,10 @@ class LayerStore(LaneLayer):
             pieces.append((a, b, Factored(k), Factored(v)))
             a = b
         if a < pool_end:  # (offloaded blocks: read_pool stages them, as for read)
-            pieces.append((a, pool_end, *self.read_pool(group, a, pool_end, factored=True)))
+            if self.tail_lanes and pool_end > self.q_end:  # heads whose lanes end sooner: their tails merged in
+                pieces.append((a, pool_end, *self._factored_tails(group, a, pool_end)))
+            else:
+                pieces.append((a, pool_end, *self.read_pool(group, a, pool_end, factored=True)))
             a = pool_end
         if a < end:
             k, v = self.read(group, a, end)

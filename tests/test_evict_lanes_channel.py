@@ -150,11 +150,12 @@ def test_static_scales_held_dense_until_calibrated_then_flushed_per_head():
     check_tails(st, seqs)
 
 
-@pytest.mark.parametrize("name", ["int8-kchannel", "int4-kchannel-r8"])
+@pytest.mark.parametrize("name", ["int8-kchannel", "int4-kchannel-r8", "int4-kchannel-sinks", "int8-r8"])
 @pytest.mark.parametrize("decode_step", [True, False])
 def test_attention_equals_the_reference_over_lanes_and_tails(name, decode_step):
-    """The attention (decode: factored pieces; else the tiled walk) over a lane layer with tails equals a plain
-    softmax over each head's reference keys / values (empty slots masked)."""
+    """The attention (decode: factored pieces, tails folded in as codes with scale 1 -- per-block keys, per-token
+    values, or dequantized for per-head static scales; else the tiled walk) over a lane layer with tails equals a
+    plain softmax over each head's reference keys / values (empty slots masked)."""
     gen = torch.Generator().manual_seed(1)
     st = lane_store(cfg(name), batch=2)
     seqs = prompt(st, [[5, 70], [37, 16]], 80, gen)
