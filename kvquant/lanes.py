@@ -262,15 +262,17 @@ class LaneLayer:
             k, v = self._read_tails(group, start, end)
             return Factored(k), Factored(v)
         t = end - start
-        k = torch.zeros((self.batch, len(group.heads), t + 1, self.head_dim), device=self.device)
-        rows = (k, torch.zeros_like(k))
+        # a copy of the codes (+ 1 row for the tail rows outside the range) with each head's tail rows written over
+        # its own slots past its lanes (its tail, or empty slots: never visible)
+        rows = tuple(torch.cat([f.codes, f.codes.new_zeros(*f.codes.shape[:2], 1, f.codes.shape[3])], dim=2)
+                     for f in (kf, vf))  # fmt: skip
         self._tail_rows(group, start, end, rows)
         sel = (lambda x: x) if group.all_heads else (lambda x, i=group.head_index: x.index_select(1, i))
         base = sel(self._tail_base()).unsqueeze(-1)  # [B, Hg, 1]
         tail = torch.arange(start, end, device=base.device) >= base  # [B, Hg, t]: not in the head's lanes
         out = []
         for f, r in zip((kf, vf), rows, strict=True):
-            codes = torch.where(tail.unsqueeze(-1), r[:, :, :t], f.codes)
+            codes = r[:, :, :t]
             if f.block:  # per (block, channel): a block is wholly in the lanes or wholly past them
                 tb = (torch.arange(start, end, f.block, device=base.device) >= base).unsqueeze(-1)
                 out.append(Factored(codes, torch.where(tb, 1.0, f.scale), torch.where(tb, 0.0, f.zero), f.block))
