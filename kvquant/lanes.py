@@ -173,34 +173,35 @@ class LaneLayer:
         sharing = {(b, h) for b, h, _ in same or []}
         self._lane_plan({k: r for k, r in self.flush_ranges().items() if k not in sharing})
         self._share_lanes(same or [])
+        # which (row, head, token) pairs are written: from the host's counts (index tensors built on the host)
         dev = self.device
-        mt = torch.tensor(m, dtype=torch.long, device=dev)  # [B, H] blocks flushed
-        wt = torch.tensor([[x * ((b, h) not in sharing) for h, x in enumerate(r)] for b, r in enumerate(m)],
-                          dtype=torch.long, device=dev)  # blocks written  # fmt: skip
-        use = torch.arange(M * bs, device=dev).view(1, 1, -1) < (wt * bs).unsqueeze(-1)  # [B, H, M * bs]
-        buse = torch.arange(M, device=dev).view(1, 1, -1) < wt.unsqueeze(-1)  # [B, H, M]
-        base = self._tail_base()
+        wt = torch.tensor([[x * ((b, h) not in sharing) for h, x in enumerate(r)] for b, r in enumerate(m)])
+        use = torch.arange(M * bs).view(1, 1, -1) < (wt * bs).unsqueeze(-1)  # [B, H, M * bs]: tokens written
+        buse = torch.arange(M).view(1, 1, -1) < wt.unsqueeze(-1)  # [B, H, M]: blocks written
+        qf = torch.tensor(self.qfill)
         k, v = self.res_k[:, :, :M * bs], self.res_v[:, :, :M * bs]
         table, L = self.table(), self.blocks.lanes_per_block
         for gi, g in enumerate(self.groups):
             sel = (lambda t: t) if g.all_heads else (lambda t, i=g.head_index: t.index_select(1, i))
-            gk, gv = self._mask_tail_sinks(g, sel(k), sel(v), sel(base))
-            gt, gb, gu, gbu = sel(table), sel(base), sel(use), sel(buse)
+            gu, gbu, gq = use[:, g.heads], buse[:, g.heads], qf[:, g.heads]
             rows, heads, toks = gu.nonzero(as_tuple=True)
             if not rows.numel():
                 continue
-            slots = gb[rows, heads] + toks
-            e = gt[rows, heads, slots // bs]
-            off = self.lane_offset[gi]
             brows, bheads, bj = gbu.nonzero(as_tuple=True)
-            be = gt[brows, bheads, gb[brows, bheads] // bs + bj]
+            slots, bslots = gq[rows, heads] + toks, gq[brows, bheads] + bj * bs
+            rows, heads, toks, slots, brows, bheads, bj, bslots = (
+                x.to(dev) for x in (rows, heads, toks, slots, brows, bheads, bj, bslots))
+            gt, off = sel(table), self.lane_offset[gi]
+            e, be = gt[rows, heads, slots // bs], gt[brows, bheads, bslots // bs]
             blocks = LanePlan(brows, bheads, bj, be // L, be % L - off, torch.zeros_like(bj))
             plan = LanePlan(rows, heads, toks, e // L, e % L - off, slots % bs, blocks)
-            write_pair(g.key, g.value, gk.to(k.dtype), gv.to(v.dtype), plan, self.config.check_finite, gu)
+            gk, gv = self._mask_tail_sinks(g, sel(k), sel(v), sel(self._tail_base()))
+            write_pair(g.key, g.value, gk.to(k.dtype), gv.to(v.dtype), plan, self.config.check_finite, gu.to(dev))
         # shift: each head's tail now starts m[b][h] blocks later
         qfill = [[q + x * bs for q, x in zip(qr, mr, strict=True)] for qr, mr in zip(self.qfill, m, strict=True)]
         width = max(f - q for fr, qr in zip(self.fill, qfill, strict=True) for f, q in zip(fr, qr, strict=True))
         have = self.res_k.shape[2]
+        mt = torch.tensor(m, dtype=torch.long, device=dev)  # [B, H] blocks flushed
         idx = (torch.arange(width, device=dev).view(1, 1, -1) + mt.unsqueeze(-1) * bs).clamp_max(max(have - 1, 0))
         idx = idx.unsqueeze(-1).expand(B, H, width, self.res_k.shape[3])
         self.res_k, self.res_v = self.res_k.gather(2, idx), self.res_v.gather(2, idx)
