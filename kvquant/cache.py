@@ -518,6 +518,7 @@ class QuantizedKVCache(Cache):
                 # AdaKV lanes: one table of lane ids per (row, KV head), rows first; shared = lanes held twice
                 "lanes": st.lanes,
                 "block_tables": [list(t) for t in st.tables],
+                "tail_tokens": st.tail_lengths() if st.tail_lanes else None,  # per-head tails (kvquant.lanes)
                 "shared_blocks": ([e for e in st.lane_ids() if st.blocks.lane_refs[e] > 1] if st.lanes
                                   else [b for b in st.block_ids() if st.blocks.refs[b] > 1]),
                 "static_scales": scales,

@@ -10,7 +10,8 @@ on demand, so memory follows the real length, never a max_seq_len; rows (beams) 
 immutable (a token is written once, quantized once, never re-quantized); writing into a partial
 block that is shared copies it first (copy-on-write). A layer whose KV heads keep different token counts
 (AdaKV) holds *lanes* instead, one head's rows of one block, through one table per (row, KV head)
-(``LayerStore(lanes=True)``, :mod:`kvquant.blocks`): each head holds ``ceil(n_h / block_size)`` lanes.
+(``LayerStore(lanes=True)``, :mod:`kvquant.blocks`, :mod:`kvquant.lanes`): each head holds
+``ceil(n_h / block_size)`` lanes (with per-channel keys or a residual window: whole lanes and its own tail).
 
 Outlier options (all in the config, composable with per-head precision):
 
@@ -42,6 +43,7 @@ import torch
 
 from .blocks import LayerBlocks
 from .config import KVPrecision, KVQuantConfig
+from .lanes import LaneLayer
 from .offload import OffloadedStore, Prefetcher, host_id, is_host
 from .quantizers import Quantizer, make_quantizer
 from .quantizers.base import Factored, PartSpec, require_finite
@@ -49,13 +51,11 @@ from .rotation import fwht
 from .slots import SlotMap
 from .tensor_store import (
     ClipCounts,
-    LanePlan,
     QuantizedTensorStore,
     StoredOverflow,
     WritePlan,
     quantize_pair,
     stored_finite,
-    write_pair,
 )
 
 # Static (per-head) scales are calibrated on at least this many real tokens of every row; until then the
@@ -118,7 +118,7 @@ class HeadGroup:
         return bool(self.key.quantizer.per_block or self.value.quantizer.per_block)
 
 
-class LayerStore(OffloadedStore):
+class LayerStore(LaneLayer, OffloadedStore):
     """All K/V of one layer of one cache: head groups, one block table per batch row over the layer's
     :class:`~kvquant.blocks.LayerBlocks` (shared with other caches of a pool), the ``cache_pos`` cursor.
 
@@ -128,8 +128,9 @@ class LayerStore(OffloadedStore):
             the window of every later query are released.
         lanes: the layer's KV heads keep different token counts (an AdaKV budget): hold per-head block lanes,
             one table per (row, KV head), so that each head holds ``ceil(n_h / block_size)`` lanes of its own
-            (see :meth:`grow_lanes`). Ignored (per-row blocks, sized by the largest head) with a full-precision
-            residual window or per-channel keys, a sliding window, or ``offload``.
+            (see :meth:`grow_lanes`); with a full-precision residual window or per-channel keys, whole lanes
+            and a full-precision tail per (row, head) (:mod:`kvquant.lanes`). Ignored (per-row blocks, sized by
+            the largest head) with a sliding window or ``offload``.
     """
 
     def __init__(
@@ -207,8 +208,12 @@ class LayerStore(OffloadedStore):
         # per-head block lanes (AdaKV): ``tables[b * H + h]`` holds the lane ids of (row b, KV head h)
         self._lane_step = False  # append_kept / grow_lanes set the fills of this append
         self._lane_overwrite = False  # grow_lanes: overwrite() writes this step's token (append need not)
-        self.lanes = bool(lanes and not self.residual_mode and window is None and not config.offload)
+        self.lanes = bool(lanes and window is None and not config.offload)
         self.fill: list[list[int]] = [[0] * self.num_heads for _ in range(batch)]  # lanes: slots per (row, head)
+        # lanes in residual mode: of which in lanes (the rest in the head's tail, see kvquant.lanes)
+        self.qfill: list[list[int]] = [[0] * self.num_heads for _ in range(batch)]
+        self._tail_base_cache: torch.Tensor | None = None
+        self._lane_grows: list[list[bool]] | None = None  # grow_lanes: the heads that take their next slot
         self.cap_host: list[list[int]] | None = None  # lanes: decode budget per (row, head) (H2O / TOVA)
         self.lane_offset = [blocks.lane_of.index((gi, 0)) for gi in range(len(self.groups))]
         self.head_lane = {h: (gi, i) for gi, g in enumerate(self.groups) for i, h in enumerate(g.heads)}
@@ -247,7 +252,8 @@ class LayerStore(OffloadedStore):
                 for h, f in enumerate(row):
                     t = self.tables[b * H + h]
                     shared = any(self.blocks.lane_refs[e] > 1 for e in t)
-                    need[self.head_lane[h][0]] += max(0, -(-(f + tokens) // bs) - len(t)) + shared
+                    new = self.lanes_to_add(b, h, tokens) if self.tail_lanes else -(-(f + tokens) // bs) - len(t)
+                    need[self.head_lane[h][0]] += max(0, new) + shared
             return max(0, *(-(-(n - len(self.blocks.lane_free[g])) // len(self.groups[g].heads))
                             for g, n in enumerate(need)))  # fmt: skip
         if self.residual_mode:
@@ -646,180 +652,6 @@ class LayerStore(OffloadedStore):
             blk = torch.empty((3, 0), dtype=torch.long, device=self.device)
         return WritePlan(tok[0], tok[1], tok[2], tok[3], blk[0], blk[1], blk[2])
 
-    # ---------------------------------------------------------------- per-head block lanes (AdaKV layers)
-    def _lane_plan(self, ranges: dict[tuple[int, int], tuple[int, int]]) -> None:
-        """Lanes: make the lanes that slots ``[a, e)`` of every (row ``b``, head ``h``) in ``ranges`` touch exist
-        and be held by this (row, head) alone (new lanes allocated, shared ones copied first). Every lane is
-        reserved before any table changes, so :class:`KVCacheFull` leaves everything as it was."""
-        bs, H = self.block_size, self.num_heads
-        need = [0] * len(self.groups)
-        todo = []
-        for (b, h), (a, e) in ranges.items():
-            t = self.tables[b * H + h]
-            g = self.head_lane[h][0]
-            if a // bs > len(t):
-                raise AssertionError(f"lanes: row {b} head {h} would skip block {len(t)}")
-            for j in range(a // bs, -(-e // bs)):
-                if j >= len(t) or self.blocks.lane_refs[t[j]] > 1:
-                    todo.append((b, h, j, g))
-                    need[g] += 1
-        if not todo:
-            return
-        self.blocks.ensure_lanes(need)  # may raise KVCacheFull: nothing changed yet
-        L = self.blocks.lanes_per_block
-        for b, h, j, g in sorted(todo, key=lambda w: (w[0], w[2], w[1])):  # block index first: heads side by side
-            t = self.tables[b * H + h]
-            if j >= len(t):  # in order: j == len(t); at the head's slot of the row's block j if that lane is free
-                k = self.lane_offset[g] + self.head_lane[h][1]
-                rb = next((x[j] // L for x in self.tables[b * H:(b + 1) * H] if j < len(x)), None)
-                t.append(self.blocks.allocate_lane(g, prefer=None if rb is None else rb * L + k))
-            else:  # copy-on-write (beams share lanes after a reorder)
-                old = t[j]
-                t[j] = self.blocks.copy_lane(old)
-                self.blocks.decref_lanes([old])
-                self.bytes_moved += self.blocks.lane_bytes(g)
-        self._table_cache = None
-
-    def _write_lanes(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> None:
-        """Lanes: quantize a chunk at slots ``[pos, pos + T)`` into the lanes of the (row, head) pairs that hold
-        those slots (``fill``); empty slots take no lane. On the first write, rows whose head holds the same
-        tokens share its lanes (beam search's identical prompts: written once)."""
-        B, H, T, _ = keys.shape
-        bs, end = self.block_size, pos + T
-        writer = [[True] * H for _ in range(B)]
-        same: list[tuple[int, int, int]] = []  # (row, head, row whose lanes it shares)
-        if pos == 0 and B > 1:
-            for h in range(H):
-                reps: list[int] = []
-                for b in range(B):
-                    f = min(end, self.fill[b][h])
-                    for r in reps:
-                        if (self.fill[r][h] == self.fill[b][h] and self._same_state(b, r)
-                                and torch.equal(keys[b, h, :f], keys[r, h, :f])
-                                and torch.equal(values[b, h, :f], values[r, h, :f])):  # fmt: skip
-                            writer[b][h] = False
-                            same.append((b, h, r))
-                            break
-                    else:
-                        reps.append(b)
-        ranges = {(b, h): (pos, min(end, self.fill[b][h]))
-                  for b in range(B) for h in range(H) if writer[b][h] and self.fill[b][h] > pos}  # fmt: skip
-        self._lane_plan(ranges)
-        for b, h, r in same:
-            t = list(self.tables[r * H + h])
-            self.blocks.incref_lanes(t)
-            self.blocks.decref_lanes(self.tables[b * H + h])
-            self.tables[b * H + h] = t
-        if same:
-            self._table_cache = None
-        # which (row, head, token) pairs are written: from the host's fills (no device read)
-        slot = torch.arange(pos, end)
-        use = (slot.view(1, 1, -1) < torch.tensor(self.fill).unsqueeze(-1)) & torch.tensor(writer).unsqueeze(-1)
-        table = self.table()
-        for gi, g in enumerate(self.groups):
-            gu = use if g.all_heads else use[:, g.heads]
-            rows, heads, toks = (x.to(self.device) for x in gu.nonzero(as_tuple=True))
-            if not rows.numel():
-                continue
-            s = toks + pos
-            gt = table if g.all_heads else table.index_select(1, g.head_index)
-            self._put_lanes(gi, keys, values, rows, heads, toks, gt[rows, heads, s // bs], s)
-        self.q_end = end
-
-    def _put_lanes(
-        self, gi: int, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor,
-        toks: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor,
-    ) -> None:
-        """Quantize and write token ``toks[i]`` of (row ``rows[i]``, group-local head ``heads[i]``) of head group
-        ``gi`` at lane entry ``entries[i]`` (``block * lanes_per_block + lane``), slot ``slots[i]``."""
-        g, L = self.groups[gi], self.blocks.lanes_per_block
-        k = keys if g.all_heads else keys.index_select(1, g.head_index)
-        v = values if g.all_heads else values.index_select(1, g.head_index)
-        plan = LanePlan(rows, heads, toks, entries // L, entries % L - self.lane_offset[gi], slots % self.block_size)
-        write_pair(g.key, g.value, k, v, plan, self.config.check_finite)
-
-    def _same_state(self, b: int, r: int) -> bool:
-        """Rows ``b`` and ``r`` have the same per-sequence static state (scales) in every head group."""
-        return all(torch.equal(t[b], t[r]) for g in self.groups for st in (g.key, g.value)
-                   for t in st.state.values() if t.dim() == 2)  # fmt: skip
-
-    def grow_lanes(self, victim: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
-        """Lanes, one new token per row: where each head writes it, ``(target[B, H], appended)``.
-
-        Heads fill their slots from 0 without holes, so a (row, head) holding ``n`` tokens holds slots
-        ``[0, n)`` and ``ceil(n / block_size)`` lanes. A head below its decode budget (``cap``; none for
-        prefill-time policies) or without ``victim`` writes the token at its next slot ``n``; a head at its
-        budget writes it over ``victim[b, h]`` (a decode-time policy's choice, :func:`~kvquant.evict.choose_slots`).
-        ``appended``: some head's next slot is the slot axis' end, which then grows by one (call :meth:`append`,
-        which writes only those heads, then :meth:`overwrite` with ``target``). The lanes these writes need are
-        allocated (or copied, when shared) here, before anything changes."""
-        B, H, S = self.batch, self.num_heads, self.cache_pos
-        cap = self.cap_host if victim is not None else None
-        grows = [[cap is None or self.fill[b][h] < cap[b][h] for h in range(H)] for b in range(B)]
-        # (slots past q_end are held dense while static scales wait for calibration: lanes when flushed)
-        ranges = {(b, h): (self.fill[b][h], self.fill[b][h] + 1) for b in range(B) for h in range(H)
-                  if grows[b][h] and (self.calibrated or self.fill[b][h] < self.q_end)}  # fmt: skip
-        replace = victim is not None and not all(all(r) for r in grows)
-        if replace and any(self.blocks.lane_refs[e] > 1 for t in self.tables for e in t):
-            vt = victim.tolist()  # a shared lane may be written: copy it first (host read only then)
-            ranges.update({(b, h): (vt[b][h], vt[b][h] + 1) for b in range(B) for h in range(H)
-                           if not grows[b][h] and vt[b][h] < self.q_end})  # fmt: skip
-        self._lane_plan(ranges)  # may raise KVCacheFull: nothing changed yet
-        old = torch.tensor(self.fill, dtype=torch.long, device=self.device)
-        appended = any(self.fill[b][h] == S for b in range(B) for h in range(H) if grows[b][h])
-        for b in range(B):
-            for h in range(H):
-                self.fill[b][h] += grows[b][h]
-        self._lane_step = self._lane_overwrite = appended
-        if not replace:
-            return old, appended
-        return torch.where(torch.tensor(grows, device=self.device), old, victim.to(old.device)), appended
-
-    def _overwrite_lanes(self, keys: torch.Tensor, values: torch.Tensor, target: torch.Tensor) -> None:
-        """Lanes: write the one-token ``keys/values`` of every (row, head) at its slot ``target[b, h]`` (lanes
-        made ready by :meth:`grow_lanes`; a head whose slot :meth:`append` wrote is written again, unchanged)."""
-        self._lane_overwrite = False
-        B, bs = self.batch, self.block_size
-        t = target.long()
-        pool = None
-        if self.q_end < self.cache_pos:  # static scales not calibrated yet: slots past q_end are held dense
-            dense = t >= self.q_end
-            b, h = dense.nonzero(as_tuple=True)
-            self.res_k[b, h, t[b, h] - self.q_end] = keys[b, h, 0].to(self.res_k.dtype)
-            self.res_v[b, h, t[b, h] - self.q_end] = values[b, h, 0].to(self.res_v.dtype)
-            pool = ~dense
-            t = torch.where(dense, 0, t)
-        if not self.tables or not max(len(x) for x in self.tables):
-            return
-        e = self.table().gather(2, (t // bs).unsqueeze(-1)).squeeze(-1)  # [B, H] lane ids
-        for gi, g in enumerate(self.groups):
-            n = len(g.heads)
-            eg, tg = (e, t) if g.all_heads else (e.index_select(1, g.head_index), t.index_select(1, g.head_index))
-            rows = torch.arange(B, device=self.device).repeat_interleave(n)
-            heads = torch.arange(n, device=self.device).repeat(B)
-            eg, tg = eg.reshape(-1), tg.reshape(-1)
-            if pool is not None:
-                sel = (pool if g.all_heads else pool.index_select(1, g.head_index)).reshape(-1).nonzero().flatten()
-                rows, heads, eg, tg = rows[sel], heads[sel], eg[sel], tg[sel]
-            self._put_lanes(gi, keys, values, rows, heads, torch.zeros_like(rows), eg, tg)
-
-    def _lane_run(self, gi: int) -> int | None:
-        """One sequence whose heads of group ``gi`` hold lanes ``j`` at blocks ``run + j``, each at its own head
-        slot: ``run`` (the attention then reads the group's blocks ``[run, run + width)`` in place; a head's
-        slots past its count are masked), else None."""
-        if self.batch != 1:
-            return None
-        L, off, run = self.blocks.lanes_per_block, self.lane_offset[gi], None
-        for i, h in enumerate(self.groups[gi].heads):
-            t = self.tables[h]
-            if not t:
-                continue
-            run = t[0] // L if run is None else run
-            if any(e != (run + j) * L + off + i for j, e in enumerate(t)):
-                return None
-        width = max(len(t) for t in self.tables)
-        return run if run is not None and run + width <= self.blocks.num_blocks else None
-
     def _incref(self, ids: list[int]) -> None:
         (self.blocks.incref_lanes if self.lanes else self.blocks.incref)(ids)
 
@@ -845,6 +677,9 @@ class LayerStore(OffloadedStore):
 
     def _append_residual(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Residual mode: keep the newest tokens dense; quantize whole blocks beyond ``residual_tokens``."""
+        if self.lanes:  # each head its own tail (kvquant.lanes)
+            self._append_tails(keys, values)
+            return
         dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
         if self.res_k is not None and self.res_k.shape[2]:
             dk = torch.cat([self.res_k, dk], dim=2)  # bounded: the residual holds < R + block tokens
@@ -1000,10 +835,16 @@ class LayerStore(OffloadedStore):
             k1, v1 = self.read(group, start, self.q_end)
             k2, v2 = self.read(group, self.q_end, end)
             return torch.cat([k1, k2], dim=2), torch.cat([v1, v2], dim=2)
+        if start >= self.q_end and self.tail_lanes:  # each head's lanes, then its own tail
+            return self._read_tails(group, start, end)
         if start >= self.q_end:  # residual buffer (dense)
             a, b = start - self.q_end, end - self.q_end
             k, v = self.res_k[:, :, a:b], self.res_v[:, :, a:b]
             return self._dense_to_group_space(group, self._group_rows(k, group), self._group_rows(v, group))
+        return self._read_quantized(group, start, end)
+
+    def _read_quantized(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``group``'s pool tokens ``[start, end)`` (:meth:`read_pool`), sink rows from the sink buffer."""
         k, v = self.read_pool(group, start, end)
         if self.sink_k is not None and start < self.sink_end:
             # each row's sink tokens from the sink buffer, selected on the device (no host synchronisation)
@@ -1041,7 +882,7 @@ class LayerStore(OffloadedStore):
         scales queries or probabilities, not the history), sink and residual tokens dequantized. Same values
         as :meth:`read`."""
         pieces = []
-        pool_end = min(end, self.q_end)
+        pool_end = min(end, self.lane_top(group) if self.tail_lanes else self.q_end)  # (tails: see kvquant.lanes)
         a = start
         if a < pool_end and self.sink_k is not None and a < self.sink_end:  # sink rows: read() merges them
             b = min(pool_end, -(-self.sink_end // self.block_size) * self.block_size)
@@ -1049,7 +890,10 @@ class LayerStore(OffloadedStore):
             pieces.append((a, b, Factored(k), Factored(v)))
             a = b
         if a < pool_end:  # (offloaded blocks: read_pool stages them, as for read)
-            pieces.append((a, pool_end, *self.read_pool(group, a, pool_end, factored=True)))
+            if self.tail_lanes and pool_end > self.q_end:  # heads whose lanes end sooner: their tails merged in
+                pieces.append((a, pool_end, *self._factored_tails(group, a, pool_end)))
+            else:
+                pieces.append((a, pool_end, *self.read_pool(group, a, pool_end, factored=True)))
             a = pool_end
         if a < end:
             k, v = self.read(group, a, end)
@@ -1147,6 +991,7 @@ class LayerStore(OffloadedStore):
         self.key_mean = None
         self.slots = None
         self.fill = [[0] * self.num_heads for _ in range(self.batch)]
+        self._set_qfill([[0] * self.num_heads for _ in range(self.batch)])
         self.cap_host = None
         self._lane_step = False
         for g in self.groups:
@@ -1170,6 +1015,7 @@ class LayerStore(OffloadedStore):
         for t in new.tables:
             self._incref(t)
         new.fill = [list(r) for r in self.fill]
+        new.qfill = [list(r) for r in self.qfill]
         new.cap_host = None if self.cap_host is None else [list(r) for r in self.cap_host]
         new._table_cache = None
         new.prefetcher = None
@@ -1196,6 +1042,7 @@ class LayerStore(OffloadedStore):
             H = self.num_heads
             self.tables = [list(old[i * H + h]) for i in rows for h in range(H)]
             self.fill = [list(self.fill[i]) for i in rows]
+            self._set_qfill([list(self.qfill[i]) for i in rows])
             if self.cap_host is not None:
                 self.cap_host = [list(self.cap_host[i]) for i in rows]
         else:
@@ -1287,22 +1134,6 @@ class LayerStore(OffloadedStore):
         for k, v in self.dense_buffers().values():
             out["dense"] += k.numel() * k.element_size() + v.numel() * v.element_size()
         return out
-
-    def _lane_memory(self) -> dict[str, int]:
-        """:meth:`memory` of a lane layer: every distinct lane once (``lanes``: their number, ``blocks``: the
-        blocks they lie in, ``shared``: lanes referenced more than once)."""
-        lanes = self.lane_ids()
-        per_group = [0] * len(self.groups)
-        shared = 0
-        for e in lanes:
-            g = self.blocks.lane_where(e)[1]
-            per_group[g] += 1
-            if self.blocks.lane_refs[e] > 1:
-                shared += self.blocks.lane_bytes(g)
-        out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "blocks": len(self.block_ids()), "lanes": len(lanes),
-               "blocks_host": 0, "host": 0, "moved_to_host": 0, "shared": shared, "reserved": self.blocks.nbytes(),
-               "index": self.slots.nbytes() if self.slots is not None else 0}  # fmt: skip
-        return self._count_parts(out, lambda gi, s, b: b // s.heads * per_group[gi])
 
     def clipped(self) -> int:
         return sum(s.counts.totals()[0] for g in self.groups for s in (g.key, g.value))

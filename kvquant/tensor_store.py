@@ -97,8 +97,11 @@ class QuantizedTensorStore:
         """Write quantized parts ``q`` (``[B, H, T or blocks, *shape]``) where ``plan`` says."""
         for name, t in q.items():
             dst = self.parts[name]
-            if isinstance(plan, LanePlan):  # per-token parts only
-                dst[plan.blk, plan.lanes, plan.off] = t[plan.rows, plan.heads, plan.toks].to(dst.dtype)
+            if isinstance(plan, LanePlan):
+                p = plan.per_block if self.specs[name].per_block else plan
+                if p is None:
+                    raise AssertionError(f"part {name!r}: a per-block part needs a LanePlan with per_block rows")
+                dst[p.blk, p.lanes, p.off] = t[p.rows, p.heads, p.toks].to(dst.dtype)
             elif self.specs[name].per_block:
                 if plan.blk_src_b.numel():
                     dst[plan.blk_dst, :, 0] = t.transpose(1, 2)[plan.blk_src_b, plan.blk_src_j].to(dst.dtype)
@@ -132,13 +135,19 @@ class QuantizedTensorStore:
         overflow (|x| > 65504) are widened to fp32 for this group's blocks (exact, bytes counted) and
         the chunk quantized again; anything else non-finite (fp16 passthrough storage) raises
         :class:`StoredOverflow`. ``real[B, T]``: False at left-padding positions, which static-scale
-        clipping does not count. ``state``: the quantizer state to use instead of this store's (K and V
+        clipping does not count (or ``real[B, H, T]``: False where a (row, head)'s token is not written;
+        those values are zeroed first). ``state``: the quantizer state to use instead of this store's (K and V
         side by side, see :func:`quantize_pair`)."""
         state = self.state if state is None else state
         clipped, counted = 0, None
         if self.quantizer.static:
-            q, clipped = self.quantizer.quantize_counted(x, state, real)
-            counted = x.numel() if real is None else real.sum() * x.shape[1] * x.shape[3]
+            if real is not None and real.dim() == 3:  # per (row, head): unwritten values zeroed (never clip)
+                x = torch.where(real.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=x.device))
+                q, clipped = self.quantizer.quantize_counted(x, state)
+                counted = real.sum() * x.shape[3]
+            else:
+                q, clipped = self.quantizer.quantize_counted(x, state, real)
+                counted = x.numel() if real is None else real.sum() * x.shape[1] * x.shape[3]
         else:
             q = self.quantizer.quantize(x, state)
         if check and not stored_finite(q):
@@ -259,6 +268,8 @@ def quantize_pair(
     if state is None:
         return key.quantize(k, check, real), value.quantize(v, check, real)
     H = k.shape[1]
+    if real is not None and real.dim() == 3:  # per (row, head): K's heads, then V's
+        real = torch.cat([real, real], dim=1)
     q = key.quantize(torch.cat([k, v], dim=1), check, real, state)
     return (Quantized({n: t[:, :H] for n, t in q.parts.items()}, q.clipped, q.counted),
             Quantized({n: t[:, H:] for n, t in q.parts.items()}, 0, None))
@@ -289,7 +300,8 @@ _NO_INDEX = torch.empty(0, dtype=torch.long)  # the index fields of a one-token 
 class LanePlan(NamedTuple):
     """Where a write to per-head block lanes (AdaKV layers, :mod:`kvquant.blocks`) goes: token ``toks[i]`` of
     (row ``rows[i]``, group-local head ``heads[i]``) to block ``blk[i]``, lane ``lanes[i]`` (a head slot of the
-    group), offset ``off[i]``. Per-token parts only."""
+    group), offset ``off[i]``. ``per_block``: the plan of per-block parts (per-channel scales of whole lanes:
+    its ``toks`` index the chunk's blocks, its ``off`` is 0); None when the write has no whole lane."""
 
     rows: torch.Tensor
     heads: torch.Tensor
@@ -297,6 +309,7 @@ class LanePlan(NamedTuple):
     blk: torch.Tensor
     lanes: torch.Tensor
     off: torch.Tensor
+    per_block: LanePlan | None = None
 
 
 @dataclass

@@ -365,10 +365,11 @@ def test_uniform_budget_layers_keep_per_row_blocks(model):
     assert all(len(la.store.tables) == 1 for la in cache.layers)
 
 
-@pytest.mark.parametrize("policy", ["peaked", "peaked-h2o"])
+@pytest.mark.parametrize("policy", ["peaked", "peaked-h2o", "peaked-kchannel"])
 def test_lane_decode_reads_nothing_back_from_the_device(model, monkeypatch, policy):
     """One sequence, no shared lane: a decode step's lane bookkeeping (grow_lanes) and per-head write (overwrite)
-    read no tensor on the host: which lanes a step needs follows from the host's fills."""
+    read no tensor on the host: which lanes a step needs follows from the host's fills (``-kchannel``: per-channel
+    keys, each head's tail written on the device and its full blocks flushed into lanes from the host's counts)."""
     import kvquant.store as ks
 
     def boom(*_a, **_k):
@@ -387,11 +388,18 @@ def test_lane_decode_reads_nothing_back_from_the_device(model, monkeypatch, poli
             return out
 
         monkeypatch.setattr(ks.LayerStore, name, guarded)
-    config = cfg(policy_of(policy), check_finite=False)  # (the finiteness check of stored values is a host read)
-    cache, _ = run(model, config, torch.randint(3, 128, (1, 70)), torch.randint(3, 128, (1, 6)))
-    assert calls.count("grow_lanes") == calls.count("overwrite") == 6 * len(cache.layers)
+    kchannel = policy.endswith("-kchannel")
+    default = {"key": "int8-channel", "value": "int8-token"} if kchannel else "int4"
+    # (the finiteness check of stored values is a host read)
+    config = cfg(policy_of(policy.removesuffix("-kchannel")), default=default, check_finite=False)
+    steps = 40 if kchannel else 6  # (kchannel: heads' tails cross block boundaries: flushes)
+    cache, _ = run(model, config, torch.randint(3, 128, (1, 70)), torch.randint(3, 128, (1, steps)))
+    assert calls.count("grow_lanes") == calls.count("overwrite") == steps * len(cache.layers)
     for layer in cache.layers:
-        check_own_lanes(layer.store)
+        if kchannel:
+            assert layer.store.tail_lanes and layer.store.memory()["lanes"] > 2
+        else:
+            check_own_lanes(layer.store)
 
 
 def test_bounded_pool_refuses_a_step_before_any_layer_writes_and_reset_reuses(model):
@@ -506,11 +514,3 @@ def test_lanes_for_every_per_token_precision(model, monkeypatch, default):
         no_lanes(m)
         _, ref = run(model, config, ids, cont)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-
-
-def test_per_channel_keys_keep_per_row_blocks(model):
-    """Per-channel keys quantize whole blocks of every head at once (residual window): such an AdaKV layer keeps
-    per-row blocks, sized by its largest head, and still runs."""
-    cache, _ = run(model, cfg(Peaked(), keep=0.5, default="int4-channel"), torch.randint(3, 128, (1, 70)),
-                   torch.randint(3, 128, (1, 3)))  # fmt: skip
-    assert not any(la.store.lanes for la in cache.layers)
