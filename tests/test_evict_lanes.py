@@ -272,6 +272,20 @@ def step(st: LayerStore, x: torch.Tensor, y: torch.Tensor) -> None:
     st.overwrite(x, y, target, target < S)
 
 
+def decode_until_full(model, ids: torch.Tensor, cache, state, steps: int) -> tuple:
+    """Prefill ``ids``, then decode random tokens until the bounded pool refuses a step: ``state()`` before the
+    refused step and after it (they must be equal: a refused step changes nothing)."""
+    with torch.no_grad():
+        model(ids, cache=cache)
+        for _ in range(steps):
+            before = state()
+            try:
+                model(torch.randint(3, 128, (1, 1)), cache=cache)
+            except KVCacheFull:
+                return before, state()
+    raise AssertionError("the pool never filled")
+
+
 def snapshot(st: LayerStore):
     b = st.blocks
     return ([list(t) for t in st.tables], [list(r) for r in st.fill], list(b.refs), list(b.lane_refs),
@@ -412,17 +426,8 @@ def test_bounded_pool_refuses_a_step_before_any_layer_writes_and_reset_reuses(mo
     pool = PagedKVPool(model, config, max_bytes=per_block * 8)  # 8 blocks = 16 lanes per layer
     ids = torch.randint(3, 128, (1, 120))
     cache = pool.cache_for(ids)
-    with torch.no_grad():
-        model(ids, cache=cache)
-        for _ in range(200):
-            before = [snapshot(la.store) for la in cache.layers]
-            try:
-                model(torch.randint(3, 128, (1, 1)), cache=cache)
-            except KVCacheFull:
-                break
-        else:
-            raise AssertionError("the pool never filled")
-    assert [snapshot(la.store) for la in cache.layers] == before
+    before, after = decode_until_full(model, ids, cache, lambda: [snapshot(la.store) for la in cache.layers], 200)
+    assert after == before
     for la in cache.layers:
         check_own_lanes(la.store)
         assert la.store.memory()["lanes"] > 12  # the arena's lanes were used, across heads

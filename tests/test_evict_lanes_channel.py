@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from test_evict_lanes import BS, Peaked, held, lane_store, run, snapshot, step
+from test_evict_lanes import BS, Peaked, decode_until_full, held, lane_store, run, snapshot, step
 
 from kvquant import KVCacheFull, KVQuantConfig, PagedKVPool, QuantizedKVCache
 from kvquant.blocks import LayerBlocks
@@ -362,17 +362,7 @@ def test_bounded_pool_refuses_a_step_before_any_layer_writes(model):
     def state():
         return [(snapshot(la.store), la.store.res_k.clone(), [list(r) for r in la.store.qfill]) for la in cache.layers]
 
-    with torch.no_grad():
-        model(ids, cache=cache)
-        for _ in range(300):
-            before = state()
-            try:
-                model(torch.randint(3, 128, (1, 1)), cache=cache)
-            except KVCacheFull:
-                break
-        else:
-            raise AssertionError("the pool never filled")
-    after = state()
+    before, after = decode_until_full(model, ids, cache, state, 300)
     for (s0, r0, q0), (s1, r1, q1) in zip(before, after, strict=True):
         assert s0 == s1 and torch.equal(r0, r1) and q0 == q1
     for la in cache.layers:
