@@ -137,6 +137,7 @@ _OPTION_FIELDS = {
     "rotate",
     "sink_tokens",
     "residual_tokens",
+    "residual_step",
     "center_keys",
     "offload",
 }
@@ -168,6 +169,10 @@ class KVQuantConfig:
         sink_tokens: the first N tokens of each sequence are kept in full precision (attention sinks).
         residual_tokens: the newest R tokens stay in full precision; older ones are quantized a whole
             block at a time, once (KIVI's residual). Per-channel key precisions imply this mode.
+        residual_step: tokens quantized at a time once the residual window is full; ``None`` (default):
+            ``block_size``, so the window holds ``R`` to ``R + block_size - 1`` tokens. ``1``: it holds exactly
+            ``R`` (every new token pushes the oldest one into the pool). Any value from 1 to ``block_size``;
+            per-block precisions (``int*-channel``: one scale per block of tokens) need ``block_size``.
         center_keys: subtract one per-channel key mean per (sequence, KV head), fixed from the prefill
             (sink tokens left out), from every stored key before rotating and quantizing. Exact: a query
             sees ``q.(k - mu) = q.k - q.mu`` for every key, a shift common to all of its scores, which
@@ -195,6 +200,7 @@ class KVQuantConfig:
     rotate: str = "none"
     sink_tokens: int = 0
     residual_tokens: int = 0
+    residual_step: int | None = None
     center_keys: bool | None = None
     offload: dict[str, Any] | None = None
     name: str | None = None
@@ -316,6 +322,8 @@ class KVQuantConfig:
             raise ConfigError(f"rotate: {self.rotate!r} must be none, keys or kv")
         check_int(self.sink_tokens, "sink_tokens", 0, MAX_SINK_TOKENS)
         check_int(self.residual_tokens, "residual_tokens", 0, MAX_RESIDUAL_TOKENS)
+        if self.residual_step is not None:
+            check_int(self.residual_step, "residual_step", 1, bs)
         for name in ("share_kv_scale", "check_finite"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} must be true or false")
@@ -340,6 +348,12 @@ class KVQuantConfig:
             raise ConfigError(f"evict: expected a mapping like {{policy: snapkv, keep: 0.5}}, got {ev!r}")
         if self.offload is not None:  # evicting layers rewrite slots in place; host blocks are not written
             raise ConfigError("offload: not supported together with evict yet (use one of them)")
+        adakv = any(c is not None and c.budget == "adakv" for c in (ev, *ev.layers.values()))
+        if adakv and self.residual_step not in (None, self.block_size):
+            raise ConfigError(
+                f"residual_step: {self.residual_step} with evict.budget adakv (per-head lanes move whole blocks of "
+                f"a head from its tail); use the default (block_size {self.block_size})"
+            )
         if not ev.decode_time:
             return
         per_channel = sorted(self.precisions() & set(CHANNEL))

@@ -27,7 +27,8 @@ Outlier options (all in the config, composable with per-head precision):
   dtype if that is 16-bit) and read from there; their quantized rows are masked so that they do
   not widen any scale (zeroed, or for per-channel blocks a copy of the row's first non-sink token).
 * ``residual_tokens = R`` (and per-channel key precisions): new tokens first go to a full-precision
-  residual buffer; once it holds ``R + block_size`` tokens, its oldest block is quantized, once.
+  residual buffer; once it holds ``R + block_size`` tokens, its oldest block is quantized, once
+  (``residual_step``: that many tokens at a time instead of a block; 1 keeps exactly ``R``).
   The pool then holds ``[0, q_end)``, the residual ``[q_end, cache_pos)``.
 """
 
@@ -43,6 +44,7 @@ import torch
 
 from .blocks import LayerBlocks
 from .config import KVPrecision, KVQuantConfig
+from .errors import ConfigError
 from .lanes import LaneLayer
 from .offload import OffloadedStore, Prefetcher, host_id, is_host
 from .quantizers import Quantizer, make_quantizer
@@ -203,6 +205,11 @@ class LayerStore(LaneLayer, OffloadedStore):
         # residual mode: newest tokens in full precision, quantized a whole block at a time
         self.residual_tokens = config.residual_tokens
         self.residual_mode = config.residual_tokens > 0 or per_block
+        # tokens quantized at a time past the window (block_size: KIVI's whole blocks; 1: the window holds exactly R)
+        self.residual_step = config.residual_step or self.block_size
+        if per_block and self.residual_step != self.block_size:
+            raise ConfigError(f"residual_step: {self.residual_step} must be block_size ({self.block_size}) with a "
+                              "per-block precision (int*-channel: one scale per block of tokens)")
         self.dense_dtype: torch.dtype | None = None
         self.sink_k = self.sink_v = self.res_k = self.res_v = None
         # per-head block lanes (AdaKV): ``tables[b * H + h]`` holds the lane ids of (row b, KV head h)
@@ -258,7 +265,7 @@ class LayerStore(LaneLayer, OffloadedStore):
                             for g, n in enumerate(need)))  # fmt: skip
         if self.residual_mode:
             pending = (self.res_k.shape[2] if self.res_k is not None else 0) + tokens
-            flush = (pending - self.residual_tokens) // self.block_size * self.block_size
+            flush = (pending - self.residual_tokens) // self.residual_step * self.residual_step
             if flush <= 0:
                 return 0
             start, end = self.q_end, self.q_end + flush
@@ -685,7 +692,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             dk = torch.cat([self.res_k, dk], dim=2)  # bounded: the residual holds < R + block tokens
             dv = torch.cat([self.res_v, dv], dim=2)
         pending = dk.shape[2]
-        flush = (pending - self.residual_tokens) // self.block_size * self.block_size
+        flush = (pending - self.residual_tokens) // self.residual_step * self.residual_step
         if flush > 0:
             # tokens reach the pool through the residual buffer's dtype (exact for 16-bit models)
             self._write_pool(dk[:, :, :flush].to(keys.dtype), dv[:, :, :flush].to(values.dtype), self.q_end)

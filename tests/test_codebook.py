@@ -119,6 +119,7 @@ ROWS = {
     "k2+fp16v": [KVPrecision("tq2", "fp16"), KVPrecision("int4", "tq2")],
 }
 OPTIONS = {"plain": {}, "sinks+residual": {"sink_tokens": 3, "residual_tokens": 16},
+           "residual-step1": {"sink_tokens": 4, "residual_tokens": 13, "residual_step": 1},
            "rotate": {"rotate": "kv", "center_keys": False}}  # key centering: tests/test_stress_presets.py
 
 
@@ -138,6 +139,37 @@ def test_head_space_attention_is_exact(row, option, Tq, monkeypatch):
 
         ref = fwht(model_space_reference(fwht(q), fwht(k), fwht(v), layer, 70, 0.125))
     assert (out - ref).abs().max() <= 2e-4
+
+
+def test_residual_step_one_holds_exactly_r_tokens():
+    """``residual_step: 1``: after every append the window holds exactly R tokens (not R .. R + block - 1), the
+    pool grows token by token (not at block boundaries), and a row already in the pool is never re-quantized."""
+    R = 13
+    layer, k, v = codebook_layer(["tq4", KVPrecision("tq4", "tq3")], past=40, Tq=1, steps=(20, 21, 30),
+                                 sink_tokens=4, residual_tokens=R, residual_step=1)  # fmt: skip
+    assert layer.cache_pos == 41 and layer.q_end == 41 - R
+    s = layer.groups[0].key
+    first = s.gather(layer.table())["q"][:, :, : layer.q_end].clone()
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):  # one-token decode steps: one more token to the pool each
+        kk, vv = torch.randn(2, 2, 1, 64, generator=g).to(DEV), torch.randn(2, 2, 1, 64, generator=g).to(DEV)
+        layer.append(kk, vv)
+        assert layer.cache_pos - layer.q_end == R
+    assert torch.equal(s.gather(layer.table())["q"][:, :, : first.shape[2]], first)
+    default, _, _ = codebook_layer(["tq4"], past=40, Tq=1, sink_tokens=4, residual_tokens=R)
+    assert default.cache_pos - default.q_end == R + (41 - R) % 16  # the default flushes whole blocks
+
+
+def test_residual_step_is_checked():
+    with pytest.raises(ConfigError, match="residual_step"):
+        KVQuantConfig.from_dict({"block_size": 16, "residual_tokens": 8, "residual_step": 0})
+    with pytest.raises(ConfigError, match="residual_step"):
+        KVQuantConfig.from_dict({"block_size": 16, "residual_tokens": 8, "residual_step": 32})
+    cfg = KVQuantConfig.from_dict({"default": "tq4", "residual_tokens": 8, "residual_step": 1})
+    assert KVQuantConfig.from_dict(cfg.to_dict()).residual_step == 1
+    with pytest.raises(ConfigError, match="residual_step"):  # per-channel blocks share one scale per block
+        LayerStore([KVPrecision("int4-channel", "int4")],
+                   KVQuantConfig(block_size=16, residual_tokens=8, residual_step=1), 64, 1, DEV)
 
 
 def test_memory_counts_norms_and_state():
@@ -178,7 +210,7 @@ TRITON_ROWS = {
 
 
 @pytest.mark.parametrize("row", list(TRITON_ROWS), ids=str)
-@pytest.mark.parametrize("option", ["plain", "sinks+residual"], ids=str)
+@pytest.mark.parametrize("option", ["plain", "sinks+residual", "residual-step1"], ids=str)
 @pytest.mark.parametrize("Tq", [1, 3], ids=["decode", "chunk"])
 def test_triton_reads_codebook_codes(row, option, Tq, monkeypatch):
     """The Triton kernels (decode: Tq = 1, chunk: Tq > 1) read the codes, norms and levels through the block

@@ -131,3 +131,12 @@ def test_error_bad_options():
 def test_config_load_of_a_non_spec_is_a_config_error(spec):
     with pytest.raises(ConfigError, match="^config: expected a preset name"):
         KVQuantConfig.load(spec)
+
+
+def test_residual_step_with_adakv_is_refused():
+    """AdaKV lane layers flush a head's tail a whole block at a time: another residual_step is an error, not ignored."""
+    with pytest.raises(ConfigError, match="residual_step: 1 with evict.budget adakv"):
+        KVQuantConfig.from_dict({"default": "int4", "residual_tokens": 8, "residual_step": 1,
+                                 "evict": {"policy": "snapkv", "keep": 0.5, "budget": "adakv"}})
+    KVQuantConfig.from_dict({"default": "int4", "residual_tokens": 8, "residual_step": 1,
+                             "evict": {"policy": "snapkv", "keep": 0.5}})
