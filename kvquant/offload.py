@@ -25,9 +25,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .blocks import LayerBlocks
+    from .config import KVQuantConfig
+    from .store import HeadGroup
 
 
 def is_host(entry: int) -> bool:
@@ -195,6 +200,22 @@ class OffloadedStore:
     the host tier, staging them back for a read, and bringing a block back for a write. They act on the
     store's block tables (``tables``), its :class:`~kvquant.blocks.LayerBlocks` (``blocks``) and cursors."""
 
+    # attributes of LayerStore that these methods use
+    tables: list[list[int]]  # block ids per row (-1: released, <= -2: a host block)
+    blocks: LayerBlocks
+    groups: list[HeadGroup]
+    config: KVQuantConfig
+    device: torch.device
+    block_size: int
+    q_end: int
+    sink_end: int
+    sink_tokens: int
+    first_live: int
+    offload_from: int
+    bytes_offloaded: int
+    prefetcher: Prefetcher | None
+    _table_cache: torch.Tensor | None
+
     def has_host_blocks(self, j0: int = 0, j1: int | None = None) -> bool:
         """True when some row's blocks ``[j0, j1)`` are in the host tier."""
         if self.blocks.host is None or not self.blocks.host.used:
@@ -253,7 +274,7 @@ class OffloadedStore:
         table = torch.tensor([[pos[e] for e in r] for r in rows], dtype=torch.long, device=self.device)
         return table, staged[0], staged[1]
 
-    def _fetch_offloaded(self, group: Any, j0: int, j1: int) -> tuple[torch.Tensor, dict, dict]:
+    def _fetch_offloaded(self, group: HeadGroup, j0: int, j1: int) -> tuple[torch.Tensor, dict, dict]:
         """Blocks ``[j0, j1)`` of ``group`` with host blocks among them, as :meth:`_stage_tile` gives them: fetched
         (prefetched by the previous tile's read, or copied now); starts the copy of the next tile of the same size."""
         gi = self.groups.index(group)
