@@ -197,7 +197,9 @@ class LayerStore(LaneLayer, OffloadedStore):
             )
         for g in self.groups:
             g.key.batch = g.value.batch = batch
-        self._quantizers_check = all(s.quantizer.checks_finite for g in self.groups for s in (g.key, g.value))
+        # CPU, and every quantizer rejects NaN / Inf while quantizing (see _checked_by_quantizers)
+        self._quantizers_check = device.type == "cpu" and all(
+            s.quantizer.checks_finite for g in self.groups for s in (g.key, g.value))
         per_block = any(g.key.quantizer.per_block or g.value.quantizer.per_block for g in self.groups)
         self.has_block_parts = any(spec.per_block for g in self.groups for s in (g.key, g.value)
                                    for spec in s.specs.values())  # fmt: skip
@@ -301,7 +303,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         """
         past = self.cache_pos
         largest = None  # max |K|, |V| when the finiteness check found it (CPU)
-        if self.config.check_finite and not self._checked_by_quantizers(past):
+        if self.config.check_finite and not self._checked_by_quantizers():
             largest = require_finite(keys, values)
         if self.lanes and self._lane_step:  # the fills were set by append_kept / grow_lanes
             self._lane_step = False
@@ -347,13 +349,12 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.offload_cold()
         return past
 
-    def _checked_by_quantizers(self, past: int) -> bool:
-        """True when a chunk appended at ``past`` goes straight to the pool's quantizers, before any state
+    def _checked_by_quantizers(self) -> bool:
+        """True when an appended chunk goes straight to the pool's quantizers, before any state
         changes, and they all reject NaN / Inf themselves (:attr:`Quantizer.checks_finite`, CPU): no
         separate pass over it is needed. Calibration, sink, residual, dense-segment, key-mean and lane
         writes keep raw values first, so they are checked up front."""
-        return (self._quantizers_check and self.device.type == "cpu" and self.calibrated and past >= self.sink_end
-                and not (self.residual_mode or self.lanes or self.has_dense_segments or self.res_k is not None))
+        return self._quantizers_check and self.calibrated and not (self.lanes or self.has_dense_segments)
 
     def append_kept(
         self, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, row_start: torch.Tensor | None = None,
