@@ -58,7 +58,7 @@ class Quantizer(ABC):
     static: bool = False
     # True when quantize acts head by head, with a state of one entry per head along its last axis and parts
     # that never widen: then K and V of a head group can be quantized in one pass, side by side on the head
-    # axis (see kvquant.tensor_store.write_pair)
+    # axis (see kvquant.tensor_store.quantize_pair)
     pairable: bool = False
     per_block = False  # True: quantizes whole blocks of tokens at once (per-channel granularity)
     # True when quantize_counted raises ValueError (require_finite's) for NaN / Inf input on CPU, so a

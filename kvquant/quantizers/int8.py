@@ -20,7 +20,8 @@ from .base import Factored, Parts, PartSpec, Quantizer, WidenableScales, head_vi
 
 QMAX = 127.0
 FP16_TINY = 2.0**-14  # smallest normal fp16: per-token scales are stored in fp16
-_CLIP = torch.tensor(QMAX + 0.5)  # |x / scale| beyond it is clipped (a 0-dim tensor: no scalar wrap per call)
+CLIP = QMAX + 0.5  # |x / scale| beyond it is clipped
+_CLIP = torch.tensor(CLIP)  # the same as a 0-dim tensor (no scalar wrap per call)
 
 
 def _codes(scaled: torch.Tensor) -> torch.Tensor:
@@ -57,7 +58,7 @@ class Int8SharedScale(Quantizer):
         y = x.float() / head_view(state["scale"])
         if y.device.type == "cpu":
             lo, hi = (e.item() for e in torch.aminmax(y)) if y.numel() else (0.0, 0.0)
-            if lo >= -QMAX - 0.5 and hi <= QMAX + 0.5:
+            if lo >= -CLIP and hi <= CLIP:
                 return {"q": _codes(y)}, 0
             require_finite(x)  # (x / a tiny scale may overflow where x is finite: then x is clipped, not refused)
         over = y.abs() > _CLIP  # the same test as clipped(), on the scaled values
@@ -72,7 +73,7 @@ class Int8SharedScale(Quantizer):
         return Factored(parts["q"].float(), head_view(state["scale"]).float())
 
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
-        limit = head_view(state["scale"]) * (QMAX + 0.5)
+        limit = head_view(state["scale"]) * CLIP
         return (x.float().abs() > limit).sum()
 
 
