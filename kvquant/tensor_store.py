@@ -1,6 +1,7 @@
 """The K (or V) of one head group of a layer: its quantizer, static state and part tensors in the layer's
 block arena (:class:`QuantizedTensorStore`), and how a chunk is written there (:class:`WritePlan`,
-:func:`write_pair`: K and V of a pairable group in one pass). :mod:`kvquant.store` composes these per layer."""
+:func:`quantize_pair`: K and V of a pairable group in one pass, then :meth:`QuantizedTensorStore.commit`).
+:mod:`kvquant.store` composes these per layer."""
 
 from __future__ import annotations
 
