@@ -81,8 +81,8 @@ def _chunk_attn(
     k_hi = reduce_max(hi_r, 0)
 
     # block tensors [num_blocks, Hg, block_size, ...]: one head's base; rows come from the block table
-    k_base, ks_base, kz_base = part_bases(K, KS, KZ, KH, k_sh, ks_sh, hg, pid, K_KIND, K_BITS)
-    v_base, vs_base, vz_base = part_bases(V, VS, VZ, VH, v_sh, vs_sh, hg, pid, V_KIND, V_BITS)
+    k_base, ks_base, kz_base = part_bases(K, KS, KZ, KH, k_sh, ks_sh, hg, pid, K_KIND, K_BITS, D)
+    v_base, vs_base, vz_base = part_bases(V, VS, VZ, VH, v_sh, vs_sh, hg, pid, V_KIND, V_BITS, D)
     tbl = TBL + b64 * tbl_sb
     scale = qk_scale * load_head_scale(KH, pid, K_KIND)
 
@@ -100,10 +100,10 @@ def _chunk_attn(
         k_rows, ks_rows = paged_rows(tbl, offs_n, mask_n, k_sb, k_st, ks_sb, ks_st, BS, K_KIND)
         v_rows, vs_rows = paged_rows(tbl, offs_n, mask_n, v_sb, v_st, vs_sb, vs_st, BS, V_KIND)
         k = load_tile(k_base, ks_base, kz_base, k_rows, ks_rows, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D)
-        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7 or K_KIND == 8) * scale
+        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND >= 7) * scale
         if K_KIND == 2:
             s = s * load_token_scale(ks_base, ks_rows, mask_n)[None, :]
-        elif K_KIND == 8:
+        elif K_KIND == 8 or K_KIND == 9:
             s = s * codebook_norms(ks_base, ks_rows, mask_n, kz_base)[None, :]
         s = cap_scores(s, SOFTCAP)
         s = tl.where(vis, s, float("-inf"))
@@ -113,9 +113,9 @@ def _chunk_attn(
         v = load_tile(v_base, vs_base, vz_base, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D)
         if V_KIND == 2:
             p = p * load_token_scale(vs_base, vs_rows, mask_n)[None, :]
-        elif V_KIND == 8:
+        elif V_KIND == 8 or V_KIND == 9:
             p = p * codebook_norms(vs_base, vs_rows, mask_n, vz_base)[None, :]
-        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7 or V_KIND == 8)
+        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND >= 7)
         m_i = m_new
     # per-head V scale, once, before the (unscaled) fresh values join the accumulator
     acc = acc * load_head_scale(VH, pid, V_KIND)

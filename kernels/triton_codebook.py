@@ -6,6 +6,21 @@ V head back once, so the kernels never un-rotate a key. Each stored row is ``b``
 exactly like int4/3/2 (:func:`~kernels.triton_dequant.load_tile` unpacks them) plus one 8-bit log
 norm code; the row is ``norm * level[code]``.
 
+Per-channel-width keys ``tqc-<widths>`` (:class:`~kvquant.quantizers.codebook.ChannelCodebook`, kind
+:data:`KIND_TQC`) live in the head space ``x - mu`` (queries unchanged, the dispatcher maps the fresh and
+dense rows there): a stored row is ``g * sigma_j * level_{w_j}[code_j]``, its codes packed channel-major
+(channel ``j`` at bit ``start_j = w_0 + .. + w_{j-1}`` of the row, LSB first). Each channel's code is one or
+two bytes of the row (``start_j // 8``, the next one only when the code crosses a byte), shifted by
+``start_j % 8`` and masked to ``w_j`` bits, then looked up in the Gaussian Lloyd-Max levels of width
+``w_j`` (widths 1..8 back to back, 510 values: level ``c`` of width ``w`` at ``2^w - 2 + c``; width 0
+reads a zero). All of it comes from one fp32 row per (sequence, head), :func:`tqc_rows`::
+
+    [lo, step, sigma_0 .. sigma_{D-1}, info_0 .. info_{D-1}, levels (512)]
+
+``lo, step`` are the 8-bit log norm's range (read by :func:`codebook_norms`, as for ``tq*``), ``sigma``
+the channel spreads, ``info_j`` (int32 bits) = ``byte | shift << 8 | width << 12 | base << 16`` the
+channel's byte, shift, width and level base. :func:`tqc_tile` dequantizes a tile in registers.
+
 What the kernels read per (sequence, head), from the quantizer's ``params`` row
 ``[lo, step, level_0 .. level_{2^b - 1}]`` (fp32, ``2 + 2^b`` values, a few hundred bytes in L1):
 
@@ -19,6 +34,8 @@ What the kernels read per (sequence, head), from the quantizer's ``params`` row
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +43,9 @@ import triton.language as tl
 from .unsupported import Unsupported
 
 KIND_CODEBOOK = 8  # tq4/3/2: codes packed as INTN, value = level[code] * norm[token], in the head's space
+KIND_TQC = 9  # tqc-<widths>: per-channel widths, value = level_w[code] * sigma[channel] * norm[token]
+TQC_LEVELS = 512  # the level table of a tqc row: widths 1..8 back to back (510 values), then zeros (width 0)
+TQC_ZERO = 510  # level base of a width-0 channel (its code is 0: it reads a zero, the channel's mean)
 
 
 @triton.jit
@@ -69,13 +89,95 @@ def codebook_operand(store, main: torch.Tensor, operand_cls: type):
 
 
 @triton.jit
-def part_bases(P, S, Z, PH, sh, ssh, hg, pid, KIND: tl.constexpr, BITS: tl.constexpr):
+def part_bases(P, S, Z, PH, sh, ssh, hg, pid, KIND: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr = 0):
     """Head ``hg``'s pointers to a part, its scale and its zero (block 0); for a codebook part (``KIND`` 8)
-    the third is the (sequence, head)'s params row instead (norm code range, levels)."""
+    the third is the (sequence, head)'s params row instead (norm code range, levels); for ``tqc`` (``KIND``
+    9, head_dim ``D``) its :func:`tqc_rows` row."""
     h = hg.to(tl.int64)  # head strides of a head-major pool can exceed 2^31 elements
     # one return: compiled, a return under a constexpr branch still meets the later one ("return type mismatch")
     if KIND == 8:  # noqa: SIM108  (a statement, not a ternary: constexpr branches are compiled apart)
         third = codebook_row(PH, pid, BITS)
+    elif KIND == 9:
+        third = PH + pid.to(tl.int64) * (2 + 2 * D + 512)
     else:
         third = Z + h * ssh
     return P + h * sh, S + h * ssh, third
+
+
+# ------------------------------------------------------------------------------- tqc: per-channel widths
+@functools.cache
+def tqc_level_table() -> torch.Tensor:
+    """The Gaussian Lloyd-Max levels of widths 1..8 back to back (level ``c`` of width ``w`` at ``2^w - 2 + c``),
+    then zeros: fp32 ``[TQC_LEVELS]`` on the CPU."""
+    from kvquant.quantizers.codebook import GAUSS_MAX_BITS, gaussian_levels
+
+    table = torch.zeros(TQC_LEVELS)
+    for w in range(1, GAUSS_MAX_BITS + 1):
+        table[2**w - 2 : 2**w - 2 + 2**w] = torch.tensor(gaussian_levels(w))
+    return table
+
+
+def tqc_channel_info(widths: torch.Tensor) -> torch.Tensor:
+    """Per channel of a ``tqc`` row with these widths ``[D]``: int32 ``byte | shift << 8 | width << 12 |
+    base << 16`` (the byte holding the code's first bit, the bit in it, the width, the level base)."""
+    w = widths.long().cpu()
+    start = torch.cumsum(w, 0) - w
+    base = torch.where(w > 0, (1 << w) - 2, torch.full_like(w, TQC_ZERO))
+    return ((start // 8) | (start % 8) << 8 | w << 12 | base << 16).to(torch.int32)
+
+
+def tqc_rows(qz, state: dict[str, torch.Tensor], batch: int, heads: int, device: torch.device) -> torch.Tensor:
+    """The fp32 rows ``[batch, heads, 2 + 2D + TQC_LEVELS]`` the kernels read for a ``tqc`` store (see the module
+    doc) from the quantizer ``qz`` and its state (``params [B, H, 2]``, ``scale [B, H, D]``; not fitted yet:
+    zeros, nothing is in the pool)."""
+    D = qz.head_dim
+    bits = torch.zeros(batch, heads, 2 + 2 * D + TQC_LEVELS, dtype=torch.int32, device=device)
+    rows = bits.view(torch.float32)  # the info words are written as int32 (bit patterns, never float-copied)
+    params, scale = state.get("params"), state.get("scale")
+    if params is not None and scale is not None:
+        if params.shape != (batch, heads, 2) or scale.shape != (batch, heads, D):
+            raise Unsupported(f"{qz.describe()}: tqc state {tuple(params.shape)} / {tuple(scale.shape)} not per "
+                              f"(sequence, head)")  # fmt: skip
+        rows[..., :2] = params.float()
+        rows[..., 2 : 2 + D] = scale.float()
+    bits[..., 2 + D : 2 + 2 * D] = tqc_channel_info(qz.widths).to(device)
+    rows[..., 2 + 2 * D :] = tqc_level_table().to(device)
+    return rows
+
+
+def tqc_operand(store, main: torch.Tensor, operand_cls: type):
+    """``operand_cls`` (:class:`~kvquant.kernels.triton_dequant.Operand`) for a ``tqc`` store: the codes, the norm
+    codes as the per-token part, and the :func:`tqc_rows` rows as the head part. The rows are built once per
+    state (the state is static: fitted on the first chunk) and kept on the store."""
+    qz = store.quantizer
+    norm = store.parts["norm"]
+    if norm.dim() != 4 or norm.shape[:3] != main.shape[:3]:
+        raise Unsupported(f"{qz.describe()}: norm part not [blocks, H, block_size, 1]")
+    state = store.state
+    same = (state, state.get("params"), state.get("scale"))  # compared by identity
+    shape = (store.batch, main.device)
+    cached = getattr(store, "_tqc_rows", None)
+    if cached is None or cached[1] != shape or any(a is not b for a, b in zip(cached[0], same, strict=True)):
+        cached = (same, shape, tqc_rows(qz, state, store.batch, store.heads, main.device))
+        store._tqc_rows = cached
+    return operand_cls(main, norm, main, cached[2], KIND_TQC, bits=8)
+
+
+@triton.jit
+def tqc_tile(ptr, row, rows, m2, offs_d, D: tl.constexpr):
+    """Float32 ``[BLOCK_N, D]`` head-space tile ``sigma_j * level_{w_j}[code_j]`` (no row norm: a token scale,
+    see :func:`codebook_norms`) of the ``tqc`` rows at element offsets ``rows`` from ``ptr`` (rows outside
+    ``m2 [BLOCK_N, 1]`` read code 0); ``row``: the (sequence, head)'s :func:`tqc_rows` row."""
+    info = tl.load(row.to(tl.pointer_type(tl.int32)) + 2 + D + offs_d)
+    sigma = tl.load(row + 2 + offs_d).to(tl.float32)
+    byte = info & 255
+    shift = (info >> 8) & 7
+    width = (info >> 12) & 15
+    base = info >> 16
+    addr = ptr + rows[:, None] + byte[None, :]
+    b0 = tl.load(addr, mask=m2, other=0).to(tl.int32)
+    # the next byte only where the code crosses into it (then it is inside the row)
+    b1 = tl.load(addr + 1, mask=m2 & ((shift + width) > 8)[None, :], other=0).to(tl.int32)
+    code = ((b0 | (b1 << 8)) >> shift[None, :]) & ((1 << width) - 1)[None, :]
+    lv = tl.load(row + 2 + 2 * D + base[None, :] + code).to(tl.float32)
+    return lv * sigma[None, :]

@@ -21,7 +21,7 @@ import time
 import torch
 
 from kvquant.blocks import LayerBlocks
-from kvquant.quantizers import make_quantizer
+from kvquant.quantizers import channel_precision, make_quantizer
 from kvquant.tensor_store import QuantizedTensorStore
 
 from .triton_dequant import operand
@@ -33,15 +33,35 @@ KINDS = {
                               "int3-channel", "int2-channel", "fp8-e4m3", "fp8-e5m2", "tq4", "tq3", "tq2")},
     "fp8-e4m3-bits": ("fp8-e4m3", False),
     "fp8-e5m2-bits": ("fp8-e5m2", False),
+    "tqc4": ("tqc4", True),  # per-channel widths (tqc-<widths>), a real SmolLM2 key head's: see TQC_EXAMPLES
+    "tqc3": ("tqc3", True),
 }  # fmt: skip
+#: per-channel key widths of two real SmolLM2-135M key heads (head_dim 64, RoPE halves [0, 32) / [32, 64)):
+#: recipes/configs/tqc4-v72-r15s1.yaml (widths 1..8, 4 bits average) and tqc3-r7s1.yaml (1..6, 3 bits)
+TQC_EXAMPLES = {
+    "tqc4": "1111223334344444444455465555678611212233333445445555545555556667",
+    "tqc3": "6555535325252522252111115323111265555353252525222422111254232122",
+}
 QDTYPE = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
 META = torch.device("meta")
 BLOCK_SIZE = 128  # the store's block size (tokens per scale row of the per-channel kinds)
 
 
+def kind_precision(name: str, head_dim: int) -> str:
+    """The config precision of a :data:`KINDS` precision at ``head_dim``: ``tqc4`` / ``tqc3`` become ``tqc-<widths>``
+    of :data:`TQC_EXAMPLES`, each RoPE half's channels stretched to ``head_dim / 2`` (64: as calibrated)."""
+    if name not in TQC_EXAMPLES:
+        return name
+    w64 = [int(c) for c in TQC_EXAMPLES[name]]
+    if head_dim < 64 or head_dim % 64:
+        raise ValueError(f"head_dim: {head_dim} is not a multiple of 64 (the {name} example's)")
+    half, f = head_dim // 2, head_dim // 64
+    return channel_precision([w64[(j // half) * 32 + (j % half) // f] for j in range(head_dim)])
+
+
 def meta_store(precision: str, batch: int, heads: int, head_dim: int, capacity: int) -> QuantizedTensorStore:
     """A store of ``precision`` on the ``meta`` device: the runtime's part shapes, dtypes and strides, no data."""
-    quantizer = make_quantizer(precision, head_dim, block_size=BLOCK_SIZE)
+    quantizer = make_quantizer(kind_precision(precision, head_dim), head_dim, block_size=BLOCK_SIZE)
     blocks = LayerBlocks([(heads, quantizer.parts(), quantizer.parts())], BLOCK_SIZE, META,
                          num_blocks=batch * -(-capacity // BLOCK_SIZE))  # fmt: skip
     store = QuantizedTensorStore(quantizer, blocks, 0, "key")
@@ -120,10 +140,12 @@ def matrix(full: bool):
         yield ("chunk", "int3-channel", "int2-channel", 2, 64, 2, True, 90)
         yield ("decode", "tq4", "tq3", 1, 128, 4, True, 90)  # codebooks: levels and norms read in-kernel
         yield ("chunk", "tq2", "tq4", 2, 64, 2, False, 90)
+        yield ("decode", "tqc4", "tq3", 1, 128, 4, True, 90)  # tqc: per-channel widths read in-kernel
+        yield ("chunk", "tqc3", "tqc4", 2, 64, 2, False, 90)
         return
     for k, dot in itertools.product(KINDS, (0, 1, 2)):
         yield ("decode", k, k, dot, 128, 4, True, 90)
-    for k in ("int8", "int4", "fp8-e4m3", "int4-channel"):
+    for k in ("int8", "int4", "fp8-e4m3", "int4-channel", "tqc4"):
         yield ("chunk", k, k, 1, 128, 4, True, 90)
     yield ("reduce", "fp16", "fp16", 1, 128, 4, True, 90)
 

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_codebook import KIND_CODEBOOK, codebook_norms, part_bases
+from .triton_codebook import KIND_CODEBOOK, KIND_TQC, codebook_norms, part_bases
 from .triton_dequant import (
     DOT_FP16,
     DOT_IEEE,
@@ -103,9 +103,9 @@ def _tile(
     vb = v_base + blk * v_sb
     ksb, kzb = ks_base + blk * ks_sb, kz_base + blk * ks_sb
     vsb, vzb = vs_base + blk * vs_sb, vz_base + blk * vs_sb
-    if K_KIND == 8:  # codebook: kz_base is the (sequence, head)'s params row, not a per-block part
+    if K_KIND == 8 or K_KIND == 9:  # codebook / tqc: kz_base is the (sequence, head)'s row, not a per-block part
         kzb = kz_base
-    if V_KIND == 8:
+    if V_KIND == 8 or V_KIND == 9:
         vzb = vz_base
     k_rows = inner * k_st
     v_rows = inner * v_st
@@ -125,10 +125,10 @@ def _tile(
     else:
         offs_d = tl.arange(0, D)
         k = load_tile(kb, ksb, kzb, k_rows, ks_rows, mask_n, offs_d, K_KIND, K_BITS, K_GROUP, D, DOT)
-        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND == 7 or K_KIND == 8) * scale
+        s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND >= 7) * scale
     if K_KIND == 2:
         s = s * load_token_scale(ksb, ks_rows, mask_n)[None, :]
-    elif K_KIND == 8:
+    elif K_KIND == 8 or K_KIND == 9:
         s = s * codebook_norms(ksb, ks_rows, mask_n, kzb)[None, :]
     s = cap_scores(s, SOFTCAP)
     if MASKED:
@@ -146,9 +146,9 @@ def _tile(
         v = load_tile(vb, vsb, vzb, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D, DOT)
         if V_KIND == 2:
             p = p * load_token_scale(vsb, vs_rows, mask_n)[None, :]
-        elif V_KIND == 8:
+        elif V_KIND == 8 or V_KIND == 9:
             p = p * codebook_norms(vsb, vs_rows, mask_n, vzb)[None, :]
-        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND == 7 or V_KIND == 8)
+        acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND >= 7)
     return m_new, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi
 
 
@@ -194,8 +194,8 @@ def _decode_partial(
     q = tl.load(Q + b64 * q_sb + qh[:, None] * q_sh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
 
     # block tensors [num_blocks, Hg, block_size, ...]: one head's base; rows come from the block table
-    k_base, ks_base, kz_base = part_bases(K, KS, KZ, KH, k_sh, ks_sh, hg, pid, K_KIND, K_BITS)
-    v_base, vs_base, vz_base = part_bases(V, VS, VZ, VH, v_sh, vs_sh, hg, pid, V_KIND, V_BITS)
+    k_base, ks_base, kz_base = part_bases(K, KS, KZ, KH, k_sh, ks_sh, hg, pid, K_KIND, K_BITS, D)
+    v_base, vs_base, vz_base = part_bases(V, VS, VZ, VH, v_sh, vs_sh, hg, pid, V_KIND, V_BITS, D)
     tbl = TBL + b64 * tbl_sb
     # per-head K scale folded into the softmax scale
     scale = qk_scale * load_head_scale(KH, pid, K_KIND)
@@ -957,7 +957,7 @@ def launch_config(kop: Operand, vop: Operand, dot: int, head_dim: int) -> tuple[
     kinds = {kop.kind, vop.kind}
     folded = [kop.folds4(head_dim) or kop.folds_channel4(), vop.folds4(head_dim)]
     unfolded = {op.kind for op, f in zip((kop, vop), folded, strict=True) if not f}
-    if {KIND_INTN, KIND_CHANNEL, KIND_CODEBOOK} & unfolded:  # packed codes dequantized in registers
+    if {KIND_INTN, KIND_CHANNEL, KIND_CODEBOOK, KIND_TQC} & unfolded:  # packed codes dequantized in registers
         block_n, warps = 32, 8
     elif dot == DOT_IEEE:
         block_n, warps = 64, 8

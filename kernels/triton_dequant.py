@@ -18,6 +18,8 @@ applies the scales there. Which scale goes where (scale folding)::
     CODEBOOK    q  uint8 packed (tq4/3/2)      -                     norm[t] (8-bit log code): on the score
                    + norm uint8[1]; levels                           column (K) / probability column (V)
                    in params[b, h]                                   (:mod:`triton_codebook`)
+    TQC         q  uint8, per-channel widths   sigma[b, h, channel]  norm[t] as CODEBOOK
+                   + norm uint8[1]             on load               (:func:`~triton_codebook.tqc_tile`)
 
 A per-head K scale is folded into the softmax scale (``scores = (q . k_codes) * scaling * s_k[h]``);
 a per-head V scale multiplies the accumulator once, after the history loop; a per-token scale is
@@ -47,9 +49,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kvquant.quantizers import Codebook, Fp8, Int8PerToken, Int8SharedScale, IntNChannel, IntNGrouped, Passthrough
+from kvquant.quantizers import (
+    ChannelCodebook,
+    Codebook,
+    Fp8,
+    Int8PerToken,
+    Int8SharedScale,
+    IntNChannel,
+    IntNGrouped,
+    Passthrough,
+)
 
-from .triton_codebook import codebook_levels, codebook_operand
+from .triton_codebook import codebook_levels, codebook_operand, tqc_operand, tqc_tile
 from .unsupported import Unsupported
 
 KIND_FLOAT = 0
@@ -123,6 +134,8 @@ def load_tile(
             s = tl.load(sc_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
             z = tl.load(zp_ptr + s_off, mask=m2, other=0.0).to(tl.float32)
             x = code.to(tl.float32) * s + z
+    elif KIND == 9:  # tqc: per-channel widths (zp_ptr = the (sequence, head)'s tqc row)
+        x = tqc_tile(ptr, zp_ptr, rows, m2, offs_d, D)
     elif KIND == 5:
         b = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
         bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
@@ -694,6 +707,8 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
         return Operand(main, sc, zp, main, KIND_CHANNEL, bits=qz.bits, group=1, block=qz.token_group)
     if isinstance(qz, Codebook):  # rotated codebook codes (packed as INTN) + an 8-bit log norm per token
         return codebook_operand(store, main, Operand)
+    if isinstance(qz, ChannelCodebook):  # tqc: per-channel widths, channel-major bits + an 8-bit log norm
+        return tqc_operand(store, main, Operand)
     if isinstance(qz, Fp8):
         if fp8_native:
             kind, data = KIND_FP8, main
