@@ -78,6 +78,10 @@ VARIANTS: dict[str, list[tuple[str, str, float]]] = {
     "tq2": [("tq2", "tq2", 1.0)],
     "tq4-k4v3": [("tq4", "tq3", 1.0)],
     "tq3+int8": [("tq3", "tq3", 0.5), ("int8", "int8", 0.5)],
+    # per-channel-width keys tqc-<widths> (real SmolLM2 heads, triton_compile_check.TQC_EXAMPLES): codes gathered
+    # per channel (1-2 bytes, shift, mask), Lloyd-Max level by width, times the channel spread
+    "tqc4": [("tqc4", "tq4", 1.0)],
+    "tqc3": [("tqc3", "tq3", 1.0)],
 }
 #: acceptance (head_dim 128, group 4): minimum predicted speed-up over the fp16 kernel
 TARGETS = {"int8": 1.8, "fp8-e4m3": 1.8, "int4": 3.0, "int4-channel": 3.0}
@@ -169,7 +173,7 @@ def occupancy(regs: int, smem: int, warps: int) -> int:
 
 def measure(variant: str, head_dim: int, group: int, batch: int, kv_heads: int, context: int,
             sass_dir: Path | None = None) -> Row:  # fmt: skip
-    from kvquant.kernels.triton_compile_check import meta_launches
+    from kvquant.kernels.triton_compile_check import kind_precision, meta_launches
     from kvquant.kernels.triton_dequant import DOT_FP16
     from kvquant.kernels.triton_launch import compile_launch, disassemble, resource_usage
     from kvquant.quantizers import make_quantizer
@@ -201,7 +205,7 @@ def measure(variant: str, head_dim: int, group: int, batch: int, kv_heads: int, 
         conv_rest = sum(op in CONVERSIONS for op, _ in sass.rest)
         smem_body = sum(smem_bytes(op, mod) for op, mod in sass.body)
         smem_rest = sum(smem_bytes(op, mod) for op, mod in sass.rest)
-        q = [make_quantizer(p, head_dim, block_size=128) for p in (k.replace("-bits", ""), v.replace("-bits", ""))]
+        q = [make_quantizer(kind_precision(p.replace("-bits", ""), head_dim), head_dim, block_size=128) for p in (k, v)]
         hbm = sum(qz.bits_per_element() * head_dim / 8 for qz in q)
         instr = len(sass.body) * per_tok + len(sass.rest) * per_prog
         conv = conv_body * per_tok + conv_rest * per_prog
