@@ -204,3 +204,23 @@ def test_dispatch_runs_tqc_layers_on_triton(monkeypatch, caplog):
     assert not [r for r in caplog.records if "unavailable" in r.getMessage()]
     assert sorted(kinds) == sorted([(KIND_TQC, 8), (KIND_TQC, 8), (8, 8)])
     assert (out - model_space_reference(q, k, v, layer, 40, 0.125)).abs().max() <= 2e-4
+
+
+@pytest.mark.parametrize("D", [32, 128])
+@pytest.mark.parametrize("Tq", [1, 4], ids=["decode", "chunk"])
+def test_other_head_dims(D, Tq, monkeypatch):
+    """head_dim 32 and 128 (rows of 16 / 64 bytes; 8-, 7-, 6-, 5-bit codes at shifting bit offsets): the kernels
+    match the torch walk and the fp32 reference."""
+    widths = ([8, 1, 7, 0, 5, 3, 6, 2] * (D // 8))[:D]
+    widths[-1] += (-sum(widths)) % 8  # whole bytes per row
+    layer, k, v = codebook_layer([KVPrecision(channel_precision(widths), "tq4"), "int8-token"], D=D, past=37, Tq=Tq,
+                                 steps=(21,), sink_tokens=2, residual_tokens=5, residual_step=1)  # fmt: skip
+    q = torch.randn(2, 4, Tq, D, device=DEV)
+    args = (q, k[:, :, 37:], v[:, :, 37:], layer, 37, None, D**-0.5)
+    monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
+    walk = dispatch.attend(*args)
+    monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
+    no_fallback(monkeypatch)
+    out = dispatch.attend(*args)
+    assert (out - walk).abs().max() <= 2e-4
+    assert (out - model_space_reference(q, k, v, layer, 37, D**-0.5)).abs().max() <= 2e-4
