@@ -390,7 +390,7 @@ class LaneLayer:
     def _same_state(self, b: int, r: int) -> bool:
         """Rows ``b`` and ``r`` have the same per-sequence static state (scales) in every head group."""
         return all(torch.equal(t[b], t[r]) for g in self.groups for st in (g.key, g.value)
-                   for t in st.state.values() if t.dim() == 2)  # fmt: skip
+                   for n, t in st.state.items() if st.quantizer.per_sequence(n, t))  # fmt: skip
 
     def grow_lanes(self, victim: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
         """Lanes, one new token per row: where each head writes it, ``(target[B, H], appended)``.

@@ -1070,9 +1070,10 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.row_start = self.row_start.index_select(0, idx)
         if self.slots is not None:  # each row's own kept tokens (per head) follow it
             self.slots.index_batch(idx)
-        for g in self.groups:  # per-sequence static scales [B, H] follow their rows
+        for g in self.groups:  # per-sequence static state (scales [B, H], codebook means ...) follows its rows
             for st in (g.key, g.value):
-                st.state = {n: t.index_select(0, idx) if t.dim() == 2 else t for n, t in st.state.items()}
+                q = st.quantizer
+                st.state = {n: t.index_select(0, idx) if q.per_sequence(n, t) else t for n, t in st.state.items()}
                 st.batch = int(idx.numel())
         self.batch = int(idx.numel())
 

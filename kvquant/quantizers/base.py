@@ -90,6 +90,12 @@ class Quantizer(ABC):
         ``amax[B, H]`` per sequence and head (scales then broadcast as :func:`head_view`)."""
         return {}
 
+    def per_sequence(self, name: str, t: torch.Tensor) -> bool:
+        """Whether state entry ``name`` holds one row per sequence (leading axis = batch rows, which then
+        follow beam search's reorders), as opposed to one entry per head shared by every sequence.
+        Scales from :meth:`calibrate` are ``[B, H]`` per sequence and head, ``[H]`` per head."""
+        return t.dim() == 2
+
     def fit(self, x: torch.Tensor, use: torch.Tensor | None = None) -> dict[str, torch.Tensor] | None:
         """Static state per (sequence, head) fitted on the first chunk written, ``x[B, H, T, D]``, over the
         tokens where ``use[B, T]`` is True (None: all; returns None: use :meth:`calibrate`).

@@ -187,6 +187,10 @@ class Codebook(Quantizer):
         state["params"] = torch.cat([lo[..., None], step[..., None], levels], dim=2).contiguous()
         return state
 
+    def per_sequence(self, name: str, t: torch.Tensor) -> bool:
+        """Everything :meth:`fit` returns is per sequence and head except the per-head signs ``[H, D]``."""
+        return name != "sign"
+
     # -- head space ---------------------------------------------------------------------------
     def to_space(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Model-space rows ``x[B, H, ..., D]`` -> head space ``H (s * (x - mu))`` (float32)."""
@@ -304,7 +308,8 @@ class ChannelCodebook(Quantizer):
     channel pairs carry most of
     the query energy, so spending the bits there lowers the score error of keys ~2x against
     ``tq3``/``tq4`` at the same bits (``benchmarks/codebook_channels.py``). Read in its head space
-    ``x - mu`` (queries unchanged; the mean shifts every score of a query alike). Torch path only.
+    ``x - mu`` (queries unchanged; the mean shifts every score of a query alike). The Triton kernels read
+    the codes in-kernel (``kernels/triton_codebook.py``, ``KIND_TQC``).
     """
 
     static = True
@@ -381,6 +386,10 @@ class ChannelCodebook(Quantizer):
         lo, step = norm_code_range(self._row_norm(self._whiten(xf, state)).squeeze(-1), w)
         state["params"] = torch.stack([lo, step], dim=2).contiguous()
         return state
+
+    def per_sequence(self, name: str, t: torch.Tensor) -> bool:
+        """Everything :meth:`fit` returns (means, spreads, norm code ranges) is per sequence and head."""
+        return True
 
     def _row_norm(self, w: torch.Tensor) -> torch.Tensor:
         """RMS of whitened rows ``w[..., D]`` over the channels of :attr:`norm_mask` -> ``[..., 1]``."""
