@@ -241,7 +241,7 @@ class LayerStore(LaneLayer, OffloadedStore):
     @property
     def capacity(self) -> int:
         """Tokens the rows' block tables cover plus the free blocks, per row (whole blocks)."""
-        held = max((len(t) for t in self.tables), default=0)
+        held = max([0, *(len(t) for t in self.tables)])  # (no max(default=): torch.compile traces this)
         return (held + len(self.blocks.free) // max(1, self.batch)) * self.block_size
 
     def reserve(self, tokens: int) -> None:
