@@ -26,8 +26,8 @@ kernels added to the launchers need no registration. Fake implementation: ``trit
 body with fake tensors, where ``torch.library.wrap_triton`` turns the launch into Triton's
 ``triton_kernel_wrapper_mutation`` (which, with fake tensors, writes nothing: the op only mutates its
 ``written`` tensors). Interpreted kernels (``TRITON_INTERPRET=1``, CPU) cannot be wrapped: with fake
-tensors the body then launches nothing, and functionalisation (``aot_eager``, inductor) of an
-interpreted kernel raises (use ``backend="eager"``).
+tensors the body then launches nothing, and under functionalisation (``aot_eager``) the op stays opaque
+(``auto_functionalized``) instead of being decomposed into the kernel call.
 """
 
 from __future__ import annotations
@@ -127,6 +127,28 @@ def _launch_impl(
 
 # torch < 2.6 has no triton_op: launches then stay direct (enabled() is False)
 launch_op = torch.library.triton_op("kvquant::launch", _launch_impl, mutates_args={"written"}) if AVAILABLE else None
+
+
+def _register_functional_rule() -> None:
+    """Under functionalisation (``aot_eager``, inductor) ``triton_op`` decomposes the op into its body (Triton's
+    ``triton_kernel_wrapper_functional``), which needs a compiled kernel; an interpreted kernel is kept as the
+    opaque op instead (``auto_functionalized``: ``written`` copied, launched on the copies, copied back)."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    decompose = getattr(launch_op, "_torch_dispatch_fns", {}).get(FunctionalTensorMode)
+    if decompose is None:  # this torch keeps it elsewhere: interpreted kernels are then not functionalised
+        return
+
+    def rule(mode, op, types, args, kwargs):
+        if interpreted_kernel(kernel_by_name(args[0] if args else kwargs["kernel"])):
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        return decompose(mode, op, types, args, kwargs)
+
+    launch_op.register_torch_dispatch(FunctionalTensorMode, rule)
+
+
+if AVAILABLE:
+    _register_functional_rule()
 
 
 def op_arguments(launch) -> tuple:

@@ -5,15 +5,16 @@ On CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set b
 * through the op, a decode step gives exactly (bitwise) the result of the direct launches;
 * the op declares as mutated exactly the tensors each kernel writes (every tensor argument is compared
   before and after a direct launch), and ``torch.library.opcheck`` (schema + fake tensor) passes;
-* ``torch.compile(fullgraph=True)`` (dynamo, ``backend="eager"``) and ``make_fx`` (fake tensors) trace a
-  whole decode step (``dispatch.attend``: block table, ranges, launches, dense-segment merge, codebook
-  head space) into one graph with the launches as opaque ``kvquant.launch`` nodes: no graph break, no
-  host read; the compiled step gives the eager result.
+* ``torch.compile(fullgraph=True)`` (dynamo; and ``aot_eager``-style AOTAutograd, where the op is
+  ``auto_functionalized``) and ``make_fx`` (fake tensors) trace a whole decode step (``dispatch.attend``:
+  block table, ranges, launches, dense-segment merge, codebook head space) into one graph with the
+  launches as opaque ``kvquant.launch`` nodes: no graph break, no host read; the compiled step gives the
+  eager result;
+* with the compiled jit functions (subprocess, ``meta`` tensors) the op's fake implementation traces the
+  launch through ``torch.library.wrap_triton`` (``triton_kernel_wrapper_mutation``).
 
-Not verified here (no GPU): the compiled kernels' fake path (``torch.library.wrap_triton`` ->
-``triton_kernel_wrapper_mutation``) is traced in a subprocess with the compiled jit functions on
-``meta`` tensors, but functionalisation (``aot_eager`` / inductor, which lower the op to
-``triton_kernel_wrapper_functional``) and running a compiled graph need a GPU.
+Not verified here (no GPU): the compiled kernels' decomposition under functionalisation
+(``triton_kernel_wrapper_functional``, what inductor compiles), inductor's launches, CUDA graphs.
 """
 
 from __future__ import annotations
@@ -168,6 +169,32 @@ def test_torch_compile_fullgraph_decode_step(row, option, masked):
     ops = _graph_ops(graphs[0])
     assert ops.count("kvquant.launch") == len(layer.groups) + 1, ops  # one per head group + the reduction
     assert not set(ops) & set(HOST_READS), ops
+    assert torch.equal(out, eager)
+
+
+def test_aot_eager_decode_step():
+    """With functionalisation (``aot_eager``: AOTAutograd, what inductor gets) the interpreted kernels' op stays
+    opaque, ``auto_functionalized`` (its ``written`` tensors copied, launched on the copies, copied back): one
+    graph, the eager result. (Compiled kernels are decomposed into ``triton_kernel_wrapper_functional``
+    instead: GPU only.)"""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    layer, q, fk, fv, mask = make_step("tq4+int8", "sinks+residual", masked=True)
+    eager = _attend(layer, q, fk, fv, mask, 45)
+    graphs = []
+
+    def forward(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, fk, fv, mask: _attend(layer, q, fk, fv, mask, 45),
+                         backend=aot_autograd(fw_compiler=forward), fullgraph=True)  # fmt: skip
+    out = step(q, fk, fv, mask)
+    assert len(graphs) == 1
+    launches = [n for n in graphs[0].graph.nodes if "kvquant.launch" in str(n.args[0] if n.args else "")]
+    assert len(launches) == len(layer.groups) + 1 and all("auto_functionalized" in str(n.target) for n in launches)
     assert torch.equal(out, eager)
 
 
