@@ -172,6 +172,33 @@ def test_torch_compile_fullgraph_decode_step(row, option, masked):
     assert torch.equal(out, eager)
 
 
+def test_torch_compile_decode_loop():
+    """Decode steps with an append between them (the store's block-table cache rebuilt from its Python block
+    lists inside the traced step) each trace with ``fullgraph=True`` and give the eager result. The graph
+    specialises on the length (``past_len`` and the store's ``q_end`` are Python ints): one graph per step."""
+    layer, q, fk, fv, _ = make_step("int8", past=30)
+    g = torch.Generator().manual_seed(1)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, fk, fv, past: _attend(layer, q, fk, fv, None, past), backend=backend,
+                         fullgraph=True)  # fmt: skip
+    past, stale = 30, []
+    for _ in range(3):  # tokens 31, 32, 33: the second opens a new pool block
+        k, v = torch.randn(2, 2, 2, 1, 64, generator=g).to(DEV)
+        fk.copy_(k)
+        fv.copy_(v)
+        past = layer.append(fk, fv)
+        stale.append(layer._table_cache is None)  # then rebuilt inside the compiled step
+        out = step(q, fk, fv, past)
+        assert torch.equal(out, _attend(layer, q, fk, fv, None, past))
+    assert len(graphs) == 3 and any(stale)
+
+
 def test_aot_eager_decode_step():
     """With functionalisation (``aot_eager``: AOTAutograd, what inductor gets) the interpreted kernels' op stays
     opaque, ``auto_functionalized`` (its ``written`` tensors copied, launched on the copies, copied back): one
