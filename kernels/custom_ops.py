@@ -114,9 +114,10 @@ def _launch_impl(
         tensors = [*written, *read]
         if any(isinstance(t, FakeTensor) for t in tensors):
             return  # the fake implementation: the kernel only writes ``written`` in place
-        if any(type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter) for t in tensors):
-            raise RuntimeError(f"kvquant.launch {kernel}: an interpreted kernel (TRITON_INTERPRET=1) cannot be "
-                               "functionalised; use torch.compile(backend='eager')")  # fmt: skip
+        odd = [type(t).__name__ for t in tensors if type(t) not in (torch.Tensor, torch.nn.Parameter)]
+        if odd:
+            raise RuntimeError(f"kvquant.launch {kernel}: an interpreted kernel (TRITON_INTERPRET=1) runs on plain "
+                               f"tensors, got {odd[0]}")  # fmt: skip
         call = jit
     else:
         call = torch.library.wrap_triton(jit)
