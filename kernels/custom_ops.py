@@ -2,7 +2,7 @@
 
 Every kernel launch goes through :meth:`~kvquant.kernels.triton_launch.Launch.run`; when
 :func:`enabled` (under ``torch.compile``, under a ``TorchDispatchMode`` such as ``make_fx`` /
-``FakeTensorMode`` tracing, or with ``KVQUANT_TORCH_OPS=1``) it calls :func:`launch`, which passes the
+``FakeTensorMode`` tracing, or with ``KVQUANT_TORCH_OPS=1`` at import) it calls :func:`launch`, which passes the
 launch to the op. The op is registered with ``torch.library.triton_op`` (torch >= 2.6), so that
 ``torch.compile`` / ``make_fx`` see a decode step as a graph of tensor ops and ``kvquant.launch`` nodes,
 without a graph break:
@@ -37,6 +37,7 @@ import os
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 # each kernel's output parameters (the pointers it stores to); the test checks them against the kernels
 WRITES: dict[str, tuple[str, ...]] = {
@@ -74,18 +75,19 @@ def interpreted_kernel(kernel: Any) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
+# KVQUANT_TORCH_OPS=1 / 0 (read at import): every launch through the op / none (not even under a dispatch mode)
+FORCE: bool | None = {"1": True, "0": False}.get(os.environ.get("KVQUANT_TORCH_OPS", ""))
+
+
 def enabled() -> bool:
-    """True when launches go through the op: ``KVQUANT_TORCH_OPS`` = 1 / 0 forces it; otherwise while
-    ``torch.compile`` traces or a ``TorchDispatchMode`` is active (``make_fx``, ``FakeTensorMode``)."""
+    """True when launches go through the op: while ``torch.compile`` traces; else :data:`FORCE` if set;
+    else while a ``TorchDispatchMode`` is active (``make_fx``, ``FakeTensorMode``). About 1 us."""
     if not AVAILABLE:
         return False
     if torch.compiler.is_compiling():
         return True
-    flag = os.environ.get("KVQUANT_TORCH_OPS", "")
-    if flag in ("0", "1"):
-        return flag == "1"
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
+    if FORCE is not None:
+        return FORCE
     return _get_current_dispatch_mode() is not None
 
 

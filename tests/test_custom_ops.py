@@ -70,7 +70,7 @@ def _triton(monkeypatch):
     if DEV.type == "cpu" and not interpreted():
         pytest.skip("the Triton kernels on CPU need the interpreter")
     monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
-    monkeypatch.delenv("KVQUANT_TORCH_OPS", raising=False)
+    monkeypatch.setattr(custom_ops, "FORCE", None)
 
 
 def _attend(layer, q, fk, fv, mask, past):
@@ -89,27 +89,27 @@ def test_schema():
 def test_op_launches_equal_direct_launches(monkeypatch, row, option, masked):
     """The decode step through ``torch.ops.kvquant.launch`` is bitwise the step with direct launches."""
     layer, q, fk, fv, mask = make_step(row, option, masked=masked)
-    monkeypatch.setenv("KVQUANT_TORCH_OPS", "0")
+    monkeypatch.setattr(custom_ops, "FORCE", False)
     direct = _attend(layer, q, fk, fv, mask, 45)
     calls = []
     real = custom_ops.launch
     monkeypatch.setattr(custom_ops, "launch", lambda ln: calls.append(ln.name) or real(ln))
-    monkeypatch.setenv("KVQUANT_TORCH_OPS", "1")
+    monkeypatch.setattr(custom_ops, "FORCE", True)
     via_op = _attend(layer, q, fk, fv, mask, 45)
     assert calls and calls[-1] == "_decode_reduce"  # the launches went through the op
     assert torch.equal(direct, via_op)
 
 
 def _recorded_launches(monkeypatch, row: str, option: str = "plain", Tq: int = 1) -> list[Launch]:
+    """The launches of one attention step (decode, or a ``Tq``-token chunk), recorded, not run."""
     launches: list[Launch] = []
-    monkeypatch.setattr(Launch, "run", lambda self: launches.append(self))
-    monkeypatch.setenv("KVQUANT_TORCH_OPS", "0")
     layer, q, fk, fv, mask = make_step(row, option, masked=True)
     if Tq > 1:
         q, fk, fv = q.expand(-1, -1, Tq, -1).contiguous(), fk.expand(-1, -1, Tq, -1), fv.expand(-1, -1, Tq, -1)
         mask = torch.ones(2, 1, Tq, 45 + Tq, dtype=torch.bool, device=DEV)
-    _attend(layer, q, fk, fv, mask, 45)
-    monkeypatch.undo()
+    with monkeypatch.context() as m:
+        m.setattr(Launch, "run", lambda self: launches.append(self))
+        _attend(layer, q, fk, fv, mask, 45)
     return launches
 
 

@@ -141,9 +141,9 @@ def test_decode_through_custom_ops_no_sync(monkeypatch, option):
     layer, fk, fv = _layer(OPTIONS[option], past=70)
     q = torch.randn(2, 6, 1, 64)
     mask = _mask(2, 70)
-    monkeypatch.setenv("KVQUANT_TORCH_OPS", "0")
+    monkeypatch.setattr(custom_ops, "FORCE", False)
     direct = dispatch.attend(q, fk, fv, layer, 70, mask, 0.125)
-    monkeypatch.delenv("KVQUANT_TORCH_OPS")
+    monkeypatch.setattr(custom_ops, "FORCE", None)
     mode = NoHostSync()
     with mode:
         out = dispatch.attend(q, fk, fv, layer, 70, mask, 0.125)
