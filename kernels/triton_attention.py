@@ -97,9 +97,10 @@ def key_ranges(
     if mask is None:
         return None
     L = past_len + q_len
-    key = (mask.shape, mask._version, batch, q_heads, q_len, past_len)
+    memo = not torch.compiler.is_compiling()  # a host-side memo, not part of a traced graph
+    key = (mask.shape, mask._version, batch, q_heads, q_len, past_len) if memo else None
     ref = _range_cache.get("mask")
-    if ref is not None and ref() is mask and _range_cache.get("key") == key:
+    if memo and ref is not None and ref() is mask and _range_cache.get("key") == key:
         return _range_cache["ranges"]  # type: ignore[return-value]
     if mask.dtype != torch.bool:
         raise Unsupported(f"mask dtype {mask.dtype}: expected bool")
@@ -132,7 +133,8 @@ def key_ranges(
     empty = count == 0
     lo = torch.where(empty, 0, lo).to(torch.int32).contiguous()
     hi = torch.where(empty, 0, hi).to(torch.int32).contiguous()
-    _range_cache.update(mask=weakref.ref(mask), key=key, ranges=(lo, hi))
+    if memo:
+        _range_cache.update(mask=weakref.ref(mask), key=key, ranges=(lo, hi))
     return lo, hi
 
 

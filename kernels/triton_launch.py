@@ -31,7 +31,12 @@ class Launch:
     meta: dict = field(default_factory=dict)
 
     def run(self) -> None:
-        """Launch it (compiled on a GPU, interpreted on CPU under ``TRITON_INTERPRET=1``)."""
+        """Launch it (compiled on a GPU, interpreted on CPU under ``TRITON_INTERPRET=1``); through the torch
+        custom op ``kvquant.launch`` while traced (``torch.compile``, ``make_fx``): :mod:`.custom_ops`."""
+        from . import custom_ops
+
+        if custom_ops.enabled():
+            return custom_ops.launch(self)
         self.kernel[self.grid](*self.args, **self.meta)
 
     @property

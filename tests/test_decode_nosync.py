@@ -5,7 +5,9 @@ A ``TorchDispatchMode`` rejects every op that needs a tensor's value on the host
 and other data-dependent shapes; ``equal``). The decode step (``kvquant.kernels.attend`` with
 ``Tq == 1``) runs under it with the torch path, and with the Triton dispatch with the kernel
 launches mocked (on CPU the interpreter would read tensors through numpy, outside the dispatcher):
-the launches are recorded and their grids checked to depend on the pool's capacity only.
+the launches are recorded and their grids checked to depend on the pool's capacity only. Through the
+custom op ``kvquant::launch`` (the default under a dispatch mode) the kernels run unmocked, one opaque
+op each.
 """
 
 from __future__ import annotations
@@ -29,9 +31,14 @@ class HostSync(AssertionError):
 
 
 class NoHostSync(TorchDispatchMode):
-    """Raise :class:`HostSync` on any op whose result needs a device value on the host."""
+    """Raise :class:`HostSync` on any op whose result needs a device value on the host; ``seen``: the ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func._schema.name)
         name = func._schema.name.split("::")[-1]
         if name in SYNCING:
             raise HostSync(f"host synchronisation: aten.{name}")
@@ -117,3 +124,28 @@ def test_decode_step_with_append_no_sync(monkeypatch):
     layer.config = KVQuantConfig(block_size=16)
     with pytest.raises(HostSync), NoHostSync():
         layer.append(k[:, :, 40:], v[:, :, 40:])
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_decode_through_custom_ops_no_sync(monkeypatch, option):
+    """Under a ``TorchDispatchMode`` the launches go through the custom op ``kvquant::launch``
+    (:mod:`kvquant.kernels.custom_ops`): the kernels run for real (no mock), each one opaque op to the mode,
+    and the step (the op's argument packing included) reads nothing on the host; same result as the direct
+    launches."""
+    pytest.importorskip("triton")
+    from kvquant.kernels import custom_ops, triton_attention
+
+    if not triton_attention.interpreted() or not custom_ops.AVAILABLE:
+        pytest.skip("needs the interpreter's kernels and torch.library.triton_op")
+    monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
+    layer, fk, fv = _layer(OPTIONS[option], past=70)
+    q = torch.randn(2, 6, 1, 64)
+    mask = _mask(2, 70)
+    monkeypatch.setattr(custom_ops, "FORCE", False)
+    direct = dispatch.attend(q, fk, fv, layer, 70, mask, 0.125)
+    monkeypatch.setattr(custom_ops, "FORCE", None)
+    mode = NoHostSync()
+    with mode:
+        out = dispatch.attend(q, fk, fv, layer, 70, mask, 0.125)
+    assert mode.seen.count("kvquant::launch") == len(layer.groups) + 1  # each head group + the reduction
+    assert torch.equal(out, direct)
