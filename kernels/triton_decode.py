@@ -1157,7 +1157,7 @@ def decode_launches(
                     meta["maxnreg"] = 128 if meta["SUB"] == 1 else 168
             else:
                 meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group))
-                meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176  # as grouped int4 (int3 / int2: 149 registers)
+                meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176  # as grouped int4 (int3 / int2: 166 registers)
         elif rows_kernel(kop, vop, D):
             # int4 K and V on (group, head) rows; 32+ rows (GQA 8 at head_dim 128) take 8 warps: 4 spill
             # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
@@ -1168,21 +1168,23 @@ def decode_launches(
                 # head_dim 64: int4 1.15 -> 1.11 issue/HBM, int4-channel 2.20 -> 1.35 vs the kernel above at 2
                 # warps). Register caps (sm_90a SASS, benchmarks/kernel_static.py): grouped keys 168 (ptxas' own
                 # choice issues ~1% more; at GQA 8 uncapped 218 registers); per-channel keys with 16 (head, group)
-                # columns 128 (470 vs 476 SASS per tile at hd128 GQA 4, 4 programs / SM; 32 columns: no cap, 128
-                # spills 544 B)
+                # columns 168 (below); 32 columns: no cap (128 spilled 544 B)
                 kernel = _decode_partial_rows_t
                 meta["num_warps"] = 4
                 meta["OFF32"] = kop.offsets32() and vop.offsets32()
                 if kop.folds4(D):
                     meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group))
-                    # two tiles per step: 176 (ptxas then takes 150, no spills; at 168 it spills 8 B)
+                    # two tiles per step: 176 (ptxas then takes 166-167, no spills; at 168 it spilled 8 B before the
+                    # probabilities' halves shared one MMA chain)
                     meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176
                 else:
                     # per-channel keys: two tiles per loop step when a pool block holds them (the block's query
                     # operands built once per two tiles)
                     meta["SUB"] = 2 if block_size % (2 * meta["BLOCK_N"]) == 0 else 1
                     if rows_h * (D // vop.group) <= 16:
-                        meta["maxnreg"] = 128 if meta["SUB"] == 1 else 168
+                        # 168 also with one tile per step: its accumulator holds both probability halves' columns
+                        # (_rows_pv); at 128 it spills 88 B (hd128 GQA 4), at 168 468 SASS per 64 tokens, no spills
+                        meta["maxnreg"] = 168
             elif rows_h * (D // vop.group) >= 32:
                 meta["num_warps"] = 8
         launches.append(Launch(kernel, (B * Hg, S), args, meta))
