@@ -607,19 +607,38 @@ def _group_cols(ptr, offs, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _split_cols(a, DH: tl.constexpr, REPP: tl.constexpr, G: tl.constexpr):
+def _split_cols(a, DH: tl.constexpr, REPP: tl.constexpr, G: tl.constexpr, HI: tl.constexpr = False):
     """fp32 ``a [DH, REPP]`` as an fp16 MMA operand ``[DH, REPP * G]`` (``G`` in 2, 4, 8, 16), the columns (h, g) of the
     grouped keys: ``a[:, h]`` rounded to fp16 and the rest (together ``a`` to ~2**-22) in two of head h's G columns,
-    zeros in the others (summed over g like the grouped keys' partial scores)."""
+    zeros in the others (summed over g like the grouped keys' partial scores). With ``G >= 4`` the two columns are
+    those with ``(g // (G // 4)) % 2`` equal to ``HI`` (:func:`_hi_cols`), so that two operands (``HI`` False and
+    True) add their products into disjoint columns of one accumulator."""
     ah = a.to(tl.float16)
     x = tl.join(ah, (a - ah.to(tl.float32)).to(tl.float16))  # [DH, REPP, 2]
     if G >= 4:
-        x = tl.reshape(tl.join(x, tl.zeros_like(x)), [DH, REPP, 4])
+        if HI:  # noqa: SIM108 (a constexpr branch)
+            x = tl.reshape(tl.join(tl.zeros_like(x), x), [DH, REPP, 4])  # positions 1, 3
+        else:
+            x = tl.reshape(tl.join(x, tl.zeros_like(x)), [DH, REPP, 4])  # positions 0, 2
     if G >= 8:
         x = tl.reshape(tl.join(x, tl.zeros_like(x)), [DH, REPP, 8])
     if G >= 16:
         x = tl.reshape(tl.join(x, tl.zeros_like(x)), [DH, REPP, 16])
     return tl.reshape(x, [DH, REPP * G])
+
+
+@triton.jit
+def _cat_cols(a, b, N: tl.constexpr, C: tl.constexpr):
+    """``[N, C]``: the columns of ``a [N, C/2]`` then those of ``b`` (register views)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [N, C])
+
+
+@triton.jit
+def _hi_cols(rg, G: tl.constexpr):
+    """True for the columns (h, g) (``rg`` = g) where :func:`_split_cols` with ``HI`` puts its values (``G >= 4``):
+    each widening step of it doubles the positions, so the ``HI`` operand's first step (positions 1, 3) ends at
+    positions ``G // 4 * (1, 3)``."""
+    return ((rg // (G // 4)) % 2) == 1
 
 
 @triton.jit
@@ -646,7 +665,7 @@ def _rows_mask(n0, start, end, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _rows_scores(
-    n0, n_in, blk, start, end, MASKED: tl.constexpr, qt_lo, q_sum, scale, b_lo, b_hi, zq,
+    n0, n_in, blk, start, end, MASKED: tl.constexpr, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq,
     k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
     D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
     G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, K_BITS: tl.constexpr,
@@ -664,13 +683,19 @@ def _rows_scores(
         ks = _group_cols(ks_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
         kz = _group_cols(kz_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
         st = st * ks + q_sum[None, :] * kz
-        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2)  # [BLOCK_N, REPP]
+        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2) * scale  # [BLOCK_N, REPP]
     else:  # per-channel keys: the block's operands b_lo / b_hi and zero term zq (_rows_tile_t)
         k_lo, k_hi = nibble_tiles(kp, k_offs, mask_n, BLOCK_N, D)
-        st = tl.dot(k_lo, b_lo) * 16.0  # 2**-20 units, as the high nibbles'
-        st = tl.dot(k_hi, b_hi, st)
-        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2) + zq[None, :]
-    s = cap_scores(s * scale, SOFTCAP)
+        if G >= 4:
+            # b_lo / b_hi fill disjoint columns (_split_cols): one accumulator, the low nibbles' x16 and the softmax
+            # scale in the per-column weights wk of the sum over g; zq comes scaled
+            st = tl.dot(k_hi, b_hi, tl.dot(k_lo, b_lo))
+            s = reduce_sum(tl.reshape(st * wk[None, :], [BLOCK_N, REPP, G]), 2) + zq[None, :]
+        else:
+            st = tl.dot(k_lo, b_lo) * 16.0  # 2**-20 units, as the high nibbles'
+            st = tl.dot(k_hi, b_hi, st)
+            s = (reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2) + zq[None, :]) * scale
+    s = cap_scores(s, SOFTCAP)
     if MASKED:
         s = tl.where(mask_n[:, None], s, float("-inf"))
     return s
@@ -684,6 +709,7 @@ def _rows_pv(
 ):  # fmt: skip
     """``acc`` and ``zacc`` (already rescaled) plus the tile's probabilities ``p [BLOCK_N, REPP]`` times its values,
     for :func:`_rows_tile_t`."""
+    R: tl.constexpr = G * REPP
     mask_n = _rows_mask(n0, start, end, MASKED, BLOCK_N)
     pc = _head_cols(p, G)  # [BLOCK_N, R]
     gv_off = blk * vs_sb + n_in * G
@@ -696,10 +722,14 @@ def _rows_pv(
     ph = ps.to(tl.float16)
     pl = (ps - ph.to(tl.float32)).to(tl.float16)
     vp = (v_base + (blk * v_sb + n_in * (v_st * 4))).to(tl.pointer_type(tl.int32))
-    # one [D, BLOCK_N] operand (code_tiles: row i in units of 2**(e(i) - 24), applied in the epilogue); one MMA
-    # per probability half
+    # one [D, BLOCK_N] operand (code_tiles: row i in units of 2**(e(i) - 24), applied in the epilogue); with at most
+    # 16 columns one MMA chain against [ph | pl] (acc holds both halves' columns, summed after the loop: half the
+    # HGMMAs, and half the B-operand descriptors, which freed ptxas' uniform registers), else one per half
     vt = tl.trans(code_tiles(vp, v_offs, mask_n, V_BITS, BLOCK_N, D))
-    acc = tl.dot(vt, pl, tl.dot(vt, ph, acc))
+    if R <= 16:  # noqa: SIM108 (a constexpr branch); acc [D, 2R]: both halves in one MMA chain (_rows_tile_t)
+        acc = tl.dot(vt, _cat_cols(ph, pl, BLOCK_N, 2 * R), acc)
+    else:
+        acc = tl.dot(vt, pl, tl.dot(vt, ph, acc))
     # V's zero term per (token, row), summed over the tokens after the loop
     zacc = zacc + pc * vz_c
     return acc, zacc
@@ -707,7 +737,7 @@ def _rows_pv(
 
 @triton.jit
 def _rows_tile_t(
-    n0, start, end, MASKED: tl.constexpr, qt_lo, qt_hi, q_sum, scale, tbl,
+    n0, start, end, MASKED: tl.constexpr, qt_lo, qt_hi, q_sum, scale, wk, tbl,
     k_base, ks_base, kz_base, k_sb, k_st, ks_sb,
     v_base, vs_base, vz_base, v_sb, v_st, vs_sb, k_offs, v_offs, g_offs,
     m_i, l_i, acc, zacc,
@@ -738,19 +768,24 @@ def _rows_tile_t(
         jc = perm4(tl.arange(0, DH))
         srow = ks_base + blk * ks_sb + jc
         b_lo = _split_cols(qt_lo * tl.load(srow).to(tl.float32)[:, None], DH, REPP, G)
-        b_hi = _split_cols(qt_hi * tl.load(srow + DH).to(tl.float32)[:, None], DH, REPP, G)
+        b_hi = _split_cols(qt_hi * tl.load(srow + DH).to(tl.float32)[:, None], DH, REPP, G, True)
         # q . z over the natural channel order: q_sum holds the heads' query rows [REPP, D] (fp32)
         zq = reduce_sum(q_sum * tl.load(kz_base + blk * ks_sb + tl.arange(0, D)).to(tl.float32)[None, :], 1)
-        zq = zq * (1.0 / NIBBLE_HI)
-    s0 = _rows_scores(n0, n_in, blk, start, end, MASKED, qt_lo, q_sum, scale, b_lo, b_hi, zq,
+        if G >= 4:  # noqa: SIM108 (a constexpr branch)
+            zq = zq * (scale / NIBBLE_HI)  # _rows_scores adds it to the scaled scores
+        else:
+            zq = zq * (1.0 / NIBBLE_HI)
+    s0 = _rows_scores(n0, n_in, blk, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq,
                       k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
                       D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
-    m_blk = reduce_max(s0, 0)
+    s1 = s0  # unused unless SUB == 2
     if SUB == 2:
-        s1 = _rows_scores(n0 + BLOCK_N, n_in + BLOCK_N, blk, start, end, MASKED, qt_lo, q_sum, scale, b_lo, b_hi,
-                          zq, k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
+        s1 = _rows_scores(n0 + BLOCK_N, n_in + BLOCK_N, blk, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo,
+                          b_hi, zq, k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
                           D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
-        m_blk = tl.maximum(m_blk, reduce_max(s1, 0))
+        m_blk = reduce_max(tl.maximum(s0, s1), 0)  # one reduction over both tiles (elementwise maximum first)
+    else:
+        m_blk = reduce_max(s0, 0)
     if MASKED:
         m_new, m_safe, alpha = online_rescale(m_i, m_blk)
     else:  # an interior step's scores are finite: so is the new maximum (no -inf guard)
@@ -758,7 +793,10 @@ def _rows_tile_t(
         m_safe = m_new
         alpha = tl.exp2(m_i - m_new)
     a = _head_cols(alpha, G)[None, :]
-    acc = acc * a
+    if G * REPP <= 16:  # noqa: SIM108 (a constexpr branch); acc [D, 2R] (_rows_pv)
+        acc = acc * _cat_cols(a, a, 1, 2 * G * REPP)
+    else:
+        acc = acc * a
     zacc = zacc * a
     p = tl.exp2(s0 - m_safe[None, :])
     l_i = l_i * alpha[None, :] + p  # per (token, head): summed over the tokens after the loop
@@ -830,9 +868,17 @@ def _decode_partial_rows_t(
     v_base, vs_base, vz_base = head_ptrs(V, VS, VZ, v_sh, vs_sh, hg)
     tbl = TBL + b64 * tbl_sb
     scale = qk_scale * (pow2(24 - K_EMAX) / qf)  # the key tiles' subnormal codes (code_tiles), the query's scale
+    wk = scale  # unused unless K_FOLD == 2 and G >= 4
+    if K_FOLD == 2 and G >= 4:
+        # per-channel keys: per-column weights of the sum over g (_rows_scores): the softmax scale, times 16 on the
+        # low nibbles' columns (their codes are in 2**-24 units, the high nibbles' in 2**-20)
+        wk = tl.where(_hi_cols(rg, G), scale, scale * 16.0)
     m_i = tl.full([REPP], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_N, REPP], 0, tl.float32)  # per (token, head); summed after the loop
-    acc = tl.full([D, R], 0, tl.float32)  # row i: channel perm4(i)
+    # row i: channel perm4(i); with R <= 16 columns [hi | lo]: column j R + r holds part j of the probabilities
+    # (_rows_pv: one MMA chain per tile), summed after the loop
+    PCAT: tl.constexpr = R <= 16
+    acc = tl.full([D, 2 * R if PCAT else R], 0, tl.float32)
     zacc = tl.full([BLOCK_N, R], 0, tl.float32)
     # loop-invariant offsets of a tile's rows (codes: 32-bit words, row strides in words)
     k_stw = k_st // 4
@@ -848,21 +894,21 @@ def _decode_partial_rows_t(
     full_hi = (end // STEP) * STEP
     for n0 in range(full_lo, full_hi, STEP):
         m_i, l_i, acc, zacc = _rows_tile_t(
-            n0, start, end, False, qt_lo, qt_hi, q_sum, scale, tbl,
+            n0, start, end, False, qt_lo, qt_hi, q_sum, scale, wk, tbl,
             k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
             k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
             K_BITS, V_BITS, SUB)  # fmt: skip
     if (start % STEP != 0) & (start < end):
         n0 = start - start % STEP
         m_i, l_i, acc, zacc = _rows_tile_t(
-            n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
+            n0, start, end, True, qt_lo, qt_hi, q_sum, scale, wk, tbl,
             k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
             k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
             K_BITS, V_BITS, SUB)  # fmt: skip
     if tl.maximum(full_hi, full_lo) < end:
         n0 = tl.maximum(full_hi, full_lo)
         m_i, l_i, acc, zacc = _rows_tile_t(
-            n0, start, end, True, qt_lo, qt_hi, q_sum, scale, tbl,
+            n0, start, end, True, qt_lo, qt_hi, q_sum, scale, wk, tbl,
             k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
             k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
             K_BITS, V_BITS, SUB)  # fmt: skip
@@ -876,6 +922,8 @@ def _decode_partial_rows_t(
     # column (h, g) keeps the channels of group g: out[h, c] = (acc[pos(c), (h, g(c))] + zero[(h, g(c))]) / l[h]
     den = _head_cols(tl.where(has, l_i, 1.0), G)
     zsum = reduce_sum(zacc, 0)
+    if PCAT:
+        acc = reduce_sum(tl.reshape(acc, [D, 2, R]), 1)
     prow = (b64 * n_qheads + h * REP + rh) * S + split
     i = tl.arange(0, D)
     fac = pow2(24 - code_exp(i, V_BITS, D))  # the value codes' subnormal units (code_tiles)
@@ -1109,7 +1157,7 @@ def decode_launches(
                     meta["maxnreg"] = 128 if meta["SUB"] == 1 else 168
             else:
                 meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group))
-                meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176  # as grouped int4 (int3 / int2: 149 registers)
+                meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176  # as grouped int4 (int3 / int2: 166 registers)
         elif rows_kernel(kop, vop, D):
             # int4 K and V on (group, head) rows; 32+ rows (GQA 8 at head_dim 128) take 8 warps: 4 spill
             # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
@@ -1120,21 +1168,23 @@ def decode_launches(
                 # head_dim 64: int4 1.15 -> 1.11 issue/HBM, int4-channel 2.20 -> 1.35 vs the kernel above at 2
                 # warps). Register caps (sm_90a SASS, benchmarks/kernel_static.py): grouped keys 168 (ptxas' own
                 # choice issues ~1% more; at GQA 8 uncapped 218 registers); per-channel keys with 16 (head, group)
-                # columns 128 (470 vs 476 SASS per tile at hd128 GQA 4, 4 programs / SM; 32 columns: no cap, 128
-                # spills 544 B)
+                # columns 168 (below); 32 columns: no cap (128 spilled 544 B)
                 kernel = _decode_partial_rows_t
                 meta["num_warps"] = 4
                 meta["OFF32"] = kop.offsets32() and vop.offsets32()
                 if kop.folds4(D):
                     meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group))
-                    # two tiles per step: 176 (ptxas then takes 150, no spills; at 168 it spills 8 B)
+                    # two tiles per step: 176 (ptxas then takes 166-167, no spills; at 168 it spilled 8 B before the
+                    # probabilities' halves shared one MMA chain)
                     meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176
                 else:
                     # per-channel keys: two tiles per loop step when a pool block holds them (the block's query
                     # operands built once per two tiles)
                     meta["SUB"] = 2 if block_size % (2 * meta["BLOCK_N"]) == 0 else 1
                     if rows_h * (D // vop.group) <= 16:
-                        meta["maxnreg"] = 128 if meta["SUB"] == 1 else 168
+                        # 168 also with one tile per step: its accumulator holds both probability halves' columns
+                        # (_rows_pv); at 128 it spills 88 B (hd128 GQA 4), at 168 468 SASS per 64 tokens, no spills
+                        meta["maxnreg"] = 168
             elif rows_h * (D // vop.group) >= 32:
                 meta["num_warps"] = 8
         launches.append(Launch(kernel, (B * Hg, S), args, meta))
