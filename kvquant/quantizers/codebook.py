@@ -1,4 +1,6 @@
-"""Rotated codebook quantizers ``tq2``, ``tq3``, ``tq4`` (TurboQuant / HIGGS class), per token and KV head.
+"""Rotated codebook quantizers ``tq2``, ``tq3``, ``tq4`` (TurboQuant / HIGGS class), per token and KV head;
+their 2-D vector-codebook variants ``tqv2/3/4`` (:class:`VectorCodebook`) and per-channel-width keys ``tqc-...``
+(:class:`ChannelCodebook`) below.
 
 Each K or V row ``x`` (``head_dim = D`` channels, a power of two) is stored as::
 
