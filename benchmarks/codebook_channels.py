@@ -26,7 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvquant import KVQuantConfig, ModelShape
 from kvquant.eval.data import load_text, tokenize
 from kvquant.eval.models import load_model
-from kvquant.quantizers import CODEBOOK, allocate_widths, channel_precision, make_quantizer
+from kvquant.quantizers import CODEBOOK, VECTOR, allocate_widths, channel_precision, make_quantizer
 
 WINDOW, SINK, PREFILL = 1024, 4, 960
 
@@ -96,7 +96,7 @@ def channel_weights(windows: int, captured: dict | None = None) -> dict[int, tor
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("base", help="a kvquant config whose tq2/tq3/tq4 key heads get per-channel widths")
+    ap.add_argument("base", help="a kvquant config whose tq2/3/4 (or tqv2/3/4) key heads get per-channel widths")
     ap.add_argument("--out", required=True)
     ap.add_argument("--name", required=True)
     ap.add_argument("--calib-windows", type=int, default=2)
@@ -117,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     for layer, row in enumerate(plan):
         for h, p in enumerate(row):
             key = p.key
-            if key in CODEBOOK:
-                tqc = channel_precision(allocate_widths(weights[layer][h], CODEBOOK[key] * shape.head_dim))
+            if key in CODEBOOK or key in VECTOR:
+                bits = CODEBOOK.get(key) or VECTOR[key]
+                tqc = channel_precision(allocate_widths(weights[layer][h], bits * shape.head_dim))
                 if args.select:
                     base_kl, tqc_kl = head_kls(captured, layer, h, [key, tqc], residual)
                     est[0] += base_kl
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     raw["description"] = (f"{raw.get('description', '')} {picked} key heads as tqc per-channel widths (same bits; "
                           f"{sel}), E[q^2] var(k) allocation on the last {args.calib_windows} x {WINDOW} tokens.")
     raw["heads"] = heads
-    head = (f"# {args.name}: {args.base} with tq2/3/4 key heads as tqc-<per-channel widths> at the same bits,\n"
+    head = (f"# {args.name}: {args.base} with tq(v)2/3/4 key heads as tqc-<per-channel widths> at the same bits,\n"
             f"# written by: python benchmarks/codebook_channels.py {args.base} --name {args.name} --out {args.out}"
             f" --calib-windows {args.calib_windows}{' --select' if args.select else ''}\n"
             f"# (calibration: the LAST {args.calib_windows} x {WINDOW} tokens of"

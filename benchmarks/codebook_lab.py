@@ -40,7 +40,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvquant import KVQuantConfig, ModelShape
 from kvquant.eval.data import load_text, tokenize
 from kvquant.eval.models import load_model
-from kvquant.quantizers import CODEBOOK, Codebook
+from kvquant.quantizers import CODEBOOK, VECTOR, Codebook, VectorCodebook
 
 WINDOW, PREFILL, SINK, SCORE_FROM = 1024, 960, 4, 512
 
@@ -100,15 +100,29 @@ def query_weight(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.
     return map_from_moments(*moments(q, k))
 
 
-def fake_quantize(x: torch.Tensor, bits: int | list[int]) -> torch.Tensor:
-    """``x[1, H, T, D]`` through a codebook quantizer fitted on the prefill's non-sink tokens (bits 0: exact);
-    ``bits`` per head (a list) groups the heads by width, like the store's head groups."""
-    per_head = [bits] * x.shape[1] if isinstance(bits, int) else bits
+def _quantizer(width: int | str, d: int) -> Codebook | VectorCodebook:
+    """``3`` -> ``tq3``; ``"v3"`` -> ``tqv3`` (2-D vector codebook)."""
+    if isinstance(width, str) and width.startswith("v"):
+        return VectorCodebook(d, int(width[1:]))
+    return Codebook(d, int(width))
+
+
+def _width(token: str) -> int | str:
+    """A spec's width: ``3`` / ``tq3`` -> 3, ``exact`` -> 0, ``v3`` / ``tqv3`` -> ``"v3"``."""
+    token = token.replace("tq", "")
+    return 0 if token == "exact" else token if token.startswith("v") else int(token)
+
+
+def fake_quantize(x: torch.Tensor, bits: int | str | list[int | str]) -> torch.Tensor:
+    """``x[1, H, T, D]`` through a codebook quantizer fitted on the prefill's non-sink tokens (bits 0: exact;
+    ``"v3"``: the 2-D vector codebook ``tqv3``); ``bits`` per head (a list) groups the heads by width, like
+    the store's head groups."""
+    per_head = bits if isinstance(bits, list) else [bits] * x.shape[1]
     out = x.float().clone()
-    for b in sorted(set(per_head) - {0}):
+    for b in sorted(set(per_head) - {0}, key=str):
         idx = torch.tensor([h for h, w in enumerate(per_head) if w == b])
         xs = x.float().index_select(1, idx)
-        qz = Codebook(x.shape[-1], b)
+        qz = _quantizer(b, x.shape[-1])
         state = qz.fit(xs[:, :, SINK:PREFILL])
         out[:, idx] = qz.dequantize(qz.quantize(xs, state), state, torch.float32)
     return out
@@ -130,6 +144,7 @@ class Lab:
         self.calib: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.maps: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.recording = False
+        self.mid: tuple[int, int | str] = (0, 0)  # (tokens, width) of the age ladder's middle rung (--mid)
         self.refs = [self.log_probs(w) for w in self.windows]
         if calib_windows:
             self.recording = True
@@ -183,8 +198,19 @@ class Lab:
         s = torch.where(exact, torch.einsum("bhgtd,bhsd->bhgts", qf, k.float()),
                         torch.einsum("bhgtd,bhsd->bhgts", qf, kh)) * scaling  # fmt: skip
         p = torch.softmax(s.masked_fill(~causal, -math.inf), -1)
-        o = torch.einsum("bhgts,bhsd->bhgtd", p * exact, v.float()) + torch.einsum("bhgts,bhsd->bhgtd",
-                                                                                  p * ~exact, vh)  # fmt: skip
+        if self.mid[0]:  # an age ladder: the mid[0] tokens just past the exact window at width mid[1]
+            mid = (pos[None, :] > pos[:, None] - r - self.mid[0]) & ~exact
+            km = k if kb == 0 else fake_quantize(k, self.mid[1])
+            vm = v if vb == 0 else fake_quantize(v, self.mid[1])
+            s = torch.where(mid, torch.einsum("bhgtd,bhsd->bhgts", qf, km.float()) * scaling, s)
+            p = torch.softmax(s.masked_fill(~causal, -math.inf), -1)
+            vh = vh.float()
+            o = (torch.einsum("bhgts,bhsd->bhgtd", p * exact, v.float())
+                 + torch.einsum("bhgts,bhsd->bhgtd", p * mid, vm.float())
+                 + torch.einsum("bhgts,bhsd->bhgtd", p * ~(exact | mid), vh))  # fmt: skip
+        else:
+            o = torch.einsum("bhgts,bhsd->bhgtd", p * exact, v.float()) + torch.einsum("bhgts,bhsd->bhgtd",
+                                                                                      p * ~exact, vh)  # fmt: skip
         return o.reshape(b, hq, t, d).transpose(1, 2).to(q.dtype), None
 
     @torch.no_grad()
@@ -201,13 +227,14 @@ class Lab:
             dps.append(100 * (math.exp(float(ref.gather(1, tgt).mean() - lp.gather(1, tgt).mean())) - 1))
         self.spec = None
         se = lambda xs: float(torch.tensor(xs).std() / math.sqrt(len(xs)))  # noqa: E731
-        return {"kl": sum(kls) / len(kls), "kl_se": se(kls), "dppl": sum(dps) / len(dps), "dppl_se": se(dps)}
+        return {"kl": sum(kls) / len(kls), "kl_se": se(kls), "dppl": sum(dps) / len(dps), "dppl_se": se(dps),
+                "kls": kls}
 
 
 def plan_bits(path: str) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
     """Per layer, the K and V codebook widths of each KV head that config ``path`` assigns (0: full precision)."""
     plan = KVQuantConfig.load(path).resolve(ModelShape(num_layers=30, num_kv_heads=3, head_dim=64))
-    width = lambda p: CODEBOOK.get(p, 0)  # noqa: E731
+    width = lambda p: CODEBOOK.get(p) or (f"v{VECTOR[p]}" if p in VECTOR else 0)  # noqa: E731
     return ({i: [width(p.key) for p in row] for i, row in enumerate(plan)},
             {i: [width(p.value) for p in row] for i, row in enumerate(plan)})  # fmt: skip
 
@@ -222,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--calib-windows", type=int, default=4,
                     help="windows from the END of the corpus that --key-weight calib fits its maps on")
+    ap.add_argument("--mid", default="0:0",
+                    help="N:W, an age ladder: the N tokens just older than the exact window at width W (e.g. 51:4), "
+                    "the rest at the spec's widths")
     ap.add_argument("--layers", default=None, help="quantize only these layers, e.g. 0-14 or 3,5 (default all)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -233,20 +263,24 @@ def main(argv: list[str] | None = None) -> int:
             layers.update(range(int(lo), int(hi or lo) + 1))
     need_calib = any(w.startswith("calib") for w in (args.key_weight + "," + args.value_weight).split(","))
     lab = Lab(args.windows, args.calib_windows if need_calib else 0, layers)
+    n_, w_ = args.mid.split(":")
+    lab.mid = (int(n_), _width(w_))
     print("| K | V | R (exact newest) | key map | value map | KL | Δppl % |\n|---|---|---:|---|---|---:|---:|")
     for spec in args.specs:
         if ".y" in spec:  # a kvquant config with per-(layer, head) codebook widths: PATH:R
             path, _, r_ = spec.rpartition(":")
             kb, vb, r = *plan_bits(path), int(r_)
         else:
-            kb, vb, r = (int(x) for x in spec.replace("tq", "").replace("exact", "0").split(":"))
+            k_, v_, r_ = spec.split(":")
+            kb, vb, r = _width(k_), _width(v_), int(r_)
         for weight in args.key_weight.split(","):
             for vweight in args.value_weight.split(","):
                 t0 = time.perf_counter()
                 m = lab.run(kb, vb, r, weight, vweight)
-                kn, vn = (f"tq{b}" if isinstance(b, int) and b else "exact" if b == 0 else spec for b in (kb, vb))
+                kn, vn = (spec if isinstance(b, dict) else f"tq{b}" if b else "exact" for b in (kb, vb))
                 print(f"| {kn} | {vn} | {r} | {weight} | {vweight} | {m['kl']:.4f} ± {m['kl_se']:.4f} | "
-                      f"{m['dppl']:+.2f} ± {m['dppl_se']:.2f} |  <!-- {time.perf_counter() - t0:.0f}s -->", flush=True)
+                      f"{m['dppl']:+.2f} ± {m['dppl_se']:.2f} |  <!-- {time.perf_counter() - t0:.0f}s; per-window KL "
+                      f"{' '.join(f'{x:.4f}' for x in m['kls'])} -->", flush=True)
     return 0
 
 

@@ -10,6 +10,7 @@ from .codebook import (
     CHANNEL_PREFIX,
     ChannelCodebook,
     Codebook,
+    VectorCodebook,
     allocate_widths,
     channel_precision,
     lloyd_max_levels,
@@ -37,6 +38,9 @@ PRECISIONS: dict[str, str] = {
     "tq4": "4-bit Lloyd-Max codebook on randomized-Hadamard-rotated rows, one 8-bit log norm per token and KV head",
     "tq3": "3-bit Lloyd-Max codebook on randomized-Hadamard-rotated rows, one 8-bit log norm per token and KV head",
     "tq2": "2-bit Lloyd-Max codebook on randomized-Hadamard-rotated rows, one 8-bit log norm per token and KV head",
+    "tqv4": "tq4 with pairs of rotated coordinates coded jointly (256 Gaussian 2-D codewords; torch path)",
+    "tqv3": "tq3 with pairs of rotated coordinates coded jointly (64 Gaussian 2-D codewords; torch path)",
+    "tqv2": "tq2 with pairs of rotated coordinates coded jointly (16 Gaussian 2-D codewords; torch path)",
     "fp8-e4m3": "FP8 e4m3 storage, one scale per (layer, KV head)",
     "fp8-e5m2": "FP8 e5m2 storage, one scale per (layer, KV head)",
 }
@@ -44,6 +48,7 @@ PRECISIONS: dict[str, str] = {
 GROUPED = {"int4": 4, "int3": 3, "int2": 2}
 CHANNEL = {"int8-channel": 8, "int4-channel": 4, "int3-channel": 3, "int2-channel": 2}
 CODEBOOK = {"tq4": 4, "tq3": 3, "tq2": 2}
+VECTOR = {"tqv4": 4, "tqv3": 3, "tqv2": 2}
 #: Precision families whose name carries parameters: prefix -> description.
 PRECISION_FAMILIES: dict[str, str] = {
     CHANNEL_PREFIX: "tqc-<one width digit 0-8 per channel>: per-channel Gaussian Lloyd-Max codes of calibrated "
@@ -77,6 +82,8 @@ def make_quantizer(
         return IntNChannel(head_dim, bits=CHANNEL[precision], token_group=block_size)
     if precision in CODEBOOK:
         return Codebook(head_dim, bits=CODEBOOK[precision])
+    if precision in VECTOR:
+        return VectorCodebook(head_dim, bits=VECTOR[precision])
     if precision.startswith(CHANNEL_PREFIX):
         return ChannelCodebook.from_name(precision, head_dim)
     if precision in FP8_DTYPES:
@@ -87,6 +94,8 @@ def make_quantizer(
 __all__ = [
     "CHANNEL_PREFIX",
     "CODEBOOK",
+    "VECTOR",
+    "VectorCodebook",
     "PRECISION_FAMILIES",
     "ChannelCodebook",
     "allocate_widths",

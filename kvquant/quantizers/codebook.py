@@ -1,4 +1,6 @@
-"""Rotated codebook quantizers ``tq2``, ``tq3``, ``tq4`` (TurboQuant / HIGGS class), per token and KV head.
+"""Rotated codebook quantizers ``tq2``, ``tq3``, ``tq4`` (TurboQuant / HIGGS class), per token and KV head;
+their 2-D vector-codebook variants ``tqv2/3/4`` (:class:`VectorCodebook`) and per-channel-width keys ``tqc-...``
+(:class:`ChannelCodebook`) below.
 
 Each K or V row ``x`` (``head_dim = D`` channels, a power of two) is stored as::
 
@@ -261,7 +263,7 @@ def gaussian_distortion(bits: int) -> float:
         return 1.0
     grid = torch.linspace(-9.0, 9.0, 72_001, dtype=torch.float64)
     w = torch.exp(-grid * grid / 2)
-    lv = torch.tensor(gaussian_levels(bits), dtype=torch.float64)
+    lv = torch.tensor(gaussian_levels(bits))
     q = lv[torch.bucketize(grid, (lv[1:] + lv[:-1]) / 2)]
     return float((w * (grid - q) ** 2).sum() / w.sum())
 
@@ -445,6 +447,148 @@ class ChannelCodebook(Quantizer):
         c = self.table.to(codes.device)[ch, codes]
         g = norm_of_code(parts["norm"], state["params"])
         return c * g * _per_head(state["scale"].float(), c)
+
+    def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return self.from_space(self.decode_space(parts, state), state).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Vector codebooks: ``tqv{bits}`` (rotated rows, 2-D blocks of coordinates coded jointly)
+
+VQ_DIM = 2  # coordinates per codeword
+VQ_SAMPLES = 1024  # training points per codeword (seeded Gaussian sample)
+VQ_SEED = 0x7156
+
+
+@functools.cache
+def gaussian_vq(bits: int, dim: int = VQ_DIM, iters: int = 30) -> torch.Tensor:
+    """``2^(bits * dim)`` codewords ``[K, dim]`` (float32) for a standard Gaussian in ``dim`` dims: Lloyd's
+    algorithm (k-means) on a seeded sample of ``VQ_SAMPLES * K`` points, started from the product of the scalar
+    Lloyd-Max levels (:func:`gaussian_levels`), so it is never worse than the scalar code on that sample.
+    Data-oblivious and deterministic (same seed, same codewords); cached per process.
+
+    At 3 bits per coordinate, 2-D, 64 codewords: MSE ~0.0299 per coordinate on a unit Gaussian, against
+    0.0345 for the scalar Lloyd-Max code and the rate-distortion bound 2^-6 = 0.0156."""
+    if not 1 <= bits <= 4 or dim not in (1, 2, 4) or bits * dim > 12:
+        raise ValueError(f"bits: {bits} x dim {dim}: a vector codebook needs 1..4 bits, dim 1/2/4, <= 12 bits a code")
+    lv = torch.tensor(gaussian_levels(bits))
+    grids = torch.meshgrid(*([lv] * dim), indexing="ij")
+    c = torch.stack([g.flatten() for g in grids], dim=1)  # the scalar product code, K x dim
+    k = c.shape[0]
+    gen = torch.Generator().manual_seed(VQ_SEED * 31 + bits * 7 + dim)
+    x = torch.randn(VQ_SAMPLES * k, dim, generator=gen)
+    for _ in range(iters):
+        a = vq_nearest(x, c)
+        n = torch.bincount(a, minlength=k).to(x.dtype)
+        s = torch.zeros_like(c).index_add_(0, a, x)
+        c = torch.where(n[:, None] > 0, s / n.clamp_min(1)[:, None], c)
+    return c.float()
+
+
+def vq_nearest(x: torch.Tensor, c: torch.Tensor, chunk: int = 1 << 16) -> torch.Tensor:
+    """Index ``[N]`` (int64) of the nearest codeword ``c[K, dim]`` to each row of ``x[N, dim]`` (squared
+    Euclidean distance, by matmul, ``chunk`` rows at a time)."""
+    cc = (c * c).sum(1)
+    out = [(cc - 2 * xs @ c.T).argmin(1) for xs in x.split(chunk)]
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=x.device)
+
+
+def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Codes ``[..., n]`` of ``width`` bits each -> ``[..., n * width / 8]`` uint8, little-endian bit stream."""
+    bit = torch.arange(width, device=codes.device)
+    bits = ((codes.long().unsqueeze(-1) >> bit) & 1).flatten(-2)
+    return (bits.view(*codes.shape[:-1], -1, 8) << torch.arange(8, device=codes.device)).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, width: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits` (``width`` <= 16): ``[..., n * width / 8]`` uint8 -> codes ``[..., n]``
+    (int64). A code spans at most three bytes: one gather of a 24-bit word per code, a shift, a mask."""
+    dev = packed.device
+    start = torch.arange(n, device=dev) * width
+    byte, shift = start // 8, start % 8
+    p = torch.nn.functional.pad(packed, (0, 2)).long()
+    word = p.index_select(-1, byte) | (p.index_select(-1, byte + 1) << 8) | (p.index_select(-1, byte + 2) << 16)
+    return (word >> shift) & ((1 << width) - 1)
+
+
+VECTOR_PREFIX = "tqv"
+
+
+class VectorCodebook(Quantizer):
+    """``tqv{bits}``: :class:`Codebook`'s rotation, mean and 8-bit log norm, but each pair of rotated
+    coordinates is coded jointly by one of ``2^(2 bits)`` Gaussian codewords (:func:`gaussian_vq`).
+
+    Same bits as ``tq{bits}`` (a ``2 bits``-bit code per pair, packed; ``b + 8 / D`` bits per element);
+    a 2-D code fills the plane with near-hexagonal cells instead of the scalar code's rectangles, which
+    lowers the MSE on Gaussian-like coordinates by ~13% at 3 bits (0.0299 vs 0.0345). Decode is one
+    table lookup per pair, ``norm * c[code]`` (``[2^(2 bits), 2]`` table: 512 B at 3 bits, registers or
+    shared memory in a kernel; or a per-query table of ``q_pair . c`` for all codewords, then one lookup
+    and add per pair and key). Read in the same head space as ``tq{bits}``. Torch path only.
+    """
+
+    static = True
+    space = True
+    center = True
+
+    def __init__(self, head_dim: int, bits: int = 3, dim: int = VQ_DIM) -> None:
+        super().__init__(head_dim)
+        if bits not in (2, 3, 4):
+            raise ValueError(f"bits: {bits} is not supported by the vector codebook quantizer (2, 3 or 4)")
+        if head_dim & (head_dim - 1) or head_dim < 8:
+            raise ValueError(f"head_dim: {head_dim} is not a power of two >= 8; tqv{bits} rotates by Hadamard")
+        self.bits, self.dim = bits, dim
+        self.width = bits * dim  # bits of one code
+        # codewords for the coordinates of a unit vector (variance 1 / D each), so that the norm is ~|y|
+        self.codewords = gaussian_vq(bits, dim) / math.sqrt(head_dim)
+        self.name = f"{VECTOR_PREFIX}{bits}"
+        self.granularity = (
+            f"per token and KV head: randomized Hadamard rotation, 8-bit log norm, {dim}-D codebook of "
+            f"{2**self.width} Gaussian codewords"
+        )
+
+    to_space = Codebook.to_space
+    query_to_space = Codebook.query_to_space
+    from_space = Codebook.from_space
+
+    def parts(self) -> dict[str, PartSpec]:
+        return {
+            "q": PartSpec((self.head_dim * self.bits // 8,), torch.uint8),
+            "norm": PartSpec((1,), torch.uint8),
+        }
+
+    def fit(self, x: torch.Tensor, use: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Static state from the first chunk, per sequence and head: mean, norm code range; signs per head."""
+        B, H, T, D = x.shape
+        xf = x.detach().float()
+        w = token_weights(use, B, T, x.device)
+        mean = (xf * w).sum(2) / w.sum(2)
+        state = {"sign": head_signs(H, D).to(device=x.device, dtype=torch.int8), "mean": mean}
+        lo, step = norm_code_range(self.to_space(xf, state).norm(dim=-1), w)
+        state["params"] = torch.stack([lo, step], dim=2).contiguous()
+        return state
+
+    def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
+        y = self.to_space(x, state)
+        n = y.norm(dim=-1, keepdim=True)
+        u = y / n.clamp_min(1e-30)
+        cw = self.codewords.to(x.device)
+        codes = vq_nearest(u.reshape(-1, self.dim), cw).view(*y.shape[:-1], self.head_dim // self.dim)
+        c = cw[codes].flatten(-2)
+        norm = (y * c).sum(-1, keepdim=True) / (c * c).sum(-1, keepdim=True).clamp_min(1e-30)
+        lo, step = _per_head(state["params"][..., :1], x), _per_head(state["params"][..., 1:2], x)
+        ncode = torch.round((torch.log2(norm.clamp_min(1e-30)) - lo) / step) + 1
+        ncode = torch.where(norm > 0, ncode.clamp(1, NORM_CODES - 1), torch.zeros_like(ncode))
+        return {"q": pack_bits(codes, self.width), "norm": ncode.to(torch.uint8)}
+
+    def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Rows of ``x`` whose norm falls outside the 8-bit norm code's range (stored at its nearest end)."""
+        return Codebook.clipped(self, x, state)
+
+    def decode_space(self, parts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Stored rows in head space: ``norm * c[code]`` per pair, float32 ``[B, H, T, D]``."""
+        codes = unpack_bits(parts["q"], self.width, self.head_dim // self.dim)
+        c = self.codewords.to(codes.device)[codes].flatten(-2)
+        return c * norm_of_code(parts["norm"], state["params"])
 
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return self.from_space(self.decode_space(parts, state), state).to(dtype)
