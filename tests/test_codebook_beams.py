@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from kvquant import QuantizedKVCache
-from kvquant.quantizers.codebook import ChannelCodebook, Codebook
+from kvquant.quantizers.codebook import ChannelCodebook, Codebook, VectorCodebook
 
 from conftest import tiny_model
 
@@ -22,6 +22,7 @@ CONFIGS = {
     "tq4": {"default": "tq4"},
     "tq3-sinks-residual-step1": {"default": "tq3", "sink_tokens": 2, "residual_tokens": 4, "residual_step": 1},
     "tqc": {"default": TQC},
+    "tqv3": {"default": "tqv3"},
     "tq4-keys-int8-values": {"default": {"key": "tq4", "value": "int8"}},
 }
 
@@ -61,12 +62,15 @@ def test_per_sequence_state_entries():
     tq = Codebook(64, bits=4)
     st = tq.fit(x)
     assert {n for n, t in st.items() if tq.per_sequence(n, t)} == set(st) - {"sign"}
+    tqv = VectorCodebook(64, bits=3)
+    st = tqv.fit(x)
+    assert {n for n, t in st.items() if tqv.per_sequence(n, t)} == set(st) - {"sign"}
     tqc = ChannelCodebook(64, [4] * 64)
     st = tqc.fit(x)
     assert all(tqc.per_sequence(n, t) for n, t in st.items())
 
 
-@pytest.mark.parametrize("name", ["tq4", "tqc"])
+@pytest.mark.parametrize("name", ["tq4", "tqc", "tqv3"])
 def test_beam_search_through_codebook_heads(name):
     """generate() with beams over codebook heads runs, and its beams stay close to FP16 teacher-forced on the
     same tokens. (Exact agreement with a one-row teacher-forced run is not asserted: the fitted state comes

@@ -549,6 +549,7 @@ class VectorCodebook(Quantizer):
     to_space = Codebook.to_space
     query_to_space = Codebook.query_to_space
     from_space = Codebook.from_space
+    per_sequence = Codebook.per_sequence
 
     def parts(self) -> dict[str, PartSpec]:
         return {
