@@ -103,7 +103,7 @@ def _chunk_attn(
         s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND >= 7) * scale
         if K_KIND == 2:
             s = s * load_token_scale(ks_base, ks_rows, mask_n)[None, :]
-        elif K_KIND == 8 or K_KIND == 9:
+        elif K_KIND >= 8:
             s = s * codebook_norms(ks_base, ks_rows, mask_n, kz_base)[None, :]
         s = cap_scores(s, SOFTCAP)
         s = tl.where(vis, s, float("-inf"))
@@ -113,7 +113,7 @@ def _chunk_attn(
         v = load_tile(v_base, vs_base, vz_base, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D)
         if V_KIND == 2:
             p = p * load_token_scale(vs_base, vs_rows, mask_n)[None, :]
-        elif V_KIND == 8 or V_KIND == 9:
+        elif V_KIND >= 8:
             p = p * codebook_norms(vs_base, vs_rows, mask_n, vz_base)[None, :]
         acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND >= 7)
         m_i = m_new

@@ -21,6 +21,16 @@ reads a zero). All of it comes from one fp32 row per (sequence, head), :func:`tq
 the channel spreads, ``info_j`` (int32 bits) = ``byte | shift << 8 | width << 12 | base << 16`` the
 channel's byte, shift, width and level base. :func:`tqc_tile` dequantizes a tile in registers.
 
+2-D vector codebooks ``tqv{b}`` (:class:`~kvquant.quantizers.codebook.VectorCodebook`, kind :data:`KIND_TQV`) live
+in ``tq{b}``'s head space (rotated, queries rotated once per step): a stored row is ``norm * c[code_p][j % 2]``,
+pair ``p = j // 2`` of channels ``2p, 2p + 1`` coded jointly by one ``W = 2b``-bit code, packed as a little-endian
+bit stream (pair ``p`` at bit ``p * W``: one byte, or two for ``tqv3``'s 6-bit codes that cross a byte), into a
+table of ``2^W`` codewords of two coordinates. One fp32 row per (sequence, head), :func:`tqv_rows`::
+
+    [lo, step, c_0[0], c_0[1], c_1[0], .. , c_{2^W - 1}[1]]      (2 + 2^(W + 1) values: 34 / 130 / 514)
+
+:func:`tqv_tile` dequantizes a tile in registers (each channel reads its pair's code, then one coordinate).
+
 What the kernels read per (sequence, head), from the quantizer's ``params`` row
 ``[lo, step, level_0 .. level_{2^b - 1}]`` (fp32, ``2 + 2^b`` values, a few hundred bytes in L1):
 
@@ -46,6 +56,7 @@ KIND_CODEBOOK = 8  # tq4/3/2: codes packed as INTN, value = level[code] * norm[t
 KIND_TQC = 9  # tqc-<widths>: per-channel widths, value = level_w[code] * sigma[channel] * norm[token]
 TQC_LEVELS = 512  # the level table of a tqc row: widths 1..8 back to back (510 values), then zeros (width 0)
 TQC_ZERO = 510  # level base of a width-0 channel (its code is 0: it reads a zero, the channel's mean)
+KIND_TQV = 10  # tqv{b}: a 2b-bit code per pair of channels, value = codeword[code][j % 2] * norm[token]
 
 
 @triton.jit
@@ -92,13 +103,15 @@ def codebook_operand(store, main: torch.Tensor, operand_cls: type):
 def part_bases(P, S, Z, PH, sh, ssh, hg, pid, KIND: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr = 0):
     """Head ``hg``'s pointers to a part, its scale and its zero (block 0); for a codebook part (``KIND`` 8)
     the third is the (sequence, head)'s params row instead (norm code range, levels); for ``tqc`` (``KIND``
-    9, head_dim ``D``) its :func:`tqc_rows` row."""
+    9, head_dim ``D``) its :func:`tqc_rows` row; for ``tqv`` (``KIND`` 10) its :func:`tqv_rows` row."""
     h = hg.to(tl.int64)  # head strides of a head-major pool can exceed 2^31 elements
     # one return: compiled, a return under a constexpr branch still meets the later one ("return type mismatch")
     if KIND == 8:  # noqa: SIM108  (a statement, not a ternary: constexpr branches are compiled apart)
         third = codebook_row(PH, pid, BITS)
     elif KIND == 9:
         third = PH + pid.to(tl.int64) * (2 + 2 * D + 512)
+    elif KIND == 10:
+        third = PH + pid.to(tl.int64) * (2 + (2 << (2 * BITS)))
     else:
         third = Z + h * ssh
     return P + h * sh, S + h * ssh, third
@@ -181,3 +194,56 @@ def tqc_tile(ptr, row, rows, m2, offs_d, D: tl.constexpr):
     code = ((b0 | (b1 << 8)) >> shift[None, :]) & ((1 << width) - 1)[None, :]
     lv = tl.load(row + 2 + 2 * D + base[None, :] + code).to(tl.float32)
     return lv * sigma[None, :]
+
+
+# ------------------------------------------------------------------------------- tqv: 2-D vector codebooks
+def tqv_rows(qz, state: dict[str, torch.Tensor], batch: int, heads: int, device: torch.device) -> torch.Tensor:
+    """The fp32 rows ``[batch, heads, 2 + 2^(2b + 1)]`` the kernels read for a ``tqv{b}`` store (see the module doc):
+    the norm code range ``params [B, H, 2]`` of the state (not fitted yet: zeros, nothing is in the pool), then the
+    quantizer's codewords ``[2^(2b), 2]`` row-major."""
+    cw = qz.codewords.float().to(device)
+    if cw.shape != (2 ** (2 * qz.bits), 2):
+        raise Unsupported(f"{qz.describe()}: codewords {tuple(cw.shape)} are not 2-D codes of {2 * qz.bits} bits")
+    rows = torch.zeros(batch, heads, 2 + cw.numel(), device=device)
+    params = state.get("params")
+    if params is not None:
+        if params.shape != (batch, heads, 2):
+            raise Unsupported(f"{qz.describe()}: tqv state {tuple(params.shape)} not per (sequence, head)")
+        rows[..., :2] = params.float()
+    rows[..., 2:] = cw.flatten()
+    return rows
+
+
+def tqv_operand(store, main: torch.Tensor, operand_cls: type):
+    """``operand_cls`` (:class:`~kvquant.kernels.triton_dequant.Operand`) for a ``tqv`` store: the codes, the norm
+    codes as the per-token part, and the :func:`tqv_rows` rows as the head part (built once per state, kept on the
+    store, as for ``tqc``)."""
+    qz = store.quantizer
+    norm = store.parts["norm"]
+    if norm.dim() != 4 or norm.shape[:3] != main.shape[:3]:
+        raise Unsupported(f"{qz.describe()}: norm part not [blocks, H, block_size, 1]")
+    if qz.dim != 2 or qz.head_dim % 8:
+        raise Unsupported(f"{qz.describe()}: {qz.dim}-D codes / head_dim {qz.head_dim}: only pairs, whole bytes")
+    state = store.state
+    same = (state, state.get("params"))  # compared by identity
+    shape = (store.batch, main.device)
+    cached = getattr(store, "_tqv_rows", None)
+    if cached is None or cached[1] != shape or any(a is not b for a, b in zip(cached[0], same, strict=True)):
+        cached = (same, shape, tqv_rows(qz, state, store.batch, store.heads, main.device))
+        store._tqv_rows = cached
+    return operand_cls(main, norm, main, cached[2], KIND_TQV, bits=qz.bits)
+
+
+@triton.jit
+def tqv_tile(ptr, row, rows, m2, offs_d, BITS: tl.constexpr):
+    """Float32 ``[BLOCK_N, D]`` head-space tile ``c[code_{j // 2}][j % 2]`` (no row norm: a token scale, see
+    :func:`codebook_norms`) of the ``tqv{BITS}`` rows at element offsets ``rows`` from ``ptr`` (rows outside
+    ``m2 [BLOCK_N, 1]`` read code 0); ``row``: the (sequence, head)'s :func:`tqv_rows` row."""
+    W: tl.constexpr = 2 * BITS  # bits of one pair's code
+    start = (offs_d // 2) * W  # the pair's first bit in the row
+    addr = ptr + rows[:, None] + (start // 8)[None, :]
+    word = tl.load(addr, mask=m2, other=0).to(tl.int32)
+    if 8 % W != 0:  # 6-bit codes (tqv3) may cross into the next byte (then it is inside the row)
+        word = word | (tl.load(addr + 1, mask=m2 & ((start % 8) + W > 8)[None, :], other=0).to(tl.int32) << 8)
+    code = (word >> (start % 8)[None, :]) & ((1 << W) - 1)
+    return tl.load(row + 2 + 2 * code + (offs_d % 2)[None, :]).to(tl.float32)

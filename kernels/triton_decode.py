@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_codebook import KIND_CODEBOOK, KIND_TQC, codebook_norms, part_bases
+from .triton_codebook import KIND_CODEBOOK, KIND_TQC, KIND_TQV, codebook_norms, part_bases
 from .triton_dequant import (
     DOT_FP16,
     DOT_IEEE,
@@ -103,9 +103,9 @@ def _tile(
     vb = v_base + blk * v_sb
     ksb, kzb = ks_base + blk * ks_sb, kz_base + blk * ks_sb
     vsb, vzb = vs_base + blk * vs_sb, vz_base + blk * vs_sb
-    if K_KIND == 8 or K_KIND == 9:  # codebook / tqc: kz_base is the (sequence, head)'s row, not a per-block part
+    if K_KIND >= 8:  # codebook / tqc / tqv: kz_base is the (sequence, head)'s row, not a per-block part
         kzb = kz_base
-    if V_KIND == 8 or V_KIND == 9:
+    if V_KIND >= 8:
         vzb = vz_base
     k_rows = inner * k_st
     v_rows = inner * v_st
@@ -128,7 +128,7 @@ def _tile(
         s = dot_qk(q, tl.trans(k), DOT, K_KIND == 3 or K_KIND >= 7) * scale
     if K_KIND == 2:
         s = s * load_token_scale(ksb, ks_rows, mask_n)[None, :]
-    elif K_KIND == 8 or K_KIND == 9:
+    elif K_KIND >= 8:
         s = s * codebook_norms(ksb, ks_rows, mask_n, kzb)[None, :]
     s = cap_scores(s, SOFTCAP)
     if MASKED:
@@ -146,7 +146,7 @@ def _tile(
         v = load_tile(vb, vsb, vzb, v_rows, vs_rows, mask_n, offs_d, V_KIND, V_BITS, V_GROUP, D, DOT)
         if V_KIND == 2:
             p = p * load_token_scale(vsb, vs_rows, mask_n)[None, :]
-        elif V_KIND == 8 or V_KIND == 9:
+        elif V_KIND >= 8:
             p = p * codebook_norms(vsb, vs_rows, mask_n, vzb)[None, :]
         acc = acc * alpha[:, None] + dot_pv(p, v, DOT, V_KIND == 3 or V_KIND >= 7)
     return m_new, l_i, acc, acc_lo, acc_hi, zacc_lo, zacc_hi
@@ -1005,7 +1005,7 @@ def launch_config(kop: Operand, vop: Operand, dot: int, head_dim: int) -> tuple[
     kinds = {kop.kind, vop.kind}
     folded = [kop.folds4(head_dim) or kop.folds_channel4(), vop.folds4(head_dim)]
     unfolded = {op.kind for op, f in zip((kop, vop), folded, strict=True) if not f}
-    if {KIND_INTN, KIND_CHANNEL, KIND_CODEBOOK, KIND_TQC} & unfolded:  # packed codes dequantized in registers
+    if {KIND_INTN, KIND_CHANNEL, KIND_CODEBOOK, KIND_TQC, KIND_TQV} & unfolded:  # packed codes dequantized in registers
         block_n, warps = 32, 8
     elif dot == DOT_IEEE:
         block_n, warps = 64, 8

@@ -20,6 +20,9 @@ applies the scales there. Which scale goes where (scale folding)::
                    in params[b, h]                                   (:mod:`triton_codebook`)
     TQC         q  uint8, per-channel widths   sigma[b, h, channel]  norm[t] as CODEBOOK
                    + norm uint8[1]             on load               (:func:`~triton_codebook.tqc_tile`)
+    TQV         q  uint8, a 2b-bit code per    -                     norm[t] as CODEBOOK
+                   channel pair; codewords                           (:func:`~triton_codebook.tqv_tile`)
+                   in a row per [b, h]
 
 A per-head K scale is folded into the softmax scale (``scores = (q . k_codes) * scaling * s_k[h]``);
 a per-head V scale multiplies the accumulator once, after the history loop; a per-token scale is
@@ -58,9 +61,10 @@ from kvquant.quantizers import (
     IntNChannel,
     IntNGrouped,
     Passthrough,
+    VectorCodebook,
 )
 
-from .triton_codebook import codebook_levels, codebook_operand, tqc_operand, tqc_tile
+from .triton_codebook import codebook_levels, codebook_operand, tqc_operand, tqc_tile, tqv_operand, tqv_tile
 from .unsupported import Unsupported
 
 KIND_FLOAT = 0
@@ -136,6 +140,8 @@ def load_tile(
             x = code.to(tl.float32) * s + z
     elif KIND == 9:  # tqc: per-channel widths (zp_ptr = the (sequence, head)'s tqc row)
         x = tqc_tile(ptr, zp_ptr, rows, m2, offs_d, D)
+    elif KIND == 10:  # tqv: a code per channel pair into a 2-D codeword table (zp_ptr = the tqv row)
+        x = tqv_tile(ptr, zp_ptr, rows, m2, offs_d, BITS)
     elif KIND == 5:
         b = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
         bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
@@ -709,6 +715,8 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
         return codebook_operand(store, main, Operand)
     if isinstance(qz, ChannelCodebook):  # tqc: per-channel widths, channel-major bits + an 8-bit log norm
         return tqc_operand(store, main, Operand)
+    if isinstance(qz, VectorCodebook):  # tqv: a 2b-bit code per pair of rotated channels + an 8-bit log norm
+        return tqv_operand(store, main, Operand)
     if isinstance(qz, Fp8):
         if fp8_native:
             kind, data = KIND_FP8, main
