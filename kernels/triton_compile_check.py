@@ -35,6 +35,7 @@ KINDS = {
     "fp8-e5m2-bits": ("fp8-e5m2", False),
     "tqc4": ("tqc4", True),  # per-channel widths (tqc-<widths>), a real SmolLM2 key head's: see TQC_EXAMPLES
     "tqc3": ("tqc3", True),
+    **{p: (p, True) for p in ("tqv4", "tqv3", "tqv2")},  # 2-D vector codebooks: a code per channel pair
 }  # fmt: skip
 #: per-channel key widths of two real SmolLM2-135M key heads (head_dim 64, RoPE halves [0, 32) / [32, 64)):
 #: recipes/configs/tqc4-v72-r15s1.yaml (widths 1..8, 4 bits average) and tqc3-r7s1.yaml (1..6, 3 bits)
@@ -142,10 +143,12 @@ def matrix(full: bool):
         yield ("chunk", "tq2", "tq4", 2, 64, 2, False, 90)
         yield ("decode", "tqc4", "tq3", 1, 128, 4, True, 90)  # tqc: per-channel widths read in-kernel
         yield ("chunk", "tqc3", "tqc4", 2, 64, 2, False, 90)
+        yield ("decode", "tqv3", "tq3", 1, 128, 4, True, 90)  # tqv: pair codes, codeword table read in-kernel
+        yield ("chunk", "tqv4", "tqv2", 2, 64, 2, False, 90)
         return
     for k, dot in itertools.product(KINDS, (0, 1, 2)):
         yield ("decode", k, k, dot, 128, 4, True, 90)
-    for k in ("int8", "int4", "fp8-e4m3", "int4-channel", "tqc4"):
+    for k in ("int8", "int4", "fp8-e4m3", "int4-channel", "tqc4", "tqv3"):
         yield ("chunk", k, k, 1, 128, 4, True, 90)
     yield ("reduce", "fp16", "fp16", 1, 128, 4, True, 90)
 
