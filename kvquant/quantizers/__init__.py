@@ -38,9 +38,9 @@ PRECISIONS: dict[str, str] = {
     "tq4": "4-bit Lloyd-Max codebook on randomized-Hadamard-rotated rows, one 8-bit log norm per token and KV head",
     "tq3": "3-bit Lloyd-Max codebook on randomized-Hadamard-rotated rows, one 8-bit log norm per token and KV head",
     "tq2": "2-bit Lloyd-Max codebook on randomized-Hadamard-rotated rows, one 8-bit log norm per token and KV head",
-    "tqv4": "tq4 with pairs of rotated coordinates coded jointly (256 Gaussian 2-D codewords; torch path)",
-    "tqv3": "tq3 with pairs of rotated coordinates coded jointly (64 Gaussian 2-D codewords; torch path)",
-    "tqv2": "tq2 with pairs of rotated coordinates coded jointly (16 Gaussian 2-D codewords; torch path)",
+    "tqv4": "tq4 with pairs of rotated coordinates coded jointly (256 Gaussian 2-D codewords; read in-kernel)",
+    "tqv3": "tq3 with pairs of rotated coordinates coded jointly (64 Gaussian 2-D codewords; read in-kernel)",
+    "tqv2": "tq2 with pairs of rotated coordinates coded jointly (16 Gaussian 2-D codewords; read in-kernel)",
     "fp8-e4m3": "FP8 e4m3 storage, one scale per (layer, KV head)",
     "fp8-e5m2": "FP8 e5m2 storage, one scale per (layer, KV head)",
 }

@@ -523,7 +523,8 @@ class VectorCodebook(Quantizer):
     lowers the MSE on Gaussian-like coordinates by ~13% at 3 bits (0.0299 vs 0.0345). Decode is one
     table lookup per pair, ``norm * c[code]`` (``[2^(2 bits), 2]`` table: 512 B at 3 bits, registers or
     shared memory in a kernel; or a per-query table of ``q_pair . c`` for all codewords, then one lookup
-    and add per pair and key). Read in the same head space as ``tq{bits}``. Torch path only.
+    and add per pair and key). Read in the same head space as ``tq{bits}``, by the torch path and in-kernel by the
+    Triton decode / chunk kernels (:func:`~kvquant.kernels.triton_codebook.tqv_tile`).
     """
 
     static = True
