@@ -84,6 +84,8 @@ VARIANTS: dict[str, list[tuple[str, str, float]]] = {
     "tqc3": [("tqc3", "tq3", 1.0)],
     # 2-D vector codebook keys tqv3: a 6-bit code per channel pair (1-2 bytes, shift, mask), codeword coordinate
     "tqv3": [("tqv3", "tq3", 1.0)],
+    "tqv4": [("tqv4", "tqv4", 1.0)],  # K and V as 2-D vector codes
+    "tqv2": [("tqv2", "tqv2", 1.0)],
 }
 #: acceptance (head_dim 128, group 4): minimum predicted speed-up over the fp16 kernel
 TARGETS = {"int8": 1.8, "fp8-e4m3": 1.8, "int4": 3.0, "int4-channel": 3.0}
