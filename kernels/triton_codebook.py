@@ -45,6 +45,8 @@ What the kernels read per (sequence, head), from the quantizer's ``params`` row
 from __future__ import annotations
 
 import functools
+import weakref
+from collections.abc import Callable
 
 import torch
 import triton
@@ -84,9 +86,7 @@ def codebook_operand(store, main: torch.Tensor, operand_cls: type):
     """``operand_cls`` (:class:`~kernels.triton_dequant.Operand`) for a codebook store: the codes, the
     norm codes as the per-token part, and the fp32 ``params`` rows ``[B, Hg, 2 + 2^b]`` as the head part."""
     qz = store.quantizer
-    norm = store.parts["norm"]
-    if norm.dim() != 4 or norm.shape[:3] != main.shape[:3]:
-        raise Unsupported(f"{qz.describe()}: norm part not [blocks, H, block_size, 1]")
+    norm = norm_part(store, main)
     if qz.head_dim % 8:
         raise Unsupported(f"{qz.describe()}: head_dim {qz.head_dim} not a multiple of the packing")
     params = store.state.get("params")
@@ -97,6 +97,32 @@ def codebook_operand(store, main: torch.Tensor, operand_cls: type):
     if params.shape != (store.batch, store.heads, width):
         raise Unsupported(f"{qz.describe()}: codebook state {tuple(params.shape)} not per (sequence, head)")
     return operand_cls(main, norm, main, params, KIND_CODEBOOK, bits=qz.bits)
+
+
+def norm_part(store, main: torch.Tensor) -> torch.Tensor:
+    """A codebook store's 8-bit log norm codes ``[blocks, H, block_size, 1]``, checked against the codes ``main``."""
+    norm = store.parts["norm"]
+    if norm.dim() != 4 or norm.shape[:3] != main.shape[:3]:
+        raise Unsupported(f"{store.quantizer.describe()}: norm part not [blocks, H, block_size, 1]")
+    return norm
+
+
+# head rows built from a store's static state, per store (weak: they go with the store)
+_head_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cached_head_rows(
+    store, names: tuple[str, ...], device: torch.device, build: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """``build()``'s rows for ``store``, built again only when its state entries ``names`` (compared by identity:
+    state tensors are replaced, never modified in place), its batch or ``device`` change."""
+    same = (store.state, *(store.state.get(n) for n in names))
+    shape = (store.batch, device)
+    hit = _head_rows.get(store)
+    if hit is None or hit[1] != shape or any(a is not b for a, b in zip(hit[0], same, strict=True)):
+        hit = (same, shape, build())
+        _head_rows[store] = hit
+    return hit[2]
 
 
 @triton.jit
@@ -161,19 +187,12 @@ def tqc_rows(qz, state: dict[str, torch.Tensor], batch: int, heads: int, device:
 def tqc_operand(store, main: torch.Tensor, operand_cls: type):
     """``operand_cls`` (:class:`~kvquant.kernels.triton_dequant.Operand`) for a ``tqc`` store: the codes, the norm
     codes as the per-token part, and the :func:`tqc_rows` rows as the head part. The rows are built once per
-    state (the state is static: fitted on the first chunk) and kept on the store."""
+    state (the state is static: fitted on the first chunk): :func:`cached_head_rows`."""
     qz = store.quantizer
-    norm = store.parts["norm"]
-    if norm.dim() != 4 or norm.shape[:3] != main.shape[:3]:
-        raise Unsupported(f"{qz.describe()}: norm part not [blocks, H, block_size, 1]")
-    state = store.state
-    same = (state, state.get("params"), state.get("scale"))  # compared by identity
-    shape = (store.batch, main.device)
-    cached = getattr(store, "_tqc_rows", None)
-    if cached is None or cached[1] != shape or any(a is not b for a, b in zip(cached[0], same, strict=True)):
-        cached = (same, shape, tqc_rows(qz, state, store.batch, store.heads, main.device))
-        store._tqc_rows = cached
-    return operand_cls(main, norm, main, cached[2], KIND_TQC, bits=8)
+    norm = norm_part(store, main)
+    rows = cached_head_rows(store, ("params", "scale"), main.device,
+                            lambda: tqc_rows(qz, store.state, store.batch, store.heads, main.device))  # fmt: skip
+    return operand_cls(main, norm, main, rows, KIND_TQC, bits=8)
 
 
 @triton.jit
@@ -216,22 +235,15 @@ def tqv_rows(qz, state: dict[str, torch.Tensor], batch: int, heads: int, device:
 
 def tqv_operand(store, main: torch.Tensor, operand_cls: type):
     """``operand_cls`` (:class:`~kvquant.kernels.triton_dequant.Operand`) for a ``tqv`` store: the codes, the norm
-    codes as the per-token part, and the :func:`tqv_rows` rows as the head part (built once per state, kept on the
-    store, as for ``tqc``)."""
+    codes as the per-token part, and the :func:`tqv_rows` rows as the head part (built once per state:
+    :func:`cached_head_rows`, as for ``tqc``)."""
     qz = store.quantizer
-    norm = store.parts["norm"]
-    if norm.dim() != 4 or norm.shape[:3] != main.shape[:3]:
-        raise Unsupported(f"{qz.describe()}: norm part not [blocks, H, block_size, 1]")
+    norm = norm_part(store, main)
     if qz.dim != 2 or qz.head_dim % 8:
         raise Unsupported(f"{qz.describe()}: {qz.dim}-D codes / head_dim {qz.head_dim}: only pairs, whole bytes")
-    state = store.state
-    same = (state, state.get("params"))  # compared by identity
-    shape = (store.batch, main.device)
-    cached = getattr(store, "_tqv_rows", None)
-    if cached is None or cached[1] != shape or any(a is not b for a, b in zip(cached[0], same, strict=True)):
-        cached = (same, shape, tqv_rows(qz, state, store.batch, store.heads, main.device))
-        store._tqv_rows = cached
-    return operand_cls(main, norm, main, cached[2], KIND_TQV, bits=qz.bits)
+    rows = cached_head_rows(store, ("params",), main.device,
+                            lambda: tqv_rows(qz, store.state, store.batch, store.heads, main.device))  # fmt: skip
+    return operand_cls(main, norm, main, rows, KIND_TQV, bits=qz.bits)
 
 
 @triton.jit
