@@ -241,8 +241,11 @@ class LayerStore(LaneLayer, OffloadedStore):
     @property
     def capacity(self) -> int:
         """Tokens the rows' block tables cover plus the free blocks, per row (whole blocks)."""
-        held = max([0, *(len(t) for t in self.tables)])  # (no max(default=): torch.compile traces this)
-        return (held + len(self.blocks.free) // max(1, self.batch)) * self.block_size
+        return (self._table_width() + len(self.blocks.free) // max(1, self.batch)) * self.block_size
+
+    def _table_width(self) -> int:
+        """Entries of the longest block table (0 without any)."""
+        return max([0, *(len(t) for t in self.tables)])  # (not max(default=): torch.compile traces this)
 
     def reserve(self, tokens: int) -> None:
         """Make room for ``tokens`` tokens per row (whole blocks) in the arena."""
@@ -870,7 +873,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         missing entries point at block 0: they are never visible). Lanes: the lane ids of every (row, head),
         ``[B, H, max_lanes]`` (missing entries point at the head's first lane: never visible)."""
         if self._table_cache is None and self.lanes:
-            width = max([0, *(len(t) for t in self.tables)])
+            width = self._table_width()
             rows = []
             for i, t in enumerate(self.tables):
                 pad = t[0] if t else self.lane_offset[self.head_lane[i % self.num_heads][0]]
@@ -879,7 +882,7 @@ class LayerStore(LaneLayer, OffloadedStore):
                 self.batch, self.num_heads, width)
             self._lane_runs = [self._lane_run(gi) for gi in range(len(self.groups))]
         if self._table_cache is None:
-            width = max([0, *(len(t) for t in self.tables)])
+            width = self._table_width()
             rows = [[max(b, 0) for b in t] + [0] * (width - len(t)) for t in self.tables]
             self._table_cache = torch.tensor(rows, dtype=torch.long, device=self.device).view(self.batch, width)
         return self._table_cache
