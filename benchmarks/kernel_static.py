@@ -86,6 +86,10 @@ VARIANTS: dict[str, list[tuple[str, str, float]]] = {
     "tqv3": [("tqv3", "tq3", 1.0)],
     "tqv4": [("tqv4", "tqv4", 1.0)],  # K and V as 2-D vector codes
     "tqv2": [("tqv2", "tqv2", 1.0)],
+    # trellis codes tqt: an L-bit window of the row's circular code stream (3 byte loads, shift, mask), table lookup
+    "tqt3": [("tqt3", "tqt3", 1.0)],
+    "tqt2": [("tqt2", "tqt2", 1.0)],
+    "tqt4": [("tqt4", "tqt4", 1.0)],
 }
 #: acceptance (head_dim 128, group 4): minimum predicted speed-up over the fp16 kernel
 TARGETS = {"int8": 1.8, "fp8-e4m3": 1.8, "int4": 3.0, "int4-channel": 3.0}

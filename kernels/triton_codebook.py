@@ -31,6 +31,12 @@ table of ``2^W`` codewords of two coordinates. One fp32 row per (sequence, head)
 
 :func:`tqv_tile` dequantizes a tile in registers (each channel reads its pair's code, then one coordinate).
 
+Trellis codes ``tqt{b}`` (:class:`~kvquant.quantizers.trellis.TrellisCodebook`, kind :data:`KIND_TQT`) live in the same
+head space: a row's ``b D`` bits are one circular little-endian stream, channel ``j`` reads the ``L = b + 6``-bit
+window ending at bit ``b (j + 1)`` (the first windows wrap to the row's end) and looks it up in a table of ``2^L``
+values; one fp32 row per (sequence, head), :func:`table_rows`: ``[lo, step, table_0 .. table_{2^L - 1}]``.
+:func:`tqt_tile` reads three bytes per channel (the window never spans more), shifts and masks.
+
 What the kernels read per (sequence, head), from the quantizer's ``params`` row
 ``[lo, step, level_0 .. level_{2^b - 1}]`` (fp32, ``2 + 2^b`` values, a few hundred bytes in L1):
 
@@ -59,6 +65,8 @@ KIND_TQC = 9  # tqc-<widths>: per-channel widths, value = level_w[code] * sigma[
 TQC_LEVELS = 512  # the level table of a tqc row: widths 1..8 back to back (510 values), then zeros (width 0)
 TQC_ZERO = 510  # level base of a width-0 channel (its code is 0: it reads a zero, the channel's mean)
 KIND_TQV = 10  # tqv{b}: a 2b-bit code per pair of channels, value = codeword[code][j % 2] * norm[token]
+KIND_TQT = 11  # tqt{b}: a circular b-bit code stream, value = table[L-bit window ending at code j] * norm[token]
+TQT_CARRIED = 6  # tqt's window is b + 6 bits (kvquant.quantizers.trellis.STATE_BITS)
 
 
 @triton.jit
@@ -129,7 +137,7 @@ def cached_head_rows(
 def part_bases(P, S, Z, PH, sh, ssh, hg, pid, KIND: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr = 0):
     """Head ``hg``'s pointers to a part, its scale and its zero (block 0); for a codebook part (``KIND`` 8)
     the third is the (sequence, head)'s params row instead (norm code range, levels); for ``tqc`` (``KIND``
-    9, head_dim ``D``) its :func:`tqc_rows` row; for ``tqv`` (``KIND`` 10) its :func:`tqv_rows` row."""
+    9, head_dim ``D``) its :func:`tqc_rows` row; for ``tqv`` / ``tqt`` (``KIND`` 10 / 11) its :func:`table_rows` row."""
     h = hg.to(tl.int64)  # head strides of a head-major pool can exceed 2^31 elements
     # one return: compiled, a return under a constexpr branch still meets the later one ("return type mismatch")
     if KIND == 8:  # noqa: SIM108  (a statement, not a ternary: constexpr branches are compiled apart)
@@ -138,6 +146,8 @@ def part_bases(P, S, Z, PH, sh, ssh, hg, pid, KIND: tl.constexpr, BITS: tl.const
         third = PH + pid.to(tl.int64) * (2 + 2 * D + 512)
     elif KIND == 10:
         third = PH + pid.to(tl.int64) * (2 + (2 << (2 * BITS)))
+    elif KIND == 11:
+        third = PH + pid.to(tl.int64) * (2 + (1 << (BITS + 6)))
     else:
         third = Z + h * ssh
     return P + h * sh, S + h * ssh, third
@@ -216,34 +226,49 @@ def tqc_tile(ptr, row, rows, m2, offs_d, D: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------- tqv: 2-D vector codebooks
-def tqv_rows(qz, state: dict[str, torch.Tensor], batch: int, heads: int, device: torch.device) -> torch.Tensor:
-    """The fp32 rows ``[batch, heads, 2 + 2^(2b + 1)]`` the kernels read for a ``tqv{b}`` store (see the module doc):
-    the norm code range ``params [B, H, 2]`` of the state (not fitted yet: zeros, nothing is in the pool), then the
-    quantizer's codewords ``[2^(2b), 2]`` row-major."""
-    cw = qz.codewords.float().to(device)
-    if cw.shape != (2 ** (2 * qz.bits), 2):
-        raise Unsupported(f"{qz.describe()}: codewords {tuple(cw.shape)} are not 2-D codes of {2 * qz.bits} bits")
-    rows = torch.zeros(batch, heads, 2 + cw.numel(), device=device)
+def table_rows(qz, state: dict[str, torch.Tensor], batch: int, heads: int, device: torch.device,
+               table: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The fp32 rows ``[batch, heads, 2 + table.numel()]`` the kernels read for a ``tqv`` / ``tqt`` store: the norm code
+    range ``params [B, H, 2]`` of the state (not fitted yet: zeros, nothing is in the pool), then the quantizer's
+    constant ``table`` flattened (row-major)."""
+    rows = torch.zeros(batch, heads, 2 + table.numel(), device=device)
     params = state.get("params")
     if params is not None:
         if params.shape != (batch, heads, 2):
-            raise Unsupported(f"{qz.describe()}: tqv state {tuple(params.shape)} not per (sequence, head)")
+            raise Unsupported(f"{qz.describe()}: {qz.name} state {tuple(params.shape)} not per (sequence, head)")
         rows[..., :2] = params.float()
-    rows[..., 2:] = cw.flatten()
+    rows[..., 2:] = table.float().to(device).flatten()
     return rows
 
 
-def tqv_operand(store, main: torch.Tensor, operand_cls: type):
-    """``operand_cls`` (:class:`~kvquant.kernels.triton_dequant.Operand`) for a ``tqv`` store: the codes, the norm
-    codes as the per-token part, and the :func:`tqv_rows` rows as the head part (built once per state:
+def tqv_rows(qz, state: dict[str, torch.Tensor], batch: int, heads: int, device: torch.device) -> torch.Tensor:
+    """The fp32 rows ``[batch, heads, 2 + 2^(2b + 1)]`` the kernels read for a ``tqv{b}`` store (see the module doc):
+    the norm code range, then the quantizer's codewords ``[2^(2b), 2]`` row-major (:func:`table_rows`)."""
+    cw = qz.codewords
+    if cw.shape != (2 ** (2 * qz.bits), 2):
+        raise Unsupported(f"{qz.describe()}: codewords {tuple(cw.shape)} are not 2-D codes of {2 * qz.bits} bits")
+    return table_rows(qz, state, batch, heads, device, cw)
+
+
+def table_operand(store, main: torch.Tensor, operand_cls: type, kind: int, build: Callable[[], torch.Tensor]):
+    """``operand_cls`` (:class:`~kvquant.kernels.triton_dequant.Operand`) for a ``tqv`` / ``tqt`` store: the codes, the
+    norm codes as the per-token part, and ``build()``'s rows as the head part (built once per state:
     :func:`cached_head_rows`, as for ``tqc``)."""
     qz = store.quantizer
     norm = norm_part(store, main)
-    if qz.dim != 2 or qz.head_dim % 8:
-        raise Unsupported(f"{qz.describe()}: {qz.dim}-D codes / head_dim {qz.head_dim}: only pairs, whole bytes")
-    rows = cached_head_rows(store, ("params",), main.device,
-                            lambda: tqv_rows(qz, store.state, store.batch, store.heads, main.device))  # fmt: skip
-    return operand_cls(main, norm, main, rows, KIND_TQV, bits=qz.bits)
+    if qz.head_dim % 8:
+        raise Unsupported(f"{qz.describe()}: head_dim {qz.head_dim} not a multiple of 8 (whole bytes per row)")
+    rows = cached_head_rows(store, ("params",), main.device, build)
+    return operand_cls(main, norm, main, rows, kind, bits=qz.bits)
+
+
+def tqv_operand(store, main: torch.Tensor, operand_cls: type):
+    """:func:`table_operand` for a ``tqv`` store (:func:`tqv_rows`)."""
+    qz = store.quantizer
+    if qz.dim != 2:
+        raise Unsupported(f"{qz.describe()}: {qz.dim}-D codes: only pairs")
+    return table_operand(store, main, operand_cls, KIND_TQV,
+                         lambda: tqv_rows(qz, store.state, store.batch, store.heads, main.device))  # fmt: skip
 
 
 @triton.jit
@@ -259,3 +284,34 @@ def tqv_tile(ptr, row, rows, m2, offs_d, BITS: tl.constexpr):
         word = word | (tl.load(addr + 1, mask=m2 & ((start % 8) + W > 8)[None, :], other=0).to(tl.int32) << 8)
     code = (word >> (start % 8)[None, :]) & ((1 << W) - 1)
     return tl.load(row + 2 + 2 * code + (offs_d % 2)[None, :]).to(tl.float32)
+
+
+# ------------------------------------------------------------------------------- tqt: bit-shift trellis codes
+def tqt_operand(store, main: torch.Tensor, operand_cls: type):
+    """:func:`table_operand` for a ``tqt`` store: rows ``[lo, step, table (2^L values)]``."""
+    qz = store.quantizer
+    if qz.state_bits != qz.bits + TQT_CARRIED or qz.state_bits > 16:
+        raise Unsupported(f"{qz.describe()}: a {qz.state_bits}-bit trellis window; the kernels read {qz.bits + 6}")
+    def build() -> torch.Tensor:
+        return table_rows(qz, store.state, store.batch, store.heads, main.device, qz.table)
+
+    return table_operand(store, main, operand_cls, KIND_TQT, build)
+
+
+@triton.jit
+def tqt_tile(ptr, row, rows, m2, offs_d, BITS: tl.constexpr, D: tl.constexpr):
+    """Float32 ``[BLOCK_N, D]`` head-space tile ``table[s_j]`` (no row norm: a token scale, see
+    :func:`codebook_norms`) of the ``tqt{BITS}`` rows at element offsets ``rows`` from ``ptr`` (rows outside
+    ``m2 [BLOCK_N, 1]`` read code 0); ``row``: the (sequence, head)'s :func:`table_rows` row. The state ``s_j`` of
+    channel ``j`` is the ``L``-bit window of the row's circular bit stream that ends at bit ``BITS (j + 1)``: three
+    bytes from its first byte on (wrapping to the row start), shifted, masked."""
+    L: tl.constexpr = BITS + 6
+    RB: tl.constexpr = BITS * D // 8  # bytes per row
+    start = (BITS * (offs_d + 1) - L + BITS * D) % (BITS * D)  # the window's first bit, circularly
+    b = start // 8
+    base = ptr + rows[:, None]
+    w0 = tl.load(base + b[None, :], mask=m2, other=0).to(tl.int32)
+    w1 = tl.load(base + ((b + 1) % RB)[None, :], mask=m2, other=0).to(tl.int32)
+    w2 = tl.load(base + ((b + 2) % RB)[None, :], mask=m2, other=0).to(tl.int32)
+    state = ((w0 | (w1 << 8) | (w2 << 16)) >> (start % 8)[None, :]) & ((1 << L) - 1)
+    return tl.load(row + 2 + state).to(tl.float32)

@@ -36,6 +36,7 @@ KINDS = {
     "tqc4": ("tqc4", True),  # per-channel widths (tqc-<widths>), a real SmolLM2 key head's: see TQC_EXAMPLES
     "tqc3": ("tqc3", True),
     **{p: (p, True) for p in ("tqv4", "tqv3", "tqv2")},  # 2-D vector codebooks: a code per channel pair
+    **{p: (p, True) for p in ("tqt4", "tqt3", "tqt2")},  # trellis codes: a window of a circular code stream
 }  # fmt: skip
 #: per-channel key widths of two real SmolLM2-135M key heads (head_dim 64, RoPE halves [0, 32) / [32, 64)):
 #: recipes/configs/tqc4-v72-r15s1.yaml (widths 1..8, 4 bits average) and tqc3-r7s1.yaml (1..6, 3 bits)
@@ -145,6 +146,8 @@ def matrix(full: bool):
         yield ("chunk", "tqc3", "tqc4", 2, 64, 2, False, 90)
         yield ("decode", "tqv3", "tq3", 1, 128, 4, True, 90)  # tqv: pair codes, codeword table read in-kernel
         yield ("chunk", "tqv4", "tqv2", 2, 64, 2, False, 90)
+        yield ("decode", "tqt3", "tq3", 1, 128, 4, True, 90)  # tqt: windows of the circular stream, table lookup
+        yield ("chunk", "tqt4", "tqt2", 2, 64, 2, False, 90)
         return
     for k, dot in itertools.product(KINDS, (0, 1, 2)):
         yield ("decode", k, k, dot, 128, 4, True, 90)

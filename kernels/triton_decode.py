@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_codebook import KIND_CODEBOOK, KIND_TQC, KIND_TQV, codebook_norms, part_bases
+from .triton_codebook import KIND_CODEBOOK, KIND_TQC, KIND_TQT, KIND_TQV, codebook_norms, part_bases
 from .triton_dequant import (
     DOT_FP16,
     DOT_IEEE,
@@ -1005,7 +1005,7 @@ def launch_config(kop: Operand, vop: Operand, dot: int, head_dim: int) -> tuple[
     kinds = {kop.kind, vop.kind}
     folded = [kop.folds4(head_dim) or kop.folds_channel4(), vop.folds4(head_dim)]
     unfolded = {op.kind for op, f in zip((kop, vop), folded, strict=True) if not f}
-    if {KIND_INTN, KIND_CHANNEL, KIND_CODEBOOK, KIND_TQC, KIND_TQV} & unfolded:  # packed codes dequantized in registers
+    if {KIND_INTN, KIND_CHANNEL, KIND_CODEBOOK, KIND_TQC, KIND_TQV, KIND_TQT} & unfolded:  # codes unpacked in registers
         block_n, warps = 32, 8
     elif dot == DOT_IEEE:
         block_n, warps = 64, 8

@@ -23,6 +23,9 @@ applies the scales there. Which scale goes where (scale folding)::
     TQV         q  uint8, a 2b-bit code per    -                     norm[t] as CODEBOOK
                    channel pair; codewords                           (:func:`~triton_codebook.tqv_tile`)
                    in a row per [b, h]
+    TQT         q  uint8, a circular stream    -                     norm[t] as CODEBOOK
+                   of b-bit codes; 2^(b+6)                           (:func:`~triton_codebook.tqt_tile`)
+                   table in a row per [b, h]
 
 A per-head K scale is folded into the softmax scale (``scores = (q . k_codes) * scaling * s_k[h]``);
 a per-head V scale multiplies the accumulator once, after the history loop; a per-token scale is
@@ -61,10 +64,20 @@ from kvquant.quantizers import (
     IntNChannel,
     IntNGrouped,
     Passthrough,
+    TrellisCodebook,
     VectorCodebook,
 )
 
-from .triton_codebook import codebook_levels, codebook_operand, tqc_operand, tqc_tile, tqv_operand, tqv_tile
+from .triton_codebook import (
+    codebook_levels,
+    codebook_operand,
+    tqc_operand,
+    tqc_tile,
+    tqt_operand,
+    tqt_tile,
+    tqv_operand,
+    tqv_tile,
+)
 from .unsupported import Unsupported
 
 KIND_FLOAT = 0
@@ -142,6 +155,8 @@ def load_tile(
         x = tqc_tile(ptr, zp_ptr, rows, m2, offs_d, D)
     elif KIND == 10:  # tqv: a code per channel pair into a 2-D codeword table (zp_ptr = the tqv row)
         x = tqv_tile(ptr, zp_ptr, rows, m2, offs_d, BITS)
+    elif KIND == 11:  # tqt: an L-bit window of the row's circular code stream into a table (zp_ptr = the row)
+        x = tqt_tile(ptr, zp_ptr, rows, m2, offs_d, BITS, D)
     elif KIND == 5:
         b = tl.load(ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0).to(tl.uint16)
         bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
@@ -717,6 +732,8 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
         return tqc_operand(store, main, Operand)
     if isinstance(qz, VectorCodebook):  # tqv: a 2b-bit code per pair of rotated channels + an 8-bit log norm
         return tqv_operand(store, main, Operand)
+    if isinstance(qz, TrellisCodebook):  # tqt: a circular b-bit code stream read by L-bit windows + a log norm
+        return tqt_operand(store, main, Operand)
     if isinstance(qz, Fp8):
         if fp8_native:
             kind, data = KIND_FP8, main

@@ -23,6 +23,7 @@ CONFIGS = {
     "tq3-sinks-residual-step1": {"default": "tq3", "sink_tokens": 2, "residual_tokens": 4, "residual_step": 1},
     "tqc": {"default": TQC},
     "tqv3": {"default": "tqv3"},
+    "tqt3": {"default": "tqt3"},
     "tq4-keys-int8-values": {"default": {"key": "tq4", "value": "int8"}},
 }
 
@@ -70,7 +71,7 @@ def test_per_sequence_state_entries():
     assert all(tqc.per_sequence(n, t) for n, t in st.items())
 
 
-@pytest.mark.parametrize("name", ["tq4", "tqc", "tqv3"])
+@pytest.mark.parametrize("name", ["tq4", "tqc", "tqv3", "tqt3"])
 def test_beam_search_through_codebook_heads(name):
     """generate() with beams over codebook heads runs, and its beams stay close to FP16 teacher-forced on the
     same tokens. (Exact agreement with a one-row teacher-forced run is not asserted: the fitted state comes

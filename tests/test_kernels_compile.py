@@ -31,4 +31,4 @@ def test_kernels_compile_for_cuda():
     assert proc.returncode == 0 and lines and all(ln.startswith("ok") for ln in lines), (
         proc.stdout[-4000:] + proc.stderr[-4000:]
     )
-    assert len(lines) == 16
+    assert len(lines) == 18

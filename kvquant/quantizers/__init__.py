@@ -20,6 +20,7 @@ from .fp8 import FP8_DTYPES, Fp8
 from .int8 import Int8PerToken, Int8SharedScale
 from .intn import Int3Grouped, IntNChannel, IntNGrouped, pack_codes, unpack_codes
 from .passthrough import FLOAT_DTYPES, Passthrough
+from .trellis import TrellisCodebook
 
 #: Every precision a config may name, with a one-line description.
 PRECISIONS: dict[str, str] = {
@@ -41,6 +42,9 @@ PRECISIONS: dict[str, str] = {
     "tqv4": "tq4 with pairs of rotated coordinates coded jointly (256 Gaussian 2-D codewords; read in-kernel)",
     "tqv3": "tq3 with pairs of rotated coordinates coded jointly (64 Gaussian 2-D codewords; read in-kernel)",
     "tqv2": "tq2 with pairs of rotated coordinates coded jointly (16 Gaussian 2-D codewords; read in-kernel)",
+    "tqt4": "tq4 with the rotated row coded by a tail-biting 1024-state bit-shift trellis (same bytes; read in-kernel)",
+    "tqt3": "tq3 with the rotated row coded by a tail-biting 512-state bit-shift trellis (same bytes; read in-kernel)",
+    "tqt2": "tq2 with the rotated row coded by a tail-biting 256-state bit-shift trellis (same bytes; read in-kernel)",
     "fp8-e4m3": "FP8 e4m3 storage, one scale per (layer, KV head)",
     "fp8-e5m2": "FP8 e5m2 storage, one scale per (layer, KV head)",
 }
@@ -49,6 +53,7 @@ GROUPED = {"int4": 4, "int3": 3, "int2": 2}
 CHANNEL = {"int8-channel": 8, "int4-channel": 4, "int3-channel": 3, "int2-channel": 2}
 CODEBOOK = {"tq4": 4, "tq3": 3, "tq2": 2}
 VECTOR = {"tqv4": 4, "tqv3": 3, "tqv2": 2}
+TRELLIS = {"tqt4": 4, "tqt3": 3, "tqt2": 2}
 #: Precision families whose name carries parameters: prefix -> description.
 PRECISION_FAMILIES: dict[str, str] = {
     CHANNEL_PREFIX: "tqc-<one width digit 0-8 per channel>: per-channel Gaussian Lloyd-Max codes of calibrated "
@@ -84,6 +89,8 @@ def make_quantizer(
         return Codebook(head_dim, bits=CODEBOOK[precision])
     if precision in VECTOR:
         return VectorCodebook(head_dim, bits=VECTOR[precision])
+    if precision in TRELLIS:
+        return TrellisCodebook(head_dim, bits=TRELLIS[precision])
     if precision.startswith(CHANNEL_PREFIX):
         return ChannelCodebook.from_name(precision, head_dim)
     if precision in FP8_DTYPES:
@@ -94,6 +101,8 @@ def make_quantizer(
 __all__ = [
     "CHANNEL_PREFIX",
     "CODEBOOK",
+    "TRELLIS",
+    "TrellisCodebook",
     "VECTOR",
     "VectorCodebook",
     "PRECISION_FAMILIES",
