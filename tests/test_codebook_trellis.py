@@ -1,7 +1,7 @@
 """Trellis-coded rotated rows ``tqt{bits}``: the Viterbi search against brute force, the tail-biting stream decoding
 to the path the encoder chose, the Gaussian MSE against the scalar / 2-D codes and the rate-distortion bound, the
-error on rotated rows at the same bytes as ``tq`` / ``tqv``, exact head-space attention through a LayerStore,
-bytes held, and the Triton dispatch's fallback."""
+error on rotated rows at the same bytes as ``tq`` / ``tqv``, bytes held. (Names and exact head-space attention
+through a LayerStore: test_codebook_vector.py, parametrized over ``tqv`` / ``tqt``; kernels: test_kernels_tables.py.)"""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from kvquant.config import KVPrecision
-from kvquant.kernels import dispatch
-from kvquant.quantizers import Codebook, TrellisCodebook, VectorCodebook, is_precision, make_quantizer
+from kvquant.quantizers import Codebook, TrellisCodebook, VectorCodebook
 from kvquant.quantizers.codebook import gaussian_distortion, gaussian_vq, vq_nearest
 from kvquant.quantizers.trellis import encode, states_of, trellis_table, viterbi
-from tests.test_codebook import DEV, codebook_layer, model_space_reference
+from tests.test_codebook import codebook_layer
 from tests.test_codebook_vector import relative_error
 
 
@@ -85,30 +84,6 @@ def test_beats_tq_and_tqv_at_the_same_bytes(bits):
     assert tqt.parts() == tq.parts() and tqt.bits_per_element() == tq.bits_per_element()
     e_tq, e_tqv, e_tqt = relative_error(tq, x), relative_error(tqv, x), relative_error(tqt, x)
     assert e_tqt < 0.9 * e_tqv < 0.9 * e_tq, (bits, e_tqt, e_tqv, e_tq)
-
-
-def test_names():
-    assert is_precision("tqt3") and isinstance(make_quantizer("tqt3", 64), TrellisCodebook)
-    assert make_quantizer("tqt2", 128).name == "tqt2"
-    with pytest.raises(ValueError, match="head_dim"):
-        TrellisCodebook(48, 3)
-    with pytest.raises(ValueError, match="bits"):
-        TrellisCodebook(64, 5)
-
-
-@pytest.mark.parametrize("option", [{}, {"sink_tokens": 4, "residual_tokens": 7, "residual_step": 1}],
-                         ids=["plain", "sinks+residual-step1"])  # fmt: skip
-@pytest.mark.parametrize("Tq", [1, 5])
-def test_head_space_attention_is_exact(option, Tq, monkeypatch):
-    """Through a LayerStore (tqt3 keys beside tq3 values, a tqt2/tqv3 head and an int8 head), attention over the
-    stored rows equals SDPA over the model-space dequantized history."""
-    monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
-    row = [KVPrecision("tqt3", "tq3"), KVPrecision("tqt2", "tqv3"), KVPrecision("int8-token", "int8-token")]
-    layer, k, v = codebook_layer(row, past=70, Tq=Tq, steps=(40, 41), **option)
-    q = torch.randn(2, 3 * layer.num_heads, Tq, 64, device=DEV)
-    out = dispatch.attend(q, k[:, :, 70:], v[:, :, 70:], layer, 70, None, 0.125)
-    ref = model_space_reference(q, k, v, layer, 70, 0.125)
-    assert (out - ref).abs().max() <= 2e-4
 
 
 def test_memory_counts_like_tqv():

@@ -1,6 +1,7 @@
 """Vector codebooks ``tqv{bits}`` (pairs of rotated coordinates coded jointly): the Gaussian MSE against the
 scalar Lloyd-Max code and the rate-distortion bound, packing, the error on rotated rows against ``tq{bits}``
-at the same bytes, exact head-space attention through a LayerStore, bytes held."""
+at the same bytes, exact head-space attention through a LayerStore (also for the trellis codes ``tqt``, whose
+own tests are in test_codebook_trellis.py), names, bytes held."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from kvquant.config import KVPrecision
 from kvquant.kernels import dispatch
-from kvquant.quantizers import Codebook, VectorCodebook, is_precision, make_quantizer
+from kvquant.quantizers import Codebook, TrellisCodebook, VectorCodebook, is_precision, make_quantizer
 from kvquant.quantizers.codebook import gaussian_distortion, gaussian_vq, pack_bits, unpack_bits, vq_nearest
 from tests.test_codebook import DEV, codebook_layer, model_space_reference
 
@@ -58,23 +59,25 @@ def test_beats_tq_at_the_same_bytes(bits):
     assert e_tqv < (0.97 if bits == 4 else 0.95) * e_tq, (bits, e_tqv, e_tq)
 
 
-def test_names():
-    assert is_precision("tqv3") and isinstance(make_quantizer("tqv3", 64), VectorCodebook)
-    assert make_quantizer("tqv2", 64).name == "tqv2"
+@pytest.mark.parametrize("fam, cls", [("tqv", VectorCodebook), ("tqt", TrellisCodebook)])
+def test_names(fam, cls):
+    assert is_precision(f"{fam}3") and isinstance(make_quantizer(f"{fam}3", 64), cls)
+    assert make_quantizer(f"{fam}2", 128).name == f"{fam}2"
     with pytest.raises(ValueError, match="head_dim"):
-        VectorCodebook(48, 3)
+        cls(48, 3)
     with pytest.raises(ValueError, match="bits"):
-        VectorCodebook(64, 5)
+        cls(64, 5)
 
 
+@pytest.mark.parametrize("fam", ["tqv", "tqt"])
 @pytest.mark.parametrize("option", [{}, {"sink_tokens": 4, "residual_tokens": 7, "residual_step": 1}],
                          ids=["plain", "sinks+residual-step1"])  # fmt: skip
 @pytest.mark.parametrize("Tq", [1, 5])
-def test_head_space_attention_is_exact(option, Tq, monkeypatch):
-    """Through a LayerStore (tqv3 keys beside tq3 values, a tqv2/tqv4 head and an int8 head), attention over the
-    stored rows equals SDPA over the model-space dequantized history."""
+def test_head_space_attention_is_exact(fam, option, Tq, monkeypatch):
+    """Through a LayerStore (tqv3 / tqt3 keys beside tq3 values, a 2-bit-key / 4-bit-value head of the family and an
+    int8 head), attention over the stored rows equals SDPA over the model-space dequantized history."""
     monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
-    row = [KVPrecision("tqv3", "tq3"), KVPrecision("tqv2", "tqv4"), KVPrecision("int8-token", "int8-token")]
+    row = [KVPrecision(f"{fam}3", "tq3"), KVPrecision(f"{fam}2", f"{fam}4"), KVPrecision("int8-token", "int8-token")]
     layer, k, v = codebook_layer(row, past=70, Tq=Tq, steps=(40, 41), **option)
     q = torch.randn(2, 3 * layer.num_heads, Tq, 64, device=DEV)
     out = dispatch.attend(q, k[:, :, 70:], v[:, :, 70:], layer, 70, None, 0.125)

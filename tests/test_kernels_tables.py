@@ -35,6 +35,21 @@ TOL = 1e-5  # fp32 queries, against the fp32 reference on the same stored rows
 
 
 # ------------------------------------------------------------------------------------------- host side
+def stored(qz, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(state, parts) of ``qz`` for rows ``[2, 3, 9, D]`` with per-channel spreads and offsets."""
+    D = qz.head_dim
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 9, D, generator=g) * (torch.rand(D, generator=g) + 0.3) + torch.randn(D, generator=g)
+    state = qz.fit(x)
+    return state, qz.quantize(x, state)
+
+
+def norm_of(parts: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The row norms the kernels compute from the 8-bit log codes: ``2^(lo + step (c - 1))``."""
+    p = state["params"]
+    return torch.exp2(p[..., 0, None, None] + p[..., 1, None, None] * (parts["norm"].float() - 1))
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_rows_match_the_quantizers_packing(bits):
     """The kernels' row (norm range, codewords) and their per-channel formula (pair ``j // 2``'s code at bit
@@ -42,10 +57,7 @@ def test_rows_match_the_quantizers_packing(bits):
     :meth:`VectorCodebook.decode_space` / norm."""
     D = 64
     qz = VectorCodebook(D, bits)
-    g = torch.Generator().manual_seed(bits)
-    x = torch.randn(2, 3, 9, D, generator=g) * (torch.rand(D, generator=g) + 0.3) + torch.randn(D, generator=g)
-    state = qz.fit(x)
-    parts = qz.quantize(x, state)
+    state, parts = stored(qz, seed=bits)
     rows = tqv_rows(qz, state, 2, 3, torch.device("cpu"))
     assert rows.shape == (2, 3, 2 + 2 ** (2 * bits + 1))
     assert torch.equal(rows[..., :2], state["params"])
@@ -58,8 +70,7 @@ def test_rows_match_the_quantizers_packing(bits):
     word = p[..., byte] | torch.where(shift + W > 8, p[..., byte + 1], 0) << 8
     code = (word >> shift) & ((1 << W) - 1)
     tile = torch.gather(rows[..., None, 2:].expand(*code.shape[:3], -1), 3, 2 * code + j % 2)
-    norm = torch.exp2(state["params"][..., 0, None, None] + state["params"][..., 1, None, None]
-                      * (parts["norm"].float() - 1))  # fmt: skip
+    norm = norm_of(parts, state)
     assert torch.allclose(tile * norm, qz.decode_space(parts, state), rtol=1e-6, atol=1e-6)
 
 
@@ -83,10 +94,7 @@ def test_tqt_rows_match_the_quantizers_decoding(bits):
     lookup), emulated in torch, give :meth:`TrellisCodebook.decode_space` / norm."""
     D = 64
     qz = TrellisCodebook(D, bits)
-    g = torch.Generator().manual_seed(bits)
-    x = torch.randn(2, 3, 9, D, generator=g) * (torch.rand(D, generator=g) + 0.3) + torch.randn(D, generator=g)
-    state = qz.fit(x)
-    parts = qz.quantize(x, state)
+    state, parts = stored(qz, seed=bits)
     rows = table_rows(qz, state, 2, 3, torch.device("cpu"), qz.table)
     L = bits + 6
     assert rows.shape == (2, 3, 2 + 2**L) and qz.state_bits == L
@@ -100,8 +108,7 @@ def test_tqt_rows_match_the_quantizers_decoding(bits):
     word = p[..., byte] | p[..., (byte + 1) % RB] << 8 | p[..., (byte + 2) % RB] << 16
     st = (word >> (start % 8)) & ((1 << L) - 1)
     tile = torch.gather(rows[..., None, 2:].expand(*st.shape[:3], -1), 3, st)
-    norm = torch.exp2(state["params"][..., 0, None, None] + state["params"][..., 1, None, None]
-                      * (parts["norm"].float() - 1))  # fmt: skip
+    norm = norm_of(parts, state)
     assert torch.allclose(tile * norm, qz.decode_space(parts, state), rtol=1e-6, atol=1e-6)
 
 
