@@ -9,7 +9,7 @@ import torch
 from kvquant.config import KVPrecision, KVQuantConfig
 from kvquant.errors import ConfigError
 from kvquant.kernels import dispatch
-from kvquant.quantizers import Codebook, VectorCodebook
+from kvquant.quantizers import ChannelCodebook, Codebook, VectorCodebook
 from kvquant.quantizers.codebook import refined_levels, unpack_codes
 from tests.test_codebook import DEV, codebook_layer, model_space_reference
 
@@ -19,6 +19,18 @@ def rel_error(q, state, x, refined):
     y = q.to_space(x, state)
     r = q.decode_refined(parts, q.refine(x, state, parts), state) if refined else q.decode_space(parts, state)
     return float(((r - y) ** 2).sum(-1).mean() / (y**2).sum(-1).mean())
+
+
+def test_channel_refinement_reaches_the_next_widths():
+    """tqc: one refinement bit per channel reads about as well as every channel one bit wider."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 2, 3000, 64, generator=g) * (torch.rand(64, generator=g) * 3 + 0.2) + 1.0
+    widths = [4, 3, 3, 0, 5, 2, 3, 4] * 8
+    q, q1 = ChannelCodebook(64, widths), ChannelCodebook(64, [b + 1 for b in widths])
+    st = q.fit(x)
+    base, ref = rel_error(q, st, x, False), rel_error(q, st, x, True)
+    assert ref < 0.4 * base
+    assert ref < 1.05 * rel_error(q1, q1.fit(x), x, False)
 
 
 @pytest.mark.parametrize("cls", [Codebook, VectorCodebook])
@@ -101,16 +113,21 @@ ROW = [KVPrecision("tq3", "tqv3"), KVPrecision("tqv3", "tq2"), KVPrecision("int8
 OPTS = {"sink_tokens": 4, "residual_tokens": 5, "residual_step": 1}
 
 
-def ladder_layer(ladder=24, past=70, Tq=1, **kw):
-    return codebook_layer(ROW, past=past, Tq=Tq, steps=(40, 41, 42), ladder_tokens=ladder, **{**OPTS, **kw})
+TQC = "tqc-" + "43305234" * 8  # 3 bits a channel on average, widths 0..5
+ROW_TQC = [KVPrecision(TQC, "tqv3"), KVPrecision("tq3", "tq3"), KVPrecision(TQC, "int8-token")]
 
 
+def ladder_layer(ladder=24, past=70, Tq=1, row=ROW, **kw):
+    return codebook_layer(row, past=past, Tq=Tq, steps=(40, 41, 42), ladder_tokens=ladder, **{**OPTS, **kw})
+
+
+@pytest.mark.parametrize("row", [ROW, ROW_TQC], ids=["tq-tqv-int8", "tqc"])
 @pytest.mark.parametrize("Tq", [1, 5])
-def test_ladder_attention_is_exact(Tq, monkeypatch):
+def test_ladder_attention_is_exact(Tq, row, monkeypatch):
     """Attention over a store with a ladder equals SDPA over the history with the young rows refined (and the
     ladder moves the output towards the exact attention: it is read)."""
     monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
-    layer, k, v = ladder_layer(Tq=Tq)
+    layer, k, v = ladder_layer(Tq=Tq, row=row)
     assert layer.ladder_n == 24 and layer.q_end == 70 + Tq - 5  # (the fresh chunk is written too)
     q = torch.randn(2, 3 * layer.num_heads, Tq, 64, device=DEV)
     out = dispatch.attend(q, k[:, :, 70:], v[:, :, 70:], layer, 70, None, 0.125)

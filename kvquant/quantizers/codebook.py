@@ -480,6 +480,46 @@ class ChannelCodebook(Quantizer):
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return self.from_space(self.decode_space(parts, state), state).to(dtype)
 
+    # -- embedded refinement (the store's age ladder, ``ladder_tokens``) ----------------------
+    def refinement(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per channel, ``(children [D, 2 * 2^8], splits [D, 2^8])`` of its width's Gaussian levels
+        (:func:`gaussian_refined`; a width-0 channel gains one bit: +-0.798)."""
+        if getattr(self, "_refinement", None) is None:
+            ch = torch.zeros(self.head_dim, 2 ** (GAUSS_MAX_BITS + 1))
+            sp = torch.zeros(self.head_dim, 2**GAUSS_MAX_BITS)
+            for j, b in enumerate(self.widths.tolist()):
+                c, s = gaussian_refined(b)
+                ch[j, : len(c)], sp[j, : len(s)] = torch.tensor(c), torch.tensor(s)
+            self._refinement = (ch, sp)
+        return self._refinement
+
+    def refine_parts(self) -> dict[str, PartSpec]:
+        """The parts of one refinement row (:func:`refine_parts`): one bit per channel, every width."""
+        return refine_parts(self.head_dim)
+
+    def refine(self, x: torch.Tensor, state: dict[str, torch.Tensor], parts: Parts) -> Parts:
+        """Refinement parts of rows ``x`` (base parts ``parts``): per channel, the side of its cell's split point
+        the whitened, normalised value lies on, and the norm correction (in head space)."""
+        w = self._whiten(x, state)
+        u = w / self._row_norm(w).clamp_min(1e-30)
+        codes = self.unpack(parts["q"])
+        children, splits = (t.to(x.device) for t in self.refinement())
+        ch = torch.arange(self.head_dim, device=x.device)
+        bit = (u >= splits[ch, codes]).long()
+        c = children[ch, 2 * codes + bit] * _per_head(state["scale"].float(), u)
+        y = self.to_space(x, state)
+        return {"r": pack_bits(bit, 1), "rscale": _rscale_code(y, c, norm_of_code(parts["norm"], state["params"]))}
+
+    def decode_refined(self, parts: Parts, rparts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Refined rows in head space: ``sigma * g * rscale * children[code, bit]``, float32 ``[B, H, T, D]``."""
+        codes = self.unpack(parts["q"])
+        bit = unpack_bits(rparts["r"], 1, self.head_dim)
+        children, _ = self.refinement()
+        ch = torch.arange(self.head_dim, device=codes.device)
+        c = children.to(codes.device)[ch, 2 * codes + bit]
+        g = norm_of_code(parts["norm"], state["params"]) * _rscale(rparts["rscale"])
+        return c * g * _per_head(state["scale"].float(), c)
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Vector codebooks: ``tqv{bits}`` (rotated rows, 2-D blocks of coordinates coded jointly)
@@ -669,6 +709,21 @@ def refined_levels(levels: tuple[float, ...], head_dim: int) -> tuple[tuple[floa
     d = head_dim
     grid = torch.linspace(-1.0, 1.0, 40_001, dtype=torch.float64)[1:-1]
     w = torch.exp((d - 3) / 2 * torch.log1p(-grid * grid)) if d > 3 else torch.ones_like(grid)
+    return _split_cells(levels, grid, w)
+
+
+@functools.cache
+def gaussian_refined(bits: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """:func:`refined_levels` for :func:`gaussian_levels` ``(bits)`` on a unit Gaussian (``tqc`` channels); ``bits``
+    0 (a channel stored as its mean): one cell, the whole line, split at 0 into +-0.798."""
+    grid = torch.linspace(-9.0, 9.0, 72_001, dtype=torch.float64)
+    return _split_cells(gaussian_levels(bits) if bits else (0.0,), grid, torch.exp(-grid * grid / 2))
+
+
+def _split_cells(
+    levels: tuple[float, ...], grid: torch.Tensor, w: torch.Tensor
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Each cell of ``levels`` split by its own 2-level Lloyd-Max quantizer for the density ``w`` on ``grid``."""
     lv = torch.tensor(levels, dtype=torch.float64)
     edges = torch.cat([grid[:1] - 1, (lv[1:] + lv[:-1]) / 2, grid[-1:] + 1])
     children, splits = [], []
