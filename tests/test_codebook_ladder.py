@@ -258,3 +258,21 @@ def test_ladder_reads_any_range():
             assert torch.equal(ka, k[:, :, a:b]) and torch.equal(va, v[:, :, a:b])
         pieces = layer.read_factored(g, 0, 70)  # the pool walk stops before the young rows
         assert pieces[-2][1] <= lo or pieces[-1][0] <= lo
+
+
+def test_cache_memory_report_counts_the_ring():
+    """Through a QuantizedKVCache: the report's per-precision bytes add up to the total, the ring among them."""
+    from kvquant import ModelShape, QuantizedKVCache
+
+    shape = ModelShape(num_layers=2, num_kv_heads=3, head_dim=64)
+    cfg = KVQuantConfig.from_dict({"default": {"key": "tqv3", "value": "tq3"}, "sink_tokens": 4, "residual_tokens": 4,
+                                   "residual_step": 1, "ladder_tokens": 20, "block_size": 16})
+    cache = QuantizedKVCache(shape, cfg)
+    g = torch.Generator().manual_seed(0)
+    for n in (50, 1, 1, 1):
+        for layer in range(2):
+            k = torch.randn(1, 3, n, 64, generator=g)
+            cache.update(k, torch.randn_like(k), layer)
+    rep = cache.memory_report()
+    assert rep["per_precision"]["refinement (ladder)"] == 2 * 2 * 3 * 20 * 9  # layers, K and V, heads, rows, bytes
+    assert sum(rep["per_precision"].values()) == rep["bytes_total"]
