@@ -619,7 +619,7 @@ class LayerStore(LaneLayer, OffloadedStore):
     def _read_ladder(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """K and V of ``group``'s young pool tokens ``[start, end)`` (inside the ladder's ring) decoded with their
         refinement bits, float32 head space ``[B, Hg, t, D]`` (None: that side is read at its base width)."""
-        gi = self.groups.index(group)
+        gi = group.key.group  # (the index of the group in self.groups)
         bs = self.block_size
         j0, j1 = start // bs, -(-end // bs)
         tbl = self.table()[:, j0:j1]
