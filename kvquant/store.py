@@ -604,7 +604,8 @@ class LayerStore(LaneLayer, OffloadedStore):
                     pair.append(None)
                     continue
                 x = x if g.all_heads else x.index_select(1, g.head_index)
-                r = s.quantizer.refine(x, s.state, q.parts)
+                t0 = max(0, x.shape[2] - self.ladder_tokens)  # only the rows the ring keeps (a long prefill)
+                r = s.quantizer.refine(x[:, :, t0:], s.state, {n: t[:, :, t0:] for n, t in q.parts.items()})
                 if prev is not None and self.ladder_n:
                     r = {n: torch.cat([prev[n], t], dim=2) for n, t in r.items()}
                 pair.append({n: t[:, :, -self.ladder_tokens:] for n, t in r.items()})
