@@ -110,13 +110,16 @@ def _quantizer(width: int | str, d: int) -> Codebook | VectorCodebook:
 def _width(token: str) -> int | str:
     """A spec's width: ``3`` / ``tq3`` -> 3, ``exact`` -> 0, ``v3`` / ``tqv3`` -> ``"v3"``."""
     token = token.replace("tq", "")
+    if token == "e":
+        return "e"
     return 0 if token == "exact" else token if token.startswith("v") else int(token)
 
 
-def fake_quantize(x: torch.Tensor, bits: int | str | list[int | str]) -> torch.Tensor:
+def fake_quantize(x: torch.Tensor, bits: int | str | list[int | str], embedded: bool = False) -> torch.Tensor:
     """``x[1, H, T, D]`` through a codebook quantizer fitted on the prefill's non-sink tokens (bits 0: exact;
     ``"v3"``: the 2-D vector codebook ``tqv3``); ``bits`` per head (a list) groups the heads by width, like
-    the store's head groups."""
+    the store's head groups. ``embedded``: the base code plus its embedded refinement (one more bit per
+    coordinate, ``Codebook.refine`` / ``decode_refined``), what the store's age-ladder ring holds."""
     per_head = bits if isinstance(bits, list) else [bits] * x.shape[1]
     out = x.float().clone()
     for b in sorted(set(per_head) - {0}, key=str):
@@ -124,7 +127,11 @@ def fake_quantize(x: torch.Tensor, bits: int | str | list[int | str]) -> torch.T
         xs = x.float().index_select(1, idx)
         qz = _quantizer(b, x.shape[-1])
         state = qz.fit(xs[:, :, SINK:PREFILL])
-        out[:, idx] = qz.dequantize(qz.quantize(xs, state), state, torch.float32)
+        parts = qz.quantize(xs, state)
+        if embedded:
+            out[:, idx] = qz.from_space(qz.decode_refined(parts, qz.refine(xs, state, parts), state), state)
+        else:
+            out[:, idx] = qz.dequantize(parts, state, torch.float32)
     return out
 
 
@@ -200,8 +207,12 @@ class Lab:
         p = torch.softmax(s.masked_fill(~causal, -math.inf), -1)
         if self.mid[0]:  # an age ladder: the mid[0] tokens just past the exact window at width mid[1]
             mid = (pos[None, :] > pos[:, None] - r - self.mid[0]) & ~exact
-            km = k if kb == 0 else fake_quantize(k, self.mid[1])
-            vm = v if vb == 0 else fake_quantize(v, self.mid[1])
+            if self.mid[1] == "e":  # embedded: the base widths plus one refinement bit per coordinate
+                km = k if kb == 0 else fake_quantize(k, kb, embedded=True)
+                vm = v if vb == 0 else fake_quantize(v, vb, embedded=True)
+            else:
+                km = k if kb == 0 else fake_quantize(k, self.mid[1])
+                vm = v if vb == 0 else fake_quantize(v, self.mid[1])
             s = torch.where(mid, torch.einsum("bhgtd,bhsd->bhgts", qf, km.float()) * scaling, s)
             p = torch.softmax(s.masked_fill(~causal, -math.inf), -1)
             vh = vh.float()
@@ -251,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="windows from the END of the corpus that --key-weight calib fits its maps on")
     ap.add_argument("--mid", default="0:0",
                     help="N:W, an age ladder: the N tokens just older than the exact window at width W (e.g. 51:4), "
-                    "the rest at the spec's widths")
+                    "the rest at the spec's widths; W = e: the spec's own codes plus their embedded refinement bit "
+                    "(what an aged row loses: the store's `ladder`)")
     ap.add_argument("--layers", default=None, help="quantize only these layers, e.g. 0-14 or 3,5 (default all)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

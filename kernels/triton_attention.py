@@ -75,6 +75,8 @@ def check_shapes(query: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tens
         raise Unsupported(f"fresh K/V shape {tuple(fresh_k.shape)}, expected {(B, Hkv, Tq, D)}")
     if layer.batch != B:
         raise Unsupported(f"store batch {layer.batch}, query batch {B}")
+    if getattr(layer, "ladder_n", 0):
+        raise Unsupported("ladder_tokens: the kernels do not read the age ladder's refinement rows yet")
     for t in (query, fresh_k, fresh_v):
         if t.stride(-1) != 1 or t.device != query.device:
             raise Unsupported("query/K/V must share a device and have unit stride along head_dim")

@@ -138,6 +138,7 @@ _OPTION_FIELDS = {
     "sink_tokens",
     "residual_tokens",
     "residual_step",
+    "ladder_tokens",
     "center_keys",
     "offload",
 }
@@ -173,6 +174,13 @@ class KVQuantConfig:
             ``block_size``, so the window holds ``R`` to ``R + block_size - 1`` tokens. ``1``: it holds exactly
             ``R`` (every new token pushes the oldest one into the pool). Any value from 1 to ``block_size``;
             per-block precisions (``int*-channel``: one scale per block of tokens) need ``block_size``.
+        ladder_tokens: an age ladder: the N newest quantized tokens of each (layer, KV head) whose K (or V) is a
+            codebook code (``tq*``, ``tqv*``) also keep one refinement bit per coordinate (an embedded code: the
+            base code plus a bit that splits its cell; ``Codebook.refine``), so they read at about the next
+            width's error; older tokens drop the bit and read at the base width, never re-coded. The bits are
+            held in a small ring beside the residual window (``D / 8`` bytes per row; counted in the bytes held).
+            Not held for sliding-window layers or per-head lanes; excludes ``evict`` and ``offload``. Torch path
+            only (the Triton kernels fall back to it). 0 (default): off.
         center_keys: subtract one per-channel key mean per (sequence, KV head), fixed from the prefill
             (sink tokens left out), from every stored key before rotating and quantizing. Exact: a query
             sees ``q.(k - mu) = q.k - q.mu`` for every key, a shift common to all of its scores, which
@@ -201,6 +209,7 @@ class KVQuantConfig:
     sink_tokens: int = 0
     residual_tokens: int = 0
     residual_step: int | None = None
+    ladder_tokens: int = 0
     center_keys: bool | None = None
     offload: dict[str, Any] | None = None
     name: str | None = None
@@ -324,6 +333,9 @@ class KVQuantConfig:
         check_int(self.residual_tokens, "residual_tokens", 0, MAX_RESIDUAL_TOKENS)
         if self.residual_step is not None:
             check_int(self.residual_step, "residual_step", 1, bs)
+        check_int(self.ladder_tokens, "ladder_tokens", 0, MAX_RESIDUAL_TOKENS)
+        if self.ladder_tokens and self.offload is not None:
+            raise ConfigError("ladder_tokens: not supported together with offload (use one of them)")
         for name in ("share_kv_scale", "check_finite"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} must be true or false")
@@ -346,6 +358,8 @@ class KVQuantConfig:
             return
         if not isinstance(ev, EvictConfig):
             raise ConfigError(f"evict: expected a mapping like {{policy: snapkv, keep: 0.5}}, got {ev!r}")
+        if self.ladder_tokens:
+            raise ConfigError("ladder_tokens: not supported together with evict (kept tokens are not a suffix)")
         if self.offload is not None:  # evicting layers rewrite slots in place; host blocks are not written
             raise ConfigError("offload: not supported together with evict yet (use one of them)")
         adakv = any(c is not None and c.budget == "adakv" for c in (ev, *ev.layers.values()))

@@ -30,6 +30,11 @@ Outlier options (all in the config, composable with per-head precision):
   residual buffer; once it holds ``R + block_size`` tokens, its oldest block is quantized, once
   (``residual_step``: that many tokens at a time instead of a block; 1 keeps exactly ``R``).
   The pool then holds ``[0, q_end)``, the residual ``[q_end, cache_pos)``.
+* ``ladder_tokens = N`` (an age ladder, codebook K/V): the ``n <= N`` newest pool tokens ``[q_end - n, q_end)``
+  also keep the refinement bits of their embedded code (``Quantizer.refine``) in a small ring per head group
+  (``ladder``), and are read refined (``decode_refined``); a token that ages past them drops its bits and is
+  read at the base width, as stored. The attention walks the pool up to ``q_end - n`` and reads the young
+  rows as one more small segment (:meth:`LayerStore.read`).
 """
 
 from __future__ import annotations
@@ -228,6 +233,13 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.head_lane = {h: (gi, i) for gi, g in enumerate(self.groups) for i, h in enumerate(g.heads)}
         if self.lanes:
             self.tables = [[] for _ in range(batch * self.num_heads)]
+        # the age ladder's ring (see the module doc): per group, K and V refinement parts [B, Hg, n, ...] of the
+        # n newest pool tokens (None: that side's quantizer has no embedded refinement)
+        self.ladder_tokens = config.ladder_tokens if window is None and not self.lanes else 0
+        self.ladder: list[tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]] = []
+        self.ladder_n = 0
+        if not any(hasattr(s.quantizer, "refine") for g in self.groups for s in (g.key, g.value)):
+            self.ladder_tokens = 0  # no codebook K or V in this layer: nothing to refine
         if capacity:
             self.reserve(capacity)
 
@@ -573,7 +585,55 @@ class LayerStore(LaneLayer, OffloadedStore):
         for g, (qk, qv) in zip(self.groups, quantized, strict=True):
             g.key.commit(qk, plan)
             g.value.commit(qv, plan)
+        if self.ladder_tokens:
+            self._push_ladder(masked, quantized, pos)
         self.q_end = pos + keys.shape[2]
+
+    def _push_ladder(self, masked: dict, quantized: list, pos: int) -> None:
+        """Add the refinement parts of the chunk just written at ``pos`` to the ladder's ring and keep its newest
+        ``ladder_tokens`` rows (the ring always covers ``[q_end - ladder_n, q_end)``)."""
+        if pos != self.q_end:  # (not a suffix of the pool: start the ring again)
+            self.clear_ladder()
+        old = self.ladder or [(None, None)] * len(self.groups)
+        ring = []
+        for g, (qk, qv), (ok, ov) in zip(self.groups, quantized, old, strict=True):
+            gk, gv = masked[g.per_block]
+            pair = []
+            for s, x, q, prev in ((g.key, gk, qk, ok), (g.value, gv, qv, ov)):
+                if not hasattr(s.quantizer, "refine"):
+                    pair.append(None)
+                    continue
+                x = x if g.all_heads else x.index_select(1, g.head_index)
+                t0 = max(0, x.shape[2] - self.ladder_tokens)  # only the rows the ring keeps (a long prefill)
+                r = s.quantizer.refine(x[:, :, t0:], s.state, {n: t[:, :, t0:] for n, t in q.parts.items()})
+                if prev is not None and self.ladder_n:
+                    r = {n: torch.cat([prev[n], t], dim=2) for n, t in r.items()}
+                pair.append({n: t[:, :, -self.ladder_tokens:] for n, t in r.items()})
+            ring.append((pair[0], pair[1]))
+        self.ladder = ring
+        self.ladder_n = min(self.ladder_tokens, self.ladder_n + next(iter(masked.values()))[0].shape[2])
+
+    def clear_ladder(self) -> None:
+        """Drop the ladder's refinement rows (the pool's tokens then read at their base width)."""
+        self.ladder, self.ladder_n = [], 0
+
+    def _read_ladder(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """K and V of ``group``'s young pool tokens ``[start, end)`` (inside the ladder's ring) decoded with their
+        refinement bits, float32 head space ``[B, Hg, t, D]`` (None: that side is read at its base width)."""
+        gi = group.key.group  # (the index of the group in self.groups)
+        bs = self.block_size
+        j0, j1 = start // bs, -(-end // bs)
+        tbl = self.table()[:, j0:j1]
+        off = start - (self.q_end - self.ladder_n)
+        out = []
+        for s, ring in zip((group.key, group.value), self.ladder[gi], strict=True):
+            if ring is None:
+                out.append(None)
+                continue
+            parts = s._window(tbl, start - j0 * bs, end - start, None, None)
+            rp = {n: t[:, :, off:off + end - start] for n, t in ring.items()}
+            out.append(s.quantizer.decode_refined(parts, rp, s.state).float())
+        return out[0], out[1]
 
     def _place(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> WritePlan:
         """Choose a block for every (row, block) a write at ``pos`` touches, and update the tables.
@@ -857,6 +917,13 @@ class LayerStore(LaneLayer, OffloadedStore):
     def _read_quantized(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``group``'s pool tokens ``[start, end)`` (:meth:`read_pool`), sink rows from the sink buffer."""
         k, v = self.read_pool(group, start, end)
+        a, b = max(start, self.q_end - self.ladder_n), min(end, self.q_end)
+        if self.ladder_n and a < b:  # the ladder's young rows, refined
+            rk, rv = self._read_ladder(group, a, b)
+            if rk is not None:
+                k[:, :, a - start:b - start] = rk
+            if rv is not None:
+                v[:, :, a - start:b - start] = rv
         if self.sink_k is not None and start < self.sink_end:
             # each row's sink tokens from the sink buffer, selected on the device (no host synchronisation)
             slot = torch.arange(start, end, device=self.device)[None, :] - self.row_start[:, None]  # [B, t]
@@ -894,6 +961,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         as :meth:`read`."""
         pieces = []
         pool_end = min(end, self.lane_top(group) if self.tail_lanes else self.q_end)  # (tails: see kvquant.lanes)
+        pool_end = min(pool_end, self.q_end - self.ladder_n)  # the ladder's young rows: read() refines them
         a = start
         if a < pool_end and self.sink_k is not None and a < self.sink_end:  # sink rows: read() merges them
             b = min(pool_end, -(-self.sink_end // self.block_size) * self.block_size)
@@ -970,6 +1038,11 @@ class LayerStore(LaneLayer, OffloadedStore):
                     f"(its scales cover the whole block); keep a multiple of {self.block_size} tokens or at "
                     f"least {self.q_end} (the full-precision window)"
                 )
+            if self.ladder_n:  # the ring keeps its rows below ``tokens``
+                keep = max(0, self.ladder_n - (self.q_end - tokens))
+                self.ladder = [tuple(None if r is None else {n: t[:, :, :keep] for n, t in r.items()} for r in pair)
+                               for pair in self.ladder]  # fmt: skip
+                self.ladder_n = keep
             self.q_end = tokens
             self._truncate(-(-tokens // self.block_size))
             self.offload_from = min(self.offload_from, tokens // self.block_size)
@@ -1000,6 +1073,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.res_k = self.res_v = None
         self.sink_k = self.sink_v = None
         self.key_mean = None
+        self.clear_ladder()
         self.slots = None
         self.fill = [[0] * self.num_heads for _ in range(self.batch)]
         self._set_qfill([[0] * self.num_heads for _ in range(self.batch)])
@@ -1043,6 +1117,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             t = getattr(self, name)
             setattr(new, name, None if t is None else t.clone())
         new.slots = None if self.slots is None else self.slots.copy()
+        new.ladder = list(self.ladder)  # (ring tensors are replaced, never written in place)
         return new
 
     def index_batch(self, idx: torch.Tensor) -> None:
@@ -1071,6 +1146,8 @@ class LayerStore(LaneLayer, OffloadedStore):
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
         self.row_start = self.row_start.index_select(0, idx)
+        self.ladder = [tuple(None if r is None else {n: t.index_select(0, idx) for n, t in r.items()} for r in pair)
+                       for pair in self.ladder]  # fmt: skip
         if self.slots is not None:  # each row's own kept tokens (per head) follow it
             self.slots.index_batch(idx)
         for g in self.groups:  # per-sequence static state (scales [B, H], codebook means ...) follows its rows
@@ -1145,7 +1222,15 @@ class LayerStore(LaneLayer, OffloadedStore):
             out["scales"] += self.key_mean.numel() * self.key_mean.element_size()
         for k, v in self.dense_buffers().values():
             out["dense"] += k.numel() * k.element_size() + v.numel() * v.element_size()
+        for pair in self.ladder:  # the ladder's refinement rows
+            for kind, r in zip(("keys", "values"), pair, strict=True):
+                out[kind] += 0 if r is None else sum(t.numel() * t.element_size() for t in r.values())
         return out
+
+    def ladder_bytes(self) -> int:
+        """Bytes of the age ladder's refinement rows held (0 without a ladder)."""
+        return sum(t.numel() * t.element_size() for pair in self.ladder for r in pair if r is not None
+                   for t in r.values())  # fmt: skip
 
     def clipped(self) -> int:
         return sum(s.counts.totals()[0] for g in self.groups for s in (g.key, g.value))

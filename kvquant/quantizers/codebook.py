@@ -239,6 +239,35 @@ class Codebook(Quantizer):
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return self.from_space(self.decode_space(parts, state), state).to(dtype)
 
+    # -- embedded refinement (the store's age ladder, ``ladder_tokens``) ----------------------
+    def refinement(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(children [2 * 2^b], splits [2^b])`` float32 of this codebook's levels (:func:`refined_levels`)."""
+        ch, sp = refined_levels(tuple(self.levels.tolist()), self.head_dim)
+        return torch.tensor(ch, dtype=torch.float32), torch.tensor(sp, dtype=torch.float32)
+
+    def refine_parts(self) -> dict[str, PartSpec]:
+        """The parts of one refinement row (:func:`refine_parts`)."""
+        return refine_parts(self.head_dim)
+
+    def refine(self, x: torch.Tensor, state: dict[str, torch.Tensor], parts: Parts) -> Parts:
+        """Refinement parts of rows ``x`` whose base parts are ``parts``: one bit per coordinate, the side of its
+        cell's split point (:func:`refined_levels`) the unit row's coordinate lies on, and the norm correction."""
+        y = self.to_space(x, state)
+        u = y / y.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+        codes = unpack_codes(parts["q"], self.bits).long()
+        children, splits = self.refinement()
+        bit = (u >= splits.to(x.device)[codes]).long()
+        c = children.to(x.device)[2 * codes + bit]
+        return {"r": pack_bits(bit, 1), "rscale": _rscale_code(y, c, norm_of_code(parts["norm"], state["params"]))}
+
+    def decode_refined(self, parts: Parts, rparts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Refined rows in head space, float32 ``[B, H, T, D]``: ``norm * rscale * children[2 code + bit]``."""
+        codes = unpack_codes(parts["q"], self.bits).long()
+        bit = unpack_bits(rparts["r"], 1, self.head_dim)
+        children, _ = self.refinement()
+        norm = norm_of_code(parts["norm"], state["params"]) * _rscale(rparts["rscale"])
+        return children.to(codes.device)[2 * codes + bit] * norm
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Per-channel widths: ``tqc-<widths>`` (keys of RoPE models)
@@ -451,6 +480,46 @@ class ChannelCodebook(Quantizer):
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return self.from_space(self.decode_space(parts, state), state).to(dtype)
 
+    # -- embedded refinement (the store's age ladder, ``ladder_tokens``) ----------------------
+    def refinement(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per channel, ``(children [D, 2 * 2^8], splits [D, 2^8])`` of its width's Gaussian levels
+        (:func:`gaussian_refined`; a width-0 channel gains one bit: +-0.798)."""
+        if getattr(self, "_refinement", None) is None:
+            ch = torch.zeros(self.head_dim, 2 ** (GAUSS_MAX_BITS + 1))
+            sp = torch.zeros(self.head_dim, 2**GAUSS_MAX_BITS)
+            for j, b in enumerate(self.widths.tolist()):
+                c, s = gaussian_refined(b)
+                ch[j, : len(c)], sp[j, : len(s)] = torch.tensor(c), torch.tensor(s)
+            self._refinement = (ch, sp)
+        return self._refinement
+
+    def refine_parts(self) -> dict[str, PartSpec]:
+        """The parts of one refinement row (:func:`refine_parts`): one bit per channel, every width."""
+        return refine_parts(self.head_dim)
+
+    def refine(self, x: torch.Tensor, state: dict[str, torch.Tensor], parts: Parts) -> Parts:
+        """Refinement parts of rows ``x`` (base parts ``parts``): per channel, the side of its cell's split point
+        the whitened, normalised value lies on, and the norm correction (in head space)."""
+        w = self._whiten(x, state)
+        u = w / self._row_norm(w).clamp_min(1e-30)
+        codes = self.unpack(parts["q"])
+        children, splits = (t.to(x.device) for t in self.refinement())
+        ch = torch.arange(self.head_dim, device=x.device)
+        bit = (u >= splits[ch, codes]).long()
+        c = children[ch, 2 * codes + bit] * _per_head(state["scale"].float(), u)
+        y = self.to_space(x, state)
+        return {"r": pack_bits(bit, 1), "rscale": _rscale_code(y, c, norm_of_code(parts["norm"], state["params"]))}
+
+    def decode_refined(self, parts: Parts, rparts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Refined rows in head space: ``sigma * g * rscale * children[code, bit]``, float32 ``[B, H, T, D]``."""
+        codes = self.unpack(parts["q"])
+        bit = unpack_bits(rparts["r"], 1, self.head_dim)
+        children, _ = self.refinement()
+        ch = torch.arange(self.head_dim, device=codes.device)
+        c = children.to(codes.device)[ch, 2 * codes + bit]
+        g = norm_of_code(parts["norm"], state["params"]) * _rscale(rparts["rscale"])
+        return c * g * _per_head(state["scale"].float(), c)
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Vector codebooks: ``tqv{bits}`` (rotated rows, 2-D blocks of coordinates coded jointly)
@@ -594,3 +663,126 @@ class VectorCodebook(Quantizer):
 
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return self.from_space(self.decode_space(parts, state), state).to(dtype)
+
+    # -- embedded refinement (the store's age ladder, ``ladder_tokens``) ----------------------
+    def refine_parts(self) -> dict[str, PartSpec]:
+        """The parts of one refinement row (:func:`refine_parts`)."""
+        return refine_parts(self.head_dim)
+
+    def refine(self, x: torch.Tensor, state: dict[str, torch.Tensor], parts: Parts) -> Parts:
+        """Refinement parts of rows ``x`` (base parts ``parts``): per pair, the nearest of its codeword's ``2^dim``
+        children (:func:`refined_vq`), ``dim`` bits a pair (one per coordinate), and the norm correction."""
+        y = self.to_space(x, state)
+        u = y / y.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+        n = self.head_dim // self.dim
+        codes = unpack_bits(parts["q"], self.width, n)  # [B, H, T, n]
+        cand = (refined_vq(self.bits, self.dim) / math.sqrt(self.head_dim)).to(x.device)[codes]  # [..., n, m, dim]
+        sub = ((u.view(*u.shape[:-1], n, 1, self.dim) - cand) ** 2).sum(-1).argmin(-1)  # [B, H, T, n]
+        c = torch.gather(cand, -2, sub[..., None, None].expand(*sub.shape, 1, self.dim)).flatten(-3)
+        rscale = _rscale_code(y, c, norm_of_code(parts["norm"], state["params"]))
+        return {"r": pack_bits(sub, self.dim), "rscale": rscale}
+
+    def decode_refined(self, parts: Parts, rparts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Refined rows in head space, float32 ``[B, H, T, D]``: ``norm * rscale * children[code, sub]`` per pair."""
+        n = self.head_dim // self.dim
+        codes = unpack_bits(parts["q"], self.width, n)
+        sub = unpack_bits(rparts["r"], self.dim, n)
+        ch = (refined_vq(self.bits, self.dim) / math.sqrt(self.head_dim)).to(codes.device)
+        norm = norm_of_code(parts["norm"], state["params"]) * _rscale(rparts["rscale"])
+        return ch[codes, sub].flatten(-2) * norm
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Embedded refinement (the age ladder's young rows): one more bit per coordinate on top of a stored code
+
+REFINE_ITERS = 200
+
+
+@functools.cache
+def refined_levels(levels: tuple[float, ...], head_dim: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """An embedded refinement of the scalar codebook ``levels`` (ascending) for one coordinate of a random unit
+    vector in ``head_dim`` dims (the density :func:`lloyd_max_levels` is fitted to): each cell of ``levels``
+    (between the midpoints of its neighbours) is split in two by its own 2-level Lloyd-Max quantizer, so that
+    ``(children[2 c + bit], splits[c])``: the two child levels (conditional centroids of the density on either
+    side of the split) and the split point of cell ``c``. Dropping the refinement bit leaves exactly the
+    ``levels`` code (an embedded code: a row ages by dropping a bit plane, not by re-coding)."""
+    d = head_dim
+    grid = torch.linspace(-1.0, 1.0, 40_001, dtype=torch.float64)[1:-1]
+    w = torch.exp((d - 3) / 2 * torch.log1p(-grid * grid)) if d > 3 else torch.ones_like(grid)
+    return _split_cells(levels, grid, w)
+
+
+@functools.cache
+def gaussian_refined(bits: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """:func:`refined_levels` for :func:`gaussian_levels` ``(bits)`` on a unit Gaussian (``tqc`` channels); ``bits``
+    0 (a channel stored as its mean): one cell, the whole line, split at 0 into +-0.798."""
+    grid = torch.linspace(-9.0, 9.0, 72_001, dtype=torch.float64)
+    return _split_cells(gaussian_levels(bits) if bits else (0.0,), grid, torch.exp(-grid * grid / 2))
+
+
+def _split_cells(
+    levels: tuple[float, ...], grid: torch.Tensor, w: torch.Tensor
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Each cell of ``levels`` split by its own 2-level Lloyd-Max quantizer for the density ``w`` on ``grid``."""
+    lv = torch.tensor(levels, dtype=torch.float64)
+    edges = torch.cat([grid[:1] - 1, (lv[1:] + lv[:-1]) / 2, grid[-1:] + 1])
+    children, splits = [], []
+    for c in range(len(levels)):
+        inside = (grid >= edges[c]) & (grid < edges[c + 1])
+        g, p = grid[inside], w[inside]
+        t = float(lv[c])  # start the split at the parent level
+        for _ in range(REFINE_ITERS):
+            lo, hi = g < t, g >= t
+            a = float((g[lo] * p[lo]).sum() / p[lo].sum()) if lo.any() else float(g[0])
+            b = float((g[hi] * p[hi]).sum() / p[hi].sum()) if hi.any() else float(g[-1])
+            t = (a + b) / 2
+        children += [a, b]
+        splits.append(t)
+    return tuple(children), tuple(splits)
+
+
+@functools.cache
+def refined_vq(bits: int, dim: int = VQ_DIM, iters: int = 30) -> torch.Tensor:
+    """An embedded (tree-structured) refinement of :func:`gaussian_vq` ``(bits, dim)``: ``[K, 2^dim, dim]``, the
+    ``2^dim`` children of each codeword (k-means within its Voronoi cell on a seeded unit-Gaussian sample,
+    started from the parent +- a quarter of the cell's spread on each axis): one more bit per coordinate, and
+    dropping it leaves exactly the ``gaussian_vq`` code. Deterministic; cached per process."""
+    c = gaussian_vq(bits, dim)
+    k, m = c.shape[0], 2**dim
+    gen = torch.Generator().manual_seed(VQ_SEED * 37 + bits * 11 + dim)
+    x = torch.randn(VQ_SAMPLES * k, dim, generator=gen)
+    parent = vq_nearest(x, c)
+    n = torch.bincount(parent, minlength=k).clamp_min(1).to(x.dtype)
+    spread = torch.zeros(k, dim).index_add_(0, parent, (x - c[parent]) ** 2) / n[:, None]
+    corners = torch.tensor([[1.0 if (j >> i) & 1 else -1.0 for i in range(dim)] for j in range(m)])
+    ch = c[:, None, :] + corners[None] * spread.sqrt()[:, None, :] * 0.5  # [K, m, dim]
+    for _ in range(iters):
+        sub = ((x[:, None, :] - ch[parent]) ** 2).sum(-1).argmin(1)  # [N]
+        idx = parent * m + sub
+        cnt = torch.bincount(idx, minlength=k * m).to(x.dtype)
+        s = torch.zeros(k * m, dim).index_add_(0, idx, x)
+        ch = torch.where(cnt[:, None] > 0, s / cnt.clamp_min(1)[:, None], ch.reshape(k * m, dim)).view(k, m, dim)
+    return ch.float()
+
+
+RSCALE_STEP = 1 / 1024  # the refined row's norm correction: a linear byte, 1 + (code - 128) * step (+-12.5%)
+
+
+def refine_parts(head_dim: int) -> dict[str, PartSpec]:
+    """The parts of one refinement row: ``head_dim`` refinement bits and one byte that corrects the base row's
+    decoded norm for the refined row (``rscale``, :func:`_rscale_code`). Without it the refined row would reuse the
+    norm fitted to the base code: the same mean, but a per-row scale error of ~2.6% (sd, Gaussian rows), which
+    moves a young key's largest scores far more than its ~1% error in the other directions (lab: KL 0.0321
+    against 0.0273 for tq4 rows with their own norm)."""
+    return {"r": PartSpec((head_dim // 8,), torch.uint8), "rscale": PartSpec((1,), torch.uint8)}
+
+
+def _rscale_code(y: torch.Tensor, c: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """The byte of the factor ``s`` that minimises ``|y - s * n * c|^2`` (``n``: the base row's decoded norm)."""
+    s = (y * c).sum(-1, keepdim=True) / (n * (c * c).sum(-1, keepdim=True)).clamp_min(1e-30)
+    s = torch.where(n > 0, s, torch.ones_like(s))
+    return (torch.round((s - 1) / RSCALE_STEP) + 128).clamp(0, 255).to(torch.uint8)
+
+
+def _rscale(code: torch.Tensor) -> torch.Tensor:
+    return 1 + (code.float() - 128) * RSCALE_STEP
