@@ -210,6 +210,8 @@ def test_ladder_config_is_checked():
         KVQuantConfig.from_dict({"default": "tq3", "ladder_tokens": -1})
     with pytest.raises(ConfigError, match="ladder_tokens"):
         KVQuantConfig.from_dict({"default": "tq3", "ladder_tokens": 8, "evict": {"policy": "snapkv", "keep": 0.5}})
+    with pytest.raises(ConfigError, match="ladder_tokens: tqt3 has no embedded refinement"):
+        KVQuantConfig.from_dict({"default": {"key": "tqv3", "value": "tqt3"}, "ladder_tokens": 8})
 
 
 def test_triton_refuses_a_ladder():
