@@ -741,8 +741,12 @@ def _rows_pv(
     vsz = tl.reshape(tl.broadcast_to(vsz[:, None, :, :], [BLOCK_N, REPP, G, 2]), [BLOCK_N, REPP * G, 2])
     vs_c, vz_c = tl.split(vsz)
     ps = pc * vs_c
-    ph = ps.to(tl.float16)
-    pl = (ps - ph.to(tl.float32)).to(tl.float16)
+    # hi / lo fp16 parts: ph32 = ps truncated to 11 significant bits (one and: exact in fp16 in the normal range),
+    # pl the rest (exact in fp32). Rounding ps to fp16 instead needed its fp32 value back (a conversion per element)
+    # and a half swap per pair (PRMT): 16 more per four tiles (hd128 GQA 4). A NaN still propagates through pl.
+    ph32 = (ps.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # -8192: 0xFFFFE000
+    ph = ph32.to(tl.float16)
+    pl = (ps - ph32).to(tl.float16)
     # one [D, BLOCK_N] operand (code_tiles: row i in units of 2**(e(i) - 24), applied in the epilogue); with at most
     # 16 columns one MMA chain against [ph | pl] (acc holds both halves' columns, summed after the loop: half the
     # HGMMAs, and half the B-operand descriptors, which freed ptxas' uniform registers), else one per half
