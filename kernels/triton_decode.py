@@ -971,26 +971,44 @@ def _decode_partial_rows_t(
     STEP: tl.constexpr = SUB * BLOCK_N  # tokens per loop step (SUB tiles in one pool block)
     full_lo = tl.cdiv(start, STEP) * STEP
     full_hi = (end // STEP) * STEP
-    # the partial steps at both ends ([start, full_lo) and [full_hi, end), each shorter than a step): after the
-    # main loop, one loop of masked single tiles (one copy of the masked tile code, not two of the masked step)
+    # the partial steps at both ends ([start, full_lo) and [full_hi, end), each shorter than a step): one loop of
+    # masked single tiles (one copy of the masked tile code, not two of the masked step)
     head_end = tl.minimum(full_lo, end)
     h0 = start - start % BLOCK_N
     nh = tl.where(start < head_end, tl.cdiv(head_end - h0, BLOCK_N), 0)
     t0 = tl.maximum(full_hi, full_lo)
     nt = tl.where(t0 < end, tl.cdiv(end - t0, BLOCK_N), 0)
-    for i in tl.range(0, nh + nt, num_stages=1):  # not pipelined: at most a few tiles per program
-        n0 = tl.where(i < nh, h0 + i * BLOCK_N, t0 + (i - nh) * BLOCK_N)
-        m_i, l_i, acc, zacc = _rows_tile_t(
-            n0, start, end, True, qt_lo, qt_hi, q_sum, scale, wk, tbl,
-            k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
-            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
-            K_BITS, V_BITS, 1)  # fmt: skip
-    for n0 in range(full_lo, full_hi, STEP):
-        m_i, l_i, acc, zacc = _rows_tile_t(
-            n0, start, end, False, qt_lo, qt_hi, q_sum, scale, wk, tbl,
-            k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
-            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
-            K_BITS, V_BITS, SUB)  # fmt: skip
+    # the masked loop first when the main loop takes two or four tiles per step, after it with one (sm_90a SASS: the
+    # other order issues 12 more per four-tile step (int3) and 15 per two-tile step (int4), and with one tile it
+    # spills 32 B (int4, hd128 GQA 8))
+    if SUB >= 2:
+        for i in tl.range(0, nh + nt, num_stages=1):  # not pipelined: at most a few tiles per program
+            n0 = tl.where(i < nh, h0 + i * BLOCK_N, t0 + (i - nh) * BLOCK_N)
+            m_i, l_i, acc, zacc = _rows_tile_t(
+                n0, start, end, True, qt_lo, qt_hi, q_sum, scale, wk, tbl,
+                k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
+                k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
+                K_BITS, V_BITS, 1)  # fmt: skip
+        for n0 in range(full_lo, full_hi, STEP):
+            m_i, l_i, acc, zacc = _rows_tile_t(
+                n0, start, end, False, qt_lo, qt_hi, q_sum, scale, wk, tbl,
+                k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
+                k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
+                K_BITS, V_BITS, SUB)  # fmt: skip
+    else:
+        for n0 in range(full_lo, full_hi, STEP):
+            m_i, l_i, acc, zacc = _rows_tile_t(
+                n0, start, end, False, qt_lo, qt_hi, q_sum, scale, wk, tbl,
+                k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
+                k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
+                K_BITS, V_BITS, SUB)  # fmt: skip
+        for i in tl.range(0, nh + nt, num_stages=1):  # not pipelined: at most a few tiles per program
+            n0 = tl.where(i < nh, h0 + i * BLOCK_N, t0 + (i - nh) * BLOCK_N)
+            m_i, l_i, acc, zacc = _rows_tile_t(
+                n0, start, end, True, qt_lo, qt_hi, q_sum, scale, wk, tbl,
+                k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
+                k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
+                K_BITS, V_BITS, 1)  # fmt: skip
 
     l_i = reduce_sum(l_i, 0)
     has = l_i != 0
