@@ -596,16 +596,8 @@ def _decode_partial_rows(
 # zeros are per-column factors of the [BLOCK_N, R] tiles; V's zero term is accumulated per (token, column) and summed
 # over the tokens after the loop. Per-channel int4 keys (int4-channel) fold their block's scale into the query (fp32
 # [D/2, heads] per nibble half, split into hi + lo fp16 columns (h, 0) and (h, 1)) and add their zero term q . z (an
-# fp32 reduction per head) to the scores. A loop step is SUB (1 or 2) tiles of one pool block under one softmax
-# update.
-@triton.jit
-def _group_cols(ptr, offs, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.constexpr, mask_n):
-    """Per-(token, group) values ``ptr + offs`` (``offs [BLOCK_N, G]``: ``t * G + g``) of ``BLOCK_N`` tokens as columns
-    ``[BLOCK_N, REPP * G]`` (column r: group ``r % G``), fp32; 0 outside ``mask_n``."""
-    x = tl.load(ptr + offs, mask=mask_n[:, None], other=0.0).to(tl.float32)
-    return tl.reshape(tl.broadcast_to(x[:, None, :], [BLOCK_N, REPP, G]), [BLOCK_N, REPP * G])
-
-
+# fp32 reduction per head) to the scores. A loop step is SUB (1, 2 or 4) tiles under one softmax update, two tiles
+# at most in one pool block; the partial steps at both ends of a program's range run as masked single tiles.
 @triton.jit
 def _split_cols(a, DH: tl.constexpr, REPP: tl.constexpr, G: tl.constexpr, HI: tl.constexpr = False):
     """fp32 ``a [DH, REPP]`` as an fp16 MMA operand ``[DH, REPP * G]`` (``G`` in 2, 4, 8, 16), the columns (h, g) of the
@@ -665,10 +657,10 @@ def _rows_mask(n0, start, end, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _tiles_load(ptr, offs, step, n0, start, end, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr):
-    """``ptr + offs`` (``offs [BLOCK_N, W]``: per-token rows of tile 0) for the ``SUB`` (1 or 2) tiles of a step
-    (tile 1: ``step`` elements further), as ``(tile 0, tile 1)`` (tile 1 = tile 0 when ``SUB`` is 1). Two tiles
-    in one load: one copy and commit group per part and step, not per tile. Tokens outside ``[start, end)`` read
-    as 0 (masked steps)."""
+    """``ptr + offs`` (``offs [BLOCK_N, W]``: per-token rows of tile 0) for the ``SUB`` (1 or 2) tiles of a step or
+    half-step (tile 1: ``step`` elements further), as ``(tile 0, tile 1)`` (tile 1 = tile 0 when ``SUB`` is 1). Two
+    tiles in one load: one copy and commit group per part and two tiles, not per tile. Tokens outside
+    ``[start, end)`` read as 0 (masked steps)."""
     if SUB == 2:
         o2 = offs[:, :, None] + (tl.arange(0, 2) * step)[None, None, :]
         if MASKED:
@@ -968,7 +960,8 @@ def _decode_partial_rows_t(
     k_offs = tok * k_stw + tl.arange(0, KW)[None, :]
     v_offs = tok * v_stw + tl.arange(0, VW)[None, :]
     g_offs = tok * G + tl.arange(0, G)[None, :]
-    STEP: tl.constexpr = SUB * BLOCK_N  # tokens per loop step (SUB tiles in one pool block)
+    STEP: tl.constexpr = SUB * BLOCK_N  # tokens per loop step (SUB tiles; up to two in one pool block)
+    tl.static_assert(SUB != 4 or K_FOLD == 1, "four tiles per step: grouped keys only")
     full_lo = tl.cdiv(start, STEP) * STEP
     full_hi = (end // STEP) * STEP
     # the partial steps at both ends ([start, full_lo) and [full_hi, end), each shorter than a step): one loop of
