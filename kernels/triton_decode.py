@@ -1121,8 +1121,8 @@ def _rows_sub(block_n: int, block_size: int, columns: int, wide: bool = False) -
     """Tiles per loop step of :func:`_decode_partial_rows_t` with grouped keys: 2 when a pool block holds two tiles
     and the MMAs have at most 16 (head, group) columns (sm_90a SASS, hd128 GQA 4: int4 409 -> 391, int3 429 -> 411,
     int2 389 -> 371 per 64 tokens; with 32 columns two tiles spill under the 168-register cap), else 1. ``wide``
-    (int3 / int2): 4 there instead (two halves of two tiles, each in one pool block; hd128 GQA 4 per 128 tokens:
-    int3 702 -> 660, int2 622 -> 580)."""
+    (int3 / int2): 4 there instead (two halves of two tiles, each in one pool block; hd128 GQA 4 per 128 tokens,
+    both with two pipeline stages, before the truncated probability split: int3 702 -> 660, int2 622 -> 580)."""
     if block_size % (2 * block_n) != 0 or columns > 16:
         return 1
     return 4 if wide else 2
