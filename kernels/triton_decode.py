@@ -596,16 +596,8 @@ def _decode_partial_rows(
 # zeros are per-column factors of the [BLOCK_N, R] tiles; V's zero term is accumulated per (token, column) and summed
 # over the tokens after the loop. Per-channel int4 keys (int4-channel) fold their block's scale into the query (fp32
 # [D/2, heads] per nibble half, split into hi + lo fp16 columns (h, 0) and (h, 1)) and add their zero term q . z (an
-# fp32 reduction per head) to the scores. A loop step is SUB (1 or 2) tiles of one pool block under one softmax
-# update.
-@triton.jit
-def _group_cols(ptr, offs, G: tl.constexpr, REPP: tl.constexpr, BLOCK_N: tl.constexpr, mask_n):
-    """Per-(token, group) values ``ptr + offs`` (``offs [BLOCK_N, G]``: ``t * G + g``) of ``BLOCK_N`` tokens as columns
-    ``[BLOCK_N, REPP * G]`` (column r: group ``r % G``), fp32; 0 outside ``mask_n``."""
-    x = tl.load(ptr + offs, mask=mask_n[:, None], other=0.0).to(tl.float32)
-    return tl.reshape(tl.broadcast_to(x[:, None, :], [BLOCK_N, REPP, G]), [BLOCK_N, REPP * G])
-
-
+# fp32 reduction per head) to the scores. A loop step is SUB (1, 2 or 4) tiles under one softmax update, two tiles
+# at most in one pool block; the partial steps at both ends of a program's range run as masked single tiles.
 @triton.jit
 def _split_cols(a, DH: tl.constexpr, REPP: tl.constexpr, G: tl.constexpr, HI: tl.constexpr = False):
     """fp32 ``a [DH, REPP]`` as an fp16 MMA operand ``[DH, REPP * G]`` (``G`` in 2, 4, 8, 16), the columns (h, g) of the
@@ -664,26 +656,52 @@ def _rows_mask(n0, start, end, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _tiles_load(ptr, offs, step, n0, start, end, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr):
+    """``ptr + offs`` (``offs [BLOCK_N, W]``: per-token rows of tile 0) for the ``SUB`` (1 or 2) tiles of a step or
+    half-step (tile 1: ``step`` elements further), as ``(tile 0, tile 1)`` (tile 1 = tile 0 when ``SUB`` is 1). Two
+    tiles in one load: one copy and commit group per part and two tiles, not per tile. Tokens outside
+    ``[start, end)`` read as 0 (masked steps)."""
+    if SUB == 2:
+        o2 = offs[:, :, None] + (tl.arange(0, 2) * step)[None, None, :]
+        if MASKED:
+            t2 = n0 + tl.arange(0, BLOCK_N)[:, None, None] + (tl.arange(0, 2) * BLOCK_N)[None, None, :]
+            x = tl.load(ptr + o2, mask=(t2 >= start) & (t2 < end), other=0)
+        else:
+            x = tl.load(ptr + o2)
+        a, b = tl.split(x)
+    else:
+        if MASKED:
+            t = n0 + tl.arange(0, BLOCK_N)[:, None]
+            a = tl.load(ptr + offs, mask=(t >= start) & (t < end), other=0)
+        else:
+            a = tl.load(ptr + offs)
+        b = a
+    return a, b
+
+
+@triton.jit
 def _rows_scores(
-    n0, n_in, blk, start, end, MASKED: tl.constexpr, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq,
-    k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
+    n0, start, end, MASKED: tl.constexpr, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base, ko, k_offs, ks_t, kz_t,
     D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
     G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, K_BITS: tl.constexpr,
 ):  # fmt: skip
-    """Scaled scores ``[BLOCK_N, REPP]`` of the tile at ``n0`` (offset ``n_in`` in pool block ``blk``) for
-    :func:`_rows_tile_t` (-inf outside ``[start, end)``)."""
+    """Scores ``[BLOCK_N, REPP]`` of the tile at ``n0`` for :func:`_rows_tile_t` (-inf outside ``[start, end)``),
+    from its loaded code words ``kw`` (int3: the byte planes ``kw``, ``kw_m``, ``kw_h``) and, for grouped keys, its
+    scale / zero rows ``ks_t`` / ``kz_t [BLOCK_N, G]``. Grouped keys without softcapping: unscaled (``RAW`` there),
+    else times the softmax scale."""
     mask_n = _rows_mask(n0, start, end, MASKED, BLOCK_N)
-    kp = (k_base + (blk * k_sb + n_in * (k_st * 4))).to(tl.pointer_type(tl.int32))
+    kp = (k_base + ko).to(tl.pointer_type(tl.int32))
     if K_FOLD == 1:
         # one MMA over D: the code tile (code_tiles: position i = c 2**(e(i) - 24)) @ qt (row i: 2**(EMAX - e(i))
         # f q), so st = 2**(EMAX - 24) f q . c per column (h, g) = head h on group g (q_sum comes scaled alike,
         # `scale` holds 2**(24 - EMAX) / f)
         st = tl.dot(code_tiles(kp, k_offs, mask_n, K_BITS, BLOCK_N, D), qt_lo)
-        g_off = blk * ks_sb + n_in * G
-        ks = _group_cols(ks_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
-        kz = _group_cols(kz_base + g_off, g_offs, G, REPP, BLOCK_N, mask_n)
+        ks = tl.reshape(tl.broadcast_to(ks_t.to(tl.float32)[:, None, :], [BLOCK_N, REPP, G]), [BLOCK_N, REPP * G])
+        kz = tl.reshape(tl.broadcast_to(kz_t.to(tl.float32)[:, None, :], [BLOCK_N, REPP, G]), [BLOCK_N, REPP * G])
         st = st * ks + q_sum[None, :] * kz
-        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2) * scale  # [BLOCK_N, REPP]
+        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2)  # [BLOCK_N, REPP]
+        if SOFTCAP > 0:  # else the scale (> 0) is applied after the maximum (_rows_tile_t: RAW)
+            s = s * scale
     else:  # per-channel keys: the block's operands b_lo / b_hi and zero term zq (_rows_tile_t)
         k_lo, k_hi = nibble_tiles(kp, k_offs, mask_n, BLOCK_N, D)
         if G >= 4:
@@ -703,29 +721,29 @@ def _rows_scores(
 
 @triton.jit
 def _rows_pv(
-    n0, n_in, blk, start, end, MASKED: tl.constexpr, p, acc, zacc,
-    v_base, vs_base, vz_base, v_sb, v_st, vs_sb, v_offs, g_offs,
+    n0, start, end, MASKED: tl.constexpr, p, acc, zacc, v_base, vo, v_offs, vs_t, vz_t,
     D: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr, V_BITS: tl.constexpr,
 ):  # fmt: skip
-    """``acc`` and ``zacc`` (already rescaled) plus the tile's probabilities ``p [BLOCK_N, REPP]`` times its values,
-    for :func:`_rows_tile_t`."""
+    """``acc`` and ``zacc`` (already rescaled) plus the tile's probabilities ``p [BLOCK_N, REPP]`` times its values
+    (loaded code words ``vw`` (int3: planes ``vw``, ``vw_m``, ``vw_h``), scale / zero rows ``vs_t`` / ``vz_t``
+    ``[BLOCK_N, G]``), for :func:`_rows_tile_t`."""
     R: tl.constexpr = G * REPP
-    mask_n = _rows_mask(n0, start, end, MASKED, BLOCK_N)
     pc = _head_cols(p, G)  # [BLOCK_N, R]
-    gv_off = blk * vs_sb + n_in * G
-    # V's scale and zero loaded together (joined: both pipelined like operands of the MMA)
-    vsz = tl.join(tl.load(vs_base + gv_off + g_offs, mask=mask_n[:, None], other=0.0),
-                  tl.load(vz_base + gv_off + g_offs, mask=mask_n[:, None], other=0.0)).to(tl.float32)  # fmt: skip
+    vsz = tl.join(vs_t, vz_t).to(tl.float32)
     vsz = tl.reshape(tl.broadcast_to(vsz[:, None, :, :], [BLOCK_N, REPP, G, 2]), [BLOCK_N, REPP * G, 2])
     vs_c, vz_c = tl.split(vsz)
     ps = pc * vs_c
-    ph = ps.to(tl.float16)
-    pl = (ps - ph.to(tl.float32)).to(tl.float16)
-    vp = (v_base + (blk * v_sb + n_in * (v_st * 4))).to(tl.pointer_type(tl.int32))
+    # hi / lo fp16 parts: ph32 = ps truncated to 11 significant bits (one and: exact in fp16 in the normal range),
+    # pl the rest (exact in fp32). Rounding ps to fp16 instead needed its fp32 value back (a conversion per element)
+    # and a half swap per pair (PRMT): 16 more per four tiles (hd128 GQA 4). A NaN still propagates through pl.
+    ph32 = (ps.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # -8192: 0xFFFFE000
+    ph = ph32.to(tl.float16)
+    pl = (ps - ph32).to(tl.float16)
     # one [D, BLOCK_N] operand (code_tiles: row i in units of 2**(e(i) - 24), applied in the epilogue); with at most
     # 16 columns one MMA chain against [ph | pl] (acc holds both halves' columns, summed after the loop: half the
     # HGMMAs, and half the B-operand descriptors, which freed ptxas' uniform registers), else one per half
-    vt = tl.trans(code_tiles(vp, v_offs, mask_n, V_BITS, BLOCK_N, D))
+    vp = (v_base + vo).to(tl.pointer_type(tl.int32))
+    vt = tl.trans(code_tiles(vp, v_offs, _rows_mask(n0, start, end, MASKED, BLOCK_N), V_BITS, BLOCK_N, D))
     if R <= 16:  # noqa: SIM108 (a constexpr branch); acc [D, 2R]: both halves in one MMA chain (_rows_tile_t)
         acc = tl.dot(vt, _cat_cols(ph, pl, BLOCK_N, 2 * R), acc)
     else:
@@ -745,9 +763,10 @@ def _rows_tile_t(
     G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, OFF32: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, SUB: tl.constexpr,
 ):  # fmt: skip
-    """One step of :func:`_decode_partial_rows_t`: ``SUB`` (1 or 2) tiles of ``BLOCK_N`` tokens from ``n0``, all in
-    one pool block (one block-table read; per-channel keys: the block's query operands built once), under one
-    softmax update (both tiles' scores first, then one running-maximum rescale of the accumulators). Addresses: a
+    """One step of :func:`_decode_partial_rows_t`: ``SUB`` (1, 2 or 4) tiles of ``BLOCK_N`` tokens from ``n0``; one or
+    two tiles lie in one pool block (one block-table read; per-channel keys: the block's query operands built once),
+    four in two (grouped keys only), all under one softmax update (every tile's scores first, then one
+    running-maximum rescale of the accumulators). Addresses: a
     scalar base per part and tile (block, first token) plus the loop-invariant offsets ``k_offs`` / ``v_offs``
     (words of the rows, ``k_st`` / ``v_st`` in words) and ``g_offs`` (per-(token, group) scale / zero rows)."""
     n_blk, n_in = _block_pos(n0, BS)
@@ -775,17 +794,53 @@ def _rows_tile_t(
             zq = zq * (scale / NIBBLE_HI)  # _rows_scores adds it to the scaled scores
         else:
             zq = zq * (1.0 / NIBBLE_HI)
-    s0 = _rows_scores(n0, n_in, blk, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq,
-                      k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
+    # scale / zero rows: one load per part for the step's SUB tiles (_tiles_load); code words: one load per tile
+    # (_rows_scores, _rows_pv)
+    HS: tl.constexpr = 1 if SUB == 1 else 2  # tiles per half-step (one pool block; SUB 4: two halves)
+    ko = blk * k_sb + n_in * (k_st * 4)  # bytes: the step's first key row
+    ks0, ks1, kz0, kz1 = scale, scale, scale, scale  # grouped keys only
+    if K_FOLD == 1:
+        gk = blk * ks_sb + n_in * G
+        ks0, ks1 = _tiles_load(ks_base + gk, g_offs, BLOCK_N * G, n0, start, end, MASKED, BLOCK_N, HS)
+        kz0, kz1 = _tiles_load(kz_base + gk, g_offs, BLOCK_N * G, n0, start, end, MASKED, BLOCK_N, HS)
+    s0 = _rows_scores(n0, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base, ko, k_offs,
+                      ks0, kz0,
                       D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
-    s1 = s0  # unused unless SUB == 2
-    if SUB == 2:
-        s1 = _rows_scores(n0 + BLOCK_N, n_in + BLOCK_N, blk, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo,
-                          b_hi, zq, k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
+    s1 = s0  # unused unless SUB >= 2
+    if SUB >= 2:
+        s1 = _rows_scores(n0 + BLOCK_N, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base,
+                          ko + BLOCK_N * (k_st * 4), k_offs, ks1, kz1,
                           D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
+    blk2, n_in2, s2, s3 = blk, n_in, s0, s1  # unused unless SUB == 4
+    if SUB == 4:
+        n02 = n0 + 2 * BLOCK_N
+        n_blk2, n_in2 = _block_pos(n02, BS)
+        if MASKED:  # noqa: SIM108 (a constexpr branch)
+            blk2 = tl.load(tbl + n_blk2, mask=n02 < end, other=0)
+        else:
+            blk2 = tl.load(tbl + n_blk2)
+        if not OFF32:
+            blk2 = blk2.to(tl.int64)
+        ko2 = blk2 * k_sb + n_in2 * (k_st * 4)
+        gk2 = blk2 * ks_sb + n_in2 * G
+        ks2, ks3 = _tiles_load(ks_base + gk2, g_offs, BLOCK_N * G, n02, start, end, MASKED, BLOCK_N, 2)
+        kz2, kz3 = _tiles_load(kz_base + gk2, g_offs, BLOCK_N * G, n02, start, end, MASKED, BLOCK_N, 2)
+        s2 = _rows_scores(n02, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base, ko2, k_offs,
+                          ks2, kz2, D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
+        s3 = _rows_scores(n02 + BLOCK_N, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base,
+                          ko2 + BLOCK_N * (k_st * 4), k_offs, ks3, kz3,
+                          D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
+        m_blk = reduce_max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0)
+    elif SUB == 2:
         m_blk = reduce_max(tl.maximum(s0, s1), 0)  # one reduction over both tiles (elementwise maximum first)
     else:
         m_blk = reduce_max(s0, 0)
+    # grouped keys without softcapping: the scores come unscaled; the scale (> 0) multiplies their maximum, and
+    # folds into the exponent's multiply-add (one multiply per (token, head) less)
+    RAW: tl.constexpr = K_FOLD == 1 and SOFTCAP == 0
+    ssc = scale if RAW else 1.0
+    if RAW:
+        m_blk = m_blk * scale
     if MASKED:
         m_new, m_safe, alpha = online_rescale(m_i, m_blk)
     else:  # an interior step's scores are finite: so is the new maximum (no -inf guard)
@@ -798,17 +853,33 @@ def _rows_tile_t(
     else:
         acc = acc * a
     zacc = zacc * a
-    p = tl.exp2(s0 - m_safe[None, :])
+    vo = blk * v_sb + n_in * (v_st * 4)  # bytes: the step's first value row
+    gv = blk * vs_sb + n_in * G
+    vs0, vs1 = _tiles_load(vs_base + gv, g_offs, BLOCK_N * G, n0, start, end, MASKED, BLOCK_N, HS)
+    vz0, vz1 = _tiles_load(vz_base + gv, g_offs, BLOCK_N * G, n0, start, end, MASKED, BLOCK_N, HS)
+    p = tl.exp2(s0 * ssc - m_safe[None, :])
     l_i = l_i * alpha[None, :] + p  # per (token, head): summed over the tokens after the loop
-    acc, zacc = _rows_pv(n0, n_in, blk, start, end, MASKED, p, acc, zacc,
-                         v_base, vs_base, vz_base, v_sb, v_st, vs_sb, v_offs, g_offs,
+    acc, zacc = _rows_pv(n0, start, end, MASKED, p, acc, zacc, v_base, vo, v_offs, vs0, vz0,
                          D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
-    if SUB == 2:
-        p = tl.exp2(s1 - m_safe[None, :])
+    if SUB >= 2:
+        p = tl.exp2(s1 * ssc - m_safe[None, :])
         l_i = l_i + p
-        acc, zacc = _rows_pv(n0 + BLOCK_N, n_in + BLOCK_N, blk, start, end, MASKED, p, acc, zacc,
-                             v_base, vs_base, vz_base, v_sb, v_st, vs_sb, v_offs, g_offs,
+        acc, zacc = _rows_pv(n0 + BLOCK_N, start, end, MASKED, p, acc, zacc, v_base, vo + BLOCK_N * (v_st * 4), v_offs,
+                             vs1, vz1, D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+    if SUB == 4:
+        n02 = n0 + 2 * BLOCK_N
+        vo2 = blk2 * v_sb + n_in2 * (v_st * 4)
+        gv2 = blk2 * vs_sb + n_in2 * G
+        vs2, vs3 = _tiles_load(vs_base + gv2, g_offs, BLOCK_N * G, n02, start, end, MASKED, BLOCK_N, 2)
+        vz2, vz3 = _tiles_load(vz_base + gv2, g_offs, BLOCK_N * G, n02, start, end, MASKED, BLOCK_N, 2)
+        p = tl.exp2(s2 * ssc - m_safe[None, :])
+        l_i = l_i + p
+        acc, zacc = _rows_pv(n02, start, end, MASKED, p, acc, zacc, v_base, vo2, v_offs, vs2, vz2,
                              D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+        p = tl.exp2(s3 * ssc - m_safe[None, :])
+        l_i = l_i + p
+        acc, zacc = _rows_pv(n02 + BLOCK_N, start, end, MASKED, p, acc, zacc, v_base, vo2 + BLOCK_N * (v_st * 4),
+                             v_offs, vs3, vz3, D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
     return m_new, l_i, acc, zacc
 
 
@@ -889,29 +960,48 @@ def _decode_partial_rows_t(
     k_offs = tok * k_stw + tl.arange(0, KW)[None, :]
     v_offs = tok * v_stw + tl.arange(0, VW)[None, :]
     g_offs = tok * G + tl.arange(0, G)[None, :]
-    STEP: tl.constexpr = SUB * BLOCK_N  # tokens per loop step (SUB tiles in one pool block)
+    STEP: tl.constexpr = SUB * BLOCK_N  # tokens per loop step (SUB tiles; up to two in one pool block)
+    tl.static_assert(SUB != 4 or K_FOLD == 1, "four tiles per step: grouped keys only")
     full_lo = tl.cdiv(start, STEP) * STEP
     full_hi = (end // STEP) * STEP
-    for n0 in range(full_lo, full_hi, STEP):
-        m_i, l_i, acc, zacc = _rows_tile_t(
-            n0, start, end, False, qt_lo, qt_hi, q_sum, scale, wk, tbl,
-            k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
-            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
-            K_BITS, V_BITS, SUB)  # fmt: skip
-    if (start % STEP != 0) & (start < end):
-        n0 = start - start % STEP
-        m_i, l_i, acc, zacc = _rows_tile_t(
-            n0, start, end, True, qt_lo, qt_hi, q_sum, scale, wk, tbl,
-            k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
-            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
-            K_BITS, V_BITS, SUB)  # fmt: skip
-    if tl.maximum(full_hi, full_lo) < end:
-        n0 = tl.maximum(full_hi, full_lo)
-        m_i, l_i, acc, zacc = _rows_tile_t(
-            n0, start, end, True, qt_lo, qt_hi, q_sum, scale, wk, tbl,
-            k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
-            k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
-            K_BITS, V_BITS, SUB)  # fmt: skip
+    # the partial steps at both ends ([start, full_lo) and [full_hi, end), each shorter than a step): one loop of
+    # masked single tiles (one copy of the masked tile code, not two of the masked step)
+    head_end = tl.minimum(full_lo, end)
+    h0 = start - start % BLOCK_N
+    nh = tl.where(start < head_end, tl.cdiv(head_end - h0, BLOCK_N), 0)
+    t0 = tl.maximum(full_hi, full_lo)
+    nt = tl.where(t0 < end, tl.cdiv(end - t0, BLOCK_N), 0)
+    # the masked loop first when the main loop takes two or four tiles per step, after it with one (sm_90a SASS: the
+    # other order issues 12 more per four-tile step (int3) and 15 per two-tile step (int4), and with one tile it
+    # spills 32 B (int4, hd128 GQA 8))
+    if SUB >= 2:
+        for i in tl.range(0, nh + nt, num_stages=1):  # not pipelined: at most a few tiles per program
+            n0 = tl.where(i < nh, h0 + i * BLOCK_N, t0 + (i - nh) * BLOCK_N)
+            m_i, l_i, acc, zacc = _rows_tile_t(
+                n0, start, end, True, qt_lo, qt_hi, q_sum, scale, wk, tbl,
+                k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
+                k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
+                K_BITS, V_BITS, 1)  # fmt: skip
+        for n0 in range(full_lo, full_hi, STEP):
+            m_i, l_i, acc, zacc = _rows_tile_t(
+                n0, start, end, False, qt_lo, qt_hi, q_sum, scale, wk, tbl,
+                k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
+                k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
+                K_BITS, V_BITS, SUB)  # fmt: skip
+    else:
+        for n0 in range(full_lo, full_hi, STEP):
+            m_i, l_i, acc, zacc = _rows_tile_t(
+                n0, start, end, False, qt_lo, qt_hi, q_sum, scale, wk, tbl,
+                k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
+                k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
+                K_BITS, V_BITS, SUB)  # fmt: skip
+        for i in tl.range(0, nh + nt, num_stages=1):  # not pipelined: at most a few tiles per program
+            n0 = tl.where(i < nh, h0 + i * BLOCK_N, t0 + (i - nh) * BLOCK_N)
+            m_i, l_i, acc, zacc = _rows_tile_t(
+                n0, start, end, True, qt_lo, qt_hi, q_sum, scale, wk, tbl,
+                k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
+                k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
+                K_BITS, V_BITS, 1)  # fmt: skip
 
     l_i = reduce_sum(l_i, 0)
     has = l_i != 0
@@ -1027,11 +1117,15 @@ def rows_kernel(kop: Operand, vop: Operand, head_dim: int) -> bool:
     return all(op.scale.stride(-1) == 1 and op.scale.stride(-2) == head_dim // op.group for op in ops)
 
 
-def _rows_sub(block_n: int, block_size: int, columns: int) -> int:
+def _rows_sub(block_n: int, block_size: int, columns: int, wide: bool = False) -> int:
     """Tiles per loop step of :func:`_decode_partial_rows_t` with grouped keys: 2 when a pool block holds two tiles
     and the MMAs have at most 16 (head, group) columns (sm_90a SASS, hd128 GQA 4: int4 409 -> 391, int3 429 -> 411,
-    int2 389 -> 371 per 64 tokens; with 32 columns two tiles spill under the 168-register cap), else 1."""
-    return 2 if block_size % (2 * block_n) == 0 and columns <= 16 else 1
+    int2 389 -> 371 per 64 tokens; with 32 columns two tiles spill under the 168-register cap), else 1. ``wide``
+    (int3 / int2): 4 there instead (two halves of two tiles, each in one pool block; hd128 GQA 4 per 128 tokens,
+    both with two pipeline stages, before the truncated probability split: int3 702 -> 660, int2 622 -> 580)."""
+    if block_size % (2 * block_n) != 0 or columns > 16:
+        return 1
+    return 4 if wide else 2
 
 
 def code_rows_kernel(kop: Operand, vop: Operand, dot: int, head_dim: int) -> bool:
@@ -1156,8 +1250,12 @@ def decode_launches(
                 if rows_h * (D // vop.group) <= 16:
                     meta["maxnreg"] = 128 if meta["SUB"] == 1 else 168
             else:
-                meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group))
+                meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group), wide=True)
                 meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176  # as grouped int4 (int3 / int2: 166 registers)
+                if meta["SUB"] == 4:
+                    # four tiles per step (two pool-block halves): 175 registers at the 176 cap (2 programs / SM;
+                    # at 168 it spills 24 B), two pipeline stages (the default 3 issues ~15 more per step)
+                    meta["num_stages"] = 2
         elif rows_kernel(kop, vop, D):
             # int4 K and V on (group, head) rows; 32+ rows (GQA 8 at head_dim 128) take 8 warps: 4 spill
             # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more

@@ -112,7 +112,7 @@ def test_random_block_tables_every_option(option, Tq):
 
 ROWS_T = [("int2", 32, 77), ("int3", 64, 150), ("int4", 16, 53), (KVPrecision("int2", "int3"), 128, 300),
           ("int4", 128, 300), (KVPrecision("int4-channel", "int4"), 128, 300),
-          (KVPrecision("int4-channel", "int3"), 64, 150)]
+          (KVPrecision("int4-channel", "int3"), 64, 150), (KVPrecision("int3", "int2"), 128, 1700)]
 
 
 @pytest.mark.parametrize(("prec", "block", "past"), ROWS_T, ids=str)
@@ -136,7 +136,12 @@ def test_random_block_tables_fp16_rows_kernel(prec, block, past):
     launches = triton_decode.decode_launches(q, fk, fv, groups, layer.num_heads, hist, None, 0.125, out, DOT_FP16,
                                              splits=3, table=table, block_size=block)  # fmt: skip
     assert launches[0].kernel is triton_decode._decode_partial_rows_t
-    assert launches[0].meta["SUB"] == (2 if block == 128 else 1)  # two 64-token tiles per step in 128-token blocks
+    # 64-token tiles: two per step in 128-token blocks, four (two blocks) with grouped int3 / int2 codes
+    k, v = (prec.key, prec.value) if isinstance(prec, KVPrecision) else (prec, prec)
+    wide = "channel" not in k and (k, v) != ("int4", "int4")
+    assert launches[0].meta["SUB"] == ((4 if wide else 2) if block == 128 else 1)
+    if past > 1000:  # every partition but the last holds whole four-tile steps (unmasked) besides masked tiles
+        assert launches[0].args[[n for n in launches[0].kernel.arg_names].index("part_len")] >= 512
     for launch in launches:
         launch.run()
     err = (out - attend_naive(q.float(), fk, fv, layer, hist, None, 0.125)).abs().max().item()
