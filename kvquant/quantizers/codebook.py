@@ -117,6 +117,14 @@ def norm_of_code(ncode: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     return torch.where(c > 0, torch.exp2(lo + step * (c - 1)), torch.zeros_like(c))
 
 
+def code_of_norm(norm: torch.Tensor, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """8-bit log codes (uint8, ``[B, H, T, 1]``) of row norms ``norm[B, H, T, 1]`` of rows ``x`` in the per (sequence,
+    head) code range ``params[..., :2]`` (the inverse of :func:`norm_of_code`; a zero norm: code 0; clamped)."""
+    lo, step = _per_head(params[..., :1], x), _per_head(params[..., 1:2], x)
+    code = torch.round((torch.log2(norm.clamp_min(1e-30)) - lo) / step) + 1
+    return torch.where(norm > 0, code.clamp(1, NORM_CODES - 1), torch.zeros_like(code)).to(torch.uint8)
+
+
 def token_weights(use: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
     """``[B, 1, T, 1]`` weights of the tokens a fit uses (``use[B, T]``; None: all); a row that uses no token
     uses them all."""
@@ -216,10 +224,8 @@ class Codebook(Quantizer):
         c = lv[codes]
         # the norm that minimises |y - norm * c|^2 (not |y|): corrects the codebook's shrinkage
         norm = (y * c).sum(-1, keepdim=True) / (c * c).sum(-1, keepdim=True).clamp_min(1e-30)
-        lo, step = _per_head(state["params"][..., :1], x), _per_head(state["params"][..., 1:2], x)
-        ncode = torch.round((torch.log2(norm.clamp_min(1e-30)) - lo) / step) + 1
-        ncode = torch.where(norm > 0, ncode.clamp(1, NORM_CODES - 1), torch.zeros_like(ncode))
-        return {"q": pack_codes(codes, self.bits), "norm": ncode.to(torch.uint8)}
+        ncode = code_of_norm(norm, state["params"], x)
+        return {"q": pack_codes(codes, self.bits), "norm": ncode}
 
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Rows of ``x`` whose norm falls outside the 8-bit norm code's range (stored at its nearest end)."""
@@ -456,10 +462,8 @@ class ChannelCodebook(Quantizer):
             k = torch.bucketize(u.index_select(-1, idx).contiguous(), (lv[1:] + lv[:-1]) / 2)
             codes[..., idx] = k
             c[..., idx] = lv[k]
-        lo, step = _per_head(state["params"][..., :1], x), _per_head(state["params"][..., 1:2], x)
-        ncode = torch.round((torch.log2(norm.clamp_min(1e-30)) - lo) / step) + 1
-        ncode = torch.where(norm > 0, ncode.clamp(1, NORM_CODES - 1), torch.zeros_like(ncode))
-        return {"q": self.pack(codes), "norm": ncode.to(torch.uint8)}
+        ncode = code_of_norm(norm, state["params"], x)
+        return {"q": self.pack(codes), "norm": ncode}
 
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Rows whose norm falls outside the 8-bit norm code's range (stored at its nearest end)."""
@@ -646,10 +650,8 @@ class VectorCodebook(Quantizer):
         codes = vq_nearest(u.reshape(-1, self.dim), cw).view(*y.shape[:-1], self.head_dim // self.dim)
         c = cw[codes].flatten(-2)
         norm = (y * c).sum(-1, keepdim=True) / (c * c).sum(-1, keepdim=True).clamp_min(1e-30)
-        lo, step = _per_head(state["params"][..., :1], x), _per_head(state["params"][..., 1:2], x)
-        ncode = torch.round((torch.log2(norm.clamp_min(1e-30)) - lo) / step) + 1
-        ncode = torch.where(norm > 0, ncode.clamp(1, NORM_CODES - 1), torch.zeros_like(ncode))
-        return {"q": pack_bits(codes, self.width), "norm": ncode.to(torch.uint8)}
+        ncode = code_of_norm(norm, state["params"], x)
+        return {"q": pack_bits(codes, self.width), "norm": ncode}
 
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Rows of ``x`` whose norm falls outside the 8-bit norm code's range (stored at its nearest end)."""

@@ -31,8 +31,8 @@ import math
 
 import torch
 
-from .base import Parts, PartSpec, Quantizer
-from .codebook import NORM_CODES, Codebook, VectorCodebook, _per_head, norm_of_code, pack_bits, unpack_bits
+from .base import Parts, Quantizer
+from .codebook import Codebook, VectorCodebook, code_of_norm, norm_of_code, pack_bits, unpack_bits
 
 TRELLIS_PREFIX = "tqt"
 #: state bits ``L`` per code width ``k``: ``L - k`` = 6 bits carried from one coordinate to the next
@@ -161,12 +161,7 @@ class TrellisCodebook(Quantizer):
     from_space = Codebook.from_space
     per_sequence = Codebook.per_sequence
     fit = VectorCodebook.fit
-
-    def parts(self) -> dict[str, PartSpec]:
-        return {
-            "q": PartSpec((self.head_dim * self.bits // 8,), torch.uint8),
-            "norm": PartSpec((1,), torch.uint8),
-        }
+    parts = VectorCodebook.parts  # b D / 8 bytes of codes and one norm byte per row, like tq{b} / tqv{b}
 
     def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
         y = self.to_space(x, state)
@@ -174,10 +169,8 @@ class TrellisCodebook(Quantizer):
         codes = encode(u.reshape(-1, self.head_dim), self.table, self.bits).view(y.shape)
         c = self.table.to(x.device)[states_of(codes, self.bits, self.state_bits)]
         norm = (y * c).sum(-1, keepdim=True) / (c * c).sum(-1, keepdim=True).clamp_min(1e-30)
-        lo, step = _per_head(state["params"][..., :1], x), _per_head(state["params"][..., 1:2], x)
-        ncode = torch.round((torch.log2(norm.clamp_min(1e-30)) - lo) / step) + 1
-        ncode = torch.where(norm > 0, ncode.clamp(1, NORM_CODES - 1), torch.zeros_like(ncode))
-        return {"q": pack_bits(codes, self.bits), "norm": ncode.to(torch.uint8)}
+        ncode = code_of_norm(norm, state["params"], x)
+        return {"q": pack_bits(codes, self.bits), "norm": ncode}
 
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Rows of ``x`` whose norm falls outside the 8-bit norm code's range (stored at its nearest end)."""
