@@ -46,6 +46,12 @@ def test_alone_equals_batched_with_padding(stories, precision, option):
     per-channel ones without sinks (int3-channel 2.9e-3: their blocks are aligned to absolute
     positions, so a padded row's first block also holds pads); before the fix, static scales
     (int8, fp8) and every precision with sinks differed by 0.1 .. 22.
+
+    Codebook codes (``tq*``: nearest level, nearest codeword, Viterbi path) are discontinuous: the model's own
+    float noise between a batched and a lone row (logits differ by ~5e-6 here) moves a row across a code boundary
+    now and then (measured: ~1e-4 of rows under 1e-6 relative noise, alike for tq4 / tqt3 / tqt4), and one flipped
+    key of this head_dim-8 model moves the next logits by ~1 (tqt4 with sinks, step 8: 1.45). So for them at most
+    one of the 8 steps may differ; a batch-dependence bug (state or sinks taken from pads) moves every step.
     """
     model, tok = stories
     cfg = _cfg(precision, **OPTIONS[option])
@@ -54,8 +60,9 @@ def test_alone_equals_batched_with_padding(stories, precision, option):
     assert int((enc["attention_mask"][1] == 0).sum()) > 3
     assert torch.equal(batched[1], alone[0]), f"{precision}: A's row differs from A alone"
     tol = 1e-2 if precision.endswith("-channel") else 1e-3
-    err = (logits[1] - logits_alone[0]).abs().max().item()
-    assert err < tol, f"{precision}: max |logit difference| {err:.2e}"
+    per_step = (logits[1] - logits_alone[0]).abs().amax(-1)
+    flips = 1 if precision.startswith("tq") else 0  # isolated code flips (see above)
+    assert int((per_step >= tol).sum()) <= flips, f"{precision}: max |logit difference| per step {per_step.tolist()}"
 
 
 def test_padded_row_keeps_its_first_real_tokens_as_sinks(stories):
