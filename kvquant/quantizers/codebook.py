@@ -246,14 +246,12 @@ class Codebook(Quantizer):
         return self.from_space(self.decode_space(parts, state), state).to(dtype)
 
     # -- embedded refinement (the store's age ladder, ``ladder_tokens``) ----------------------
+    @functools.cached_property
     def refinement(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(children [2 * 2^b], splits [2^b])`` float32 of this codebook's levels (:func:`refined_levels`)."""
+        """``(children [2 * 2^b], splits [2^b])`` float32 of this codebook's levels (:func:`refined_levels`; built
+        on first use, kept: the ladder reads it every step)."""
         ch, sp = refined_levels(tuple(self.levels.tolist()), self.head_dim)
         return torch.tensor(ch, dtype=torch.float32), torch.tensor(sp, dtype=torch.float32)
-
-    def refine_parts(self) -> dict[str, PartSpec]:
-        """The parts of one refinement row (:func:`refine_parts`)."""
-        return refine_parts(self.head_dim)
 
     def refine(self, x: torch.Tensor, state: dict[str, torch.Tensor], parts: Parts) -> Parts:
         """Refinement parts of rows ``x`` whose base parts are ``parts``: one bit per coordinate, the side of its
@@ -261,7 +259,7 @@ class Codebook(Quantizer):
         y = self.to_space(x, state)
         u = y / y.norm(dim=-1, keepdim=True).clamp_min(1e-30)
         codes = unpack_codes(parts["q"], self.bits).long()
-        children, splits = self.refinement()
+        children, splits = self.refinement
         bit = (u >= splits.to(x.device)[codes]).long()
         c = children.to(x.device)[2 * codes + bit]
         return {"r": pack_bits(bit, 1), "rscale": _rscale_code(y, c, norm_of_code(parts["norm"], state["params"]))}
@@ -270,7 +268,7 @@ class Codebook(Quantizer):
         """Refined rows in head space, float32 ``[B, H, T, D]``: ``norm * rscale * children[2 code + bit]``."""
         codes = unpack_codes(parts["q"], self.bits).long()
         bit = unpack_bits(rparts["r"], 1, self.head_dim)
-        children, _ = self.refinement()
+        children, _ = self.refinement
         norm = norm_of_code(parts["norm"], state["params"]) * _rscale(rparts["rscale"])
         return children.to(codes.device)[2 * codes + bit] * norm
 
@@ -485,21 +483,16 @@ class ChannelCodebook(Quantizer):
         return self.from_space(self.decode_space(parts, state), state).to(dtype)
 
     # -- embedded refinement (the store's age ladder, ``ladder_tokens``) ----------------------
+    @functools.cached_property
     def refinement(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per channel, ``(children [D, 2 * 2^8], splits [D, 2^8])`` of its width's Gaussian levels
-        (:func:`gaussian_refined`; a width-0 channel gains one bit: +-0.798)."""
-        if getattr(self, "_refinement", None) is None:
-            ch = torch.zeros(self.head_dim, 2 ** (GAUSS_MAX_BITS + 1))
-            sp = torch.zeros(self.head_dim, 2**GAUSS_MAX_BITS)
-            for j, b in enumerate(self.widths.tolist()):
-                c, s = gaussian_refined(b)
-                ch[j, : len(c)], sp[j, : len(s)] = torch.tensor(c), torch.tensor(s)
-            self._refinement = (ch, sp)
-        return self._refinement
-
-    def refine_parts(self) -> dict[str, PartSpec]:
-        """The parts of one refinement row (:func:`refine_parts`): one bit per channel, every width."""
-        return refine_parts(self.head_dim)
+        (:func:`gaussian_refined`; a width-0 channel gains one bit: +-0.798). Built on first use, kept."""
+        ch = torch.zeros(self.head_dim, 2 ** (GAUSS_MAX_BITS + 1))
+        sp = torch.zeros(self.head_dim, 2**GAUSS_MAX_BITS)
+        for j, b in enumerate(self.widths.tolist()):
+            c, s = gaussian_refined(b)
+            ch[j, : len(c)], sp[j, : len(s)] = torch.tensor(c), torch.tensor(s)
+        return ch, sp
 
     def refine(self, x: torch.Tensor, state: dict[str, torch.Tensor], parts: Parts) -> Parts:
         """Refinement parts of rows ``x`` (base parts ``parts``): per channel, the side of its cell's split point
@@ -507,7 +500,7 @@ class ChannelCodebook(Quantizer):
         w = self._whiten(x, state)
         u = w / self._row_norm(w).clamp_min(1e-30)
         codes = self.unpack(parts["q"])
-        children, splits = (t.to(x.device) for t in self.refinement())
+        children, splits = (t.to(x.device) for t in self.refinement)
         ch = torch.arange(self.head_dim, device=x.device)
         bit = (u >= splits[ch, codes]).long()
         c = children[ch, 2 * codes + bit] * _per_head(state["scale"].float(), u)
@@ -518,7 +511,7 @@ class ChannelCodebook(Quantizer):
         """Refined rows in head space: ``sigma * g * rscale * children[code, bit]``, float32 ``[B, H, T, D]``."""
         codes = self.unpack(parts["q"])
         bit = unpack_bits(rparts["r"], 1, self.head_dim)
-        children, _ = self.refinement()
+        children, _ = self.refinement
         ch = torch.arange(self.head_dim, device=codes.device)
         c = children.to(codes.device)[ch, 2 * codes + bit]
         g = norm_of_code(parts["norm"], state["params"]) * _rscale(rparts["rscale"])
@@ -667,9 +660,10 @@ class VectorCodebook(Quantizer):
         return self.from_space(self.decode_space(parts, state), state).to(dtype)
 
     # -- embedded refinement (the store's age ladder, ``ladder_tokens``) ----------------------
-    def refine_parts(self) -> dict[str, PartSpec]:
-        """The parts of one refinement row (:func:`refine_parts`)."""
-        return refine_parts(self.head_dim)
+    @functools.cached_property
+    def refined_codewords(self) -> torch.Tensor:
+        """:func:`refined_vq` scaled like :attr:`codewords` (``[K, 2^dim, dim]``; built on first use, kept)."""
+        return refined_vq(self.bits, self.dim) / math.sqrt(self.head_dim)
 
     def refine(self, x: torch.Tensor, state: dict[str, torch.Tensor], parts: Parts) -> Parts:
         """Refinement parts of rows ``x`` (base parts ``parts``): per pair, the nearest of its codeword's ``2^dim``
@@ -678,7 +672,7 @@ class VectorCodebook(Quantizer):
         u = y / y.norm(dim=-1, keepdim=True).clamp_min(1e-30)
         n = self.head_dim // self.dim
         codes = unpack_bits(parts["q"], self.width, n)  # [B, H, T, n]
-        cand = (refined_vq(self.bits, self.dim) / math.sqrt(self.head_dim)).to(x.device)[codes]  # [..., n, m, dim]
+        cand = self.refined_codewords.to(x.device)[codes]  # [..., n, m, dim]
         sub = ((u.view(*u.shape[:-1], n, 1, self.dim) - cand) ** 2).sum(-1).argmin(-1)  # [B, H, T, n]
         c = torch.gather(cand, -2, sub[..., None, None].expand(*sub.shape, 1, self.dim)).flatten(-3)
         rscale = _rscale_code(y, c, norm_of_code(parts["norm"], state["params"]))
@@ -689,7 +683,7 @@ class VectorCodebook(Quantizer):
         n = self.head_dim // self.dim
         codes = unpack_bits(parts["q"], self.width, n)
         sub = unpack_bits(rparts["r"], self.dim, n)
-        ch = (refined_vq(self.bits, self.dim) / math.sqrt(self.head_dim)).to(codes.device)
+        ch = self.refined_codewords.to(codes.device)
         norm = norm_of_code(parts["norm"], state["params"]) * _rscale(rparts["rscale"])
         return ch[codes, sub].flatten(-2) * norm
 
@@ -770,17 +764,13 @@ def refined_vq(bits: int, dim: int = VQ_DIM, iters: int = 30) -> torch.Tensor:
 RSCALE_STEP = 1 / 1024  # the refined row's norm correction: a linear byte, 1 + (code - 128) * step (+-12.5%)
 
 
-def refine_parts(head_dim: int) -> dict[str, PartSpec]:
-    """The parts of one refinement row: ``head_dim`` refinement bits and one byte that corrects the base row's
-    decoded norm for the refined row (``rscale``, :func:`_rscale_code`). Without it the refined row would reuse the
-    norm fitted to the base code: the same mean, but a per-row scale error of ~2.6% (sd, Gaussian rows), which
-    moves a young key's largest scores far more than its ~1% error in the other directions (lab: KL 0.0321
-    against 0.0273 for tq4 rows with their own norm)."""
-    return {"r": PartSpec((head_dim // 8,), torch.uint8), "rscale": PartSpec((1,), torch.uint8)}
-
-
 def _rscale_code(y: torch.Tensor, c: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """The byte of the factor ``s`` that minimises ``|y - s * n * c|^2`` (``n``: the base row's decoded norm)."""
+    """The byte of the factor ``s`` that minimises ``|y - s * n * c|^2`` (``n``: the base row's decoded norm).
+
+    A refinement row is ``D`` bits plus this byte. Without it the refined row would reuse the norm fitted to the
+    base code: the same mean, but a per-row scale error of ~2.6% (sd, Gaussian rows), which moves a young key's
+    largest scores far more than its ~1% error in the other directions (lab: KL 0.0321 against 0.0273 for tq4
+    rows with their own norm)."""
     s = (y * c).sum(-1, keepdim=True) / (n * (c * c).sum(-1, keepdim=True)).clamp_min(1e-30)
     s = torch.where(n > 0, s, torch.ones_like(s))
     return (torch.round((s - 1) / RSCALE_STEP) + 128).clamp(0, 255).to(torch.uint8)
