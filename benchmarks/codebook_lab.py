@@ -30,6 +30,7 @@ precisions read as exact). ``--layers 0-14`` quantizes only those layers.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import time
 from typing import Any
@@ -100,11 +101,14 @@ def query_weight(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.
     return map_from_moments(*moments(q, k))
 
 
+GAIN = {"gain": "unbiased"}  # the codebooks' row gain (--gain)
+
+
 def _quantizer(width: int | str, d: int) -> Codebook | VectorCodebook:
-    """``3`` -> ``tq3``; ``"v3"`` -> ``tqv3`` (2-D vector codebook)."""
+    """``3`` -> ``tq3``; ``"v3"`` -> ``tqv3`` (2-D vector codebook); with the row gain of ``--gain``."""
     if isinstance(width, str) and width.startswith("v"):
-        return VectorCodebook(d, int(width[1:]))
-    return Codebook(d, int(width))
+        return VectorCodebook(d, int(width[1:]), gain=GAIN["gain"])
+    return Codebook(d, int(width), gain=GAIN["gain"])
 
 
 def _width(token: str) -> int | str:
@@ -265,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                     "the rest at the spec's widths; W = e: the spec's own codes plus their embedded refinement bit "
                     "(what an aged row loses: the store's `ladder`)")
     ap.add_argument("--layers", default=None, help="quantize only these layers, e.g. 0-14 or 3,5 (default all)")
+    ap.add_argument("--gain", default="unbiased",
+                    help="comma list of the codebooks' row gains to try: unbiased (default), mse (kvquant.quantizers."
+                    "codebook.row_gain; runs recorded before 2026-12-02 used mse)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     layers = None
@@ -277,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     lab = Lab(args.windows, args.calib_windows if need_calib else 0, layers)
     n_, w_ = args.mid.split(":")
     lab.mid = (int(n_), _width(w_))
-    print("| K | V | R (exact newest) | key map | value map | KL | Δppl % |\n|---|---|---:|---|---|---:|---:|")
+    print("| K | V | R (exact newest) | key map | value map | gain | KL | Δppl % |")
+    print("|---|---|---:|---|---|---|---:|---:|")
     for spec in args.specs:
         if ".y" in spec:  # a kvquant config with per-(layer, head) codebook widths: PATH:R
             path, _, r_ = spec.rpartition(":")
@@ -285,14 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             k_, v_, r_ = spec.split(":")
             kb, vb, r = _width(k_), _width(v_), int(r_)
-        for weight in args.key_weight.split(","):
-            for vweight in args.value_weight.split(","):
-                t0 = time.perf_counter()
-                m = lab.run(kb, vb, r, weight, vweight)
-                kn, vn = (spec if isinstance(b, dict) else f"tq{b}" if b else "exact" for b in (kb, vb))
-                print(f"| {kn} | {vn} | {r} | {weight} | {vweight} | {m['kl']:.4f} ± {m['kl_se']:.4f} | "
-                      f"{m['dppl']:+.2f} ± {m['dppl_se']:.2f} |  <!-- {time.perf_counter() - t0:.0f}s; per-window KL "
-                      f"{' '.join(f'{x:.4f}' for x in m['kls'])} -->", flush=True)
+        for weight, vweight, gain in itertools.product(*(a.split(",") for a in (args.key_weight, args.value_weight,
+                                                                                args.gain))):  # fmt: skip
+            GAIN["gain"] = gain
+            t0 = time.perf_counter()
+            m = lab.run(kb, vb, r, weight, vweight)
+            kn, vn = (spec if isinstance(b, dict) else f"tq{b}" if b else "exact" for b in (kb, vb))
+            print(f"| {kn} | {vn} | {r} | {weight} | {vweight} | {gain} | {m['kl']:.4f} ± {m['kl_se']:.4f} | "
+                  f"{m['dppl']:+.2f} ± {m['dppl_se']:.2f} |  <!-- {time.perf_counter() - t0:.0f}s; per-window KL "
+                  f"{' '.join(f'{x:.4f}' for x in m['kls'])} -->", flush=True)
     return 0
 
 

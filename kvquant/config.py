@@ -32,7 +32,17 @@ from .errors import ConfigError, InputError
 from .evict import BUDGETS, DECODE_POLICIES, POLICIES, EvictConfig
 from .inputs import read_text
 from .outputs import check_output, write_text
-from .quantizers import CHANNEL, CHANNEL_PREFIX, CODEBOOK, GROUPED, PRECISIONS, TRELLIS, is_precision, make_quantizer
+from .quantizers import (
+    CHANNEL,
+    CHANNEL_PREFIX,
+    CODEBOOK,
+    GAINS,
+    GROUPED,
+    PRECISIONS,
+    TRELLIS,
+    is_precision,
+    make_quantizer,
+)
 from .shape import ModelShape
 
 BITS_TO_PRECISION = {2: "int2", 4: "int4", 8: "int8", 16: "fp16"}
@@ -140,6 +150,7 @@ _OPTION_FIELDS = {
     "residual_step",
     "ladder_tokens",
     "center_keys",
+    "codebook_gain",
     "offload",
 }
 _TOP_LEVEL = {"default", "layers", "heads", "name", "description", "model_shape", "evict"} | _OPTION_FIELDS
@@ -187,6 +198,11 @@ class KVQuantConfig:
             sees ``q.(k - mu) = q.k - q.mu`` for every key, a shift common to all of its scores, which
             softmax ignores. ``None`` (default): on when ``rotate`` rotates keys, so a bias offset is
             not spread over every channel.
+        codebook_gain: how a codebook precision (``tq*``, ``tqv*``, ``tqt*``, ``tqc-*``) picks each row's stored
+            norm: ``unbiased`` (default) makes the row's projection on itself exact, so scores and attention
+            outputs are not shrunk by the code's MSE; ``mse`` is the least-squares norm (the least row error,
+            shrunk by ~the code's relative MSE; what configs recorded before 2026-12-02 used). See
+            :func:`kvquant.quantizers.codebook.row_gain`.
         evict: keep only some tokens (:class:`~kvquant.evict.EvictConfig`: ``{policy, keep, window, sinks,
             budget, layers}``); ``None`` keeps every token. The kept tokens are stored in this config's
             precisions; see :mod:`kvquant.evict`.
@@ -212,6 +228,7 @@ class KVQuantConfig:
     residual_step: int | None = None
     ladder_tokens: int = 0
     center_keys: bool | None = None
+    codebook_gain: str = "unbiased"
     offload: dict[str, Any] | None = None
     name: str | None = None
     description: str | None = None
@@ -343,6 +360,8 @@ class KVQuantConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} must be true or false")
         self.offload = _check_offload(self.offload)
+        if self.codebook_gain not in GAINS:
+            raise ConfigError(f"codebook_gain: {self.codebook_gain!r} is not one of {', '.join(GAINS)}")
         if self.center_keys is not None and not isinstance(self.center_keys, bool):
             raise ConfigError(f"center_keys: {self.center_keys!r} must be true, false or null")
         if self.scales_file is not None and (not isinstance(self.scales_file, str) or not self.scales_file.strip()):

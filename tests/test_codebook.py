@@ -14,8 +14,8 @@ if not torch.cuda.is_available():
 
 from kvquant.config import ConfigError, KVPrecision, KVQuantConfig  # noqa: E402
 from kvquant.kernels import dispatch  # noqa: E402
-from kvquant.quantizers import Codebook, IntNGrouped, make_quantizer, uniform_levels  # noqa: E402
-from kvquant.store import LayerStore  # noqa: E402
+from kvquant.quantizers import GAINS, Codebook, IntNGrouped, make_quantizer, uniform_levels  # noqa: E402
+from kvquant.store import LayerStore, make_groups  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -44,13 +44,52 @@ def test_mse_near_lloyd_max_and_below_uniform(bits, D):
     """Build 4: on rotated Gaussian-like rows the codebook's relative MSE is within 10% of the Lloyd-Max
     optimum for its width, and below a uniform grid of as many levels with the same norm side information."""
     x = gaussian_like(2048, D)
-    tq = rel_mse(Codebook(D, bits), x)
+    tq = rel_mse(Codebook(D, bits, gain="mse"), x)
     assert abs(tq / LLOYD_MAX_GAUSSIAN[bits] - 1) <= 0.10, (tq, LLOYD_MAX_GAUSSIAN[bits])
-    uniform = rel_mse(Codebook(D, bits, levels=uniform_levels(bits, D)), x)
+    uniform = rel_mse(Codebook(D, bits, levels=uniform_levels(bits, D), gain="mse"), x)
     assert tq < uniform
+    # the default unbiased row gain pays 1 / cos^2 ~ 1 / (1 - D) in MSE for unshrunk scores and outputs
+    unbiased = rel_mse(Codebook(D, bits), x)
+    assert tq < unbiased <= 1.02 * tq / (1 - LLOYD_MAX_GAUSSIAN[bits]), (unbiased, tq)
     if bits < 4:  # also below kvquant's min/max grid over the whole row, which stores 3/8 bit more per value
         grid = IntNGrouped(D, bits=bits, group_size=D) if bits != 3 else make_quantizer("int3", D, group_size=D)
         assert tq < rel_mse(grid, x)
+
+
+TQC_MIXED, TQC_DROPPED = "tqc-" + "4" * 16 + "3" * 32 + "2" * 16, "tqc-" + "0" * 8 + "4" * 56
+UNBIASED_KINDS = ["tq2", "tq3", "tq4", "tqv3", "tqt3", TQC_MIXED, TQC_DROPPED]
+
+
+@pytest.mark.parametrize("precision", UNBIASED_KINDS)
+def test_unbiased_gain_keeps_each_rows_projection(precision):
+    """``gain: unbiased`` (default): a stored row's projection on its own (centered) row is the row's squared norm,
+    up to the 8-bit norm code (mean over rows within 0.5%; ``tqc``: over the wide channels of its row norm).
+    ``gain: mse`` shrinks it by about the code's relative MSE (the Lloyd-Max centroid condition)."""
+    x = gaussian_like(512, 64, seed=5)
+    ratios = {}
+    for gain in GAINS:
+        q = make_quantizer(precision, 64, gain=gain)
+        state = q.fit(x)
+        d = q.to_space(x, state)
+        dh = q.to_space(q.dequantize(q.quantize(x, state), state, torch.float32), state)
+        if hasattr(q, "norm_mask"):  # tqc: the channels its row norm is taken over
+            d, dh = (t * q.norm_mask for t in (d, dh))
+        ratios[gain] = float(((d * dh).sum(-1) / (d * d).sum(-1)).mean())
+    assert abs(ratios["unbiased"] - 1) < 0.005, ratios
+    assert ratios["mse"] < ratios["unbiased"] - 0.005, ratios
+
+
+def test_codebook_gain_reaches_the_store():
+    """``codebook_gain`` in a config reaches every codebook quantizer the store builds; a bad value names the field."""
+    for gain in GAINS:
+        cfg = KVQuantConfig.from_dict({"default": {"key": "tqv3", "value": "tq3"}, "codebook_gain": gain})
+        ((_, _, kq, vq),) = make_groups([cfg.default] * 2, cfg, 64)
+        assert kq.gain == vq.gain == gain
+        assert KVQuantConfig.from_dict(cfg.to_dict()).codebook_gain == gain
+    with pytest.raises(ConfigError, match="^codebook_gain: 'lsq'"):
+        KVQuantConfig.from_dict({"default": "tq3", "codebook_gain": "lsq"})
+    with pytest.raises(ValueError, match="gain"):
+        make_quantizer("tq3", 64, gain="lsq")
 
 
 def test_mean_removal_handles_offsets():

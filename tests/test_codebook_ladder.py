@@ -257,7 +257,9 @@ def test_ladder_reads_any_range():
         k, v = layer.read(g, 0, 70)
         for a, b in ((lo + 3, hi - 2), (lo - 5, lo + 1), (hi - 1, 70), (lo + 7, 70)):
             ka, va = layer.read(g, a, b)
-            assert torch.equal(ka, k[:, :, a:b]) and torch.equal(va, v[:, :, a:b])
+            # the same rows up to one float32 ulp (the CPU's vector and scalar exp2 may differ in the last bit)
+            torch.testing.assert_close(ka, k[:, :, a:b], rtol=3e-7, atol=1e-7)
+            torch.testing.assert_close(va, v[:, :, a:b], rtol=3e-7, atol=1e-7)
         pieces = layer.read_factored(g, 0, 70)  # the pool walk stops before the young rows
         assert pieces[-2][1] <= lo or pieces[-1][0] <= lo
 

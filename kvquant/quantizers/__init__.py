@@ -8,6 +8,7 @@ from __future__ import annotations
 from .base import Parts, PartSpec, Quantizer
 from .codebook import (
     CHANNEL_PREFIX,
+    GAINS,
     ChannelCodebook,
     Codebook,
     VectorCodebook,
@@ -70,9 +71,11 @@ def is_precision(name: object) -> bool:
 
 
 def make_quantizer(
-    precision: str, head_dim: int, group_size: int = 32, headroom: float = 1.0, block_size: int = 128
+    precision: str, head_dim: int, group_size: int = 32, headroom: float = 1.0, block_size: int = 128,
+    gain: str = "unbiased",
 ) -> Quantizer:
-    """Build the quantizer for one config ``precision`` (see :data:`PRECISIONS`)."""
+    """Build the quantizer for one config ``precision`` (see :data:`PRECISIONS`); ``gain``: how a codebook
+    precision (``tq*``, ``tqv*``, ``tqt*``, ``tqc-*``) picks each row's norm (:func:`~.codebook.row_gain`)."""
     if precision in FLOAT_DTYPES:
         return Passthrough(head_dim, precision)
     if precision == "int8":
@@ -86,13 +89,13 @@ def make_quantizer(
     if precision in CHANNEL:
         return IntNChannel(head_dim, bits=CHANNEL[precision], token_group=block_size)
     if precision in CODEBOOK:
-        return Codebook(head_dim, bits=CODEBOOK[precision])
+        return Codebook(head_dim, bits=CODEBOOK[precision], gain=gain)
     if precision in VECTOR:
-        return VectorCodebook(head_dim, bits=VECTOR[precision])
+        return VectorCodebook(head_dim, bits=VECTOR[precision], gain=gain)
     if precision in TRELLIS:
-        return TrellisCodebook(head_dim, bits=TRELLIS[precision])
+        return TrellisCodebook(head_dim, bits=TRELLIS[precision], gain=gain)
     if precision.startswith(CHANNEL_PREFIX):
-        return ChannelCodebook.from_name(precision, head_dim)
+        return ChannelCodebook.from_name(precision, head_dim, gain)
     if precision in FP8_DTYPES:
         return Fp8(head_dim, precision, headroom=headroom)
     raise ValueError(f"precision: unknown {precision!r} (known: {', '.join(PRECISIONS)})")
@@ -101,6 +104,7 @@ def make_quantizer(
 __all__ = [
     "CHANNEL_PREFIX",
     "CODEBOOK",
+    "GAINS",
     "TRELLIS",
     "TrellisCodebook",
     "VECTOR",

@@ -32,7 +32,16 @@ import math
 import torch
 
 from .base import Parts, Quantizer
-from .codebook import Codebook, VectorCodebook, code_of_norm, norm_of_code, pack_bits, unpack_bits
+from .codebook import (
+    Codebook,
+    VectorCodebook,
+    check_gain,
+    code_of_norm,
+    norm_of_code,
+    pack_bits,
+    row_gain,
+    unpack_bits,
+)
 
 TRELLIS_PREFIX = "tqt"
 #: state bits ``L`` per code width ``k``: ``L - k`` = 6 bits carried from one coordinate to the next
@@ -139,8 +148,9 @@ class TrellisCodebook(Quantizer):
     space = True
     center = True
 
-    def __init__(self, head_dim: int, bits: int = 3) -> None:
+    def __init__(self, head_dim: int, bits: int = 3, gain: str = "unbiased") -> None:
         super().__init__(head_dim)
+        self.gain = check_gain(gain)
         if bits not in STATE_BITS:
             raise ValueError(f"bits: {bits} is not supported by the trellis quantizer (2, 3 or 4)")
         if head_dim & (head_dim - 1) or head_dim < 8:
@@ -168,8 +178,7 @@ class TrellisCodebook(Quantizer):
         u = y / y.norm(dim=-1, keepdim=True).clamp_min(1e-30)
         codes = encode(u.reshape(-1, self.head_dim), self.table, self.bits).view(y.shape)
         c = self.table.to(x.device)[states_of(codes, self.bits, self.state_bits)]
-        norm = (y * c).sum(-1, keepdim=True) / (c * c).sum(-1, keepdim=True).clamp_min(1e-30)
-        ncode = code_of_norm(norm, state["params"], x)
+        ncode = code_of_norm(row_gain(y, c, self.gain), state["params"], x)
         return {"q": pack_bits(codes, self.bits), "norm": ncode}
 
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
