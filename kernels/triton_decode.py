@@ -53,6 +53,9 @@ from .triton_dequant import (
     dot_split_a,
     head_ptrs,
     int8_words_fp16,
+    key_chan2,
+    key_exp2,
+    key_tile2,
     load_head_scale,
     load_q_halves,
     load_tile,
@@ -695,7 +698,11 @@ def _rows_scores(
         # one MMA over D: the code tile (code_tiles: position i = c 2**(e(i) - 24)) @ qt (row i: 2**(EMAX - e(i))
         # f q), so st = 2**(EMAX - 24) f q . c per column (h, g) = head h on group g (q_sum comes scaled alike,
         # `scale` holds 2**(24 - EMAX) / f)
-        st = tl.dot(code_tiles(kp, k_offs, mask_n, K_BITS, BLOCK_N, D), qt_lo)
+        if K_BITS == 2 and D >= 64:  # noqa: SIM108 (a constexpr branch); int2: the MMA's register layout
+            kx = key_tile2(kp, k_offs, mask_n, BLOCK_N, D)
+        else:
+            kx = code_tiles(kp, k_offs, mask_n, K_BITS, BLOCK_N, D)
+        st = tl.dot(kx, qt_lo)
         ks = tl.reshape(tl.broadcast_to(ks_t.to(tl.float32)[:, None, :], [BLOCK_N, REPP, G]), [BLOCK_N, REPP * G])
         kz = tl.reshape(tl.broadcast_to(kz_t.to(tl.float32)[:, None, :], [BLOCK_N, REPP, G]), [BLOCK_N, REPP * G])
         st = st * ks + q_sum[None, :] * kz
@@ -917,15 +924,21 @@ def _decode_partial_rows_t(
     K_EMAX: tl.constexpr = 4 if K_BITS == 4 else (7 if K_BITS == 3 else 6)
     if K_FOLD == 1:  # column (h, g): head h on the channels of group g; row i: channel perm4(i)
         i = tl.arange(0, D)
-        q_mask = valid[None, :] & ((i[:, None] // V_GROUP) == rg[None, :])
-        qt = tl.load(Q + b64 * q_sb + (h * REP + rh)[None, :] * q_sh + perm4(i)[:, None], mask=q_mask, other=0.0)
+        if K_BITS == 2 and D >= 64:  # key_tile2's positions
+            kc = key_chan2(i, D)
+            ke = key_exp2(i, D)
+        else:  # code_tiles' positions (perm4 keeps every channel in its group)
+            kc = perm4(i)
+            ke = code_exp(i, K_BITS, D)
+        q_mask = valid[None, :] & ((kc[:, None] // V_GROUP) == rg[None, :])
+        qt = tl.load(Q + b64 * q_sb + (h * REP + rh)[None, :] * q_sh + kc[:, None], mask=q_mask, other=0.0)
         qt = qt.to(tl.float32)
         # row i x 2**(EMAX - e(i)) (the units of its codes: code_tiles), all rows x qf <= 1, a power of two that keeps
         # 2**EMAX qf |q| < 2**15 (qf = 1 unless max |q| >= 2**(15 - EMAX)): exact fp16 operands
         e = (reduce_max(reduce_max(tl.abs(qt), 0), 0).to(tl.int32, bitcast=True) >> 23) & 0xFF
         qf = ((127 - tl.maximum(e - (141 - K_EMAX), 0)) << 23).to(tl.float32, bitcast=True)
         q_sum = reduce_sum(qt, 0) * (qf * pow2(K_EMAX - 24))
-        qt_lo = (qt * (pow2(K_EMAX - code_exp(i, K_BITS, D)).to(tl.float32) * qf)[:, None]).to(tl.float16)
+        qt_lo = (qt * (pow2(K_EMAX - ke).to(tl.float32) * qf)[:, None]).to(tl.float16)
         qt_hi = qt_lo  # unused
     else:  # per-channel keys: the heads' query [D/2, REPP] per half, fp32 (the block scale multiplies it)
         hh = tl.arange(0, REPP)
