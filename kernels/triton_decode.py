@@ -892,14 +892,13 @@ def _rows_tile_t(
 
 @triton.jit
 def _pair_scores(
-    n0, start, end, qt_lo, q_sum, scale, tbl, k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
+    n0, start, end, qt_lo, q_sum, scale, blk, k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
     G: tl.constexpr, REPP: tl.constexpr, OFF32: tl.constexpr, K_BITS: tl.constexpr, PAIR: tl.constexpr,
 ):  # fmt: skip
-    """The scores of the ``PAIR`` (2 or 1) interior tiles from ``n0`` (one pool block) for :func:`_rows_oct_t`
-    (grouped keys; ``s1`` is ``s0`` when ``PAIR`` is 1), and the block's id and first row in it."""
-    n_blk, n_in = _block_pos(n0, BS)
-    blk = tl.load(tbl + n_blk)
+    """The scores of the ``PAIR`` (2 or 1) interior tiles from ``n0`` (pool block ``blk``, loaded by the caller)
+    for :func:`_rows_oct_t` (grouped keys; ``s1`` is ``s0`` when ``PAIR`` is 1), and the block's id and first row."""
+    n_in = _block_pos(n0, BS)[1]
     if not OFF32:
         blk = blk.to(tl.int64)
     ko = blk * k_sb + n_in * (k_st * 4)
@@ -952,16 +951,22 @@ def _rows_oct_t(
     softmax update -- :func:`_rows_tile_t`'s four-tile step twice as long (one maximum reduction, one rescale of
     ``acc`` / ``zacc`` / ``l`` per 8 tiles)."""
     T2: tl.constexpr = PAIR * BLOCK_N
-    s0, s1, b0, i0 = _pair_scores(n0, start, end, qt_lo, q_sum, scale, tbl, k_base, ks_base, kz_base, k_sb, k_st,
+    # the four parts' block ids in one load (one copy group and one wait instead of four)
+    u = tl.cast(n0, tl.uint32)
+    ids = tl.load(tbl + ((u + tl.arange(0, 4) * T2) // BS).to(tl.int32))
+    ids02, ids13 = tl.split(tl.reshape(ids, [2, 2]))  # (ids[0], ids[2]), (ids[1], ids[3])
+    bk0, bk2 = tl.split(ids02)
+    bk1, bk3 = tl.split(ids13)
+    s0, s1, b0, i0 = _pair_scores(n0, start, end, qt_lo, q_sum, scale, bk0, k_base, ks_base, kz_base, k_sb, k_st,
                                   ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
                                   PAIR)  # fmt: skip
-    s2, s3, b1, i1 = _pair_scores(n0 + T2, start, end, qt_lo, q_sum, scale, tbl, k_base, ks_base, kz_base, k_sb,
+    s2, s3, b1, i1 = _pair_scores(n0 + T2, start, end, qt_lo, q_sum, scale, bk1, k_base, ks_base, kz_base, k_sb,
                                   k_st, ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
                                   PAIR)  # fmt: skip
-    s4, s5, b2, i2 = _pair_scores(n0 + 2 * T2, start, end, qt_lo, q_sum, scale, tbl, k_base, ks_base, kz_base, k_sb,
+    s4, s5, b2, i2 = _pair_scores(n0 + 2 * T2, start, end, qt_lo, q_sum, scale, bk2, k_base, ks_base, kz_base, k_sb,
                                   k_st, ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
                                   PAIR)  # fmt: skip
-    s6, s7, b3, i3 = _pair_scores(n0 + 3 * T2, start, end, qt_lo, q_sum, scale, tbl, k_base, ks_base, kz_base, k_sb,
+    s6, s7, b3, i3 = _pair_scores(n0 + 3 * T2, start, end, qt_lo, q_sum, scale, bk3, k_base, ks_base, kz_base, k_sb,
                                   k_st, ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
                                   PAIR)  # fmt: skip
     m4 = tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3))
