@@ -895,6 +895,7 @@ def _pair_scores(
     n0, start, end, qt_lo, q_sum, scale, blk, k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
     G: tl.constexpr, REPP: tl.constexpr, OFF32: tl.constexpr, K_BITS: tl.constexpr, PAIR: tl.constexpr,
+    K_ROW: tl.constexpr,
 ):  # fmt: skip
     """The scores of the ``PAIR`` (2 or 1) interior tiles from ``n0`` (pool block ``blk``, loaded by the caller)
     for :func:`_rows_oct_t` (grouped keys; ``s1`` is ``s0`` when ``PAIR`` is 1), and the block's id and first row."""
@@ -909,8 +910,8 @@ def _pair_scores(
                       ks0, kz0, D, BLOCK_N, SOFTCAP, G, REPP, 1, K_BITS)  # fmt: skip
     s1 = s0
     if PAIR == 2:
-        s1 = _rows_scores(n0 + BLOCK_N, start, end, False, qt_lo, q_sum, scale, scale, qt_lo, qt_lo, scale, k_base,
-                          ko + BLOCK_N * (k_st * 4), k_offs, ks1, kz1, D, BLOCK_N, SOFTCAP, G, REPP, 1,
+        s1 = _rows_scores(n0 + BLOCK_N, start, end, False, qt_lo, q_sum, scale, scale, qt_lo, qt_lo, scale,
+                          k_base + BLOCK_N * K_ROW, ko, k_offs, ks1, kz1, D, BLOCK_N, SOFTCAP, G, REPP, 1,
                           K_BITS)  # fmt: skip
     return s0, s1, blk, n_in
 
@@ -919,7 +920,7 @@ def _pair_scores(
 def _pair_pv(
     n0, start, end, s0, s1, ssc, m_safe, l_i, acc, zacc, blk, n_in, v_base, vs_base, vz_base, v_sb, v_st, vs_sb,
     v_offs, g_offs, D: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr,
-    V_BITS: tl.constexpr, PAIR: tl.constexpr,
+    V_BITS: tl.constexpr, PAIR: tl.constexpr, V_ROW: tl.constexpr,
 ):  # fmt: skip
     """``l_i``, ``acc`` and ``zacc`` (already rescaled) plus the two interior tiles from ``n0`` (scores ``s0`` /
     ``s1``, pool block ``blk`` from row ``n_in``) for :func:`_rows_oct_t`."""
@@ -934,7 +935,7 @@ def _pair_pv(
     if PAIR == 2:
         p = tl.exp2(s1 * ssc - m_safe[None, :])
         l_i = l_i + p
-        acc, zacc = _rows_pv(n0 + BLOCK_N, start, end, False, p, acc, zacc, v_base, vo + BLOCK_N * (v_st * 4),
+        acc, zacc = _rows_pv(n0 + BLOCK_N, start, end, False, p, acc, zacc, v_base + BLOCK_N * V_ROW, vo,
                              v_offs, vs1, vz1, D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
     return l_i, acc, zacc
 
@@ -945,7 +946,7 @@ def _rows_oct_t(
     v_base, vs_base, vz_base, v_sb, v_st, vs_sb, k_offs, v_offs, g_offs, m_i, l_i, acc, zacc,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
     G: tl.constexpr, REPP: tl.constexpr, OFF32: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    PAIR: tl.constexpr,
+    PAIR: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
 ):  # fmt: skip
     """An interior step of eight tiles (``SUB`` 8, grouped keys): four pairs, each in one pool block, under one
     softmax update -- :func:`_rows_tile_t`'s four-tile step twice as long (one maximum reduction, one rescale of
@@ -959,16 +960,16 @@ def _rows_oct_t(
     bk1, bk3 = tl.split(ids13)
     s0, s1, b0, i0 = _pair_scores(n0, start, end, qt_lo, q_sum, scale, bk0, k_base, ks_base, kz_base, k_sb, k_st,
                                   ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
-                                  PAIR)  # fmt: skip
+                                  PAIR, K_ROW)  # fmt: skip
     s2, s3, b1, i1 = _pair_scores(n0 + T2, start, end, qt_lo, q_sum, scale, bk1, k_base, ks_base, kz_base, k_sb,
                                   k_st, ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
-                                  PAIR)  # fmt: skip
+                                  PAIR, K_ROW)  # fmt: skip
     s4, s5, b2, i2 = _pair_scores(n0 + 2 * T2, start, end, qt_lo, q_sum, scale, bk2, k_base, ks_base, kz_base, k_sb,
                                   k_st, ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
-                                  PAIR)  # fmt: skip
+                                  PAIR, K_ROW)  # fmt: skip
     s6, s7, b3, i3 = _pair_scores(n0 + 3 * T2, start, end, qt_lo, q_sum, scale, bk3, k_base, ks_base, kz_base, k_sb,
                                   k_st, ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
-                                  PAIR)  # fmt: skip
+                                  PAIR, K_ROW)  # fmt: skip
     m4 = tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3))
     m4 = tl.maximum(m4, tl.maximum(tl.maximum(s4, s5), tl.maximum(s6, s7)))
     m_blk = reduce_max(m4, 0)
@@ -986,16 +987,16 @@ def _rows_oct_t(
     zacc = zacc * a
     l_i = l_i * alpha[None, :]
     l_i, acc, zacc = _pair_pv(n0, start, end, s0, s1, ssc, m_new, l_i, acc, zacc, b0, i0, v_base, vs_base, vz_base,
-                              v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS, PAIR)  # fmt: skip
+                              v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS, PAIR, V_ROW)  # fmt: skip
     l_i, acc, zacc = _pair_pv(n0 + T2, start, end, s2, s3, ssc, m_new, l_i, acc, zacc, b1, i1, v_base, vs_base,
                               vz_base, v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS,
-                              PAIR)  # fmt: skip
+                              PAIR, V_ROW)  # fmt: skip
     l_i, acc, zacc = _pair_pv(n0 + 2 * T2, start, end, s4, s5, ssc, m_new, l_i, acc, zacc, b2, i2, v_base, vs_base,
                               vz_base, v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS,
-                              PAIR)  # fmt: skip
+                              PAIR, V_ROW)  # fmt: skip
     l_i, acc, zacc = _pair_pv(n0 + 3 * T2, start, end, s6, s7, ssc, m_new, l_i, acc, zacc, b3, i3, v_base, vs_base,
                               vz_base, v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS,
-                              PAIR)  # fmt: skip
+                              PAIR, V_ROW)  # fmt: skip
     return m_new, l_i, acc, zacc
 
 
@@ -1012,6 +1013,7 @@ def _decode_partial_rows_t(
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
     K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
     V_W8: tl.constexpr = False, OFF32: tl.constexpr = False, SUB: tl.constexpr = 1, OCT: tl.constexpr = False,
+    K_ROW: tl.constexpr = 0, V_ROW: tl.constexpr = 0,
 ):  # fmt: skip
     """:func:`_decode_partial_rows` transposed (fp16 queries; grouped int4 / int3 / int2 V, K grouped alike with
     any of these widths (``K_FOLD`` 1) or per-channel int4 (``K_FOLD`` 2)); ``OFF32``: the parts' element offsets
@@ -1110,7 +1112,7 @@ def _decode_partial_rows_t(
                 m_i, l_i, acc, zacc = _rows_oct_t(
                     n0, start, end, qt_lo, q_sum, scale, tbl, k_base, ks_base, kz_base, k_sb, k_stw, ks_sb,
                     v_base, vs_base, vz_base, v_sb, v_stw, vs_sb, k_offs, v_offs, g_offs, m_i, l_i, acc, zacc,
-                    D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS, V_BITS, SUB // 4)  # fmt: skip
+                    D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS, V_BITS, SUB // 4, K_ROW, V_ROW)  # fmt: skip
         else:
             for n0 in range(full_lo, full_hi, STEP):
                 m_i, l_i, acc, zacc = _rows_tile_t(
@@ -1387,6 +1389,8 @@ def decode_launches(
                     # softmax update per 512 tokens (sm_90a SASS, GQA 4: 1075 -> 1048 per 256 tokens). 242 registers
                     # at the 255 cap: still 2 programs / SM (as 175 at 176: 255 x 128 threads fits twice in 64K)
                     meta["SUB"], meta["OCT"], meta["maxnreg"] = 8, True, 255
+                    # the parts' row strides (bytes) as constants: a pool block's second tile at an immediate offset
+                    meta["K_ROW"], meta["V_ROW"] = kop.data.stride(2), vop.data.stride(2)
                 if meta["SUB"] == 4:
                     # four tiles per step (two pool-block halves): 175 registers at the 176 cap (2 programs / SM;
                     # at 168 it spills 24 B), two pipeline stages (the default 3 issues ~15 more per step)
