@@ -53,6 +53,9 @@ from .triton_dequant import (
     dot_split_a,
     head_ptrs,
     int8_words_fp16,
+    key_chan2,
+    key_exp2,
+    key_tile2,
     load_head_scale,
     load_q_halves,
     load_tile,
@@ -695,7 +698,11 @@ def _rows_scores(
         # one MMA over D: the code tile (code_tiles: position i = c 2**(e(i) - 24)) @ qt (row i: 2**(EMAX - e(i))
         # f q), so st = 2**(EMAX - 24) f q . c per column (h, g) = head h on group g (q_sum comes scaled alike,
         # `scale` holds 2**(24 - EMAX) / f)
-        st = tl.dot(code_tiles(kp, k_offs, mask_n, K_BITS, BLOCK_N, D), qt_lo)
+        if K_BITS == 2 and D >= 64:  # noqa: SIM108 (a constexpr branch); int2: the MMA's register layout
+            kx = key_tile2(kp, k_offs, mask_n, BLOCK_N, D)
+        else:
+            kx = code_tiles(kp, k_offs, mask_n, K_BITS, BLOCK_N, D)
+        st = tl.dot(kx, qt_lo)
         ks = tl.reshape(tl.broadcast_to(ks_t.to(tl.float32)[:, None, :], [BLOCK_N, REPP, G]), [BLOCK_N, REPP * G])
         kz = tl.reshape(tl.broadcast_to(kz_t.to(tl.float32)[:, None, :], [BLOCK_N, REPP, G]), [BLOCK_N, REPP * G])
         st = st * ks + q_sum[None, :] * kz
@@ -884,6 +891,116 @@ def _rows_tile_t(
 
 
 @triton.jit
+def _pair_scores(
+    n0, start, end, qt_lo, q_sum, scale, blk, k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
+    G: tl.constexpr, REPP: tl.constexpr, OFF32: tl.constexpr, K_BITS: tl.constexpr, PAIR: tl.constexpr,
+    K_ROW: tl.constexpr,
+):  # fmt: skip
+    """The scores of the ``PAIR`` (2 or 1) interior tiles from ``n0`` (pool block ``blk``, loaded by the caller)
+    for :func:`_rows_oct_t` (grouped keys; ``s1`` is ``s0`` when ``PAIR`` is 1), and the block's id and first row."""
+    n_in = _block_pos(n0, BS)[1]
+    if not OFF32:
+        blk = blk.to(tl.int64)
+    ko = blk * k_sb + n_in * (k_st * 4)
+    gk = blk * ks_sb + n_in * G
+    ks0, ks1 = _tiles_load(ks_base + gk, g_offs, BLOCK_N * G, n0, start, end, False, BLOCK_N, PAIR)
+    kz0, kz1 = _tiles_load(kz_base + gk, g_offs, BLOCK_N * G, n0, start, end, False, BLOCK_N, PAIR)
+    s0 = _rows_scores(n0, start, end, False, qt_lo, q_sum, scale, scale, qt_lo, qt_lo, scale, k_base, ko, k_offs,
+                      ks0, kz0, D, BLOCK_N, SOFTCAP, G, REPP, 1, K_BITS)  # fmt: skip
+    s1 = s0
+    if PAIR == 2:
+        s1 = _rows_scores(n0 + BLOCK_N, start, end, False, qt_lo, q_sum, scale, scale, qt_lo, qt_lo, scale,
+                          k_base + BLOCK_N * K_ROW, ko, k_offs, ks1, kz1, D, BLOCK_N, SOFTCAP, G, REPP, 1,
+                          K_BITS)  # fmt: skip
+    return s0, s1, blk, n_in
+
+
+@triton.jit
+def _pair_pv(
+    n0, start, end, s0, s1, ssc, m_safe, l_i, acc, zacc, blk, n_in, v_base, vs_base, vz_base, v_sb, v_st, vs_sb,
+    v_offs, g_offs, D: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr,
+    V_BITS: tl.constexpr, PAIR: tl.constexpr, V_ROW: tl.constexpr,
+):  # fmt: skip
+    """``l_i``, ``acc`` and ``zacc`` (already rescaled) plus the two interior tiles from ``n0`` (scores ``s0`` /
+    ``s1``, pool block ``blk`` from row ``n_in``) for :func:`_rows_oct_t`."""
+    vo = blk * v_sb + n_in * (v_st * 4)
+    gv = blk * vs_sb + n_in * G
+    vs0, vs1 = _tiles_load(vs_base + gv, g_offs, BLOCK_N * G, n0, start, end, False, BLOCK_N, PAIR)
+    vz0, vz1 = _tiles_load(vz_base + gv, g_offs, BLOCK_N * G, n0, start, end, False, BLOCK_N, PAIR)
+    p = tl.exp2(s0 * ssc - m_safe[None, :])
+    l_i = l_i + p
+    acc, zacc = _rows_pv(n0, start, end, False, p, acc, zacc, v_base, vo, v_offs, vs0, vz0,
+                         D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+    if PAIR == 2:
+        p = tl.exp2(s1 * ssc - m_safe[None, :])
+        l_i = l_i + p
+        acc, zacc = _rows_pv(n0 + BLOCK_N, start, end, False, p, acc, zacc, v_base + BLOCK_N * V_ROW, vo,
+                             v_offs, vs1, vz1, D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+    return l_i, acc, zacc
+
+
+@triton.jit
+def _rows_oct_t(
+    n0, start, end, qt_lo, q_sum, scale, tbl, k_base, ks_base, kz_base, k_sb, k_st, ks_sb,
+    v_base, vs_base, vz_base, v_sb, v_st, vs_sb, k_offs, v_offs, g_offs, m_i, l_i, acc, zacc,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
+    G: tl.constexpr, REPP: tl.constexpr, OFF32: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    PAIR: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
+):  # fmt: skip
+    """An interior step of eight tiles (``SUB`` 8, grouped keys): four pairs, each in one pool block, under one
+    softmax update -- :func:`_rows_tile_t`'s four-tile step twice as long (one maximum reduction, one rescale of
+    ``acc`` / ``zacc`` / ``l`` per 8 tiles)."""
+    T2: tl.constexpr = PAIR * BLOCK_N
+    # the four parts' block ids in one load (one copy group and one wait instead of four)
+    u = tl.cast(n0, tl.uint32)
+    ids = tl.load(tbl + ((u + tl.arange(0, 4) * T2) // BS).to(tl.int32))
+    ids02, ids13 = tl.split(tl.reshape(ids, [2, 2]))  # (ids[0], ids[2]), (ids[1], ids[3])
+    bk0, bk2 = tl.split(ids02)
+    bk1, bk3 = tl.split(ids13)
+    s0, s1, b0, i0 = _pair_scores(n0, start, end, qt_lo, q_sum, scale, bk0, k_base, ks_base, kz_base, k_sb, k_st,
+                                  ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
+                                  PAIR, K_ROW)  # fmt: skip
+    s2, s3, b1, i1 = _pair_scores(n0 + T2, start, end, qt_lo, q_sum, scale, bk1, k_base, ks_base, kz_base, k_sb,
+                                  k_st, ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
+                                  PAIR, K_ROW)  # fmt: skip
+    s4, s5, b2, i2 = _pair_scores(n0 + 2 * T2, start, end, qt_lo, q_sum, scale, bk2, k_base, ks_base, kz_base, k_sb,
+                                  k_st, ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
+                                  PAIR, K_ROW)  # fmt: skip
+    s6, s7, b3, i3 = _pair_scores(n0 + 3 * T2, start, end, qt_lo, q_sum, scale, bk3, k_base, ks_base, kz_base, k_sb,
+                                  k_st, ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
+                                  PAIR, K_ROW)  # fmt: skip
+    m4 = tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3))
+    m4 = tl.maximum(m4, tl.maximum(tl.maximum(s4, s5), tl.maximum(s6, s7)))
+    m_blk = reduce_max(m4, 0)
+    RAW: tl.constexpr = SOFTCAP == 0  # as _rows_tile_t: unscaled scores, the scale on their maximum
+    ssc = scale if RAW else 1.0
+    if RAW:
+        m_blk = m_blk * scale
+    m_new = tl.maximum(m_i, m_blk)  # interior: finite scores
+    alpha = tl.exp2(m_i - m_new)
+    a = _head_cols(alpha, G)[None, :]
+    if G * REPP <= 16:  # noqa: SIM108 (a constexpr branch); acc [D, 2R] (_rows_pv)
+        acc = acc * _cat_cols(a, a, 1, 2 * G * REPP)
+    else:
+        acc = acc * a
+    zacc = zacc * a
+    l_i = l_i * alpha[None, :]
+    l_i, acc, zacc = _pair_pv(n0, start, end, s0, s1, ssc, m_new, l_i, acc, zacc, b0, i0, v_base, vs_base, vz_base,
+                              v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS, PAIR, V_ROW)  # fmt: skip
+    l_i, acc, zacc = _pair_pv(n0 + T2, start, end, s2, s3, ssc, m_new, l_i, acc, zacc, b1, i1, v_base, vs_base,
+                              vz_base, v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS,
+                              PAIR, V_ROW)  # fmt: skip
+    l_i, acc, zacc = _pair_pv(n0 + 2 * T2, start, end, s4, s5, ssc, m_new, l_i, acc, zacc, b2, i2, v_base, vs_base,
+                              vz_base, v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS,
+                              PAIR, V_ROW)  # fmt: skip
+    l_i, acc, zacc = _pair_pv(n0 + 3 * T2, start, end, s6, s7, ssc, m_new, l_i, acc, zacc, b3, i3, v_base, vs_base,
+                              vz_base, v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS,
+                              PAIR, V_ROW)  # fmt: skip
+    return m_new, l_i, acc, zacc
+
+
+@triton.jit
 def _decode_partial_rows_t(
     Q, q_sb, q_sh,
     K, KS, KZ, KH, k_sb, k_sh, k_st, ks_sb, ks_sh, ks_st,
@@ -895,7 +1012,8 @@ def _decode_partial_rows_t(
     K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr,
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
     K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
-    V_W8: tl.constexpr = False, OFF32: tl.constexpr = False, SUB: tl.constexpr = 1,
+    V_W8: tl.constexpr = False, OFF32: tl.constexpr = False, SUB: tl.constexpr = 1, OCT: tl.constexpr = False,
+    K_ROW: tl.constexpr = 0, V_ROW: tl.constexpr = 0,
 ):  # fmt: skip
     """:func:`_decode_partial_rows` transposed (fp16 queries; grouped int4 / int3 / int2 V, K grouped alike with
     any of these widths (``K_FOLD`` 1) or per-channel int4 (``K_FOLD`` 2)); ``OFF32``: the parts' element offsets
@@ -917,15 +1035,21 @@ def _decode_partial_rows_t(
     K_EMAX: tl.constexpr = 4 if K_BITS == 4 else (7 if K_BITS == 3 else 6)
     if K_FOLD == 1:  # column (h, g): head h on the channels of group g; row i: channel perm4(i)
         i = tl.arange(0, D)
-        q_mask = valid[None, :] & ((i[:, None] // V_GROUP) == rg[None, :])
-        qt = tl.load(Q + b64 * q_sb + (h * REP + rh)[None, :] * q_sh + perm4(i)[:, None], mask=q_mask, other=0.0)
+        if K_BITS == 2 and D >= 64:  # key_tile2's positions
+            kc = key_chan2(i, D)
+            ke = key_exp2(i, D)
+        else:  # code_tiles' positions (perm4 keeps every channel in its group)
+            kc = perm4(i)
+            ke = code_exp(i, K_BITS, D)
+        q_mask = valid[None, :] & ((kc[:, None] // V_GROUP) == rg[None, :])
+        qt = tl.load(Q + b64 * q_sb + (h * REP + rh)[None, :] * q_sh + kc[:, None], mask=q_mask, other=0.0)
         qt = qt.to(tl.float32)
         # row i x 2**(EMAX - e(i)) (the units of its codes: code_tiles), all rows x qf <= 1, a power of two that keeps
         # 2**EMAX qf |q| < 2**15 (qf = 1 unless max |q| >= 2**(15 - EMAX)): exact fp16 operands
         e = (reduce_max(reduce_max(tl.abs(qt), 0), 0).to(tl.int32, bitcast=True) >> 23) & 0xFF
         qf = ((127 - tl.maximum(e - (141 - K_EMAX), 0)) << 23).to(tl.float32, bitcast=True)
         q_sum = reduce_sum(qt, 0) * (qf * pow2(K_EMAX - 24))
-        qt_lo = (qt * (pow2(K_EMAX - code_exp(i, K_BITS, D)).to(tl.float32) * qf)[:, None]).to(tl.float16)
+        qt_lo = (qt * (pow2(K_EMAX - ke).to(tl.float32) * qf)[:, None]).to(tl.float16)
         qt_hi = qt_lo  # unused
     else:  # per-channel keys: the heads' query [D/2, REPP] per half, fp32 (the block scale multiplies it)
         hh = tl.arange(0, REPP)
@@ -960,8 +1084,9 @@ def _decode_partial_rows_t(
     k_offs = tok * k_stw + tl.arange(0, KW)[None, :]
     v_offs = tok * v_stw + tl.arange(0, VW)[None, :]
     g_offs = tok * G + tl.arange(0, G)[None, :]
-    STEP: tl.constexpr = SUB * BLOCK_N  # tokens per loop step (SUB tiles; up to two in one pool block)
-    tl.static_assert(SUB != 4 or K_FOLD == 1, "four tiles per step: grouped keys only")
+    # tokens per loop step: SUB tiles, up to two in one pool block (OCT: four pool-block parts of SUB / 4 tiles each)
+    STEP: tl.constexpr = SUB * BLOCK_N
+    tl.static_assert(SUB < 4 or K_FOLD == 1, "four or eight tiles per step: grouped keys only")
     full_lo = tl.cdiv(start, STEP) * STEP
     full_hi = (end // STEP) * STEP
     # the partial steps at both ends ([start, full_lo) and [full_hi, end), each shorter than a step): one loop of
@@ -982,12 +1107,19 @@ def _decode_partial_rows_t(
                 k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
                 k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
                 K_BITS, V_BITS, 1)  # fmt: skip
-        for n0 in range(full_lo, full_hi, STEP):
-            m_i, l_i, acc, zacc = _rows_tile_t(
-                n0, start, end, False, qt_lo, qt_hi, q_sum, scale, wk, tbl,
-                k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
-                k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
-                K_BITS, V_BITS, SUB)  # fmt: skip
+        if OCT:
+            for n0 in range(full_lo, full_hi, STEP):
+                m_i, l_i, acc, zacc = _rows_oct_t(
+                    n0, start, end, qt_lo, q_sum, scale, tbl, k_base, ks_base, kz_base, k_sb, k_stw, ks_sb,
+                    v_base, vs_base, vz_base, v_sb, v_stw, vs_sb, k_offs, v_offs, g_offs, m_i, l_i, acc, zacc,
+                    D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS, V_BITS, SUB // 4, K_ROW, V_ROW)  # fmt: skip
+        else:
+            for n0 in range(full_lo, full_hi, STEP):
+                m_i, l_i, acc, zacc = _rows_tile_t(
+                    n0, start, end, False, qt_lo, qt_hi, q_sum, scale, wk, tbl,
+                    k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
+                    k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
+                    K_BITS, V_BITS, SUB)  # fmt: skip
     else:
         for n0 in range(full_lo, full_hi, STEP):
             m_i, l_i, acc, zacc = _rows_tile_t(
@@ -1252,6 +1384,14 @@ def decode_launches(
             else:
                 meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group), wide=True)
                 meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176  # as grouped int4 (int3 / int2: 166 registers)
+                if meta["SUB"] == 4 and kop.bits == 2 and D == 128:
+                    # int2 keys at head_dim 128: eight tiles per step (_rows_oct_t, four pool-block parts), one
+                    # softmax update per 512 tokens (sm_90a SASS, GQA 4: 1075 -> 1048 per 256 tokens). 242 registers
+                    # at the 255 cap: still 2 programs / SM (as 175 at 176: 255 x 128 threads fits twice in 64K).
+                    # Triton's default 3 pipeline stages (2: 2059 vs 2056 per 512 tokens, the same 0.728)
+                    meta["SUB"], meta["OCT"], meta["maxnreg"] = 8, True, 255
+                    # the parts' row strides (bytes) as constants: a pool block's second tile at an immediate offset
+                    meta["K_ROW"], meta["V_ROW"] = kop.data.stride(2), vop.data.stride(2)
                 if meta["SUB"] == 4:
                     # four tiles per step (two pool-block halves): 175 registers at the 176 cap (2 programs / SM;
                     # at 168 it spills 24 B), two pipeline stages (the default 3 issues ~15 more per step)

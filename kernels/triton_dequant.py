@@ -297,6 +297,59 @@ def code_tiles(wp, offs, mask_n, BITS: tl.constexpr, BLOCK_N: tl.constexpr, D: t
 
 
 @triton.jit
+def _halves(v):
+    """int32 ``v [...]`` as fp16 ``[..., 2]``: its low and high 16-bit halves (register views)."""
+    return tl.join(v.to(tl.int16), (v >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def key_tile2(wp, offs, mask_n, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Grouped int2 *key* codes of ``BLOCK_N`` tokens as an fp16 ``[BLOCK_N, D]`` MMA ``A`` tile of subnormals whose
+    register layout is the warpgroup MMA's own: no shared-memory round trip (:func:`code_tiles` orders positions by
+    chunk, which puts two positions a lane pair must hold in one thread, so Triton staged every unpacked tile
+    through ``STS`` / ``LDSM``). ``offs [BLOCK_N, 4 E]`` (``E = D / 64``): row r's 32-bit words (word ``a E + e``)
+    from ``wp`` (rows outside ``mask_n`` read as 0). Position ``p = h + 2 a + 8 (e + E (o + 2 k))`` (``h``: the
+    fp16 half, ``a``: the word's lane part, ``e``: its register part, ``o``: bytes 0 / 2 or 1 / 3 (``w >> 8``),
+    ``k``: the chunk) holds channel :func:`key_chan2` ``(p)`` as ``c * 2**(2 k - 24)`` (:func:`key_exp2`): the MMA
+    operand layout wants the position bits 1 and 2 in the lanes (here: the word), bit 0 in the register pair (the
+    half) and the rest in registers (chunk, byte, word part). One shift per word and one and per two codes, as
+    :func:`code_tiles`; the stored format is the same (split packing, ``quantizers/intn.py``)."""
+    E: tl.constexpr = D // 64
+    # loaded as [BLOCK_N, 4 E] rows (16-byte copies), then viewed as [BLOCK_N, a, e]
+    w = tl.load(wp + offs, mask=mask_n[:, None], other=0)
+    w = tl.permute(tl.reshape(w, [BLOCK_N, 4, E]), (0, 2, 1))  # [BLOCK_N, e, a]
+    w8 = w >> 8
+    u0 = tl.permute(tl.join(_halves(w & 0x00030003), _halves(w8 & 0x00030003)), (0, 4, 1, 2, 3))  # [N, o, e, a, h]
+    u1 = tl.permute(tl.join(_halves(w & 0x000C000C), _halves(w8 & 0x000C000C)), (0, 4, 1, 2, 3))
+    u2 = tl.permute(tl.join(_halves(w & 0x00300030), _halves(w8 & 0x00300030)), (0, 4, 1, 2, 3))
+    u3 = tl.permute(tl.join(_halves(w & 0x00C000C0), _halves(w8 & 0x00C000C0)), (0, 4, 1, 2, 3))
+    v0 = tl.permute(tl.join(u0, u1), (0, 5, 1, 2, 3, 4))  # [N, k0, o, e, a, h] (chunks 0, 1)
+    v1 = tl.permute(tl.join(u2, u3), (0, 5, 1, 2, 3, 4))  # chunks 2, 3
+    x = tl.permute(tl.join(v0, v1), (0, 6, 1, 2, 3, 4, 5))  # [N, k1, k0, o, e, a, h]
+    return tl.reshape(x, [BLOCK_N, D])
+
+
+@triton.jit
+def key_chan2(p, D: tl.constexpr):
+    """The channel at position ``p`` of a :func:`key_tile2` tile: byte ``4 (a E + e) + o + 2 h`` of the row, chunk
+    ``k`` (split packing: channel ``byte + k D / 4``)."""
+    E: tl.constexpr = D // 64
+    h = p % 2
+    a = (p // 2) % 4
+    q = p // 8
+    e = q % E
+    o = (q // E) % 2
+    k = q // (2 * E)
+    return 4 * (a * E + e) + o + 2 * h + k * (D // 4)
+
+
+@triton.jit
+def key_exp2(p, D: tl.constexpr):
+    """The power of two of position ``p`` of a :func:`key_tile2` tile: ``2 k`` for chunk ``k``."""
+    return 2 * (p // (D // 4))
+
+
+@triton.jit
 def _cat_tiles(lo, hi, BLOCK_N: tl.constexpr, D: tl.constexpr):
     """``[BLOCK_N, D]``: the columns of ``lo [BLOCK_N, D/2]`` then those of ``hi`` (register views)."""
     return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BLOCK_N, D])

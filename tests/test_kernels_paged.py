@@ -46,13 +46,13 @@ def shuffle_blocks(layer: LayerStore, seed: int) -> None:
     layer._table_cache = None
 
 
-def paged_layer(row, past, Tq, seed=0, block=16, **options):
+def paged_layer(row, past, Tq, seed=0, block=16, D=64, **options):
     """3 rows: rows 0 and 1 share their first ``past - 5`` tokens (a beam reorder), then all rows get
     5 different tokens (copy-on-write of the shared partial block), then the fresh chunk."""
     g = torch.Generator().manual_seed(seed)
     cfg = KVQuantConfig(block_size=block, **options)
     row = [r if isinstance(r, KVPrecision) else KVPrecision(r, r) for r in row]
-    H, D = len(row), 64
+    H = len(row)
     layer = LayerStore(row, cfg, D, 2, DEV)
     mag = torch.rand(1, H, 1, D, generator=g) * 2 + 0.25
 
@@ -146,3 +146,32 @@ def test_random_block_tables_fp16_rows_kernel(prec, block, past):
         launch.run()
     err = (out - attend_naive(q.float(), fk, fv, layer, hist, None, 0.125)).abs().max().item()
     assert err <= 2e-5, f"{prec} block {block}: max error {err:.2e} vs the fp32 reference"
+
+
+@pytest.mark.parametrize("prec", [KVPrecision("int2", "int2"), KVPrecision("int2", "int3")], ids=str)
+def test_rows_kernel_eight_tile_steps(prec):
+    """int2 keys at head_dim 128 in 128-token blocks: eight 64-token tiles per loop step (``_rows_oct_t``: four
+    pool-block parts, one softmax update) and the int2 key tiles unpacked in the MMA's register layout
+    (``key_tile2``), through shuffled and shared blocks, GQA 4: the kernels' fp32 result within 2e-5 of the fp32
+    reference. Partition 0 holds one whole eight-tile step besides masked tiles, partition 1 only masked tiles."""
+    from kvquant.kernels import triton_decode
+    from kvquant.kernels.triton_attention import block_table
+    from kvquant.kernels.triton_dequant import DOT_FP16, operand
+
+    D, rep, past = 128, 4, 1100
+    layer, fk, fv = paged_layer([prec, prec], past, 1, seed=11, block=128, D=D)
+    hist = layer.q_end
+    q = (torch.randn(3, 2 * rep, 1, D, generator=torch.Generator().manual_seed(5)) * 1.5).to(DEV, torch.float16)
+    groups = [(g.head_index, operand(g.key, D, False), operand(g.value, D, False)) for g in layer.groups]
+    out = torch.zeros(3, 2 * rep, 1, D)  # fp32: the kernels' result unrounded
+    table = block_table(layer, hist, 3, DEV)
+    launches = triton_decode.decode_launches(q, fk, fv, groups, layer.num_heads, hist, None, D**-0.5, out, DOT_FP16,
+                                             splits=2, table=table, block_size=128)  # fmt: skip
+    meta = launches[0].meta
+    assert launches[0].kernel is triton_decode._decode_partial_rows_t
+    assert meta["SUB"] == 8 and meta["OCT"] and meta["BLOCK_N"] == 64
+    assert launches[0].args[launches[0].kernel.arg_names.index("part_len")] >= 512
+    for launch in launches:
+        launch.run()
+    err = (out - attend_naive(q.float(), fk, fv, layer, hist, None, D**-0.5)).abs().max().item()
+    assert err <= 2e-5, f"{prec}: max error {err:.2e} vs the fp32 reference"
