@@ -18,7 +18,8 @@ row error) keeps that shrinkage, and it is not noise: every score ``q . k_hat`` 
 ``gain: unbiased`` (the default) stores ``|y|^2 / <y, c>`` instead: ``<x_hat - mu, x - mu> = |x - mu|^2``,
 the row's own direction exact and the error orthogonal to it, at ``1 / cos^2`` the MSE (+3.5% at 3
 bits). Teacher-forced lab (SmolLM2-135M, tq3, 4 windows; docs/results/lowbit-smollm2.md): value-only
-KL 0.0220 -> 0.0194 and Δppl +3.3% -> +2.0%; key-only KL 0.071 -> 0.054, Δppl +10.7% -> +5.9%.
+KL 0.0220 -> 0.0194 and Δppl +3.3% -> +2.0%; key-only KL 0.071 -> 0.054, Δppl +10.7% -> +5.9%; exact
+decode at 0.21x (8 windows, runs W1-W3): -0.3 to -0.5 ppl on every config, paired.
 
 The coordinates of a randomly rotated vector are close to i.i.d. with the density of one
 coordinate of a uniform unit vector in ``D`` dims (~N(0, 1/D)), so one data-oblivious codebook of
