@@ -144,6 +144,13 @@ def token_weights(use: torch.Tensor | None, B: int, T: int, device: torch.device
     return torch.where(w.sum(1, keepdim=True) > 0, w, torch.ones_like(w)).view(B, 1, T, 1)
 
 
+def check_gain(gain: str) -> str:
+    """``gain`` when it is one of :data:`GAINS` (else a one-line ValueError naming it)."""
+    if gain not in GAINS:
+        raise ValueError(f"gain: unknown {gain!r} (known: {', '.join(GAINS)})")
+    return gain
+
+
 def row_gain(y: torch.Tensor, c: torch.Tensor, gain: str = "unbiased") -> torch.Tensor:
     """The factor ``g`` (``[..., 1]``) a row ``y[..., D]`` (head space) is stored with as ``g * c`` (``c``: its
     code's values): ``mse``: ``<y, c> / |c|^2``, the least ``|y - g c|^2`` (shrunk by the code's relative MSE);
@@ -151,18 +158,10 @@ def row_gain(y: torch.Tensor, c: torch.Tensor, gain: str = "unbiased") -> torch.
     least 1/2, so a code far off its row (never seen for these codebooks) cannot blow the gain up."""
     yc = (y * c).sum(-1, keepdim=True)
     cc = (c * c).sum(-1, keepdim=True)
-    if gain == "mse":
+    if check_gain(gain) == "mse":
         return yc / cc.clamp_min(1e-30)
-    if gain != "unbiased":
-        raise ValueError(f"gain: unknown {gain!r} (known: {', '.join(GAINS)})")
     yy = (y * y).sum(-1, keepdim=True)
     return yy / torch.maximum(yc, 0.5 * (yy * cc).sqrt()).clamp_min(1e-30)
-
-
-def check_gain(gain: str) -> str:
-    if gain not in GAINS:
-        raise ValueError(f"gain: unknown {gain!r} (known: {', '.join(GAINS)})")
-    return gain
 
 
 def norm_code_range(norms: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,7 +378,9 @@ class ChannelCodebook(Quantizer):
     the query energy, so spending the bits there lowers the score error of keys ~2x against
     ``tq3``/``tq4`` at the same bits (``benchmarks/codebook_channels.py``). Read in its head space
     ``x - mu`` (queries unchanged; the mean shifts every score of a query alike). The Triton kernels read
-    the codes in-kernel (``kernels/triton_codebook.py``, ``KIND_TQC``).
+    the codes in-kernel (``kernels/triton_codebook.py``, ``KIND_TQC``). ``gain``: ``unbiased`` (default) stores
+    the :func:`row_gain` over the wide channels of the row norm (narrow channels keep some shrinkage); ``mse``
+    stores the whitened row's RMS over them, as recorded before the unbiased gain (not a least-squares fit).
     """
 
     static = True
