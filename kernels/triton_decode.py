@@ -1291,9 +1291,10 @@ REGS_PER_SM, SMEM_PER_SM, WARPS_PER_SM, PROGRAMS_PER_SM = 65536, 228 * 1024, 64,
 #: programs per SM assumed where the compiled kernel's occupancy is unknown (the CPU interpreter, no compile
 #: metadata): the decode kernels' common case at head_dim 128 (166-255 registers x 4 warps)
 DEFAULT_PROGRAMS_PER_SM = 2
-#: a program's fixed cost in BLOCK_N tiles of history (prologue, epilogue, edge tile, its share of the reduction),
-#: the term that makes one full wave of long partitions beat two waves of half-length ones
-PROGRAM_OVERHEAD_TILES = 2
+#: a program's fixed cost in BLOCK_N tiles of history (prologue, masked edge tiles, epilogue, its share of the
+#: reduction): the code outside the loop is 4-6 tiles' issue in the sm_90a SASS (hd128 GQA 4: fp16 1506 vs 377 per
+#: 64-token tile, int2 1548 vs 257); the term that makes one wave of long partitions beat two of half-length ones
+PROGRAM_OVERHEAD_TILES = 4
 MAX_SPLITS = 128
 
 
