@@ -1307,6 +1307,7 @@ def programs_per_sm(regs: int, shared: int, warps: int) -> int:
 
 
 _OCCUPANCY: dict = {}
+_SPLITS: dict = {}  # decode_launches: layer shape -> split count at the runtime's occupancy
 
 
 def compiled_programs_per_sm(launch: Launch) -> int | None:
@@ -1519,13 +1520,22 @@ def decode_launches(
     if splits:
         return _decode_build(splits)
     # the split count from the compiled kernels' occupancy: build at the default rule's count, ask each
-    # partial launch's binary how many programs an SM holds (the fewest), rebuild at that count if it differs
+    # partial launch's binary how many programs an SM holds (the fewest), rebuild at that count if it differs.
+    # The runtime's answer is remembered per layer shape (one build per step after the first; a stale entry could
+    # only cost speed: every split count gives the same result)
+    key = None
+    if occupancy is None:
+        ops = tuple((int(h.numel()), k.data.dtype, *k.meta(), *v.meta(), k.data.shape[1:], v.data.shape[1:])
+                    for h, k, v in groups)  # fmt: skip
+        key = (query.device, query.dtype, B, Hq, D, num_kv, capacity, block_size, dot_kind, ranges is None,
+               softcap or 0.0, sms, ops)  # fmt: skip
+        if key in _SPLITS:
+            return _decode_build(_SPLITS[key])
     S0 = num_splits(B, rows // B, capacity, block_n, sms)
     launches = _decode_build(S0)
     probe = occupancy or compiled_programs_per_sm
     per_sm = [probe(launch) for launch in launches[:-1]]
-    if all(per_sm):
-        S = num_splits(B, rows // B, capacity, block_n, sms, min(per_sm))
-        if S != S0:
-            launches = _decode_build(S)
-    return launches
+    S = num_splits(B, rows // B, capacity, block_n, sms, min(per_sm)) if all(per_sm) else S0
+    if key is not None:
+        _SPLITS[key] = S
+    return _decode_build(S) if S != S0 else launches

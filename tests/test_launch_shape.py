@@ -103,3 +103,30 @@ def test_decode_launches_ask_the_occupancy():
     assert _splits(lambda launch: None) == [(64, td.num_splits(8, 8, 32768, 64, 132))]  # unknown: the default
     # the grid depends on capacity and shapes, not on the history length (CUDA-graph capturable)
     assert _splits(lambda launch: 2, past=100) == _splits(lambda launch: 2, past=30000)
+
+
+def test_runtime_occupancy_remembered_per_layer_shape(monkeypatch):
+    from kvquant.kernels.triton_compile_check import BLOCK_SIZE, META, meta_groups
+
+    calls = []
+
+    def probe(launch):
+        calls.append(launch.grid)
+        return 1
+
+    monkeypatch.setattr(td, "compiled_programs_per_sm", probe)
+    monkeypatch.setattr(td, "_SPLITS", {})
+    B, kv, D, cap = 8, 8, 128, 32768
+    query = torch.empty((B, kv * 4, 1, D), dtype=torch.float16, device=META)
+    fresh = torch.empty((B, kv, 1, D), dtype=torch.float16, device=META)
+    table = torch.empty((B, cap // BLOCK_SIZE), dtype=torch.int32, device=META)
+
+    def grids(past):
+        launches = td.decode_launches(query, fresh, fresh, meta_groups([("int2", "int2", kv)], B, D, cap), kv, past,
+                                      None, D**-0.5, torch.empty_like(query), DOT_FP16, sms=132, table=table,
+                                      block_size=BLOCK_SIZE)  # fmt: skip
+        return [launch.grid for launch in launches]
+
+    assert grids(100) == [(64, 2), (64,)]  # 1 / SM: 2 splits
+    assert grids(30000) == [(64, 2), (64,)]
+    assert len(calls) == 1  # asked once for this layer shape
