@@ -30,6 +30,13 @@ so its time per (token, KV head) is the mean of the two groups' times. The model
 (it assumes enough warps in flight to cover it), wave quantisation and the reduction kernel; the
 occupancy and wave fill columns are printed for reference.
 
+Launch shape: the split count is the launcher's own (``triton_decode.num_splits``), given the occupancy the
+runtime would read from its compile (``compiled_programs_per_sm``): here the programs per SM of the sm_90a binary
+measured (``programs_per_sm``: its registers from ``cuobjdump``, ``metadata.shared``, its warps; Hopper limits),
+on 132 SMs. The split count sets the partition length, hence each program's prologue / epilogue share per token
+(the second term of the warp-instructions above); ``splits`` and ``wave fill`` (programs / the slots of the
+waves they occupy, per head-group launch; the lowest) are reported.
+
     python benchmarks/kernel_static.py                      # full table -> docs/results/kernel_static.md
     python benchmarks/kernel_static.py --variants int8 --head-dims 64 --groups 4 --json rows.json --md -
 
@@ -56,7 +63,6 @@ CLOCK_HZ = 1.98e9
 CONV_LANES_PER_CLK = 16
 ISSUE_PER_S = SMS * SCHEDULERS * CLOCK_HZ
 CONV_PER_S = SMS * CONV_LANES_PER_CLK * CLOCK_HZ / 32  # warp-instructions per second
-REGS_PER_SM, SMEM_PER_SM, WARPS_PER_SM, BLOCKS_PER_SM = 65536, 228 * 1024, 64, 32
 
 CONVERSIONS = ("I2F", "F2I", "F2F", "I2I", "I2FP", "F2FP", "F2IP")
 SMEM_OPS = ("LDS", "STS", "LDSM", "STSM", "LDGSTS")
@@ -162,6 +168,7 @@ class Row:
     spills: int
     occupancy: str
     wave_fill: float
+    splits: int
     t_hbm_ps: float
     t_issue_ps: float
     t_conv_ps: float
@@ -172,16 +179,20 @@ class Row:
     top_opcodes: str = ""
 
 
-def occupancy(regs: int, smem: int, warps: int) -> int:
-    """Programs per SM (Hopper limits; registers allocated per warp in units of 256)."""
-    per_warp = math.ceil(regs * 32 / 256) * 256
-    return max(0, min(WARPS_PER_SM // warps, REGS_PER_SM // (per_warp * warps),
-                      SMEM_PER_SM // (smem + 1024), BLOCKS_PER_SM))  # fmt: skip
+def compiled_occupancy(launch) -> int:
+    """Programs per SM of ``launch`` compiled for sm_90a (the launcher's ``programs_per_sm`` of the binary)."""
+    from kvquant.kernels.triton_decode import programs_per_sm
+    from kvquant.kernels.triton_launch import compile_launch, resource_usage
+
+    compiled = compile_launch(launch, 90)
+    return programs_per_sm(resource_usage(compiled.asm["cubin"])["reg"], compiled.metadata.shared,
+                           compiled.metadata.num_warps)  # fmt: skip
 
 
 def measure(variant: str, head_dim: int, group: int, batch: int, kv_heads: int, context: int,
             sass_dir: Path | None = None) -> Row:  # fmt: skip
     from kvquant.kernels.triton_compile_check import kind_precision, meta_launches
+    from kvquant.kernels.triton_decode import programs_per_sm, wave_fill
     from kvquant.kernels.triton_dequant import DOT_FP16
     from kvquant.kernels.triton_launch import compile_launch, disassemble, resource_usage
     from kvquant.quantizers import make_quantizer
@@ -189,12 +200,12 @@ def measure(variant: str, head_dim: int, group: int, batch: int, kv_heads: int, 
     pairs = VARIANTS[variant]
     layer = [(k, v, max(1, round(share * kv_heads))) for k, v, share in pairs]
     launches = meta_launches("decode", layer, DOT_FP16, head_dim, group, has_range=False, batch=batch,
-                             past_len=context - 1, capacity=context, sms=SMS)  # fmt: skip
+                             past_len=context - 1, capacity=context, sms=SMS, occupancy=compiled_occupancy)  # fmt: skip
     acc: dict[str, float] = Counter()
     parts: dict[str, list] = {"block_n": [], "warps": [], "tile": [], "occ": []}
     regs = smem = spills = 0
     ops: Counter = Counter()
-    fill = 1.0
+    fill, splits = 1.0, 0
     for (k, v, share), launch in zip(pairs, launches, strict=True):
         compiled = compile_launch(launch, 90)
         text = disassemble(compiled.asm["cubin"])
@@ -224,10 +235,9 @@ def measure(variant: str, head_dim: int, group: int, batch: int, kv_heads: int, 
             acc[key] += share * val
         regs, smem = max(regs, use["reg"]), max(smem, compiled.metadata.shared)
         spills = max(spills, use["local"] + use["stack"] + 4 * sum(op in ("LDL", "STL") for op, _ in sass.body))
-        occ = occupancy(use["reg"], compiled.metadata.shared, warps)
-        programs = math.prod(launch.grid)
-        slots = SMS * max(1, occ)
-        fill = min(fill, programs / (math.ceil(programs / slots) * slots))
+        occ = programs_per_sm(use["reg"], compiled.metadata.shared, warps)
+        fill = min(fill, wave_fill(math.prod(launch.grid), SMS, occ))
+        splits = launch.grid[1]
         parts["block_n"].append(str(block_n))
         parts["warps"].append(str(warps))
         parts["tile"].append(str(len(sass.body)))
@@ -240,7 +250,7 @@ def measure(variant: str, head_dim: int, group: int, batch: int, kv_heads: int, 
         warps="/".join(parts["warps"]), sass_per_warp_per_tile="/".join(parts["tile"]),
         warp_instructions_per_token=acc["instr"], conversions_per_token=acc["conv"],
         smem_bytes_per_token=acc["smem"], hbm_bytes_per_token=acc["hbm"], registers=regs, shared_memory=smem,
-        spills=spills, occupancy="/".join(parts["occ"]), wave_fill=fill,
+        spills=spills, occupancy="/".join(parts["occ"]), wave_fill=fill, splits=splits,
         t_hbm_ps=acc["t_hbm"] * 1e12, t_issue_ps=acc["t_issue"] * 1e12, t_conv_ps=acc["t_conv"] * 1e12,
         t_pred_ps=t * 1e12, limit=limit, issue_time_over_hbm_time=acc["t_issue"] / acc["t_hbm"],
         top_opcodes=" ".join(f"{o}:{n}" for o, n in ops.most_common(8)),
@@ -249,15 +259,15 @@ def measure(variant: str, head_dim: int, group: int, batch: int, kv_heads: int, 
 
 def table(rows: list[Row]) -> str:
     head = ("| variant | D | group | tokens / tile x warps | SASS / warp / tile | warp-instr / token | conv / token "
-            "| smem B / token | HBM B / token | regs | smem B | spill B | programs / SM | wave fill "
+            "| smem B / token | HBM B / token | regs | smem B | spill B | programs / SM | splits | wave fill "
             "| issue / HBM time | limit | predicted vs fp16 |")
-    lines = [head, "|" + "---|" * 3 + "---:|" * 14]
+    lines = [head, "|" + "---|" * 3 + "---:|" * 15]
     for r in rows:
         lines.append(
             f"| {r.variant} | {r.head_dim} | {r.group} | {r.block_n} x {r.warps} | {r.sass_per_warp_per_tile} "
             f"| {r.warp_instructions_per_token:.1f} | {r.conversions_per_token:.1f} | {r.smem_bytes_per_token:.0f} "
             f"| {r.hbm_bytes_per_token:.0f} | {r.registers} | {r.shared_memory} | {r.spills} | {r.occupancy} "
-            f"| {r.wave_fill:.2f} | {r.issue_time_over_hbm_time:.2f} | {r.limit} "
+            f"| {r.splits} | {r.wave_fill:.2f} | {r.issue_time_over_hbm_time:.2f} | {r.limit} "
             f"| {r.predicted_speedup_vs_fp16:.2f}x |"
         )
     return "\n".join(lines)
@@ -349,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.cpu_count()} CPUs: the compile times depend on it, the counts do not). "
         f"Shape: batch {args.batch}, {args.kv_heads} KV heads, "
         f"history {args.context - 1} tokens, fp16 queries; the launches of `decode_launches` on `meta` tensors "
-        "(split count for 132 SMs), compiled through Triton's runtime binder for sm_90a. Model and column "
+        "(split count: `num_splits` for 132 SMs at the binary's programs / SM), compiled through Triton's "
+        "runtime binder for sm_90a. Model and column "
         "definitions: the docstring of `benchmarks/kernel_static.py` (t = max(HBM bytes / 4.3 TB/s, "
         "warp-instructions / (132 x 4 x 1.98 GHz), conversions x 32 / (132 x 16 x 1.98 GHz)); a prediction, "
         "not a measurement). Per token = per KV token of one KV head (all `group` query heads of it).", "",

@@ -90,9 +90,11 @@ def meta_groups(pairs: list[tuple[str, str, int]], batch: int, head_dim: int, ca
 
 def meta_launches(kernel: str, pairs: list[tuple[str, str, int]], dot: int, D: int, rep: int, has_range: bool,
                   batch: int = 2, past_len: int = 4095, capacity: int = 4096, q_len: int = 16, sms: int = 132,
-                  **overrides) -> list:
+                  occupancy=None, **overrides) -> list:
     """The launches the runtime launcher (``decode_launches`` / ``chunk_launches``) makes for these
-    shapes, on ``meta`` tensors. ``overrides`` (num_warps, BLOCK_N, BLOCK_M) replace launch options."""
+    shapes, on ``meta`` tensors. ``occupancy`` (decode: launch -> programs per SM of its binary, or ``None``)
+    sets the split count as the runtime's compile would (``decode_launches``); without it, the default rule.
+    ``overrides`` (num_warps, BLOCK_N, BLOCK_M) replace launch options."""
     from . import triton_chunk, triton_decode
 
     kv_heads = sum(h for _, _, h in pairs)
@@ -111,7 +113,8 @@ def meta_launches(kernel: str, pairs: list[tuple[str, str, int]], dot: int, D: i
                                                out, dot, **paged)  # fmt: skip
     else:
         launches = triton_decode.decode_launches(query, fresh, fresh, groups, kv_heads, past_len, ranges, D**-0.5,
-                                                 out, dot, sms=sms, **paged)  # fmt: skip
+                                                 out, dot, sms=sms, occupancy=occupancy or (lambda _: None),
+                                                 **paged)  # fmt: skip
         launches = launches[-1:] if kernel == "reduce" else launches[:-1]
     for launch in launches:
         launch.meta.update({k: v for k, v in overrides.items() if v is not None})

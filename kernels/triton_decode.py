@@ -27,7 +27,9 @@ Variable lengths / left padding: ``lo[b], hi[b]`` (from the mask) bound the visi
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -1284,11 +1286,81 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def num_splits(batch: int, kv_heads: int, past_len: int, block_n: int, sms: int) -> int:
-    """Partitions of the history: enough programs to fill the GPU about twice, no empty partition."""
+#: Hopper (sm_90) limits per SM: registers, shared memory (bytes), resident warps and programs (CUDA guide, cc 9.0)
+REGS_PER_SM, SMEM_PER_SM, WARPS_PER_SM, PROGRAMS_PER_SM = 65536, 228 * 1024, 64, 32
+#: programs per SM assumed where the compiled kernel's occupancy is unknown (the CPU interpreter, no compile
+#: metadata): the decode kernels' common case at head_dim 128 (166-255 registers x 4 warps)
+DEFAULT_PROGRAMS_PER_SM = 2
+#: a program's fixed cost in BLOCK_N tiles of history (prologue, masked edge tiles, epilogue, its share of the
+#: reduction): the code outside the loop is 4-6 tiles' issue in the sm_90a SASS (hd128 GQA 4: fp16 1506 vs 377 per
+#: 64-token tile, int2 1548 vs 257); the term that makes one wave of long partitions beat two of half-length ones
+PROGRAM_OVERHEAD_TILES = 4
+MAX_SPLITS = 128
+
+
+def programs_per_sm(regs: int, shared: int, warps: int) -> int:
+    """Programs of a compiled kernel resident on one SM (Hopper limits; registers allocated per warp in units
+    of 256, 1 KB of shared memory reserved per program); ``regs`` per thread, ``shared`` bytes per program."""
+    per_warp = math.ceil(regs * 32 / 256) * 256
+    return max(0, min(WARPS_PER_SM // warps, REGS_PER_SM // max(1, per_warp * warps),
+                      SMEM_PER_SM // (shared + 1024), PROGRAMS_PER_SM))  # fmt: skip
+
+
+_OCCUPANCY: dict = {}
+_SPLITS: dict = {}  # decode_launches: layer shape -> split count at the runtime's occupancy
+
+
+def compiled_programs_per_sm(launch: Launch) -> int | None:
+    """Programs per SM of ``launch``'s kernel as compiled for the current GPU (Triton's ``n_regs``,
+    ``metadata.shared``, ``num_warps``); ``None`` where unknown: under ``TRITON_INTERPRET``, off CUDA, or when
+    the compile metadata is missing. Compiling is host work only (no device synchronisation); cached per kernel
+    and launch options."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or not hasattr(launch.kernel, "warmup"):
+        return None
+    dev = next((a.device for a in launch.args if isinstance(a, torch.Tensor)), None)
+    if dev is None or dev.type != "cuda":
+        return None
+    key = (launch.kernel, tuple(sorted(launch.meta.items())), dev.index)
+    if key not in _OCCUPANCY:
+        try:
+            k = launch.kernel.warmup(*launch.args, grid=launch.grid, **launch.meta)
+            k._init_handles()
+            _OCCUPANCY[key] = programs_per_sm(k.n_regs, k.metadata.shared, k.metadata.num_warps) or None
+        except Exception:  # noqa: BLE001 - unknown occupancy: the default rule
+            _OCCUPANCY[key] = None
+    return _OCCUPANCY[key]
+
+
+@functools.lru_cache(maxsize=4096)
+def num_splits(batch: int, kv_heads: int, past_len: int, block_n: int, sms: int, per_sm: int | None = None) -> int:
+    """Partitions of the history for ``batch * kv_heads`` programs per partition on ``sms`` SMs holding
+    ``per_sm`` programs each (the compiled kernel's occupancy, :func:`programs_per_sm`; ``None``: unknown,
+    :data:`DEFAULT_PROGRAMS_PER_SM`).
+
+    Every program of a split launch walks ``ceil(tiles / S)`` tiles, so the launch takes about
+    ``waves(S) * (ceil(tiles / S) + PROGRAM_OVERHEAD_TILES)`` with ``waves(S) = ceil(batch * kv_heads * S /
+    (sms * per_sm))``; the smallest ``S`` in ``1 .. min(tiles, MAX_SPLITS)`` that minimises it (full waves: at
+    batch 8, 8 KV heads, 32K, 132 SMs x 2 it is 4 = 256 programs on 264 slots, not 5 = 320). ``S`` is returned
+    as the launcher realises it (``ceil(tiles / ceil(tiles / S))``): no partition is empty."""
     tiles = max(1, math.ceil(past_len / block_n))
-    want = math.ceil(2 * sms / max(1, batch * kv_heads))
-    return max(1, min(tiles, want, 128))
+    rows = max(1, batch * kv_heads)
+    slots = max(1, sms) * max(1, per_sm or DEFAULT_PROGRAMS_PER_SM)
+    best, best_cost = 1, math.inf
+    for s in range(1, min(tiles, MAX_SPLITS) + 1):
+        per = math.ceil(tiles / s)
+        s = math.ceil(tiles / per)  # the split count this partition length gives
+        cost = math.ceil(rows * s / slots) * (per + PROGRAM_OVERHEAD_TILES)
+        if cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def wave_fill(programs: int, sms: int, per_sm: int | None) -> float:
+    """Share of the launch's waves' program slots that hold a program (1.0: whole waves)."""
+    slots = max(1, sms) * max(1, per_sm or DEFAULT_PROGRAMS_PER_SM)
+    return programs / (math.ceil(programs / slots) * slots)
 
 
 def decode_launches(
@@ -1309,6 +1381,7 @@ def decode_launches(
     *,
     table: torch.Tensor,
     block_size: int,
+    occupancy: Callable[[Launch], int | None] | None = None,
 ) -> list[Launch]:
     """The kernel launches of decode attention (``Tq == 1``) into ``out[B, Hq, 1, D]`` (one partial launch
     per head group, then the reduction; ``groups`` = (head_index int32, K, V)), with every argument,
@@ -1320,8 +1393,11 @@ def decode_launches(
     tokens per block) from the groups' block tensors.
 
     ``lse`` (optional, fp32 contiguous ``[B, Hq, 1]``) receives each row's base-2 log-sum-exp of the
-    scores times ``scaling * log2(e)`` (``-inf`` for rows with no visible key). ``sms``: the SM count
-    the split heuristic fills (default: the query's device). The grid depends on
+    scores times ``scaling * log2(e)`` (``-inf`` for rows with no visible key). ``splits``: the partitions
+    of the history (default: :func:`num_splits` for ``sms`` SMs (default: the query's device) holding as many
+    programs as the fewest-resident partial kernel's binary allows: ``occupancy(launch)`` (default
+    :func:`compiled_programs_per_sm`, the runtime's own compile; ``None`` = unknown, the documented default).
+    The ahead-of-time tools pass the occupancy of the sm_90a binary they compile. The grid depends on
     the shapes and the pool's capacity only (not on ``past_len``), and nothing here reads a device
     value: a step can be captured in a CUDA graph (``past_len`` is still a scalar argument, so a
     captured graph serves one length; lengths in a device tensor would lift that).
@@ -1335,104 +1411,131 @@ def decode_launches(
     # partitions of the pool's capacity, not of past_len: the grid and the buffers are the same at
     # every step of a fixed pool (CUDA-graph capturable); partitions past the history exit at once
     capacity = max(past_len, table.shape[1] * block_size)  # the tokens the block tables address
-    S = splits or num_splits(B, num_kv, capacity, block_n, sms or sm_count(query.device))
-    tiles = max(1, math.ceil(capacity / block_n))
-    part_len = math.ceil(tiles / S) * block_n
-    S = max(1, math.ceil(capacity / part_len))
-    o_part = torch.empty((B, Hq, S, D), dtype=torch.float32, device=query.device)
-    lse_part = torch.empty((B, Hq, S), dtype=torch.float32, device=query.device)
-    qk_scale = scaling * LOG2E
-    lo, hi = ranges if ranges is not None else (query, query)  # dummies when there is no mask
-    lo_sb = lo.stride(0) if ranges is not None else 0
-    launches = []
-    for head_index, kop, vop in groups:
-        Hg = head_index.numel()
-        group_block_n, num_warps = launch_config(kop, vop, dot_kind, D)
-        group_block_n = min(group_block_n, block_size)  # every tile lies in one pool block
-        args = (
-            query, query.stride(0), query.stride(1),
-            *kop.args(), *vop.args(), table, table.stride(0),
-            head_index, lo, hi, lo_sb, o_part, lse_part,
-            qk_scale, past_len, part_len, Hg, S, Hq,
-        )  # fmt: skip
-        meta = dict(
-            REP=rep, BLOCK_H=block_h, D=D, BLOCK_N=group_block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
-            SOFTCAP=(softcap or 0.0) * LOG2E,
-            K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group,
-            V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group, BS=block_size,
-            K_FOLD=1 if kop.folds4(D) else 2 if kop.folds_channel4() else 0, V_FOLD=vop.folds4(D),
-            num_warps=num_warps,
-        )  # fmt: skip
-        kernel = _decode_partial
-        if transposed_kernel(kop, vop, dot_kind) and num_warps == 4:
-            # int8 codes by words (channels in perm4 order) on warpgroup MMAs (4 warps; at head_dim 64 the
-            # 2-warp mma.sync kernel issues less for int8-token: 0.91 vs 0.95 of the HBM time)
-            kernel = _decode_partial_t
-            meta.update(K_W8=True, V_W8=True)
-        rows_h = max(triton.next_power_of_2(rep), 16 // max(1, D // vop.group))  # query heads per row group
-        if not rows_kernel(kop, vop, D) and code_rows_kernel(kop, vop, dot_kind, D):
-            # grouped int3 / int2 (or int4 with one of them) K and V: the transposed rows kernel, its int4 launch
-            # (64-token tiles, 4 warps, the grouped keys' register cap)
-            kernel = _decode_partial_rows_t
-            chan = kop.folds_channel4()
-            meta.update(BLOCK_N=min(64 if D <= 128 else 32, block_size), BLOCK_H=rows_h, num_warps=4,
-                        K_FOLD=2 if chan else 1, V_FOLD=True, OFF32=kop.offsets32() and vop.offsets32())  # fmt: skip
-            if chan:  # as the per-channel keys' launch below
-                meta["SUB"] = 2 if block_size % (2 * meta["BLOCK_N"]) == 0 else 1
-                if rows_h * (D // vop.group) <= 16:
-                    meta["maxnreg"] = 128 if meta["SUB"] == 1 else 168
-            else:
-                meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group), wide=True)
-                meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176  # as grouped int4 (int3 / int2: 166 registers)
-                if meta["SUB"] == 4 and kop.bits == 2 and D == 128:
-                    # int2 keys at head_dim 128: eight tiles per step (_rows_oct_t, four pool-block parts), one
-                    # softmax update per 512 tokens (sm_90a SASS, GQA 4: 1075 -> 1048 per 256 tokens). 242 registers
-                    # at the 255 cap: still 2 programs / SM (as 175 at 176: 255 x 128 threads fits twice in 64K).
-                    # Triton's default 3 pipeline stages (2: 2059 vs 2056 per 512 tokens, the same 0.728)
-                    meta["SUB"], meta["OCT"], meta["maxnreg"] = 8, True, 255
-                    # the parts' row strides (bytes) as constants: a pool block's second tile at an immediate offset
-                    meta["K_ROW"], meta["V_ROW"] = kop.data.stride(2), vop.data.stride(2)
-                if meta["SUB"] == 4:
-                    # four tiles per step (two pool-block halves): 175 registers at the 176 cap (2 programs / SM;
-                    # at 168 it spills 24 B), two pipeline stages (the default 3 issues ~15 more per step)
-                    meta["num_stages"] = 2
-        elif rows_kernel(kop, vop, D):
-            # int4 K and V on (group, head) rows; 32+ rows (GQA 8 at head_dim 128) take 8 warps: 4 spill
-            # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
-            kernel = _decode_partial_rows
-            meta["BLOCK_H"] = rows_h
-            if dot_kind == DOT_FP16:
-                # fp16 queries (grouped or per-channel int4 K): transposed, on warpgroup MMAs (4 warps, also at
-                # head_dim 64: int4 1.15 -> 1.11 issue/HBM, int4-channel 2.20 -> 1.35 vs the kernel above at 2
-                # warps). Register caps (sm_90a SASS, benchmarks/kernel_static.py): grouped keys 168 (ptxas' own
-                # choice issues ~1% more; at GQA 8 uncapped 218 registers); per-channel keys with 16 (head, group)
-                # columns 168 (below); 32 columns: no cap (128 spilled 544 B)
+
+    def _decode_build(S: int) -> list[Launch]:
+        tiles = max(1, math.ceil(capacity / block_n))
+        part_len = math.ceil(tiles / S) * block_n
+        S = max(1, math.ceil(capacity / part_len))
+        o_part = torch.empty((B, Hq, S, D), dtype=torch.float32, device=query.device)
+        lse_part = torch.empty((B, Hq, S), dtype=torch.float32, device=query.device)
+        qk_scale = scaling * LOG2E
+        lo, hi = ranges if ranges is not None else (query, query)  # dummies when there is no mask
+        lo_sb = lo.stride(0) if ranges is not None else 0
+        launches = []
+        for head_index, kop, vop in groups:
+            Hg = head_index.numel()
+            group_block_n, num_warps = launch_config(kop, vop, dot_kind, D)
+            group_block_n = min(group_block_n, block_size)  # every tile lies in one pool block
+            args = (
+                query, query.stride(0), query.stride(1),
+                *kop.args(), *vop.args(), table, table.stride(0),
+                head_index, lo, hi, lo_sb, o_part, lse_part,
+                qk_scale, past_len, part_len, Hg, S, Hq,
+            )  # fmt: skip
+            meta = dict(
+                REP=rep, BLOCK_H=block_h, D=D, BLOCK_N=group_block_n, HAS_RANGE=ranges is not None, DOT=dot_kind,
+                SOFTCAP=(softcap or 0.0) * LOG2E,
+                K_KIND=kop.kind, K_BITS=kop.bits, K_GROUP=kop.group,
+                V_KIND=vop.kind, V_BITS=vop.bits, V_GROUP=vop.group, BS=block_size,
+                K_FOLD=1 if kop.folds4(D) else 2 if kop.folds_channel4() else 0, V_FOLD=vop.folds4(D),
+                num_warps=num_warps,
+            )  # fmt: skip
+            kernel = _decode_partial
+            if transposed_kernel(kop, vop, dot_kind) and num_warps == 4:
+                # int8 codes by words (channels in perm4 order) on warpgroup MMAs (4 warps; at head_dim 64 the
+                # 2-warp mma.sync kernel issues less for int8-token: 0.91 vs 0.95 of the HBM time)
+                kernel = _decode_partial_t
+                meta.update(K_W8=True, V_W8=True)
+            rows_h = max(triton.next_power_of_2(rep), 16 // max(1, D // vop.group))  # query heads per row group
+            if not rows_kernel(kop, vop, D) and code_rows_kernel(kop, vop, dot_kind, D):
+                # grouped int3 / int2 (or int4 with one of them) K and V: the transposed rows kernel, its int4 launch
+                # (64-token tiles, 4 warps, the grouped keys' register cap)
                 kernel = _decode_partial_rows_t
-                meta["num_warps"] = 4
-                meta["OFF32"] = kop.offsets32() and vop.offsets32()
-                if kop.folds4(D):
-                    meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group))
-                    # two tiles per step: 176 (ptxas then takes 166-167, no spills; at 168 it spilled 8 B before the
-                    # probabilities' halves shared one MMA chain)
-                    meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176
-                else:
-                    # per-channel keys: two tiles per loop step when a pool block holds them (the block's query
-                    # operands built once per two tiles)
+                chan = kop.folds_channel4()
+                meta.update(BLOCK_N=min(64 if D <= 128 else 32, block_size), BLOCK_H=rows_h, num_warps=4,
+                            K_FOLD=2 if chan else 1, V_FOLD=True,
+                            OFF32=kop.offsets32() and vop.offsets32())  # fmt: skip
+                if chan:  # as the per-channel keys' launch below
                     meta["SUB"] = 2 if block_size % (2 * meta["BLOCK_N"]) == 0 else 1
                     if rows_h * (D // vop.group) <= 16:
-                        # 168 also with one tile per step: its accumulator holds both probability halves' columns
-                        # (_rows_pv); at 128 it spills 88 B (hd128 GQA 4), at 168 468 SASS per 64 tokens, no spills
-                        meta["maxnreg"] = 168
-            elif rows_h * (D // vop.group) >= 32:
-                meta["num_warps"] = 8
-        launches.append(Launch(kernel, (B * Hg, S), args, meta))
-    args = (
-        o_part, lse_part, query, query.stride(0), query.stride(1),
-        fresh_k, fresh_k.stride(0), fresh_k.stride(1), fresh_v, fresh_v.stride(0), fresh_v.stride(1),
-        out, out.stride(0), out.stride(1), lse if lse is not None else lse_part,
-        lo, hi, lo_sb, qk_scale, past_len, num_kv, S,
-    )  # fmt: skip
-    meta = dict(REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=ranges is not None, HAS_LSE=lse is not None,
-                SOFTCAP=(softcap or 0.0) * LOG2E, num_warps=4)
-    launches.append(Launch(_decode_reduce, (B * num_kv,), args, meta))
-    return launches
+                        meta["maxnreg"] = 128 if meta["SUB"] == 1 else 168
+                else:
+                    meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group), wide=True)
+                    meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176  # as grouped int4 (int3 / int2: 166 registers)
+                    if meta["SUB"] == 4 and kop.bits == 2 and D == 128:
+                        # int2 keys at head_dim 128: eight tiles per step (_rows_oct_t, four pool-block parts), one
+                        # softmax update per 512 tokens (sm_90a SASS, GQA 4: 1075 -> 1048 per 256 tokens). 242 registers
+                        # at the 255 cap: still 2 programs / SM (as 175 at 176: 255 x 128 threads fits twice in 64K).
+                        # Triton's default 3 pipeline stages (2: 2059 vs 2056 per 512 tokens, the same 0.728)
+                        meta["SUB"], meta["OCT"], meta["maxnreg"] = 8, True, 255
+                        # the parts' row strides (bytes) as constants: a pool block's second tile at an immediate offset
+                        meta["K_ROW"], meta["V_ROW"] = kop.data.stride(2), vop.data.stride(2)
+                    if meta["SUB"] == 4:
+                        # four tiles per step (two pool-block halves): 175 registers at the 176 cap (2 programs / SM;
+                        # at 168 it spills 24 B), two pipeline stages (the default 3 issues ~15 more per step)
+                        meta["num_stages"] = 2
+            elif rows_kernel(kop, vop, D):
+                # int4 K and V on (group, head) rows; 32+ rows (GQA 8 at head_dim 128) take 8 warps: 4 spill
+                # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
+                kernel = _decode_partial_rows
+                meta["BLOCK_H"] = rows_h
+                if dot_kind == DOT_FP16:
+                    # fp16 queries (grouped or per-channel int4 K): transposed, on warpgroup MMAs (4 warps, also at
+                    # head_dim 64: int4 1.15 -> 1.11 issue/HBM, int4-channel 2.20 -> 1.35 vs the kernel above at 2
+                    # warps). Register caps (sm_90a SASS, benchmarks/kernel_static.py): grouped keys 168 (ptxas' own
+                    # choice issues ~1% more; at GQA 8 uncapped 218 registers); per-channel keys with 16 (head, group)
+                    # columns 168 (below); 32 columns: no cap (128 spilled 544 B)
+                    kernel = _decode_partial_rows_t
+                    meta["num_warps"] = 4
+                    meta["OFF32"] = kop.offsets32() and vop.offsets32()
+                    if kop.folds4(D):
+                        meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group))
+                        # two tiles per step: 176 (ptxas then takes 166-167, no spills; at 168 it spilled 8 B before the
+                        # probabilities' halves shared one MMA chain)
+                        meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176
+                    else:
+                        # per-channel keys: two tiles per loop step when a pool block holds them (the block's query
+                        # operands built once per two tiles)
+                        meta["SUB"] = 2 if block_size % (2 * meta["BLOCK_N"]) == 0 else 1
+                        if rows_h * (D // vop.group) <= 16:
+                            # 168 also with one tile per step: its accumulator holds both probability halves' columns
+                            # (_rows_pv); at 128 it spills 88 B (hd128 GQA 4), at 168 468 SASS per 64 tokens, no spills
+                            meta["maxnreg"] = 168
+                elif rows_h * (D // vop.group) >= 32:
+                    meta["num_warps"] = 8
+            launches.append(Launch(kernel, (B * Hg, S), args, meta))
+        args = (
+            o_part, lse_part, query, query.stride(0), query.stride(1),
+            fresh_k, fresh_k.stride(0), fresh_k.stride(1), fresh_v, fresh_v.stride(0), fresh_v.stride(1),
+            out, out.stride(0), out.stride(1), lse if lse is not None else lse_part,
+            lo, hi, lo_sb, qk_scale, past_len, num_kv, S,
+        )  # fmt: skip
+        meta = dict(REP=rep, BLOCK_H=block_h, D=D, HAS_RANGE=ranges is not None, HAS_LSE=lse is not None,
+                    SOFTCAP=(softcap or 0.0) * LOG2E, num_warps=4)  # fmt: skip
+        launches.append(Launch(_decode_reduce, (B * num_kv,), args, meta))
+        return launches
+
+    sms = sms or sm_count(query.device)
+    rows = B * max(int(h.numel()) for h, _, _ in groups)  # programs per partition of the widest group's launch
+    if splits:
+        return _decode_build(splits)
+    # the split count from the compiled kernels' occupancy: build at the default rule's count, ask each
+    # partial launch's binary how many programs an SM holds (the fewest), rebuild at that count if it differs.
+    # The runtime's answer is remembered per layer shape (one build per step after the first; a stale entry could
+    # only cost speed: every split count gives the same result)
+    key = None
+    if occupancy is None:
+        ops = tuple((int(h.numel()), k.data.dtype, *k.meta(), *v.meta(), k.data.shape[1:], v.data.shape[1:])
+                    for h, k, v in groups)  # fmt: skip
+        key = (query.device, query.dtype, B, Hq, D, num_kv, capacity, block_size, dot_kind, ranges is None,
+               softcap or 0.0, sms, ops)  # fmt: skip
+        if key in _SPLITS:
+            return _decode_build(_SPLITS[key])
+    S0 = num_splits(B, rows // B, capacity, block_n, sms)
+    launches = _decode_build(S0)
+    probe = occupancy or compiled_programs_per_sm
+    per_sm = [probe(launch) for launch in launches[:-1]]
+    S = num_splits(B, rows // B, capacity, block_n, sms, min(per_sm)) if all(per_sm) else S0
+    if key is not None:
+        _SPLITS[key] = S
+    return _decode_build(S) if S != S0 else launches
