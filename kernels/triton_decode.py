@@ -650,6 +650,18 @@ def _head_cols(x, G: tl.constexpr):
 
 
 @triton.jit
+def _rescale_acc(acc, zacc, alpha, G: tl.constexpr, REPP: tl.constexpr):
+    """The rows kernels' accumulators times the step's rescale ``alpha`` (one per (head, query) column): ``acc`` is
+    ``[D, 2 R]`` (hi / lo fp16 halves, :func:`_rows_pv`) up to 16 columns, ``[D, R]`` above."""
+    a = _head_cols(alpha, G)[None, :]
+    if G * REPP <= 16:  # noqa: SIM108 (a constexpr branch)
+        acc = acc * _cat_cols(a, a, 1, 2 * G * REPP)
+    else:
+        acc = acc * a
+    return acc, zacc * a
+
+
+@triton.jit
 def _rows_mask(n0, start, end, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
     """The tokens ``[n0, n0 + BLOCK_N)`` inside ``[start, end)`` (all of them for an interior tile)."""
     if MASKED:
@@ -856,12 +868,7 @@ def _rows_tile_t(
         m_new = tl.maximum(m_i, m_blk)
         m_safe = m_new
         alpha = tl.exp2(m_i - m_new)
-    a = _head_cols(alpha, G)[None, :]
-    if G * REPP <= 16:  # noqa: SIM108 (a constexpr branch); acc [D, 2R] (_rows_pv)
-        acc = acc * _cat_cols(a, a, 1, 2 * G * REPP)
-    else:
-        acc = acc * a
-    zacc = zacc * a
+    acc, zacc = _rescale_acc(acc, zacc, alpha, G, REPP)
     vo = blk * v_sb + n_in * (v_st * 4)  # bytes: the step's first value row
     gv = blk * vs_sb + n_in * G
     vs0, vs1 = _tiles_load(vs_base + gv, g_offs, BLOCK_N * G, n0, start, end, MASKED, BLOCK_N, HS)
@@ -981,12 +988,7 @@ def _rows_oct_t(
         m_blk = m_blk * scale
     m_new = tl.maximum(m_i, m_blk)  # interior: finite scores
     alpha = tl.exp2(m_i - m_new)
-    a = _head_cols(alpha, G)[None, :]
-    if G * REPP <= 16:  # noqa: SIM108 (a constexpr branch); acc [D, 2R] (_rows_pv)
-        acc = acc * _cat_cols(a, a, 1, 2 * G * REPP)
-    else:
-        acc = acc * a
-    zacc = zacc * a
+    acc, zacc = _rescale_acc(acc, zacc, alpha, G, REPP)
     l_i = l_i * alpha[None, :]
     l_i, acc, zacc = _pair_pv(n0, start, end, s0, s1, ssc, m_new, l_i, acc, zacc, b0, i0, v_base, vs_base, vz_base,
                               v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS, PAIR, V_ROW)  # fmt: skip
@@ -1101,7 +1103,7 @@ def _decode_partial_rows_t(
     # the masked loop first when the main loop takes two or four tiles per step, after it with one (sm_90a SASS: the
     # other order issues 12 more per four-tile step (int3) and 15 per two-tile step (int4), and with one tile it
     # spills 32 B (int4, hd128 GQA 8))
-    if SUB >= 2:
+    if SUB >= 2:  # the masked tiles first (see above)
         for i in tl.range(0, nh + nt, num_stages=1):  # not pipelined: at most a few tiles per program
             n0 = tl.where(i < nh, h0 + i * BLOCK_N, t0 + (i - nh) * BLOCK_N)
             m_i, l_i, acc, zacc = _rows_tile_t(
@@ -1109,19 +1111,12 @@ def _decode_partial_rows_t(
                 k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
                 k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
                 K_BITS, V_BITS, 1)  # fmt: skip
-        if OCT:
-            for n0 in range(full_lo, full_hi, STEP):
-                m_i, l_i, acc, zacc = _rows_oct_t(
-                    n0, start, end, qt_lo, q_sum, scale, tbl, k_base, ks_base, kz_base, k_sb, k_stw, ks_sb,
-                    v_base, vs_base, vz_base, v_sb, v_stw, vs_sb, k_offs, v_offs, g_offs, m_i, l_i, acc, zacc,
-                    D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS, V_BITS, SUB // 4, K_ROW, V_ROW)  # fmt: skip
-        else:
-            for n0 in range(full_lo, full_hi, STEP):
-                m_i, l_i, acc, zacc = _rows_tile_t(
-                    n0, start, end, False, qt_lo, qt_hi, q_sum, scale, wk, tbl,
-                    k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
-                    k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
-                    K_BITS, V_BITS, SUB)  # fmt: skip
+    if OCT:
+        for n0 in range(full_lo, full_hi, STEP):
+            m_i, l_i, acc, zacc = _rows_oct_t(
+                n0, start, end, qt_lo, q_sum, scale, tbl, k_base, ks_base, kz_base, k_sb, k_stw, ks_sb,
+                v_base, vs_base, vz_base, v_sb, v_stw, vs_sb, k_offs, v_offs, g_offs, m_i, l_i, acc, zacc,
+                D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS, V_BITS, SUB // 4, K_ROW, V_ROW)  # fmt: skip
     else:
         for n0 in range(full_lo, full_hi, STEP):
             m_i, l_i, acc, zacc = _rows_tile_t(
@@ -1129,6 +1124,7 @@ def _decode_partial_rows_t(
                 k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
                 k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
                 K_BITS, V_BITS, SUB)  # fmt: skip
+    if SUB < 2:  # the masked tiles last
         for i in tl.range(0, nh + nt, num_stages=1):  # not pipelined: at most a few tiles per program
             n0 = tl.where(i < nh, h0 + i * BLOCK_N, t0 + (i - nh) * BLOCK_N)
             m_i, l_i, acc, zacc = _rows_tile_t(
