@@ -916,14 +916,19 @@ class LayerStore(LaneLayer, OffloadedStore):
 
     def _read_quantized(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``group``'s pool tokens ``[start, end)`` (:meth:`read_pool`), sink rows from the sink buffer."""
-        k, v = self.read_pool(group, start, end)
-        a, b = max(start, self.q_end - self.ladder_n), min(end, self.q_end)
-        if self.ladder_n and a < b:  # the ladder's young rows, refined
-            rk, rv = self._read_ladder(group, a, b)
-            if rk is not None:
-                k[:, :, a - start:b - start] = rk
-            if rv is not None:
-                v[:, :, a - start:b - start] = rv
+        a = max(start, self.q_end - self.ladder_n)  # (end <= q_end: read() splits at it)
+        if self.ladder_n and a < end:  # the ladder's young rows, refined (each row decoded once)
+            rk, rv = self._read_ladder(group, a, end)
+            if rk is None or rv is None:  # a side without refinement: its base rows
+                bk, bv = self.read_pool(group, a, end)
+                rk, rv = bk if rk is None else rk, bv if rv is None else rv
+            if a > start:
+                k, v = self.read_pool(group, start, a)
+                k, v = torch.cat([k, rk], dim=2), torch.cat([v, rv], dim=2)
+            else:
+                k, v = rk, rv
+        else:
+            k, v = self.read_pool(group, start, end)
         if self.sink_k is not None and start < self.sink_end:
             # each row's sink tokens from the sink buffer, selected on the device (no host synchronisation)
             slot = torch.arange(start, end, device=self.device)[None, :] - self.row_start[:, None]  # [B, t]
