@@ -168,9 +168,10 @@ def tqc_level_table() -> torch.Tensor:
 
 def tqc_channel_info(widths: torch.Tensor) -> torch.Tensor:
     """Per channel of a ``tqc`` row with these widths ``[D]``: int32 ``byte | shift << 8 | width << 12 |
-    base << 16`` (the byte holding the code's first bit, the bit in it, the width, the level base)."""
+    base << 16`` (the byte holding the code's first bit, the bit in it, the width, the level base). A width-0
+    channel reads byte 0 (its code is masked to nothing): a trailing one would otherwise point past the row."""
     w = widths.long().cpu()
-    start = torch.cumsum(w, 0) - w
+    start = torch.where(w > 0, torch.cumsum(w, 0) - w, torch.zeros_like(w))
     base = torch.where(w > 0, (1 << w) - 2, torch.full_like(w, TQC_ZERO))
     return ((start // 8) | (start % 8) << 8 | w << 12 | base << 16).to(torch.int32)
 

@@ -46,6 +46,20 @@ def test_pack_roundtrip():
     assert torch.equal(q.unpack(q.pack(codes)), codes)
 
 
+def test_trailing_zero_width_channels():
+    """A row whose last channels have width 0 (their code starts past the row's last byte) unpacks to zeros there,
+    and the kernels' channel info points inside the row for every channel."""
+    from kvquant.kernels.triton_codebook import tqc_channel_info
+
+    widths = [4] * 48 + [0] * 16  # 192 bits
+    q = ChannelCodebook(64, widths)
+    hi = torch.tensor([2**b for b in widths])
+    codes = (torch.rand(3, 64, generator=torch.Generator().manual_seed(2)) * hi).long()
+    assert torch.equal(q.unpack(q.pack(codes)), codes)
+    info = tqc_channel_info(torch.tensor(widths))
+    assert int((info & 255).max()) < 192 // 8
+
+
 def test_allocation_follows_weights():
     w = [100.0] * 4 + [1.0] * 60
     widths = allocate_widths(w, 3 * 64)
