@@ -56,6 +56,13 @@ def safer_preset(plan: list[list[KVPrecision]]) -> str:
     return RECOMMENDED["8-bit (the wrap() default)"] if wide else RECOMMENDED["~4.6-bit"]
 
 
+def short_list(names: list[str], most: int = 3, width: int = 24) -> str:
+    """``names`` for a one-line message: at most ``most`` of them, each cut to ``width`` characters, then a count."""
+    shown = [n if len(n) <= width else n[: width - 3] + "..." for n in names[:most]]
+    rest = len(names) - len(shown)
+    return ", ".join(shown) + (f" and {rest} more" if rest else "")
+
+
 class OutlierWatch:
     """One per cache: checks each layer's first chunk of keys and logs at most one warning."""
 
@@ -79,7 +86,7 @@ class OutlierWatch:
         self.finding = (
             f"kvquant: layer {layer_idx}'s keys show {kind} channels (offset ratio {offset:.0f}, outlier ratio "
             f"{outlier:.0f}; thresholds {OFFSET_RATIO:.0f} / {OUTLIER_RATIO:.0f}) and {self.config_name!r} "
-            f"quantizes keys per token or per head ({', '.join(self.risky)}), which loses accuracy on such "
+            f"quantizes keys per token or per head ({short_list(self.risky)}), which loses accuracy on such "
             f"models{': ' + note if note else ''}. Use a per-channel key preset such as {self.safer!r}."
         )
         logger.warning(self.finding)

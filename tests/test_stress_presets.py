@@ -14,7 +14,7 @@ from kvquant.attention import install_attention
 from kvquant.eval.models import load_model
 from kvquant.eval.recipe import RecipeError, parse_recipe
 from kvquant.eval.stress import split_spec
-from kvquant.outliers import OFFSET_RATIO, OUTLIER_RATIO, key_channel_ratios
+from kvquant.outliers import OFFSET_RATIO, OUTLIER_RATIO, key_channel_ratios, short_list
 from kvquant.quantizers import make_quantizer
 from kvquant.store import LayerStore
 
@@ -174,6 +174,14 @@ def test_outlier_warning_fires_once_and_names_a_safer_preset(variants, caplog):
     # silent: a per-channel key preset on the stress model, any preset on the plain model
     assert _warnings(caplog, variants["+kbias"], "int8-kchannel", ids) == []
     assert _warnings(caplog, variants["base"], "int8", ids) == []
+
+
+def test_outlier_warning_stays_one_short_line():
+    """A config with dozens of per-head key precisions (tqc widths) is named by a few of them and a count."""
+    names = [f"tqc-{i:064d}" for i in range(60)] + ["tqv3"]
+    text = short_list(names)
+    assert text.endswith(" and 58 more") and len(text) < 120 and "\n" not in text
+    assert short_list(["int8", "int4"]) == "int8, int4"
 
 
 def test_wrap_default_is_the_measured_preset(variants):
