@@ -440,7 +440,7 @@ class ChannelCodebook(Quantizer):
         """Inverse of :meth:`pack`: ``[..., total_bits / 8]`` uint8 -> codes ``[..., D]`` (int64). A code of at
         most 8 bits spans at most two bytes: one gather of a 16-bit little-endian word per channel, a shift, a mask."""
         dev = packed.device
-        p = torch.nn.functional.pad(packed, (0, 2)).long()  # zero bytes past the end: a last channel of width 0 starts there
+        p = torch.nn.functional.pad(packed, (0, 2)).long()  # zero bytes past the end: a last 0-bit channel starts there
         word = p.index_select(-1, self._byte.to(dev)) | (p.index_select(-1, self._byte.to(dev) + 1) << 8)
         return (word >> self._shift.to(dev)) & self._mask.to(dev)
 
