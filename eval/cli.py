@@ -97,6 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, help="tokens per window (BOS included when the recipe sets bos: true)")
     p.add_argument("--stride", type=int, help="tokens between window starts (default: the window, no overlap)")
     p.add_argument("--max-windows", dest="max_windows", type=int, help="number of windows to score")
+    p.add_argument("--first-window", dest="first_window", type=int,
+                   help="windows to skip before the scored ones (8: score windows 9.., text no earlier run saw)")
     p.add_argument("--prefill", type=int, help="decode: tokens prefilled before scoring starts")
     p.add_argument(
         "--decode-chunk",
@@ -154,6 +156,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
         "window",
         "stride",
         "max_windows",
+        "first_window",
         "prefill",
         "decode_chunk",
         "dtype",

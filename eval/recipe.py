@@ -12,6 +12,7 @@ Example (every field but ``model``, ``data`` and ``configs`` has a default)::
     window: 1024                 # tokens per window (BOS included when bos: true)
     stride: null                 # tokens between window starts (default: the window, no overlap)
     max_windows: 4               # windows to score (null: all)
+    first_window: 0              # windows skipped before those (e.g. 8: score windows 9.. as held-out text)
     prefill: 256                 # tokens before scoring (decode: prefilled; simulated: static scales taken there)
     decode_chunk: 1              # decode: tokens per forward step (1 = exact token-by-token generation)
     bos: false                   # prepend the tokenizer's BOS token to every window
@@ -86,6 +87,7 @@ class Recipe:
     window: int = 1024
     stride: int | None = None
     max_windows: int | None = 4
+    first_window: int = 0
     prefill: int = 256
     decode_chunk: int = 1
     bos: bool = False
@@ -116,6 +118,7 @@ FIELDS = [
     "window",
     "stride",
     "max_windows",
+    "first_window",
     "prefill",
     "decode_chunk",
     "bos",
@@ -263,6 +266,7 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
             f"stride: {stride} is larger than the window ({window}): tokens would be skipped{_where(source)}"
         )
     max_windows = _int(data, "max_windows", 1, source, 4, nullable=True)
+    first_window = _int(data, "first_window", 0, source, 0)
     prefill = _int(data, "prefill", 1, source, min(256, window // 4) or 1)
     if prefill >= window - 1:
         raise RecipeError(f"prefill: {prefill} must be smaller than window - 1 ({window - 1}){_where(source)}")
@@ -326,6 +330,7 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
         window=window,
         stride=stride,
         max_windows=max_windows,
+        first_window=first_window,
         prefill=prefill,
         decode_chunk=decode_chunk,
         bos=bos,

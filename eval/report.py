@@ -135,6 +135,9 @@ def _protocol_line(meta: dict[str, Any], protocol: str) -> str:
     """What ran, generated from the effective settings (command-line overrides included), never from free text."""
     rc = meta["recipe"]
     nwin = meta.get("windows", {}).get(protocol, "?")
+    first = rc.get("first_window", 0)
+    if first and isinstance(nwin, int):
+        nwin = f"{nwin} (numbers {first + 1}..{first + nwin} of the text)"
     scored = rc["window"] - 1 - rc["prefill"]
     se = f"; ± is one standard error over the {nwin} windows (paired: same tokens as the reference)"
     if protocol == "decode":

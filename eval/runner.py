@@ -152,7 +152,12 @@ def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult
     for protocol in recipe.protocol:
         # both protocols score the targets after the prefill: no scored position's static scales saw its future
         min_score = recipe.prefill + 1
-        windows = token_windows(ids, recipe.window, recipe.stride, recipe.max_windows, bos_id, min_score)
+        skip = recipe.first_window
+        last = None if recipe.max_windows is None else skip + recipe.max_windows
+        every = token_windows(ids, recipe.window, recipe.stride, last, bos_id, min_score)
+        windows = every[skip:]
+        if not windows:
+            raise RecipeError(f"first_window: {skip} skips every window (the text has {len(every)} of {recipe.window})")
         meta.setdefault("windows", {})[protocol] = len(windows)
         accs = {m.name: DriftAccumulator() for m in methods}
         secs = {m.name: 0.0 for m in methods}

@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicCache
 
 from kvquant import QuantizedKVCache
 from kvquant.eval.parallel import merge_rows, shard_configs
-from kvquant.eval.recipe import parse_recipe
+from kvquant.eval.recipe import RecipeError, parse_recipe
 from kvquant.eval.runner import run_recipe
 
 TIMING = ("seconds", "tok_per_s")
@@ -112,3 +112,17 @@ def test_cache_layers_follow_the_dtype_of_their_first_kv(stories):
                 torch.testing.assert_close(logits, ref, atol=0.1, rtol=0)
             top1 = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
             assert top1 >= 0.9, (preset, top1)
+
+
+def test_first_window_scores_only_the_later_windows(stories_path, tmp_path):
+    """``first_window: 1`` scores window 2 exactly as a run over windows 1-2 scores it, and a skip past the text's
+    last window is a one-line RecipeError naming the field."""
+    kw = {"configs": ["int8"], "protocol": "decode", "generation": False}
+    both = run_recipe(_recipe(stories_path, tmp_path, "both", **kw), quiet=True, progress=False).rows
+    later = run_recipe(_recipe(stories_path, tmp_path, "later", max_windows=1, first_window=1, **kw), quiet=True,
+                       progress=False).rows  # fmt: skip
+    assert [r["config"] for r in later] == [r["config"] for r in both]
+    for a, b in zip(both, later, strict=True):
+        assert len(b["windows"]) == 1 and b["windows"][0] == a["windows"][1]
+    with pytest.raises(RecipeError, match="first_window"):
+        run_recipe(_recipe(stories_path, tmp_path, "none", first_window=10**6, **kw), quiet=True, progress=False)

@@ -29,6 +29,7 @@ def test_good_recipe_defaults():
         ({"stride": 0}, "stride"),
         ({"stride": 2048}, "stride"),
         ({"max_windows": -3}, "max_windows"),
+        ({"first_window": -1}, "first_window"),
         ({"prefill": 4096}, "prefill"),
         ({"decode_chunk": 0}, "decode_chunk"),
         ({"protocol": "fake-quant"}, "protocol"),
