@@ -174,7 +174,7 @@ def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult
                     if m.name in errors:
                         bar.update((w.ids.numel() - 1 - recipe.prefill) if protocol == "decode" else 1)
                         continue
-                    bar.set_postfix_str(f"window {w.index + 1}/{len(windows)} {m.name}")
+                    bar.set_postfix_str(f"window {w.index + 1}/{skip + len(windows)} {m.name}")
                     try:
                         if protocol == "decode":
                             cache = m.decode_cache(model)
