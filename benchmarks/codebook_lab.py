@@ -23,8 +23,11 @@ keep only the diagonals (a per-channel scale). ``--value-weight calib`` maps eac
 (:func:`output_metric`). Nothing is stored; these say what such a map could buy.
 
 Specs: ``K:V:R`` with widths 2/3/4 or ``exact`` (quantize only K or only V: where the KL comes from), or
-``CONFIG.yaml:R``: the per-(layer, KV head) codebook widths a kvquant config assigns (its other
-precisions read as exact). ``--layers 0-14`` quantizes only those layers.
+``CONFIG.yaml:R``: the per-(layer, KV head) codebook widths (``tqc`` heads included) a kvquant config
+assigns (its other precisions read as exact). ``--layers 0-14`` quantizes only those layers. ``--model
+smollm2-135m+kbias`` runs a stress variant; ``--key-trend linear`` removes a per-channel linear trend over
+positions (fitted on the prefill) from the keys before coding, a test of whether a RoPE-turned key offset
+is what costs there (it was not: lowbit-kbias.md).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvquant import KVQuantConfig, ModelShape
 from kvquant.eval.data import load_text, tokenize
 from kvquant.eval.models import load_model
-from kvquant.quantizers import CODEBOOK, VECTOR, Codebook, VectorCodebook
+from kvquant.quantizers import CHANNEL_PREFIX, CODEBOOK, VECTOR, Codebook, Quantizer, VectorCodebook, make_quantizer
 
 WINDOW, PREFILL, SINK, SCORE_FROM = 1024, 960, 4, 512
 
@@ -104,8 +107,11 @@ def query_weight(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.
 GAIN = {"gain": "unbiased"}  # the codebooks' row gain (--gain)
 
 
-def _quantizer(width: int | str, d: int) -> Codebook | VectorCodebook:
-    """``3`` -> ``tq3``; ``"v3"`` -> ``tqv3`` (2-D vector codebook); with the row gain of ``--gain``."""
+def _quantizer(width: int | str, d: int) -> Quantizer:
+    """``3`` -> ``tq3``; ``"v3"`` -> ``tqv3`` (2-D vector codebook); ``"tqc-..."`` -> that per-channel code;
+    with the row gain of ``--gain``."""
+    if isinstance(width, str) and width.startswith(CHANNEL_PREFIX):
+        return make_quantizer(width, d, gain=GAIN["gain"])
     if isinstance(width, str) and width.startswith("v"):
         return VectorCodebook(d, int(width[1:]), gain=GAIN["gain"])
     return Codebook(d, int(width), gain=GAIN["gain"])
@@ -139,11 +145,24 @@ def fake_quantize(x: torch.Tensor, bits: int | str | list[int | str], embedded: 
     return out
 
 
+def linear_trend(x: torch.Tensor) -> torch.Tensor:
+    """``a + s t`` per (head, channel) of ``x[1, H, T, D]``, least squares over the prefill's non-sink positions ``t``
+    (a slowly turning RoPE offset, e.g. a pre-RoPE key bias, is close to linear in the position), at every position."""
+    t = torch.arange(x.shape[2], dtype=torch.float64)
+    xs, ts = x[:, :, SINK:PREFILL].double(), t[SINK:PREFILL]
+    tc = ts - ts.mean()
+    slope = (xs * tc[:, None]).sum(2, keepdim=True) / (tc * tc).sum()
+    a = xs.mean(2, keepdim=True) - slope * ts.mean()
+    return (a + slope * t[:, None]).float()
+
+
 class Lab:
     """The model with its attention replaced by the decode-equivalent quantized attention."""
 
-    def __init__(self, windows: int, calib_windows: int = 0, layers: set[int] | None = None) -> None:
-        lm = load_model("smollm2-135m", dtype="float32", progress=False)
+    def __init__(self, windows: int, calib_windows: int = 0, layers: set[int] | None = None,
+                 model: str = "smollm2-135m") -> None:  # fmt: skip
+        lm = load_model(model, dtype="float32", progress=False)
+        self.trend = False  # --key-trend linear: a per-channel linear trend over positions removed before coding
         self.model = lm.model
         ids = tokenize(load_text("wikitext-2").text, lm.tokenizer)
         self.windows = [ids[i * WINDOW:(i + 1) * WINDOW] for i in range(windows)]
@@ -190,6 +209,9 @@ class Lab:
             mu = k[:, :, SINK:PREFILL].mean(2, keepdim=True)
             kw_ = torch.einsum("bhtd,hed->bhte", k.float() - mu, a)
             kh = torch.einsum("bhte,hde->bhtd", fake_quantize(kw_, kb), ai) + mu
+        elif self.trend:
+            trend = linear_trend(k)
+            kh = fake_quantize(k.float() - trend, kb) + trend
         else:
             kh = fake_quantize(k, kb)
         if vweight.startswith("calib"):
@@ -247,9 +269,11 @@ class Lab:
 
 
 def plan_bits(path: str) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-    """Per layer, the K and V codebook widths of each KV head that config ``path`` assigns (0: full precision)."""
+    """Per layer, the K and V codebook widths of each KV head that config ``path`` assigns (0: full precision;
+    a ``tqc-<widths>`` head keeps its name)."""
     plan = KVQuantConfig.load(path).resolve(ModelShape(num_layers=30, num_kv_heads=3, head_dim=64))
-    width = lambda p: CODEBOOK.get(p) or (f"v{VECTOR[p]}" if p in VECTOR else 0)  # noqa: E731
+    width = lambda p: (p if p.startswith(CHANNEL_PREFIX) else CODEBOOK.get(p)  # noqa: E731
+                       or (f"v{VECTOR[p]}" if p in VECTOR else 0))
     return ({i: [width(p.key) for p in row] for i, row in enumerate(plan)},
             {i: [width(p.value) for p in row] for i, row in enumerate(plan)})  # fmt: skip
 
@@ -262,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of none, calib, calib-diag: a value map from the calibration values' covariance "
                     "and the output projection's metric (see output_metric)")
     ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--model", default="smollm2-135m", help="the model (stress variants too: smollm2-135m+kbias)")
+    ap.add_argument("--key-trend", choices=("none", "linear"), default="none",
+                    help="linear: remove a per-channel linear trend over positions (fitted on the prefill) from the "
+                    "keys before coding, and add it back (what a RoPE-turned key offset needs)")
     ap.add_argument("--calib-windows", type=int, default=4,
                     help="windows from the END of the corpus that --key-weight calib fits its maps on")
     ap.add_argument("--mid", default="0:0",
@@ -281,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             lo, _, hi = part.partition("-")
             layers.update(range(int(lo), int(hi or lo) + 1))
     need_calib = any(w.startswith("calib") for w in (args.key_weight + "," + args.value_weight).split(","))
-    lab = Lab(args.windows, args.calib_windows if need_calib else 0, layers)
+    lab = Lab(args.windows, args.calib_windows if need_calib else 0, layers, args.model)
+    lab.trend = args.key_trend == "linear"
     n_, w_ = args.mid.split(":")
     lab.mid = (int(n_), _width(w_))
     print("| K | V | R (exact newest) | key map | value map | gain | KL | Δppl % |")
