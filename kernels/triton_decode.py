@@ -639,21 +639,109 @@ def _hi_cols(rg, G: tl.constexpr):
 
 
 @triton.jit
-def _head_cols(x, G: tl.constexpr):
-    """``x [..., REPP]`` (per head) repeated for the ``G`` groups of each head: ``[..., REPP * G]`` (column r: head
-    ``r // G``)."""
-    if len(x.shape) == 1:
+def _head_cols(x, G: tl.constexpr, COLS: tl.constexpr = 0):
+    """``x [..., REPP]`` (per head) repeated for the ``G`` groups of each head: ``[..., REPP * G]``, in the column
+    order ``COLS`` (:func:`_col_head`)."""
+    if COLS >= 1:
+        if len(x.shape) == 1:
+            r = tl.reshape(tl.broadcast_to(x[None, :, None], [G // 2, x.shape[0], 2]), [x.shape[0] * G])
+        else:
+            r = tl.reshape(tl.broadcast_to(x[:, None, :, None], [x.shape[0], G // 2, x.shape[1], 2]),
+                           [x.shape[0], x.shape[1] * G])  # fmt: skip
+    elif len(x.shape) == 1:
         r = tl.reshape(tl.broadcast_to(x[:, None], [x.shape[0], G]), [x.shape[0] * G])
     else:
         r = tl.reshape(tl.broadcast_to(x[:, :, None], [x.shape[0], x.shape[1], G]), [x.shape[0], x.shape[1] * G])
     return r
 
 
+# The rows kernels' column order of the (head, group) columns r of the grouped keys' scores and of the values'
+# probabilities (constexpr COLS): 0 = head-major (r = h G + g); 1 = (g // 2, h, g % 2), i.e. r = g % 2 + 2 h +
+# 2 REPP (g // 2) (G even). In a warpgroup MMA's accumulator a thread holds the columns 2 c + {0, 1} + 8 j, so with
+# REPP = 4 order 1 gives each thread all G groups of one head (c): the sum over the groups needs no shuffle and the
+# softmax of a (token, head) is computed by one lane, not by a pair of lanes.
 @triton.jit
-def _rescale_acc(acc, zacc, alpha, G: tl.constexpr, REPP: tl.constexpr):
+def _col_head(r, G: tl.constexpr, REPP: tl.constexpr, COLS: tl.constexpr):
+    """The (head, group) of columns ``r`` in the order ``COLS``."""
+    if COLS >= 1:
+        rh = (r // 2) % REPP
+        rg = (r // (2 * REPP)) * 2 + r % 2
+    else:
+        rh = r // G
+        rg = r % G
+    return rh, rg
+
+
+@triton.jit
+def _group_cols(y, N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr, COLS: tl.constexpr):
+    """Per-(token, group) ``y [N, G]`` on the (head, group) columns ``[N, REPP * G]`` (order ``COLS``)."""
+    if COLS >= 1:
+        r = tl.reshape(tl.broadcast_to(tl.reshape(y, [N, G // 2, 1, 2]), [N, G // 2, REPP, 2]), [N, REPP * G])
+    else:
+        r = tl.reshape(tl.broadcast_to(y[:, None, :], [N, REPP, G]), [N, REPP * G])
+    return r
+
+
+@triton.jit
+def _group_sum(x, N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr, COLS: tl.constexpr):
+    """``x [N, REPP * G]`` (order ``COLS``) summed over the groups of each head: ``[N, REPP]``."""
+    if COLS >= 1:
+        r = reduce_sum(reduce_sum(tl.reshape(x, [N, G // 2, REPP, 2]), 3), 1)
+    else:
+        r = reduce_sum(tl.reshape(x, [N, REPP, G]), 2)
+    return r
+
+
+# COLS 2: order 1, and the grouped keys' zero term sum_g q_sum[h, g] kz[t, g] by one more MMA per tile (K = 16: the
+# rows g and G + g of the fp16 zeros against the hi / lo fp16 parts of the query's group sums, accumulated in fp32):
+# the zeros need no conversion and each (token, head) one multiply-add of the result instead of G products and G - 1
+# sums. The query's sums are scaled by 2**17 (in the scores' units of q_sum, q_sum 2**17 < 2**15 for groups of up to
+# 128 channels: 2**EMAX qf |q| < 2**15); ZT_UNIT takes the MMA's result back.
+ZT_UNIT = tl.constexpr(2.0**-17)
+
+
+@triton.jit
+def _pad_cols(x, N: tl.constexpr, C: tl.constexpr, W: tl.constexpr):
+    """``x [N, C]`` followed by zero columns: ``[N, W]`` (``W`` a power-of-two multiple of ``C``)."""
+    if C < W:
+        x = tl.reshape(tl.permute(tl.join(x, tl.zeros_like(x)), (0, 2, 1)), [N, 2 * C])
+        x = _pad_cols(x, N, 2 * C, W)
+    return x
+
+
+@triton.jit
+def _zero_operand(q_sum, G: tl.constexpr, REPP: tl.constexpr):
+    """The zero-term MMA's B operand ``[16, 16]`` fp16 from ``q_sum [REPP * G]`` (order 1, the scores' units): row
+    ``g`` / ``G + g`` column ``2 h``: the hi / lo fp16 parts of ``q_sum[h, g] 2**17``; zeros elsewhere."""
+    qg = tl.reshape(tl.permute(tl.reshape(q_sum * 131072.0, [G // 2, REPP, 2]), (0, 2, 1)), [G, REPP])
+    hi = qg.to(tl.float16)
+    lo = (qg - hi.to(tl.float32)).to(tl.float16)
+    b = tl.reshape(tl.permute(tl.join(hi, lo), (2, 0, 1)), [2 * G, REPP])  # rows: hi g, then lo g
+    b = tl.trans(_pad_cols(tl.trans(b), REPP, 2 * G, 16))  # [16, REPP]
+    b = tl.reshape(tl.join(b, tl.zeros_like(b)), [16, 2 * REPP])  # column 2 h
+    return _pad_cols(b, 16, 2 * REPP, 16)
+
+
+@triton.jit
+def _zero_term(kz_t, qz, N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr):
+    """``sum_g q_sum[h, g] kz_t[t, g]`` ``[N, REPP]`` in the scores' units (COLS 2) from the fp16 zeros ``kz_t [N, G]``
+    and :func:`_zero_operand`'s ``qz``."""
+    a = tl.reshape(tl.permute(tl.join(kz_t, kz_t), (0, 2, 1)), [N, 2 * G])  # columns g and G + g: kz[t, g]
+    zt = tl.dot(_pad_cols(a, N, 2 * G, 16), qz)  # [N, 16]: column 2 h
+    J: tl.constexpr = 16 // (2 * REPP)
+    z = tl.split(tl.permute(tl.reshape(zt, [N, J, REPP, 2]), (0, 2, 1, 3)))[0]  # [N, REPP, J]
+    if J == 2:
+        z = tl.split(z)[0]
+    else:
+        z = tl.reshape(z, [N, REPP])
+    return z * ZT_UNIT
+
+
+@triton.jit
+def _rescale_acc(acc, zacc, alpha, G: tl.constexpr, REPP: tl.constexpr, COLS: tl.constexpr = 0):
     """The rows kernels' accumulators times the step's rescale ``alpha`` (one per (head, query) column): ``acc`` is
     ``[D, 2 R]`` (hi / lo fp16 halves, :func:`_rows_pv`) up to 16 columns, ``[D, R]`` above."""
-    a = _head_cols(alpha, G)[None, :]
+    a = _head_cols(alpha, G, COLS)[None, :]
     if G * REPP <= 16:  # noqa: SIM108 (a constexpr branch)
         acc = acc * _cat_cols(a, a, 1, 2 * G * REPP)
     else:
@@ -700,7 +788,7 @@ def _tiles_load(ptr, offs, step, n0, start, end, MASKED: tl.constexpr, BLOCK_N: 
 def _rows_scores(
     n0, start, end, MASKED: tl.constexpr, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base, ko, k_offs, ks_t, kz_t,
     D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-    G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, K_BITS: tl.constexpr,
+    G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, K_BITS: tl.constexpr, COLS: tl.constexpr = 0,
 ):  # fmt: skip
     """Scores ``[BLOCK_N, REPP]`` of the tile at ``n0`` for :func:`_rows_tile_t` (-inf outside ``[start, end)``),
     from its loaded code words ``kw`` (int3: the byte planes ``kw``, ``kw_m``, ``kw_h``) and, for grouped keys, its
@@ -717,10 +805,13 @@ def _rows_scores(
         else:
             kx = code_tiles(kp, k_offs, mask_n, K_BITS, BLOCK_N, D)
         st = tl.dot(kx, qt_lo)
-        ks = tl.reshape(tl.broadcast_to(ks_t.to(tl.float32)[:, None, :], [BLOCK_N, REPP, G]), [BLOCK_N, REPP * G])
-        kz = tl.reshape(tl.broadcast_to(kz_t.to(tl.float32)[:, None, :], [BLOCK_N, REPP, G]), [BLOCK_N, REPP * G])
-        st = st * ks + q_sum[None, :] * kz
-        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2)  # [BLOCK_N, REPP]
+        ks = _group_cols(ks_t.to(tl.float32), BLOCK_N, G, REPP, COLS)
+        if COLS == 2:  # q_sum: the zero-term MMA's operand (_zero_operand)
+            s = _group_sum(st * ks, BLOCK_N, G, REPP, COLS) + _zero_term(kz_t, q_sum, BLOCK_N, G, REPP)
+        else:
+            kz = _group_cols(kz_t.to(tl.float32), BLOCK_N, G, REPP, COLS)
+            st = st * ks + q_sum[None, :] * kz
+            s = _group_sum(st, BLOCK_N, G, REPP, COLS)  # [BLOCK_N, REPP]
         if SOFTCAP > 0:  # else the scale (> 0) is applied after the maximum (_rows_tile_t: RAW)
             s = s * scale
     else:  # per-channel keys: the block's operands b_lo / b_hi and zero term zq (_rows_tile_t)
@@ -744,14 +835,19 @@ def _rows_scores(
 def _rows_pv(
     n0, start, end, MASKED: tl.constexpr, p, acc, zacc, v_base, vo, v_offs, vs_t, vz_t,
     D: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr, V_BITS: tl.constexpr,
+    COLS: tl.constexpr = 0,
 ):  # fmt: skip
     """``acc`` and ``zacc`` (already rescaled) plus the tile's probabilities ``p [BLOCK_N, REPP]`` times its values
     (loaded code words ``vw`` (int3: planes ``vw``, ``vw_m``, ``vw_h``), scale / zero rows ``vs_t`` / ``vz_t``
     ``[BLOCK_N, G]``), for :func:`_rows_tile_t`."""
     R: tl.constexpr = G * REPP
-    pc = _head_cols(p, G)  # [BLOCK_N, R]
+    pc = _head_cols(p, G, COLS)  # [BLOCK_N, R]
     vsz = tl.join(vs_t, vz_t).to(tl.float32)
-    vsz = tl.reshape(tl.broadcast_to(vsz[:, None, :, :], [BLOCK_N, REPP, G, 2]), [BLOCK_N, REPP * G, 2])
+    if COLS >= 1:
+        vsz = tl.reshape(tl.broadcast_to(tl.reshape(vsz, [BLOCK_N, G // 2, 1, 2, 2]), [BLOCK_N, G // 2, REPP, 2, 2]),
+                         [BLOCK_N, REPP * G, 2])  # fmt: skip
+    else:
+        vsz = tl.reshape(tl.broadcast_to(vsz[:, None, :, :], [BLOCK_N, REPP, G, 2]), [BLOCK_N, REPP * G, 2])
     vs_c, vz_c = tl.split(vsz)
     ps = pc * vs_c
     # hi / lo fp16 parts: ph32 = ps truncated to 11 significant bits (one and: exact in fp16 in the normal range),
@@ -782,7 +878,7 @@ def _rows_tile_t(
     m_i, l_i, acc, zacc,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
     G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, OFF32: tl.constexpr,
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr, SUB: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, SUB: tl.constexpr, COLS: tl.constexpr = 0,
 ):  # fmt: skip
     """One step of :func:`_decode_partial_rows_t`: ``SUB`` (1, 2 or 4) tiles of ``BLOCK_N`` tokens from ``n0``; one or
     two tiles lie in one pool block (one block-table read; per-channel keys: the block's query operands built once),
@@ -826,12 +922,12 @@ def _rows_tile_t(
         kz0, kz1 = _tiles_load(kz_base + gk, g_offs, BLOCK_N * G, n0, start, end, MASKED, BLOCK_N, HS)
     s0 = _rows_scores(n0, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base, ko, k_offs,
                       ks0, kz0,
-                      D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
+                      D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS, COLS)  # fmt: skip
     s1 = s0  # unused unless SUB >= 2
     if SUB >= 2:
         s1 = _rows_scores(n0 + BLOCK_N, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base,
                           ko + BLOCK_N * (k_st * 4), k_offs, ks1, kz1,
-                          D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
+                          D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS, COLS)  # fmt: skip
     blk2, n_in2, s2, s3 = blk, n_in, s0, s1  # unused unless SUB == 4
     if SUB == 4:
         n02 = n0 + 2 * BLOCK_N
@@ -847,10 +943,10 @@ def _rows_tile_t(
         ks2, ks3 = _tiles_load(ks_base + gk2, g_offs, BLOCK_N * G, n02, start, end, MASKED, BLOCK_N, 2)
         kz2, kz3 = _tiles_load(kz_base + gk2, g_offs, BLOCK_N * G, n02, start, end, MASKED, BLOCK_N, 2)
         s2 = _rows_scores(n02, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base, ko2, k_offs,
-                          ks2, kz2, D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
+                          ks2, kz2, D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS, COLS)  # fmt: skip
         s3 = _rows_scores(n02 + BLOCK_N, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base,
                           ko2 + BLOCK_N * (k_st * 4), k_offs, ks3, kz3,
-                          D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
+                          D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS, COLS)  # fmt: skip
         m_blk = reduce_max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0)
     elif SUB == 2:
         m_blk = reduce_max(tl.maximum(s0, s1), 0)  # one reduction over both tiles (elementwise maximum first)
@@ -868,7 +964,7 @@ def _rows_tile_t(
         m_new = tl.maximum(m_i, m_blk)
         m_safe = m_new
         alpha = tl.exp2(m_i - m_new)
-    acc, zacc = _rescale_acc(acc, zacc, alpha, G, REPP)
+    acc, zacc = _rescale_acc(acc, zacc, alpha, G, REPP, COLS)
     vo = blk * v_sb + n_in * (v_st * 4)  # bytes: the step's first value row
     gv = blk * vs_sb + n_in * G
     vs0, vs1 = _tiles_load(vs_base + gv, g_offs, BLOCK_N * G, n0, start, end, MASKED, BLOCK_N, HS)
@@ -876,12 +972,12 @@ def _rows_tile_t(
     p = tl.exp2(s0 * ssc - m_safe[None, :])
     l_i = l_i * alpha[None, :] + p  # per (token, head): summed over the tokens after the loop
     acc, zacc = _rows_pv(n0, start, end, MASKED, p, acc, zacc, v_base, vo, v_offs, vs0, vz0,
-                         D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+                         D, BLOCK_N, G, REPP, V_BITS, COLS)  # fmt: skip
     if SUB >= 2:
         p = tl.exp2(s1 * ssc - m_safe[None, :])
         l_i = l_i + p
         acc, zacc = _rows_pv(n0 + BLOCK_N, start, end, MASKED, p, acc, zacc, v_base, vo + BLOCK_N * (v_st * 4), v_offs,
-                             vs1, vz1, D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+                             vs1, vz1, D, BLOCK_N, G, REPP, V_BITS, COLS)  # fmt: skip
     if SUB == 4:
         n02 = n0 + 2 * BLOCK_N
         vo2 = blk2 * v_sb + n_in2 * (v_st * 4)
@@ -891,11 +987,11 @@ def _rows_tile_t(
         p = tl.exp2(s2 * ssc - m_safe[None, :])
         l_i = l_i + p
         acc, zacc = _rows_pv(n02, start, end, MASKED, p, acc, zacc, v_base, vo2, v_offs, vs2, vz2,
-                             D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+                             D, BLOCK_N, G, REPP, V_BITS, COLS)  # fmt: skip
         p = tl.exp2(s3 * ssc - m_safe[None, :])
         l_i = l_i + p
         acc, zacc = _rows_pv(n02 + BLOCK_N, start, end, MASKED, p, acc, zacc, v_base, vo2 + BLOCK_N * (v_st * 4),
-                             v_offs, vs3, vz3, D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+                             v_offs, vs3, vz3, D, BLOCK_N, G, REPP, V_BITS, COLS)  # fmt: skip
     return m_new, l_i, acc, zacc
 
 
@@ -904,7 +1000,7 @@ def _pair_scores(
     n0, start, end, qt_lo, q_sum, scale, blk, k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
     G: tl.constexpr, REPP: tl.constexpr, OFF32: tl.constexpr, K_BITS: tl.constexpr, PAIR: tl.constexpr,
-    K_ROW: tl.constexpr,
+    K_ROW: tl.constexpr, COLS: tl.constexpr = 0,
 ):  # fmt: skip
     """The scores of the ``PAIR`` (2 or 1) interior tiles from ``n0`` (pool block ``blk``, loaded by the caller)
     for :func:`_rows_oct_t` (grouped keys; ``s1`` is ``s0`` when ``PAIR`` is 1), and the block's id and first row."""
@@ -916,12 +1012,12 @@ def _pair_scores(
     ks0, ks1 = _tiles_load(ks_base + gk, g_offs, BLOCK_N * G, n0, start, end, False, BLOCK_N, PAIR)
     kz0, kz1 = _tiles_load(kz_base + gk, g_offs, BLOCK_N * G, n0, start, end, False, BLOCK_N, PAIR)
     s0 = _rows_scores(n0, start, end, False, qt_lo, q_sum, scale, scale, qt_lo, qt_lo, scale, k_base, ko, k_offs,
-                      ks0, kz0, D, BLOCK_N, SOFTCAP, G, REPP, 1, K_BITS)  # fmt: skip
+                      ks0, kz0, D, BLOCK_N, SOFTCAP, G, REPP, 1, K_BITS, COLS)  # fmt: skip
     s1 = s0
     if PAIR == 2:
         s1 = _rows_scores(n0 + BLOCK_N, start, end, False, qt_lo, q_sum, scale, scale, qt_lo, qt_lo, scale,
                           k_base + BLOCK_N * K_ROW, ko, k_offs, ks1, kz1, D, BLOCK_N, SOFTCAP, G, REPP, 1,
-                          K_BITS)  # fmt: skip
+                          K_BITS, COLS)  # fmt: skip
     return s0, s1, blk, n_in
 
 
@@ -929,7 +1025,7 @@ def _pair_scores(
 def _pair_pv(
     n0, start, end, s0, s1, ssc, m_safe, l_i, acc, zacc, blk, n_in, v_base, vs_base, vz_base, v_sb, v_st, vs_sb,
     v_offs, g_offs, D: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr,
-    V_BITS: tl.constexpr, PAIR: tl.constexpr, V_ROW: tl.constexpr,
+    V_BITS: tl.constexpr, PAIR: tl.constexpr, V_ROW: tl.constexpr, COLS: tl.constexpr = 0,
 ):  # fmt: skip
     """``l_i``, ``acc`` and ``zacc`` (already rescaled) plus the two interior tiles from ``n0`` (scores ``s0`` /
     ``s1``, pool block ``blk`` from row ``n_in``) for :func:`_rows_oct_t`."""
@@ -940,12 +1036,12 @@ def _pair_pv(
     p = tl.exp2(s0 * ssc - m_safe[None, :])
     l_i = l_i + p
     acc, zacc = _rows_pv(n0, start, end, False, p, acc, zacc, v_base, vo, v_offs, vs0, vz0,
-                         D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+                         D, BLOCK_N, G, REPP, V_BITS, COLS)  # fmt: skip
     if PAIR == 2:
         p = tl.exp2(s1 * ssc - m_safe[None, :])
         l_i = l_i + p
         acc, zacc = _rows_pv(n0 + BLOCK_N, start, end, False, p, acc, zacc, v_base + BLOCK_N * V_ROW, vo,
-                             v_offs, vs1, vz1, D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+                             v_offs, vs1, vz1, D, BLOCK_N, G, REPP, V_BITS, COLS)  # fmt: skip
     return l_i, acc, zacc
 
 
@@ -955,7 +1051,7 @@ def _rows_oct_t(
     v_base, vs_base, vz_base, v_sb, v_st, vs_sb, k_offs, v_offs, g_offs, m_i, l_i, acc, zacc,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
     G: tl.constexpr, REPP: tl.constexpr, OFF32: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    PAIR: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
+    PAIR: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr, COLS: tl.constexpr = 0,
 ):  # fmt: skip
     """An interior step of eight tiles (``SUB`` 8, grouped keys): four pairs, each in one pool block, under one
     softmax update -- :func:`_rows_tile_t`'s four-tile step twice as long (one maximum reduction, one rescale of
@@ -969,16 +1065,16 @@ def _rows_oct_t(
     bk1, bk3 = tl.split(ids13)
     s0, s1, b0, i0 = _pair_scores(n0, start, end, qt_lo, q_sum, scale, bk0, k_base, ks_base, kz_base, k_sb, k_st,
                                   ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
-                                  PAIR, K_ROW)  # fmt: skip
+                                  PAIR, K_ROW, COLS)  # fmt: skip
     s2, s3, b1, i1 = _pair_scores(n0 + T2, start, end, qt_lo, q_sum, scale, bk1, k_base, ks_base, kz_base, k_sb,
                                   k_st, ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
-                                  PAIR, K_ROW)  # fmt: skip
+                                  PAIR, K_ROW, COLS)  # fmt: skip
     s4, s5, b2, i2 = _pair_scores(n0 + 2 * T2, start, end, qt_lo, q_sum, scale, bk2, k_base, ks_base, kz_base, k_sb,
                                   k_st, ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
-                                  PAIR, K_ROW)  # fmt: skip
+                                  PAIR, K_ROW, COLS)  # fmt: skip
     s6, s7, b3, i3 = _pair_scores(n0 + 3 * T2, start, end, qt_lo, q_sum, scale, bk3, k_base, ks_base, kz_base, k_sb,
                                   k_st, ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
-                                  PAIR, K_ROW)  # fmt: skip
+                                  PAIR, K_ROW, COLS)  # fmt: skip
     m4 = tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3))
     m4 = tl.maximum(m4, tl.maximum(tl.maximum(s4, s5), tl.maximum(s6, s7)))
     m_blk = reduce_max(m4, 0)
@@ -988,19 +1084,19 @@ def _rows_oct_t(
         m_blk = m_blk * scale
     m_new = tl.maximum(m_i, m_blk)  # interior: finite scores
     alpha = tl.exp2(m_i - m_new)
-    acc, zacc = _rescale_acc(acc, zacc, alpha, G, REPP)
+    acc, zacc = _rescale_acc(acc, zacc, alpha, G, REPP, COLS)
     l_i = l_i * alpha[None, :]
     l_i, acc, zacc = _pair_pv(n0, start, end, s0, s1, ssc, m_new, l_i, acc, zacc, b0, i0, v_base, vs_base, vz_base,
-                              v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS, PAIR, V_ROW)  # fmt: skip
+                              v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS, PAIR, V_ROW, COLS)  # fmt: skip
     l_i, acc, zacc = _pair_pv(n0 + T2, start, end, s2, s3, ssc, m_new, l_i, acc, zacc, b1, i1, v_base, vs_base,
                               vz_base, v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS,
-                              PAIR, V_ROW)  # fmt: skip
+                              PAIR, V_ROW, COLS)  # fmt: skip
     l_i, acc, zacc = _pair_pv(n0 + 2 * T2, start, end, s4, s5, ssc, m_new, l_i, acc, zacc, b2, i2, v_base, vs_base,
                               vz_base, v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS,
-                              PAIR, V_ROW)  # fmt: skip
+                              PAIR, V_ROW, COLS)  # fmt: skip
     l_i, acc, zacc = _pair_pv(n0 + 3 * T2, start, end, s6, s7, ssc, m_new, l_i, acc, zacc, b3, i3, v_base, vs_base,
                               vz_base, v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS,
-                              PAIR, V_ROW)  # fmt: skip
+                              PAIR, V_ROW, COLS)  # fmt: skip
     return m_new, l_i, acc, zacc
 
 
@@ -1028,9 +1124,10 @@ def _decode_partial_rows_t(
     DH: tl.constexpr = D // 2
     pid, split, b, hg, b64, h, start, end = _program_span(HEAD_IDX, LO, HI, lo_sb, past_len, part_len, Hg, HAS_RANGE)
 
+    # the (head, group) columns' order (_col_head): grouped keys with an even number of groups: order 1
+    COLS: tl.constexpr = (2 if G <= 8 and REPP <= 8 else 1) if (K_FOLD == 1 and G % 2 == 0) else 0
     r = tl.arange(0, R)
-    rh = r // G  # column (h, g): head h, group g
-    rg = r % G
+    rh, rg = _col_head(r, G, REPP, COLS)  # column r: head rh, group rg
     valid = rh < REP
     j = tl.arange(0, DH)
     jc = perm4(j)  # position j holds channel jc (nibble_tiles); perm4 keeps every channel in its group
@@ -1053,6 +1150,8 @@ def _decode_partial_rows_t(
         e = (reduce_max(reduce_max(tl.abs(qt), 0), 0).to(tl.int32, bitcast=True) >> 23) & 0xFF
         qf = ((127 - tl.maximum(e - (141 - K_EMAX), 0)) << 23).to(tl.float32, bitcast=True)
         q_sum = reduce_sum(qt, 0) * (qf * pow2(K_EMAX - 24))
+        if COLS == 2:
+            q_sum = _zero_operand(q_sum, G, REPP)
         qt_lo = (qt * (pow2(K_EMAX - ke).to(tl.float32) * qf)[:, None]).to(tl.float16)
         qt_hi = qt_lo  # unused
     else:  # per-channel keys: the heads' query [D/2, REPP] per half, fp32 (the block scale multiplies it)
@@ -1110,20 +1209,20 @@ def _decode_partial_rows_t(
                 n0, start, end, True, qt_lo, qt_hi, q_sum, scale, wk, tbl,
                 k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
                 k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
-                K_BITS, V_BITS, 1)  # fmt: skip
+                K_BITS, V_BITS, 1, COLS)  # fmt: skip
     if OCT:
         for n0 in range(full_lo, full_hi, STEP):
             m_i, l_i, acc, zacc = _rows_oct_t(
                 n0, start, end, qt_lo, q_sum, scale, tbl, k_base, ks_base, kz_base, k_sb, k_stw, ks_sb,
                 v_base, vs_base, vz_base, v_sb, v_stw, vs_sb, k_offs, v_offs, g_offs, m_i, l_i, acc, zacc,
-                D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS, V_BITS, SUB // 4, K_ROW, V_ROW)  # fmt: skip
+                D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS, V_BITS, SUB // 4, K_ROW, V_ROW, COLS)  # fmt: skip
     else:
         for n0 in range(full_lo, full_hi, STEP):
             m_i, l_i, acc, zacc = _rows_tile_t(
                 n0, start, end, False, qt_lo, qt_hi, q_sum, scale, wk, tbl,
                 k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
                 k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
-                K_BITS, V_BITS, SUB)  # fmt: skip
+                K_BITS, V_BITS, SUB, COLS)  # fmt: skip
     if SUB < 2:  # the masked tiles last
         for i in tl.range(0, nh + nt, num_stages=1):  # not pipelined: at most a few tiles per program
             n0 = tl.where(i < nh, h0 + i * BLOCK_N, t0 + (i - nh) * BLOCK_N)
@@ -1131,7 +1230,7 @@ def _decode_partial_rows_t(
                 n0, start, end, True, qt_lo, qt_hi, q_sum, scale, wk, tbl,
                 k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
                 k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
-                K_BITS, V_BITS, 1)  # fmt: skip
+                K_BITS, V_BITS, 1, COLS)  # fmt: skip
 
     l_i = reduce_sum(l_i, 0)
     has = l_i != 0
@@ -1140,7 +1239,7 @@ def _decode_partial_rows_t(
     prow_h = (b64 * n_qheads + h * REP + offs_h) * S + split
     tl.store(LSE_PART + prow_h, lse, mask=offs_h < REP)
     # column (h, g) keeps the channels of group g: out[h, c] = (acc[pos(c), (h, g(c))] + zero[(h, g(c))]) / l[h]
-    den = _head_cols(tl.where(has, l_i, 1.0), G)
+    den = _head_cols(tl.where(has, l_i, 1.0), G, COLS)
     zsum = reduce_sum(zacc, 0)
     if PCAT:
         acc = reduce_sum(tl.reshape(acc, [D, 2, R]), 1)
