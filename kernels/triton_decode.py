@@ -730,7 +730,7 @@ def _zero_term(kz_t, qz, N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr):
     zt = tl.dot(_pad_cols(a, N, 2 * G, 16), qz)  # [N, 16]: column 2 h
     J: tl.constexpr = 16 // (2 * REPP)
     z = tl.split(tl.permute(tl.reshape(zt, [N, J, REPP, 2]), (0, 2, 1, 3)))[0]  # [N, REPP, J]
-    if J == 2:
+    if J == 2:  # noqa: SIM108 (a constexpr branch)
         z = tl.split(z)[0]
     else:
         z = tl.reshape(z, [N, REPP])
@@ -1087,7 +1087,8 @@ def _rows_oct_t(
     acc, zacc = _rescale_acc(acc, zacc, alpha, G, REPP, COLS)
     l_i = l_i * alpha[None, :]
     l_i, acc, zacc = _pair_pv(n0, start, end, s0, s1, ssc, m_new, l_i, acc, zacc, b0, i0, v_base, vs_base, vz_base,
-                              v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS, PAIR, V_ROW, COLS)  # fmt: skip
+                              v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS, PAIR, V_ROW,
+                              COLS)  # fmt: skip
     l_i, acc, zacc = _pair_pv(n0 + T2, start, end, s2, s3, ssc, m_new, l_i, acc, zacc, b1, i1, v_base, vs_base,
                               vz_base, v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS,
                               PAIR, V_ROW, COLS)  # fmt: skip
