@@ -45,6 +45,7 @@ from .triton_dequant import (
     KIND_TOKEN,
     NIBBLE_HI,
     Operand,
+    _halves,
     _mma,
     cap_scores,
     code_exp,
@@ -723,11 +724,22 @@ def _zero_operand(q_sum, G: tl.constexpr, REPP: tl.constexpr):
 
 
 @triton.jit
-def _zero_term(kz_t, qz, N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr):
-    """``sum_g q_sum[h, g] kz_t[t, g]`` ``[N, REPP]`` in the scores' units (COLS 2) from the fp16 zeros ``kz_t [N, G]``
-    and :func:`_zero_operand`'s ``qz``."""
-    a = tl.reshape(tl.permute(tl.join(kz_t, kz_t), (0, 2, 1)), [N, 2 * G])  # columns g and G + g: kz[t, g]
-    zt = tl.dot(_pad_cols(a, N, 2 * G, 16), qz)  # [N, 16]: column 2 h
+def _kz_words(ptr, n0, start, end, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, SUB: tl.constexpr):
+    """The fp16 zeros of ``SUB`` (1 or 2) tiles from row ``ptr`` (``G`` per token) for :func:`_zero_term` (COLS 2): as
+    32-bit words ``[BLOCK_N, G]``, word ``j`` holding the pair of groups ``j % (G / 2)`` (each pair twice: the MMA's
+    A operand wants the rows ``g`` and ``G + g`` alike, and one word per lane and row is what its register layout
+    reads, so the words come straight from the copy buffer)."""
+    W: tl.constexpr = G // 2
+    offs = tl.arange(0, BLOCK_N)[:, None] * W + (tl.arange(0, G) % W)[None, :]
+    return _tiles_load(ptr.to(tl.pointer_type(tl.int32)), offs, BLOCK_N * W, n0, start, end, MASKED, BLOCK_N, SUB)
+
+
+@triton.jit
+def _zero_term(kzw, qz, N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr):
+    """``sum_g q_sum[h, g] kz[t, g]`` ``[N, REPP]`` in the scores' units (COLS 2) from the zeros' words ``kzw [N, G]``
+    (:func:`_kz_words`) and :func:`_zero_operand`'s ``qz``."""
+    w = _pad_cols(kzw, N, G, 8)  # [N, 8] words: halves 0 .. 2 G - 1 = kz[t, k % G], the rest 0
+    zt = tl.dot(tl.reshape(_halves(w), [N, 16]), qz)  # [N, 16]: column 2 h
     J: tl.constexpr = 16 // (2 * REPP)
     z = tl.split(tl.permute(tl.reshape(zt, [N, J, REPP, 2]), (0, 2, 1, 3)))[0]  # [N, REPP, J]
     if J == 2:  # noqa: SIM108 (a constexpr branch)
@@ -807,7 +819,7 @@ def _rows_scores(
         st = tl.dot(kx, qt_lo)
         ks = _group_cols(ks_t.to(tl.float32), BLOCK_N, G, REPP, COLS)
         if COLS == 2:  # q_sum: the zero-term MMA's operand (_zero_operand)
-            s = _group_sum(st * ks, BLOCK_N, G, REPP, COLS) + _zero_term(kz_t, q_sum, BLOCK_N, G, REPP)
+            s = _group_sum(st * ks, BLOCK_N, G, REPP, COLS) + _zero_term(kz_t, q_sum, BLOCK_N, G, REPP)  # words
         else:
             kz = _group_cols(kz_t.to(tl.float32), BLOCK_N, G, REPP, COLS)
             st = st * ks + q_sum[None, :] * kz
@@ -919,7 +931,10 @@ def _rows_tile_t(
     if K_FOLD == 1:
         gk = blk * ks_sb + n_in * G
         ks0, ks1 = _tiles_load(ks_base + gk, g_offs, BLOCK_N * G, n0, start, end, MASKED, BLOCK_N, HS)
-        kz0, kz1 = _tiles_load(kz_base + gk, g_offs, BLOCK_N * G, n0, start, end, MASKED, BLOCK_N, HS)
+        if COLS == 2:  # noqa: SIM108 (a constexpr branch)
+            kz0, kz1 = _kz_words(kz_base + gk, n0, start, end, MASKED, BLOCK_N, G, HS)
+        else:
+            kz0, kz1 = _tiles_load(kz_base + gk, g_offs, BLOCK_N * G, n0, start, end, MASKED, BLOCK_N, HS)
     s0 = _rows_scores(n0, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base, ko, k_offs,
                       ks0, kz0,
                       D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS, COLS)  # fmt: skip
@@ -941,7 +956,10 @@ def _rows_tile_t(
         ko2 = blk2 * k_sb + n_in2 * (k_st * 4)
         gk2 = blk2 * ks_sb + n_in2 * G
         ks2, ks3 = _tiles_load(ks_base + gk2, g_offs, BLOCK_N * G, n02, start, end, MASKED, BLOCK_N, 2)
-        kz2, kz3 = _tiles_load(kz_base + gk2, g_offs, BLOCK_N * G, n02, start, end, MASKED, BLOCK_N, 2)
+        if COLS == 2:  # noqa: SIM108 (a constexpr branch)
+            kz2, kz3 = _kz_words(kz_base + gk2, n02, start, end, MASKED, BLOCK_N, G, 2)
+        else:
+            kz2, kz3 = _tiles_load(kz_base + gk2, g_offs, BLOCK_N * G, n02, start, end, MASKED, BLOCK_N, 2)
         s2 = _rows_scores(n02, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base, ko2, k_offs,
                           ks2, kz2, D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS, COLS)  # fmt: skip
         s3 = _rows_scores(n02 + BLOCK_N, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base,
@@ -1010,7 +1028,10 @@ def _pair_scores(
     ko = blk * k_sb + n_in * (k_st * 4)
     gk = blk * ks_sb + n_in * G
     ks0, ks1 = _tiles_load(ks_base + gk, g_offs, BLOCK_N * G, n0, start, end, False, BLOCK_N, PAIR)
-    kz0, kz1 = _tiles_load(kz_base + gk, g_offs, BLOCK_N * G, n0, start, end, False, BLOCK_N, PAIR)
+    if COLS == 2:  # noqa: SIM108 (a constexpr branch)
+        kz0, kz1 = _kz_words(kz_base + gk, n0, start, end, False, BLOCK_N, G, PAIR)
+    else:
+        kz0, kz1 = _tiles_load(kz_base + gk, g_offs, BLOCK_N * G, n0, start, end, False, BLOCK_N, PAIR)
     s0 = _rows_scores(n0, start, end, False, qt_lo, q_sum, scale, scale, qt_lo, qt_lo, scale, k_base, ko, k_offs,
                       ks0, kz0, D, BLOCK_N, SOFTCAP, G, REPP, 1, K_BITS, COLS)  # fmt: skip
     s1 = s0
