@@ -1135,11 +1135,12 @@ def _decode_partial_rows_t(
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
     K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
     V_W8: tl.constexpr = False, OFF32: tl.constexpr = False, SUB: tl.constexpr = 1, OCT: tl.constexpr = False,
-    K_ROW: tl.constexpr = 0, V_ROW: tl.constexpr = 0,
+    K_ROW: tl.constexpr = 0, V_ROW: tl.constexpr = 0, KZW: tl.constexpr = True,
 ):  # fmt: skip
     """:func:`_decode_partial_rows` transposed (fp16 queries; grouped int4 / int3 / int2 V, K grouped alike with
     any of these widths (``K_FOLD`` 1) or per-channel int4 (``K_FOLD`` 2)); ``OFF32``: the parts' element offsets
-    in 32-bit integers (:meth:`Operand.offsets32`); ``SUB``: tiles per loop step (:func:`_rows_tile_t`)."""
+    in 32-bit integers (:meth:`Operand.offsets32`); ``SUB``: tiles per loop step (:func:`_rows_tile_t`); ``KZW``: the
+    keys' zeros may be read as 32-bit words (every row 4-byte aligned: the zero-term MMA, COLS 2)."""
     G: tl.constexpr = D // V_GROUP
     REPP: tl.constexpr = BLOCK_H
     R: tl.constexpr = G * REPP
@@ -1147,7 +1148,7 @@ def _decode_partial_rows_t(
     pid, split, b, hg, b64, h, start, end = _program_span(HEAD_IDX, LO, HI, lo_sb, past_len, part_len, Hg, HAS_RANGE)
 
     # the (head, group) columns' order (_col_head): grouped keys with an even number of groups: order 1
-    COLS: tl.constexpr = (2 if G <= 8 and REPP <= 8 else 1) if (K_FOLD == 1 and G % 2 == 0) else 0
+    COLS: tl.constexpr = (2 if G <= 8 and REPP <= 8 and KZW else 1) if (K_FOLD == 1 and G >= 4 and G % 2 == 0) else 0
     r = tl.arange(0, R)
     rh, rg = _col_head(r, G, REPP, COLS)  # column r: head rh, group rg
     valid = rh < REP
@@ -1357,6 +1358,13 @@ def launch_config(kop: Operand, vop: Operand, dot: int, head_dim: int) -> tuple[
     if head_dim > 128:
         block_n //= 2
     return block_n, warps
+
+
+def _word_rows(t: torch.Tensor) -> bool:
+    """True when every (block, head, token) row of the 16-bit part ``t`` starts 4-byte aligned (its block and head
+    strides even, its storage aligned; ``meta`` tensors: the strides only), so a kernel may read it by 32-bit words."""
+    aligned = t.device.type == "meta" or t.data_ptr() % 4 == 0
+    return aligned and t.element_size() == 2 and all(st % 2 == 0 for st in t.stride()[:3])
 
 
 def rows_kernel(kop: Operand, vop: Operand, head_dim: int) -> bool:
@@ -1571,20 +1579,23 @@ def decode_launches(
                 chan = kop.folds_channel4()
                 meta.update(BLOCK_N=min(64 if D <= 128 else 32, block_size), BLOCK_H=rows_h, num_warps=4,
                             K_FOLD=2 if chan else 1, V_FOLD=True,
-                            OFF32=kop.offsets32() and vop.offsets32())  # fmt: skip
+                            OFF32=kop.offsets32() and vop.offsets32(), KZW=_word_rows(kop.zero))  # fmt: skip
                 if chan:  # as the per-channel keys' launch below
                     meta["SUB"] = 2 if block_size % (2 * meta["BLOCK_N"]) == 0 else 1
                     if rows_h * (D // vop.group) <= 16:
                         meta["maxnreg"] = 128 if meta["SUB"] == 1 else 168
                 else:
                     meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group), wide=True)
-                    meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176  # as grouped int4 (int3 / int2: 166 registers)
+                    # as grouped int4 (int3 / int2: 166 registers); four tiles per step: 192 (the zero-term MMA: int3 at
+                    # hd128 GQA 4 spilled 24 B at 176; 2 programs / SM either way)
+                    meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176 if meta["SUB"] == 2 else 192
                     if meta["SUB"] == 4 and kop.bits == 2 and D == 128:
                         # int2 keys at head_dim 128: eight tiles per step (_rows_oct_t, four pool-block parts), one
                         # softmax update per 512 tokens (sm_90a SASS, GQA 4: 1075 -> 1048 per 256 tokens). 242 registers
                         # at the 255 cap: still 2 programs / SM (as 175 at 176: 255 x 128 threads fits twice in 64K).
-                        # Triton's default 3 pipeline stages (2: 2059 vs 2056 per 512 tokens, the same 0.728)
-                        meta["SUB"], meta["OCT"], meta["maxnreg"] = 8, True, 255
+                        # Two pipeline stages: with the zero-term MMA (COLS 2) the default 3 spills 8 B at GQA 1 (1930
+                        # vs 1935 per 512 tokens at GQA 4)
+                        meta["SUB"], meta["OCT"], meta["maxnreg"], meta["num_stages"] = 8, True, 255, 2
                         # the parts' row strides (bytes) as constants: a pool block's second tile at an immediate offset
                         meta["K_ROW"], meta["V_ROW"] = kop.data.stride(2), vop.data.stride(2)
                     if meta["SUB"] == 4:
