@@ -1616,6 +1616,7 @@ def decode_launches(
                     kernel = _decode_partial_rows_t
                     meta["num_warps"] = 4
                     meta["OFF32"] = kop.offsets32() and vop.offsets32()
+                    meta["KZW"] = _word_rows(kop.zero)
                     if kop.folds4(D):
                         meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group))
                         # two tiles per step: 176 (ptxas then takes 166-167, no spills; at 168 it spilled 8 B before the
