@@ -593,13 +593,15 @@ def _decode_partial_rows(
 
 # ------------------------------------- int4 / int3 / int2 K and V on (head, group) columns, transposed (wgmma)
 # fp16 queries: the rows kernel's products transposed, so that tokens (keys) and channels (values) are the MMA
-# rows, on R = heads x G columns (h, g) (column r: head r // G, group r % G): scores^T [BLOCK_N, R] = K codes
+# rows, on R = heads x G columns (h, g) (column r: head r // G, group r % G, or with grouped keys and 4-8 groups
+# the order (g // 2, h, g % 2) of _col_head, COLS 1 / 2): scores^T [BLOCK_N, R] = K codes
 # [BLOCK_N, D] @ q_cols [D, R] (warpgroup MMAs, the loop-invariant query in shared memory; grouped keys: column
 # (h, g) holds head h on the channels of group g) and out^T [D, R] += V codes^T [D, BLOCK_N] @ (p x V scale)
 # [BLOCK_N, R] (hi + lo fp16 halves). Codes come as fp16 subnormals (:func:`code_tiles`: one and per two codes,
 # channels in perm4 order; position i in units of 2**(code_exp(i) - 24): the key operand's rows carry the
 # complementary powers of two, the rest goes into the softmax scale and the epilogue). Per-(token, group) scales and
-# zeros are per-column factors of the [BLOCK_N, R] tiles; V's zero term is accumulated per (token, column) and summed
+# zeros are per-column factors of the [BLOCK_N, R] tiles (grouped keys, COLS 2: their zero term by one more MMA,
+# _zero_term); V's zero term is accumulated per (token, column) and summed
 # over the tokens after the loop. Per-channel int4 keys (int4-channel) fold their block's scale into the query (fp32
 # [D/2, heads] per nibble half, split into hi + lo fp16 columns (h, 0) and (h, 1)) and add their zero term q . z (an
 # fp32 reduction per head) to the scores. A loop step is SUB (1, 2 or 4) tiles under one softmax update, two tiles
@@ -1593,9 +1595,13 @@ def decode_launches(
                         # int2 keys at head_dim 128: eight tiles per step (_rows_oct_t, four pool-block parts), one
                         # softmax update per 512 tokens (sm_90a SASS, GQA 4: 1075 -> 1048 per 256 tokens). 242 registers
                         # at the 255 cap: still 2 programs / SM (as 175 at 176: 255 x 128 threads fits twice in 64K).
-                        # Two pipeline stages: with the zero-term MMA (COLS 2) the default 3 spills 8 B at GQA 1 (1930
-                        # vs 1935 per 512 tokens at GQA 4)
-                        meta["SUB"], meta["OCT"], meta["maxnreg"], meta["num_stages"] = 8, True, 255, 2
+                        # Triton's default 3 pipeline stages: the block ids of a step are copied two steps ahead (an
+                        # async copy). At GQA 1 (one query head) the zero-term MMA (COLS 2) spills 8 B with 3: there 2
+                        # stages, no spill, but the ids are then read by a synchronous load one step ahead (sm_90a
+                        # SASS: 4 LDG.E whose results address the step's copies; at GQA 4: 1935 vs 1930 per 512 tokens)
+                        meta["SUB"], meta["OCT"], meta["maxnreg"] = 8, True, 255
+                        if rep == 1:
+                            meta["num_stages"] = 2
                         # the parts' row strides (bytes) as constants: a pool block's second tile at an immediate offset
                         meta["K_ROW"], meta["V_ROW"] = kop.data.stride(2), vop.data.stride(2)
                     if meta["SUB"] == 4:
