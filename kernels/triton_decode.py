@@ -1150,7 +1150,8 @@ def _decode_partial_rows_t(
     pid, split, b, hg, b64, h, start, end = _program_span(HEAD_IDX, LO, HI, lo_sb, past_len, part_len, Hg, HAS_RANGE)
 
     # the (head, group) columns' order (_col_head): grouped keys with an even number of groups: order 1
-    COLS: tl.constexpr = (2 if G <= 8 and REPP <= 8 and KZW else 1) if (K_FOLD == 1 and G >= 4 and G % 2 == 0) else 0
+    # (4 groups: head_dim 128 in groups of 32; at 2 groups the zero MMA did not pay, at 8 (head_dim 256) it spilled)
+    COLS: tl.constexpr = (2 if REPP <= 8 and KZW else 1) if (K_FOLD == 1 and G == 4) else 0
     r = tl.arange(0, R)
     rh, rg = _col_head(r, G, REPP, COLS)  # column r: head rh, group rg
     valid = rh < REP
@@ -1596,11 +1597,12 @@ def decode_launches(
                         # softmax update per 512 tokens (sm_90a SASS, GQA 4: 1075 -> 1048 per 256 tokens). 242 registers
                         # at the 255 cap: still 2 programs / SM (as 175 at 176: 255 x 128 threads fits twice in 64K).
                         # Triton's default 3 pipeline stages: the block ids of a step are copied two steps ahead (an
-                        # async copy). At GQA 1 (one query head) the zero-term MMA (COLS 2) spills 8 B with 3: there 2
-                        # stages, no spill, but the ids are then read by a synchronous load one step ahead (sm_90a
-                        # SASS: 4 LDG.E whose results address the step's copies; at GQA 4: 1935 vs 1930 per 512 tokens)
+                        # async copy). At GQA 1 (one query head), and with int3 values, the zero-term MMA (COLS 2)
+                        # spills 8 B with 3: there 2 stages, no spill, but the ids are then read by a synchronous load
+                        # one step ahead (sm_90a SASS: 4 LDG.E whose results address the step's copies; at GQA 4: 1935
+                        # vs 1930 per 512 tokens)
                         meta["SUB"], meta["OCT"], meta["maxnreg"] = 8, True, 255
-                        if rep == 1:
+                        if rep == 1 or vop.bits != 2:
                             meta["num_stages"] = 2
                         # the parts' row strides (bytes) as constants: a pool block's second tile at an immediate offset
                         meta["K_ROW"], meta["V_ROW"] = kop.data.stride(2), vop.data.stride(2)
