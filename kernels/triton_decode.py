@@ -1142,7 +1142,8 @@ def _decode_partial_rows_t(
     """:func:`_decode_partial_rows` transposed (fp16 queries; grouped int4 / int3 / int2 V, K grouped alike with
     any of these widths (``K_FOLD`` 1) or per-channel int4 (``K_FOLD`` 2)); ``OFF32``: the parts' element offsets
     in 32-bit integers (:meth:`Operand.offsets32`); ``SUB``: tiles per loop step (:func:`_rows_tile_t`); ``KZW``: the
-    keys' zeros may be read as 32-bit words (every row 4-byte aligned: the zero-term MMA, COLS 2)."""
+    keys' zero term by the zero-term MMA, the zeros read as 32-bit words (COLS 2; the launcher's choice: every row
+    4-byte aligned, and not for int2 keys over int4 values, where it spilled)."""
     G: tl.constexpr = D // V_GROUP
     REPP: tl.constexpr = BLOCK_H
     R: tl.constexpr = G * REPP
@@ -1604,6 +1605,8 @@ def decode_launches(
                         meta["SUB"], meta["OCT"], meta["maxnreg"] = 8, True, 255
                         if rep == 1 or vop.bits != 2:
                             meta["num_stages"] = 2
+                        if vop.bits == 4:  # int4 values: the zero-term MMA spills 8 B even so; COLS 1
+                            meta["KZW"] = False
                         # the parts' row strides (bytes) as constants: a pool block's second tile at an immediate offset
                         meta["K_ROW"], meta["V_ROW"] = kop.data.stride(2), vop.data.stride(2)
                     if meta["SUB"] == 4:
