@@ -444,7 +444,7 @@ def test_rotated_store_through_dispatch(monkeypatch, triton_calls):
         (["int2", "int3"], 128, 4, 128),
         (["int3", "int3"], 64, 8, 32),
         ([KVPrecision("int4", "int2"), KVPrecision("int3", "int4")], 128, 3, 64),
-        (["int2", "int2"], 256, 4, 64),  # 8 groups: the zero-term MMA's 16 rows (hi / lo) all used
+        (["int2", "int2"], 256, 4, 64),  # 8 groups: head-major columns, the keys' zero products in fp32 (COLS 0)
     ],
     ids=lambda x: str(x),
 )
