@@ -45,6 +45,7 @@ from .triton_dequant import (
     KIND_TOKEN,
     NIBBLE_HI,
     Operand,
+    _halves,
     _mma,
     cap_scores,
     code_exp,
@@ -592,13 +593,15 @@ def _decode_partial_rows(
 
 # ------------------------------------- int4 / int3 / int2 K and V on (head, group) columns, transposed (wgmma)
 # fp16 queries: the rows kernel's products transposed, so that tokens (keys) and channels (values) are the MMA
-# rows, on R = heads x G columns (h, g) (column r: head r // G, group r % G): scores^T [BLOCK_N, R] = K codes
+# rows, on R = heads x G columns (h, g) (column r: head r // G, group r % G, or with grouped keys and 4-8 groups
+# the order (g // 2, h, g % 2) of _col_head, COLS 1 / 2): scores^T [BLOCK_N, R] = K codes
 # [BLOCK_N, D] @ q_cols [D, R] (warpgroup MMAs, the loop-invariant query in shared memory; grouped keys: column
 # (h, g) holds head h on the channels of group g) and out^T [D, R] += V codes^T [D, BLOCK_N] @ (p x V scale)
 # [BLOCK_N, R] (hi + lo fp16 halves). Codes come as fp16 subnormals (:func:`code_tiles`: one and per two codes,
 # channels in perm4 order; position i in units of 2**(code_exp(i) - 24): the key operand's rows carry the
 # complementary powers of two, the rest goes into the softmax scale and the epilogue). Per-(token, group) scales and
-# zeros are per-column factors of the [BLOCK_N, R] tiles; V's zero term is accumulated per (token, column) and summed
+# zeros are per-column factors of the [BLOCK_N, R] tiles (grouped keys, COLS 2: their zero term by one more MMA,
+# _zero_term); V's zero term is accumulated per (token, column) and summed
 # over the tokens after the loop. Per-channel int4 keys (int4-channel) fold their block's scale into the query (fp32
 # [D/2, heads] per nibble half, split into hi + lo fp16 columns (h, 0) and (h, 1)) and add their zero term q . z (an
 # fp32 reduction per head) to the scores. A loop step is SUB (1, 2 or 4) tiles under one softmax update, two tiles
@@ -639,21 +642,120 @@ def _hi_cols(rg, G: tl.constexpr):
 
 
 @triton.jit
-def _head_cols(x, G: tl.constexpr):
-    """``x [..., REPP]`` (per head) repeated for the ``G`` groups of each head: ``[..., REPP * G]`` (column r: head
-    ``r // G``)."""
-    if len(x.shape) == 1:
+def _head_cols(x, G: tl.constexpr, COLS: tl.constexpr = 0):
+    """``x [..., REPP]`` (per head) repeated for the ``G`` groups of each head: ``[..., REPP * G]``, in the column
+    order ``COLS`` (:func:`_col_head`)."""
+    if COLS >= 1:
+        if len(x.shape) == 1:
+            r = tl.reshape(tl.broadcast_to(x[None, :, None], [G // 2, x.shape[0], 2]), [x.shape[0] * G])
+        else:
+            r = tl.reshape(tl.broadcast_to(x[:, None, :, None], [x.shape[0], G // 2, x.shape[1], 2]),
+                           [x.shape[0], x.shape[1] * G])  # fmt: skip
+    elif len(x.shape) == 1:
         r = tl.reshape(tl.broadcast_to(x[:, None], [x.shape[0], G]), [x.shape[0] * G])
     else:
         r = tl.reshape(tl.broadcast_to(x[:, :, None], [x.shape[0], x.shape[1], G]), [x.shape[0], x.shape[1] * G])
     return r
 
 
+# The rows kernels' column order of the (head, group) columns r of the grouped keys' scores and of the values'
+# probabilities (constexpr COLS): 0 = head-major (r = h G + g); 1 = (g // 2, h, g % 2), i.e. r = g % 2 + 2 h +
+# 2 REPP (g // 2) (G even). In a warpgroup MMA's accumulator a thread holds the columns 2 c + {0, 1} + 8 j, so with
+# REPP = 4 order 1 gives each thread all G groups of one head (c): the sum over the groups needs no shuffle and the
+# softmax of a (token, head) is computed by one lane, not by a pair of lanes.
 @triton.jit
-def _rescale_acc(acc, zacc, alpha, G: tl.constexpr, REPP: tl.constexpr):
+def _col_head(r, G: tl.constexpr, REPP: tl.constexpr, COLS: tl.constexpr):
+    """The (head, group) of columns ``r`` in the order ``COLS``."""
+    if COLS >= 1:
+        rh = (r // 2) % REPP
+        rg = (r // (2 * REPP)) * 2 + r % 2
+    else:
+        rh = r // G
+        rg = r % G
+    return rh, rg
+
+
+@triton.jit
+def _group_cols(y, N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr, COLS: tl.constexpr):
+    """Per-(token, group) ``y [N, G]`` on the (head, group) columns ``[N, REPP * G]`` (order ``COLS``)."""
+    if COLS >= 1:
+        r = tl.reshape(tl.broadcast_to(tl.reshape(y, [N, G // 2, 1, 2]), [N, G // 2, REPP, 2]), [N, REPP * G])
+    else:
+        r = tl.reshape(tl.broadcast_to(y[:, None, :], [N, REPP, G]), [N, REPP * G])
+    return r
+
+
+@triton.jit
+def _group_sum(x, N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr, COLS: tl.constexpr):
+    """``x [N, REPP * G]`` (order ``COLS``) summed over the groups of each head: ``[N, REPP]``."""
+    if COLS >= 1:
+        r = reduce_sum(reduce_sum(tl.reshape(x, [N, G // 2, REPP, 2]), 3), 1)
+    else:
+        r = reduce_sum(tl.reshape(x, [N, REPP, G]), 2)
+    return r
+
+
+# COLS 2: order 1, and the grouped keys' zero term sum_g q_sum[h, g] kz[t, g] by one more MMA per tile (K = 16: the
+# rows g and G + g of the fp16 zeros against the hi / lo fp16 parts of the query's group sums, accumulated in fp32):
+# the zeros need no conversion and each (token, head) one multiply-add of the result instead of G products and G - 1
+# sums. The query's sums are scaled by 2**17 (in the scores' units of q_sum, q_sum 2**17 < 2**15 for groups of up to
+# 128 channels: 2**EMAX qf |q| < 2**15); ZT_UNIT takes the MMA's result back.
+ZT_UNIT = tl.constexpr(2.0**-17)
+
+
+@triton.jit
+def _pad_cols(x, N: tl.constexpr, C: tl.constexpr, W: tl.constexpr):
+    """``x [N, C]`` followed by zero columns: ``[N, W]`` (``W`` a power-of-two multiple of ``C``)."""
+    if C < W:
+        x = tl.reshape(tl.permute(tl.join(x, tl.zeros_like(x)), (0, 2, 1)), [N, 2 * C])
+        x = _pad_cols(x, N, 2 * C, W)
+    return x
+
+
+@triton.jit
+def _zero_operand(q_sum, G: tl.constexpr, REPP: tl.constexpr):
+    """The zero-term MMA's B operand ``[16, 16]`` fp16 from ``q_sum [REPP * G]`` (order 1, the scores' units): row
+    ``g`` / ``G + g`` column ``2 h``: the hi / lo fp16 parts of ``q_sum[h, g] 2**17``; zeros elsewhere."""
+    qg = tl.reshape(tl.permute(tl.reshape(q_sum * 131072.0, [G // 2, REPP, 2]), (0, 2, 1)), [G, REPP])
+    hi = qg.to(tl.float16)
+    lo = (qg - hi.to(tl.float32)).to(tl.float16)
+    b = tl.reshape(tl.permute(tl.join(hi, lo), (2, 0, 1)), [2 * G, REPP])  # rows: hi g, then lo g
+    b = tl.trans(_pad_cols(tl.trans(b), REPP, 2 * G, 16))  # [16, REPP]
+    b = tl.reshape(tl.join(b, tl.zeros_like(b)), [16, 2 * REPP])  # column 2 h
+    return _pad_cols(b, 16, 2 * REPP, 16)
+
+
+@triton.jit
+def _kz_words(ptr, n0, start, end, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, SUB: tl.constexpr):
+    """The fp16 zeros of ``SUB`` (1 or 2) tiles from row ``ptr`` (``G`` per token) for :func:`_zero_term` (COLS 2): as
+    32-bit words ``[BLOCK_N, G]``, word ``j`` holding the pair of groups ``j % (G / 2)`` (each pair twice: the MMA's
+    A operand wants the rows ``g`` and ``G + g`` alike, and one word per lane and row is what its register layout
+    reads, so the words come straight from the copy buffer)."""
+    W: tl.constexpr = G // 2
+    offs = tl.arange(0, BLOCK_N)[:, None] * W + (tl.arange(0, G) % W)[None, :]
+    return _tiles_load(ptr.to(tl.pointer_type(tl.int32)), offs, BLOCK_N * W, n0, start, end, MASKED, BLOCK_N, SUB)
+
+
+@triton.jit
+def _zero_term(kzw, qz, N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr):
+    """``sum_g q_sum[h, g] kz[t, g]`` ``[N, REPP]`` in the scores' units (COLS 2) from the zeros' words ``kzw [N, G]``
+    (:func:`_kz_words`) and :func:`_zero_operand`'s ``qz``."""
+    w = _pad_cols(kzw, N, G, 8)  # [N, 8] words: halves 0 .. 2 G - 1 = kz[t, k % G], the rest 0
+    zt = tl.dot(tl.reshape(_halves(w), [N, 16]), qz)  # [N, 16]: column 2 h
+    J: tl.constexpr = 16 // (2 * REPP)
+    z = tl.split(tl.permute(tl.reshape(zt, [N, J, REPP, 2]), (0, 2, 1, 3)))[0]  # [N, REPP, J]
+    if J == 2:  # noqa: SIM108 (a constexpr branch)
+        z = tl.split(z)[0]
+    else:
+        z = tl.reshape(z, [N, REPP])
+    return z * ZT_UNIT
+
+
+@triton.jit
+def _rescale_acc(acc, zacc, alpha, G: tl.constexpr, REPP: tl.constexpr, COLS: tl.constexpr = 0):
     """The rows kernels' accumulators times the step's rescale ``alpha`` (one per (head, query) column): ``acc`` is
     ``[D, 2 R]`` (hi / lo fp16 halves, :func:`_rows_pv`) up to 16 columns, ``[D, R]`` above."""
-    a = _head_cols(alpha, G)[None, :]
+    a = _head_cols(alpha, G, COLS)[None, :]
     if G * REPP <= 16:  # noqa: SIM108 (a constexpr branch)
         acc = acc * _cat_cols(a, a, 1, 2 * G * REPP)
     else:
@@ -700,7 +802,7 @@ def _tiles_load(ptr, offs, step, n0, start, end, MASKED: tl.constexpr, BLOCK_N: 
 def _rows_scores(
     n0, start, end, MASKED: tl.constexpr, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base, ko, k_offs, ks_t, kz_t,
     D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-    G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, K_BITS: tl.constexpr,
+    G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, K_BITS: tl.constexpr, COLS: tl.constexpr = 0,
 ):  # fmt: skip
     """Scores ``[BLOCK_N, REPP]`` of the tile at ``n0`` for :func:`_rows_tile_t` (-inf outside ``[start, end)``),
     from its loaded code words ``kw`` (int3: the byte planes ``kw``, ``kw_m``, ``kw_h``) and, for grouped keys, its
@@ -717,10 +819,13 @@ def _rows_scores(
         else:
             kx = code_tiles(kp, k_offs, mask_n, K_BITS, BLOCK_N, D)
         st = tl.dot(kx, qt_lo)
-        ks = tl.reshape(tl.broadcast_to(ks_t.to(tl.float32)[:, None, :], [BLOCK_N, REPP, G]), [BLOCK_N, REPP * G])
-        kz = tl.reshape(tl.broadcast_to(kz_t.to(tl.float32)[:, None, :], [BLOCK_N, REPP, G]), [BLOCK_N, REPP * G])
-        st = st * ks + q_sum[None, :] * kz
-        s = reduce_sum(tl.reshape(st, [BLOCK_N, REPP, G]), 2)  # [BLOCK_N, REPP]
+        ks = _group_cols(ks_t.to(tl.float32), BLOCK_N, G, REPP, COLS)
+        if COLS == 2:  # q_sum: the zero-term MMA's operand (_zero_operand)
+            s = _group_sum(st * ks, BLOCK_N, G, REPP, COLS) + _zero_term(kz_t, q_sum, BLOCK_N, G, REPP)  # words
+        else:
+            kz = _group_cols(kz_t.to(tl.float32), BLOCK_N, G, REPP, COLS)
+            st = st * ks + q_sum[None, :] * kz
+            s = _group_sum(st, BLOCK_N, G, REPP, COLS)  # [BLOCK_N, REPP]
         if SOFTCAP > 0:  # else the scale (> 0) is applied after the maximum (_rows_tile_t: RAW)
             s = s * scale
     else:  # per-channel keys: the block's operands b_lo / b_hi and zero term zq (_rows_tile_t)
@@ -744,14 +849,19 @@ def _rows_scores(
 def _rows_pv(
     n0, start, end, MASKED: tl.constexpr, p, acc, zacc, v_base, vo, v_offs, vs_t, vz_t,
     D: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr, V_BITS: tl.constexpr,
+    COLS: tl.constexpr = 0,
 ):  # fmt: skip
     """``acc`` and ``zacc`` (already rescaled) plus the tile's probabilities ``p [BLOCK_N, REPP]`` times its values
     (loaded code words ``vw`` (int3: planes ``vw``, ``vw_m``, ``vw_h``), scale / zero rows ``vs_t`` / ``vz_t``
     ``[BLOCK_N, G]``), for :func:`_rows_tile_t`."""
     R: tl.constexpr = G * REPP
-    pc = _head_cols(p, G)  # [BLOCK_N, R]
+    pc = _head_cols(p, G, COLS)  # [BLOCK_N, R]
     vsz = tl.join(vs_t, vz_t).to(tl.float32)
-    vsz = tl.reshape(tl.broadcast_to(vsz[:, None, :, :], [BLOCK_N, REPP, G, 2]), [BLOCK_N, REPP * G, 2])
+    if COLS >= 1:
+        vsz = tl.reshape(tl.broadcast_to(tl.reshape(vsz, [BLOCK_N, G // 2, 1, 2, 2]), [BLOCK_N, G // 2, REPP, 2, 2]),
+                         [BLOCK_N, REPP * G, 2])  # fmt: skip
+    else:
+        vsz = tl.reshape(tl.broadcast_to(vsz[:, None, :, :], [BLOCK_N, REPP, G, 2]), [BLOCK_N, REPP * G, 2])
     vs_c, vz_c = tl.split(vsz)
     ps = pc * vs_c
     # hi / lo fp16 parts: ph32 = ps truncated to 11 significant bits (one and: exact in fp16 in the normal range),
@@ -782,7 +892,7 @@ def _rows_tile_t(
     m_i, l_i, acc, zacc,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
     G: tl.constexpr, REPP: tl.constexpr, K_FOLD: tl.constexpr, OFF32: tl.constexpr,
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr, SUB: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, SUB: tl.constexpr, COLS: tl.constexpr = 0,
 ):  # fmt: skip
     """One step of :func:`_decode_partial_rows_t`: ``SUB`` (1, 2 or 4) tiles of ``BLOCK_N`` tokens from ``n0``; one or
     two tiles lie in one pool block (one block-table read; per-channel keys: the block's query operands built once),
@@ -823,15 +933,18 @@ def _rows_tile_t(
     if K_FOLD == 1:
         gk = blk * ks_sb + n_in * G
         ks0, ks1 = _tiles_load(ks_base + gk, g_offs, BLOCK_N * G, n0, start, end, MASKED, BLOCK_N, HS)
-        kz0, kz1 = _tiles_load(kz_base + gk, g_offs, BLOCK_N * G, n0, start, end, MASKED, BLOCK_N, HS)
+        if COLS == 2:  # noqa: SIM108 (a constexpr branch)
+            kz0, kz1 = _kz_words(kz_base + gk, n0, start, end, MASKED, BLOCK_N, G, HS)
+        else:
+            kz0, kz1 = _tiles_load(kz_base + gk, g_offs, BLOCK_N * G, n0, start, end, MASKED, BLOCK_N, HS)
     s0 = _rows_scores(n0, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base, ko, k_offs,
                       ks0, kz0,
-                      D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
+                      D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS, COLS)  # fmt: skip
     s1 = s0  # unused unless SUB >= 2
     if SUB >= 2:
         s1 = _rows_scores(n0 + BLOCK_N, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base,
                           ko + BLOCK_N * (k_st * 4), k_offs, ks1, kz1,
-                          D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
+                          D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS, COLS)  # fmt: skip
     blk2, n_in2, s2, s3 = blk, n_in, s0, s1  # unused unless SUB == 4
     if SUB == 4:
         n02 = n0 + 2 * BLOCK_N
@@ -845,12 +958,15 @@ def _rows_tile_t(
         ko2 = blk2 * k_sb + n_in2 * (k_st * 4)
         gk2 = blk2 * ks_sb + n_in2 * G
         ks2, ks3 = _tiles_load(ks_base + gk2, g_offs, BLOCK_N * G, n02, start, end, MASKED, BLOCK_N, 2)
-        kz2, kz3 = _tiles_load(kz_base + gk2, g_offs, BLOCK_N * G, n02, start, end, MASKED, BLOCK_N, 2)
+        if COLS == 2:  # noqa: SIM108 (a constexpr branch)
+            kz2, kz3 = _kz_words(kz_base + gk2, n02, start, end, MASKED, BLOCK_N, G, 2)
+        else:
+            kz2, kz3 = _tiles_load(kz_base + gk2, g_offs, BLOCK_N * G, n02, start, end, MASKED, BLOCK_N, 2)
         s2 = _rows_scores(n02, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base, ko2, k_offs,
-                          ks2, kz2, D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
+                          ks2, kz2, D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS, COLS)  # fmt: skip
         s3 = _rows_scores(n02 + BLOCK_N, start, end, MASKED, qt_lo, q_sum, scale, wk, b_lo, b_hi, zq, k_base,
                           ko2 + BLOCK_N * (k_st * 4), k_offs, ks3, kz3,
-                          D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS)  # fmt: skip
+                          D, BLOCK_N, SOFTCAP, G, REPP, K_FOLD, K_BITS, COLS)  # fmt: skip
         m_blk = reduce_max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0)
     elif SUB == 2:
         m_blk = reduce_max(tl.maximum(s0, s1), 0)  # one reduction over both tiles (elementwise maximum first)
@@ -868,7 +984,7 @@ def _rows_tile_t(
         m_new = tl.maximum(m_i, m_blk)
         m_safe = m_new
         alpha = tl.exp2(m_i - m_new)
-    acc, zacc = _rescale_acc(acc, zacc, alpha, G, REPP)
+    acc, zacc = _rescale_acc(acc, zacc, alpha, G, REPP, COLS)
     vo = blk * v_sb + n_in * (v_st * 4)  # bytes: the step's first value row
     gv = blk * vs_sb + n_in * G
     vs0, vs1 = _tiles_load(vs_base + gv, g_offs, BLOCK_N * G, n0, start, end, MASKED, BLOCK_N, HS)
@@ -876,12 +992,12 @@ def _rows_tile_t(
     p = tl.exp2(s0 * ssc - m_safe[None, :])
     l_i = l_i * alpha[None, :] + p  # per (token, head): summed over the tokens after the loop
     acc, zacc = _rows_pv(n0, start, end, MASKED, p, acc, zacc, v_base, vo, v_offs, vs0, vz0,
-                         D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+                         D, BLOCK_N, G, REPP, V_BITS, COLS)  # fmt: skip
     if SUB >= 2:
         p = tl.exp2(s1 * ssc - m_safe[None, :])
         l_i = l_i + p
         acc, zacc = _rows_pv(n0 + BLOCK_N, start, end, MASKED, p, acc, zacc, v_base, vo + BLOCK_N * (v_st * 4), v_offs,
-                             vs1, vz1, D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+                             vs1, vz1, D, BLOCK_N, G, REPP, V_BITS, COLS)  # fmt: skip
     if SUB == 4:
         n02 = n0 + 2 * BLOCK_N
         vo2 = blk2 * v_sb + n_in2 * (v_st * 4)
@@ -891,11 +1007,11 @@ def _rows_tile_t(
         p = tl.exp2(s2 * ssc - m_safe[None, :])
         l_i = l_i + p
         acc, zacc = _rows_pv(n02, start, end, MASKED, p, acc, zacc, v_base, vo2, v_offs, vs2, vz2,
-                             D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+                             D, BLOCK_N, G, REPP, V_BITS, COLS)  # fmt: skip
         p = tl.exp2(s3 * ssc - m_safe[None, :])
         l_i = l_i + p
         acc, zacc = _rows_pv(n02 + BLOCK_N, start, end, MASKED, p, acc, zacc, v_base, vo2 + BLOCK_N * (v_st * 4),
-                             v_offs, vs3, vz3, D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+                             v_offs, vs3, vz3, D, BLOCK_N, G, REPP, V_BITS, COLS)  # fmt: skip
     return m_new, l_i, acc, zacc
 
 
@@ -904,7 +1020,7 @@ def _pair_scores(
     n0, start, end, qt_lo, q_sum, scale, blk, k_base, ks_base, kz_base, k_sb, k_st, ks_sb, k_offs, g_offs,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
     G: tl.constexpr, REPP: tl.constexpr, OFF32: tl.constexpr, K_BITS: tl.constexpr, PAIR: tl.constexpr,
-    K_ROW: tl.constexpr,
+    K_ROW: tl.constexpr, COLS: tl.constexpr = 0,
 ):  # fmt: skip
     """The scores of the ``PAIR`` (2 or 1) interior tiles from ``n0`` (pool block ``blk``, loaded by the caller)
     for :func:`_rows_oct_t` (grouped keys; ``s1`` is ``s0`` when ``PAIR`` is 1), and the block's id and first row."""
@@ -914,14 +1030,17 @@ def _pair_scores(
     ko = blk * k_sb + n_in * (k_st * 4)
     gk = blk * ks_sb + n_in * G
     ks0, ks1 = _tiles_load(ks_base + gk, g_offs, BLOCK_N * G, n0, start, end, False, BLOCK_N, PAIR)
-    kz0, kz1 = _tiles_load(kz_base + gk, g_offs, BLOCK_N * G, n0, start, end, False, BLOCK_N, PAIR)
+    if COLS == 2:  # noqa: SIM108 (a constexpr branch)
+        kz0, kz1 = _kz_words(kz_base + gk, n0, start, end, False, BLOCK_N, G, PAIR)
+    else:
+        kz0, kz1 = _tiles_load(kz_base + gk, g_offs, BLOCK_N * G, n0, start, end, False, BLOCK_N, PAIR)
     s0 = _rows_scores(n0, start, end, False, qt_lo, q_sum, scale, scale, qt_lo, qt_lo, scale, k_base, ko, k_offs,
-                      ks0, kz0, D, BLOCK_N, SOFTCAP, G, REPP, 1, K_BITS)  # fmt: skip
+                      ks0, kz0, D, BLOCK_N, SOFTCAP, G, REPP, 1, K_BITS, COLS)  # fmt: skip
     s1 = s0
     if PAIR == 2:
         s1 = _rows_scores(n0 + BLOCK_N, start, end, False, qt_lo, q_sum, scale, scale, qt_lo, qt_lo, scale,
                           k_base + BLOCK_N * K_ROW, ko, k_offs, ks1, kz1, D, BLOCK_N, SOFTCAP, G, REPP, 1,
-                          K_BITS)  # fmt: skip
+                          K_BITS, COLS)  # fmt: skip
     return s0, s1, blk, n_in
 
 
@@ -929,7 +1048,7 @@ def _pair_scores(
 def _pair_pv(
     n0, start, end, s0, s1, ssc, m_safe, l_i, acc, zacc, blk, n_in, v_base, vs_base, vz_base, v_sb, v_st, vs_sb,
     v_offs, g_offs, D: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, REPP: tl.constexpr,
-    V_BITS: tl.constexpr, PAIR: tl.constexpr, V_ROW: tl.constexpr,
+    V_BITS: tl.constexpr, PAIR: tl.constexpr, V_ROW: tl.constexpr, COLS: tl.constexpr = 0,
 ):  # fmt: skip
     """``l_i``, ``acc`` and ``zacc`` (already rescaled) plus the two interior tiles from ``n0`` (scores ``s0`` /
     ``s1``, pool block ``blk`` from row ``n_in``) for :func:`_rows_oct_t`."""
@@ -940,12 +1059,12 @@ def _pair_pv(
     p = tl.exp2(s0 * ssc - m_safe[None, :])
     l_i = l_i + p
     acc, zacc = _rows_pv(n0, start, end, False, p, acc, zacc, v_base, vo, v_offs, vs0, vz0,
-                         D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+                         D, BLOCK_N, G, REPP, V_BITS, COLS)  # fmt: skip
     if PAIR == 2:
         p = tl.exp2(s1 * ssc - m_safe[None, :])
         l_i = l_i + p
         acc, zacc = _rows_pv(n0 + BLOCK_N, start, end, False, p, acc, zacc, v_base + BLOCK_N * V_ROW, vo,
-                             v_offs, vs1, vz1, D, BLOCK_N, G, REPP, V_BITS)  # fmt: skip
+                             v_offs, vs1, vz1, D, BLOCK_N, G, REPP, V_BITS, COLS)  # fmt: skip
     return l_i, acc, zacc
 
 
@@ -955,7 +1074,7 @@ def _rows_oct_t(
     v_base, vs_base, vz_base, v_sb, v_st, vs_sb, k_offs, v_offs, g_offs, m_i, l_i, acc, zacc,
     D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr,
     G: tl.constexpr, REPP: tl.constexpr, OFF32: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    PAIR: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr,
+    PAIR: tl.constexpr, K_ROW: tl.constexpr, V_ROW: tl.constexpr, COLS: tl.constexpr = 0,
 ):  # fmt: skip
     """An interior step of eight tiles (``SUB`` 8, grouped keys): four pairs, each in one pool block, under one
     softmax update -- :func:`_rows_tile_t`'s four-tile step twice as long (one maximum reduction, one rescale of
@@ -969,16 +1088,16 @@ def _rows_oct_t(
     bk1, bk3 = tl.split(ids13)
     s0, s1, b0, i0 = _pair_scores(n0, start, end, qt_lo, q_sum, scale, bk0, k_base, ks_base, kz_base, k_sb, k_st,
                                   ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
-                                  PAIR, K_ROW)  # fmt: skip
+                                  PAIR, K_ROW, COLS)  # fmt: skip
     s2, s3, b1, i1 = _pair_scores(n0 + T2, start, end, qt_lo, q_sum, scale, bk1, k_base, ks_base, kz_base, k_sb,
                                   k_st, ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
-                                  PAIR, K_ROW)  # fmt: skip
+                                  PAIR, K_ROW, COLS)  # fmt: skip
     s4, s5, b2, i2 = _pair_scores(n0 + 2 * T2, start, end, qt_lo, q_sum, scale, bk2, k_base, ks_base, kz_base, k_sb,
                                   k_st, ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
-                                  PAIR, K_ROW)  # fmt: skip
+                                  PAIR, K_ROW, COLS)  # fmt: skip
     s6, s7, b3, i3 = _pair_scores(n0 + 3 * T2, start, end, qt_lo, q_sum, scale, bk3, k_base, ks_base, kz_base, k_sb,
                                   k_st, ks_sb, k_offs, g_offs, D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS,
-                                  PAIR, K_ROW)  # fmt: skip
+                                  PAIR, K_ROW, COLS)  # fmt: skip
     m4 = tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3))
     m4 = tl.maximum(m4, tl.maximum(tl.maximum(s4, s5), tl.maximum(s6, s7)))
     m_blk = reduce_max(m4, 0)
@@ -988,19 +1107,20 @@ def _rows_oct_t(
         m_blk = m_blk * scale
     m_new = tl.maximum(m_i, m_blk)  # interior: finite scores
     alpha = tl.exp2(m_i - m_new)
-    acc, zacc = _rescale_acc(acc, zacc, alpha, G, REPP)
+    acc, zacc = _rescale_acc(acc, zacc, alpha, G, REPP, COLS)
     l_i = l_i * alpha[None, :]
     l_i, acc, zacc = _pair_pv(n0, start, end, s0, s1, ssc, m_new, l_i, acc, zacc, b0, i0, v_base, vs_base, vz_base,
-                              v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS, PAIR, V_ROW)  # fmt: skip
+                              v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS, PAIR, V_ROW,
+                              COLS)  # fmt: skip
     l_i, acc, zacc = _pair_pv(n0 + T2, start, end, s2, s3, ssc, m_new, l_i, acc, zacc, b1, i1, v_base, vs_base,
                               vz_base, v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS,
-                              PAIR, V_ROW)  # fmt: skip
+                              PAIR, V_ROW, COLS)  # fmt: skip
     l_i, acc, zacc = _pair_pv(n0 + 2 * T2, start, end, s4, s5, ssc, m_new, l_i, acc, zacc, b2, i2, v_base, vs_base,
                               vz_base, v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS,
-                              PAIR, V_ROW)  # fmt: skip
+                              PAIR, V_ROW, COLS)  # fmt: skip
     l_i, acc, zacc = _pair_pv(n0 + 3 * T2, start, end, s6, s7, ssc, m_new, l_i, acc, zacc, b3, i3, v_base, vs_base,
                               vz_base, v_sb, v_st, vs_sb, v_offs, g_offs, D, BLOCK_N, G, REPP, V_BITS,
-                              PAIR, V_ROW)  # fmt: skip
+                              PAIR, V_ROW, COLS)  # fmt: skip
     return m_new, l_i, acc, zacc
 
 
@@ -1017,20 +1137,24 @@ def _decode_partial_rows_t(
     V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr, BS: tl.constexpr,
     K_FOLD: tl.constexpr = 0, V_FOLD: tl.constexpr = False, K_W8: tl.constexpr = False,
     V_W8: tl.constexpr = False, OFF32: tl.constexpr = False, SUB: tl.constexpr = 1, OCT: tl.constexpr = False,
-    K_ROW: tl.constexpr = 0, V_ROW: tl.constexpr = 0,
+    K_ROW: tl.constexpr = 0, V_ROW: tl.constexpr = 0, KZW: tl.constexpr = True,
 ):  # fmt: skip
     """:func:`_decode_partial_rows` transposed (fp16 queries; grouped int4 / int3 / int2 V, K grouped alike with
     any of these widths (``K_FOLD`` 1) or per-channel int4 (``K_FOLD`` 2)); ``OFF32``: the parts' element offsets
-    in 32-bit integers (:meth:`Operand.offsets32`); ``SUB``: tiles per loop step (:func:`_rows_tile_t`)."""
+    in 32-bit integers (:meth:`Operand.offsets32`); ``SUB``: tiles per loop step (:func:`_rows_tile_t`); ``KZW``: the
+    keys' zero term by the zero-term MMA, the zeros read as 32-bit words (COLS 2; the launcher's choice: every row
+    4-byte aligned, and not for int2 keys over int4 values, where it spilled)."""
     G: tl.constexpr = D // V_GROUP
     REPP: tl.constexpr = BLOCK_H
     R: tl.constexpr = G * REPP
     DH: tl.constexpr = D // 2
     pid, split, b, hg, b64, h, start, end = _program_span(HEAD_IDX, LO, HI, lo_sb, past_len, part_len, Hg, HAS_RANGE)
 
+    # the (head, group) columns' order (_col_head): grouped keys with an even number of groups: order 1
+    # (4 groups: head_dim 128 in groups of 32; at 2 groups the zero MMA did not pay, at 8 (head_dim 256) it spilled)
+    COLS: tl.constexpr = (2 if REPP <= 8 and KZW else 1) if (K_FOLD == 1 and G == 4) else 0
     r = tl.arange(0, R)
-    rh = r // G  # column (h, g): head h, group g
-    rg = r % G
+    rh, rg = _col_head(r, G, REPP, COLS)  # column r: head rh, group rg
     valid = rh < REP
     j = tl.arange(0, DH)
     jc = perm4(j)  # position j holds channel jc (nibble_tiles); perm4 keeps every channel in its group
@@ -1053,6 +1177,8 @@ def _decode_partial_rows_t(
         e = (reduce_max(reduce_max(tl.abs(qt), 0), 0).to(tl.int32, bitcast=True) >> 23) & 0xFF
         qf = ((127 - tl.maximum(e - (141 - K_EMAX), 0)) << 23).to(tl.float32, bitcast=True)
         q_sum = reduce_sum(qt, 0) * (qf * pow2(K_EMAX - 24))
+        if COLS == 2:
+            q_sum = _zero_operand(q_sum, G, REPP)
         qt_lo = (qt * (pow2(K_EMAX - ke).to(tl.float32) * qf)[:, None]).to(tl.float16)
         qt_hi = qt_lo  # unused
     else:  # per-channel keys: the heads' query [D/2, REPP] per half, fp32 (the block scale multiplies it)
@@ -1110,20 +1236,20 @@ def _decode_partial_rows_t(
                 n0, start, end, True, qt_lo, qt_hi, q_sum, scale, wk, tbl,
                 k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
                 k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
-                K_BITS, V_BITS, 1)  # fmt: skip
+                K_BITS, V_BITS, 1, COLS)  # fmt: skip
     if OCT:
         for n0 in range(full_lo, full_hi, STEP):
             m_i, l_i, acc, zacc = _rows_oct_t(
                 n0, start, end, qt_lo, q_sum, scale, tbl, k_base, ks_base, kz_base, k_sb, k_stw, ks_sb,
                 v_base, vs_base, vz_base, v_sb, v_stw, vs_sb, k_offs, v_offs, g_offs, m_i, l_i, acc, zacc,
-                D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS, V_BITS, SUB // 4, K_ROW, V_ROW)  # fmt: skip
+                D, BLOCK_N, BS, SOFTCAP, G, REPP, OFF32, K_BITS, V_BITS, SUB // 4, K_ROW, V_ROW, COLS)  # fmt: skip
     else:
         for n0 in range(full_lo, full_hi, STEP):
             m_i, l_i, acc, zacc = _rows_tile_t(
                 n0, start, end, False, qt_lo, qt_hi, q_sum, scale, wk, tbl,
                 k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
                 k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
-                K_BITS, V_BITS, SUB)  # fmt: skip
+                K_BITS, V_BITS, SUB, COLS)  # fmt: skip
     if SUB < 2:  # the masked tiles last
         for i in tl.range(0, nh + nt, num_stages=1):  # not pipelined: at most a few tiles per program
             n0 = tl.where(i < nh, h0 + i * BLOCK_N, t0 + (i - nh) * BLOCK_N)
@@ -1131,7 +1257,7 @@ def _decode_partial_rows_t(
                 n0, start, end, True, qt_lo, qt_hi, q_sum, scale, wk, tbl,
                 k_base, ks_base, kz_base, k_sb, k_stw, ks_sb, v_base, vs_base, vz_base, v_sb, v_stw, vs_sb,
                 k_offs, v_offs, g_offs, m_i, l_i, acc, zacc, D, BLOCK_N, BS, SOFTCAP, G, REPP, K_FOLD, OFF32,
-                K_BITS, V_BITS, 1)  # fmt: skip
+                K_BITS, V_BITS, 1, COLS)  # fmt: skip
 
     l_i = reduce_sum(l_i, 0)
     has = l_i != 0
@@ -1140,7 +1266,7 @@ def _decode_partial_rows_t(
     prow_h = (b64 * n_qheads + h * REP + offs_h) * S + split
     tl.store(LSE_PART + prow_h, lse, mask=offs_h < REP)
     # column (h, g) keeps the channels of group g: out[h, c] = (acc[pos(c), (h, g(c))] + zero[(h, g(c))]) / l[h]
-    den = _head_cols(tl.where(has, l_i, 1.0), G)
+    den = _head_cols(tl.where(has, l_i, 1.0), G, COLS)
     zsum = reduce_sum(zacc, 0)
     if PCAT:
         acc = reduce_sum(tl.reshape(acc, [D, 2, R]), 1)
@@ -1236,6 +1362,13 @@ def launch_config(kop: Operand, vop: Operand, dot: int, head_dim: int) -> tuple[
     if head_dim > 128:
         block_n //= 2
     return block_n, warps
+
+
+def _word_rows(t: torch.Tensor) -> bool:
+    """True when every (block, head, token) row of the 16-bit part ``t`` starts 4-byte aligned (its block and head
+    strides even, its storage aligned; ``meta`` tensors: the strides only), so a kernel may read it by 32-bit words."""
+    aligned = t.device.type == "meta" or t.data_ptr() % 4 == 0
+    return aligned and t.element_size() == 2 and all(st % 2 == 0 for st in t.stride()[:3])
 
 
 def rows_kernel(kop: Operand, vop: Operand, head_dim: int) -> bool:
@@ -1450,20 +1583,30 @@ def decode_launches(
                 chan = kop.folds_channel4()
                 meta.update(BLOCK_N=min(64 if D <= 128 else 32, block_size), BLOCK_H=rows_h, num_warps=4,
                             K_FOLD=2 if chan else 1, V_FOLD=True,
-                            OFF32=kop.offsets32() and vop.offsets32())  # fmt: skip
+                            OFF32=kop.offsets32() and vop.offsets32(), KZW=_word_rows(kop.zero))  # fmt: skip
                 if chan:  # as the per-channel keys' launch below
                     meta["SUB"] = 2 if block_size % (2 * meta["BLOCK_N"]) == 0 else 1
                     if rows_h * (D // vop.group) <= 16:
                         meta["maxnreg"] = 128 if meta["SUB"] == 1 else 168
                 else:
                     meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group), wide=True)
-                    meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176  # as grouped int4 (int3 / int2: 166 registers)
+                    # as grouped int4 (int3 / int2: 166 registers); four tiles per step: 192 (the zero-term MMA: int3 at
+                    # hd128 GQA 4 spilled 24 B at 176; 2 programs / SM either way)
+                    meta["maxnreg"] = 168 if meta["SUB"] == 1 else 176 if meta["SUB"] == 2 else 192
                     if meta["SUB"] == 4 and kop.bits == 2 and D == 128:
                         # int2 keys at head_dim 128: eight tiles per step (_rows_oct_t, four pool-block parts), one
                         # softmax update per 512 tokens (sm_90a SASS, GQA 4: 1075 -> 1048 per 256 tokens). 242 registers
                         # at the 255 cap: still 2 programs / SM (as 175 at 176: 255 x 128 threads fits twice in 64K).
-                        # Triton's default 3 pipeline stages (2: 2059 vs 2056 per 512 tokens, the same 0.728)
+                        # Triton's default 3 pipeline stages: the block ids of a step are copied two steps ahead (an
+                        # async copy). At GQA 1 (one query head), and with int3 values, the zero-term MMA (COLS 2)
+                        # spills 8 B with 3: there 2 stages, no spill, but the ids are then read by a synchronous load
+                        # one step ahead (sm_90a SASS: 4 LDG.E whose results address the step's copies; at GQA 4: 1935
+                        # vs 1930 per 512 tokens)
                         meta["SUB"], meta["OCT"], meta["maxnreg"] = 8, True, 255
+                        if rep == 1 or vop.bits != 2:
+                            meta["num_stages"] = 2
+                        if vop.bits == 4:  # int4 values: the zero-term MMA spills 8 B even so; COLS 1
+                            meta["KZW"] = False
                         # the parts' row strides (bytes) as constants: a pool block's second tile at an immediate offset
                         meta["K_ROW"], meta["V_ROW"] = kop.data.stride(2), vop.data.stride(2)
                     if meta["SUB"] == 4:
@@ -1484,6 +1627,7 @@ def decode_launches(
                     kernel = _decode_partial_rows_t
                     meta["num_warps"] = 4
                     meta["OFF32"] = kop.offsets32() and vop.offsets32()
+                    meta["KZW"] = _word_rows(kop.zero)
                     if kop.folds4(D):
                         meta["SUB"] = _rows_sub(meta["BLOCK_N"], block_size, rows_h * (D // vop.group))
                         # two tiles per step: 176 (ptxas then takes 166-167, no spills; at 168 it spilled 8 B before the

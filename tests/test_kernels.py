@@ -444,6 +444,7 @@ def test_rotated_store_through_dispatch(monkeypatch, triton_calls):
         (["int2", "int3"], 128, 4, 128),
         (["int3", "int3"], 64, 8, 32),
         ([KVPrecision("int4", "int2"), KVPrecision("int3", "int4")], 128, 3, 64),
+        (["int2", "int2"], 256, 4, 64),  # 8 groups: head-major columns, the keys' zero products in fp32 (COLS 0)
     ],
     ids=lambda x: str(x),
 )
@@ -514,12 +515,15 @@ def test_transposed_decode_channel_keys_fp16_exact(D, rep, block, group):
         assert err <= 2e-5, f"D={D} rep={rep}: max error {err:.2e} vs the fp32 reference"
 
 
-@pytest.mark.parametrize("case", ["offsets64", "large_query"])
+@pytest.mark.parametrize("case", ["offsets64", "large_query", "zero_halves"])
 def test_transposed_rows_kernel_options(case, monkeypatch):
     """Grouped int4 K/V on :func:`_decode_partial_rows_t` (fp16 queries) beyond the default specialisation:
     ``offsets64`` -- the 64-bit offset path (``OFF32`` False: what a pool with offsets past 2**31 elements gets);
     ``large_query`` -- a query with max |q| ~ 6000, where the key operand (16 x the low channels' query rows) would
-    overflow fp16 without the power-of-two prescale ``qf`` < 1. Both within 2e-5 of the fp32 reference."""
+    overflow fp16 without the power-of-two prescale ``qf`` < 1 (and the zero-term MMA's query sums, x 2**17 in the
+    scores' units, stay in fp16's range); ``zero_halves`` -- zero rows not readable as 32-bit words (``KZW``
+    False): the keys' zero term by fp32 products instead of the zero-term MMA. All within 2e-5 of the fp32
+    reference."""
     from kvquant.kernels import triton_decode
     from kvquant.kernels.triton_attention import block_table
     from kvquant.kernels.triton_dequant import DOT_FP16, Operand, operand
@@ -531,6 +535,8 @@ def test_transposed_rows_kernel_options(case, monkeypatch):
     scaling = D**-0.5
     if case == "offsets64":
         monkeypatch.setattr(Operand, "offsets32", lambda self: False)
+    elif case == "zero_halves":
+        monkeypatch.setattr(triton_decode, "_word_rows", lambda t: False)
     else:
         q = q * (6000.0 / q.abs().max())  # |16 q| past fp16's 65504
         scaling = scaling / 4000.0  # scores of the usual size
@@ -544,6 +550,7 @@ def test_transposed_rows_kernel_options(case, monkeypatch):
                                                  DOT_FP16, splits=3, table=table, block_size=block)  # fmt: skip
         assert launches[0].kernel is triton_decode._decode_partial_rows_t
         assert launches[0].meta["OFF32"] is (case != "offsets64")
+        assert launches[0].meta["KZW"] is (case != "zero_halves")
         for launch in launches:
             launch.run()
         ref = attend_naive(q.float(), fk, fv, layer, past, mask, scaling)
