@@ -136,10 +136,11 @@ def _protocol_line(meta: dict[str, Any], protocol: str) -> str:
     rc = meta["recipe"]
     nwin = meta.get("windows", {}).get(protocol, "?")
     first = rc.get("first_window", 0)
+    wins = f"{nwin} windows"
     if first and isinstance(nwin, int):
-        nwin = f"{nwin} (numbers {first + 1}..{first + nwin} of the text)"
+        wins += f" (numbers {first + 1}..{first + nwin} of the text)"
     scored = rc["window"] - 1 - rc["prefill"]
-    se = f"; ± is one standard error over the {nwin} windows (paired: same tokens as the reference)"
+    se = f"; ± is one standard error over the {wins} (paired: same tokens as the reference)"
     if protocol == "decode":
         step = (
             "then one token per step (exact token-by-token decode)"
@@ -148,11 +149,11 @@ def _protocol_line(meta: dict[str, Any], protocol: str) -> str:
             "unquantized, so it is optimistic)"
         )
         return (
-            f"protocol **decode** ({PROTOCOLS['decode']}): {nwin} windows of {rc['window']} tokens, prefill "
+            f"protocol **decode** ({PROTOCOLS['decode']}): {wins} of {rc['window']} tokens, prefill "
             f"{rc['prefill']}, {step}; scored: the {scored} targets after the prefill of each window" + se
         )
     return (
-        f"protocol **simulated** ({PROTOCOLS['simulated']}): {nwin} windows of {rc['window']} tokens, "
+        f"protocol **simulated** ({PROTOCOLS['simulated']}): {wins} of {rc['window']} tokens, "
         f"stride {rc['stride'] or rc['window']}, prefill {rc['prefill']} (one forward, where static scales are "
         f"taken), then the rest in a second forward; scored: the {scored} targets after the prefill" + se
     )
