@@ -157,7 +157,9 @@ def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult
         every = token_windows(ids, recipe.window, recipe.stride, last, bos_id, min_score)
         windows = every[skip:]
         if not windows:
-            raise RecipeError(f"first_window: {skip} skips every window (the text has {len(every)} of {recipe.window})")
+            raise RecipeError(
+                f"first_window: {skip} skips every window (the text has {len(every)} of {recipe.window} tokens)"
+            )
         meta.setdefault("windows", {})[protocol] = len(windows)
         accs = {m.name: DriftAccumulator() for m in methods}
         secs = {m.name: 0.0 for m in methods}
