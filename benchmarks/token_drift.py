@@ -5,7 +5,8 @@
 
 Runs the recipe's protocol as ``kvquant eval`` does (same windows, prefill, decode steps, reference), but only on
 the listed windows (numbered from 1, as in the reports), and prints per window and config the mean
-``nll_q - nll_ref`` (the window's log-ppl change) and KL, then the ``--top`` tokens with the largest
+``nll_q - nll_ref`` (the window's log-ppl change), KL and the change of the output distribution's entropy
+(positive: flatter than the reference's), then the ``--top`` tokens with the largest
 ``nll_q - nll_ref`` of any config, each config's value beside them. A window's Δppl is the mean over its ~63
 scored tokens: a few tokens often make most of it. ``--json`` keeps every token's values.
 """
@@ -25,6 +26,12 @@ from kvquant.eval.models import load_model
 from kvquant.eval.protocols import decode_logits
 from kvquant.eval.recipe import RecipeError, load_recipe
 from kvquant.eval.runner import _AttnGuard, _quiet_transformers, build_methods
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of each row's next-token distribution, float64 ``[n]``."""
+    lp = torch.log_softmax(logits.double(), -1)
+    return -(lp.exp() * lp).sum(-1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,12 +78,15 @@ def main(argv: list[str] | None = None) -> int:
                     ref = sc.logits
                     continue
                 d = token_drift(ref, sc.logits, sc.targets)
+                d["entropy_ref"], d["entropy_q"] = entropy(ref), entropy(sc.logits)
                 per[m.name] = d
                 out[f"{n}|{m.name}"] = {"targets": [tok.decode([t]) for t in sc.targets.tolist()],
-                                        **{k: d[k].tolist() for k in ("nll_ref", "nll_q", "kl", "top1")}}  # fmt: skip
+                                        **{k: d[k].tolist() for k in ("nll_ref", "nll_q", "kl", "top1", "entropy_ref",
+                                                                      "entropy_q")}}  # fmt: skip
                 dn = float((d["nll_q"] - d["nll_ref"]).mean())
+                dh = float((d["entropy_q"] - d["entropy_ref"]).mean())
                 print(f"window {n} {m.name}: mean nll_q - nll_ref {dn:+.4f} (Δppl {100 * math.expm1(dn):+.2f}%), "
-                      f"KL {d['kl'].mean():.4f}", flush=True)  # fmt: skip
+                      f"KL {d['kl'].mean():.4f}, entropy {dh:+.4f} nats vs the reference", flush=True)  # fmt: skip
             targets = out[f"{n}|{methods[1].name}"]["targets"]
             worst = torch.stack([d["nll_q"] - d["nll_ref"] for d in per.values()]).amax(0)
             for i in worst.argsort(descending=True)[: args.top].tolist():
