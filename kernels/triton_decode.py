@@ -1610,8 +1610,8 @@ def decode_launches(
                         # the parts' row strides (bytes) as constants: a pool block's second tile at an immediate offset
                         meta["K_ROW"], meta["V_ROW"] = kop.data.stride(2), vop.data.stride(2)
                     if meta["SUB"] == 4:
-                        # four tiles per step (two pool-block halves): 175 registers at the 176 cap (2 programs / SM;
-                        # at 168 it spills 24 B), two pipeline stages (the default 3 issues ~15 more per step)
+                        # four tiles per step (two pool-block halves): the 192 cap set above (2 programs / SM),
+                        # two pipeline stages (the default 3 issues ~15 more per step)
                         meta["num_stages"] = 2
             elif rows_kernel(kop, vop, D):
                 # int4 K and V on (group, head) rows; 32+ rows (GQA 8 at head_dim 128) take 8 warps: 4 spill
