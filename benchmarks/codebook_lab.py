@@ -104,14 +104,14 @@ def query_weight(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.
     return map_from_moments(*moments(q, k))
 
 
-GAIN = {"gain": "unbiased"}  # the codebooks' row gain (--gain)
+GAIN = {"gain": "unbiased", "search": True}  # the codebooks' row gain (--gain), tqc's row-scale search (--search)
 
 
 def _quantizer(width: int | str, d: int) -> Quantizer:
     """``3`` -> ``tq3``; ``"v3"`` -> ``tqv3`` (2-D vector codebook); ``"tqc-..."`` -> that per-channel code;
-    with the row gain of ``--gain``."""
+    with the row gain of ``--gain`` (and ``tqc``'s row-scale search of ``--search``)."""
     if isinstance(width, str) and width.startswith(CHANNEL_PREFIX):
-        return make_quantizer(width, d, gain=GAIN["gain"])
+        return make_quantizer(width, d, gain=GAIN["gain"], search=GAIN["search"])
     if isinstance(width, str) and width.startswith("v"):
         return VectorCodebook(d, int(width[1:]), gain=GAIN["gain"])
     return Codebook(d, int(width), gain=GAIN["gain"])
@@ -300,7 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gain", default="unbiased",
                     help="comma list of the codebooks' row gains to try: unbiased (default), mse (kvquant.quantizers."
                     "codebook.row_gain; runs recorded before 2026-12-02 used mse)")
+    ap.add_argument("--search", choices=("on", "off"), default="on",
+                    help="tqc keys' row-scale search (kvquant.quantizers.codebook.ChannelCodebook; on: the default "
+                    "since 2026-12-02 06:00 UTC, off: what lab runs before it used)")
     args = ap.parse_args(argv)
+    GAIN["search"] = args.search == "on"
     torch.set_num_threads(1)
     layers = None
     if args.layers:

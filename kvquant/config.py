@@ -151,6 +151,7 @@ _OPTION_FIELDS = {
     "ladder_tokens",
     "center_keys",
     "codebook_gain",
+    "codebook_search",
     "offload",
 }
 _TOP_LEVEL = {"default", "layers", "heads", "name", "description", "model_shape", "evict"} | _OPTION_FIELDS
@@ -203,6 +204,10 @@ class KVQuantConfig:
             outputs are not shrunk by the code's MSE; ``mse`` is the least-squares norm (the least row error,
             shrunk by ~the code's relative MSE; what configs recorded before 2026-12-02 used). See
             :func:`kvquant.quantizers.codebook.row_gain`.
+        codebook_search: ``tqc-*`` keys search each row's code scale for the least score-weighted error (default
+            true; encoder only, same bytes and decoders): rows with a value far out on a narrow channel are no
+            longer clipped there. ``false``: the RMS scale alone (configs recorded before 2026-12-02 06:00 UTC).
+            See :class:`kvquant.quantizers.codebook.ChannelCodebook`.
         evict: keep only some tokens (:class:`~kvquant.evict.EvictConfig`: ``{policy, keep, window, sinks,
             budget, layers}``); ``None`` keeps every token. The kept tokens are stored in this config's
             precisions; see :mod:`kvquant.evict`.
@@ -229,6 +234,7 @@ class KVQuantConfig:
     ladder_tokens: int = 0
     center_keys: bool | None = None
     codebook_gain: str = "unbiased"
+    codebook_search: bool = True
     offload: dict[str, Any] | None = None
     name: str | None = None
     description: str | None = None
@@ -356,7 +362,7 @@ class KVQuantConfig:
             raise ConfigError("ladder_tokens: not supported together with offload (use one of them)")
         if self.ladder_tokens and (trellis := sorted(p for p in self.precisions() if p in TRELLIS)):
             raise ConfigError(f"ladder_tokens: {', '.join(trellis)} has no embedded refinement (tq*, tqv*, tqc-* do)")
-        for name in ("share_kv_scale", "check_finite"):
+        for name in ("share_kv_scale", "check_finite", "codebook_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} must be true or false")
         self.offload = _check_offload(self.offload)

@@ -95,8 +95,10 @@ def make_groups(
         by_pair.setdefault(p, []).append(h)
     return [
         (pair, heads,
-         make_quantizer(pair.key, head_dim, gs, config.headroom, config.block_size, config.codebook_gain),
-         make_quantizer(pair.value, head_dim, gs, config.headroom, config.block_size, config.codebook_gain))
+         make_quantizer(pair.key, head_dim, gs, config.headroom, config.block_size, config.codebook_gain,
+                        config.codebook_search),
+         make_quantizer(pair.value, head_dim, gs, config.headroom, config.block_size, config.codebook_gain,
+                        config.codebook_search))
         for pair, heads in by_pair.items()
     ]  # fmt: skip
 

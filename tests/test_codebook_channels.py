@@ -19,7 +19,8 @@ from kvquant.quantizers import (
     is_precision,
     make_quantizer,
 )
-from kvquant.quantizers.codebook import gaussian_distortion, gaussian_levels
+from kvquant.quantizers.codebook import SEARCH_SCALES, gaussian_distortion, gaussian_levels
+from kvquant.store import make_groups
 from tests.test_codebook import DEV, codebook_layer, model_space_reference
 
 WIDTHS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 3, 2, 1] + [4] * 26 + [3] * 26  # 224 bits
@@ -148,7 +149,7 @@ def test_row_norm_over_wide_channels_only():
     """A token with one huge narrow channel keeps its other channels' error: the row norm is taken over the
     channels at least as wide as the average (16 channels of 8 bits here), not over every channel."""
     widths = [8] * 16 + [2] * 48  # 224 bits, average 3.5: the norm is over the 16 wide channels
-    q = ChannelCodebook(64, widths)
+    q = ChannelCodebook(64, widths, search=False)  # the RMS scale alone (the search may widen this row: below)
     assert int(q.norm_mask.sum()) == 16
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, 1, 512, 64, generator=g)
@@ -170,3 +171,47 @@ def test_presets_lists_every_precision_family(capsys):
     out = capsys.readouterr().out
     for prefix in PRECISION_FAMILIES:
         assert f"  {prefix}..." in out
+
+
+def weighted_error(q, x, state):
+    """Per row, ``sum_j 4^{width_j} (w_j - w_hat_j)^2`` of whitened rows: the score error the search minimises."""
+    sigma = state["scale"].view(1, -1, 1, q.head_dim)
+    e = (q.dequantize(q.quantize(x, state), state, torch.float32) - x) / sigma
+    return (e**2 * q.error_weight).sum(-1)
+
+
+def test_row_scale_search_lowers_the_score_weighted_error():
+    """``search``: on heavy-tailed keys the searched row scale lowers the score-weighted error on average and
+    on the rows with a value far out on a narrow channel (clipped at the RMS scale), with the same bytes."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.distributions.StudentT(3.0).sample((1, 2, 1024, 64)) * (torch.rand(64, generator=g) * 2 + 0.3)
+    x[:, :, 700, 56] = 25.0  # channel 56 is 2 bits wide
+    widths = allocate_widths(torch.linspace(4.0, 0.05, 64) ** 2, 4 * 64)
+    assert widths[56] == 2
+    plain, searched = ChannelCodebook(64, widths, search=False), ChannelCodebook(64, widths)
+    state = plain.fit(x[:, :, :960])
+    e0, e1 = weighted_error(plain, x, state), weighted_error(searched, x, state)
+    assert float(e1.mean()) < 0.9 * float(e0.mean())
+    assert float(e1[:, :, 700].max()) < 0.9 * float(e0[:, :, 700].max())  # (the grid ends at 2.5x: bounded)
+    for part, spec in plain.parts().items():
+        assert searched.parts()[part] == spec
+    # every row's codes come from one of the scales tried, m = 1 among them
+    _, divisor, _ = searched._encode(x, state)
+    rms = searched._row_norm(searched._whiten(x, state))
+    ratio = (divisor / rms).flatten()
+    assert ((ratio[:, None] - torch.tensor(SEARCH_SCALES)).abs().amin(1) < 1e-5).all()
+    assert (ratio == 1).any() and (ratio > 1).any()
+
+
+def test_search_setting_reaches_the_quantizer():
+    """``codebook_search`` in a config reaches every ``tqc`` quantizer the store builds and survives a round trip; a
+    bad value names the field."""
+    name = channel_precision(WIDTHS)
+    for on in (True, False):
+        cfg = KVQuantConfig.from_dict({"default": {"key": name, "value": "tq3"}, "codebook_search": on})
+        ((_, _, kq, _),) = make_groups([cfg.default] * 2, cfg, 64)
+        assert kq.search is on
+        assert KVQuantConfig.from_dict(cfg.to_dict()).codebook_search is on
+    assert KVQuantConfig.from_dict({"default": "tq3"}).codebook_search is True
+    with pytest.raises(ConfigError, match="^codebook_search: 'yes'"):
+        KVQuantConfig.from_dict({"default": "tq3", "codebook_search": "yes"})

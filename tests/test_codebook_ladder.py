@@ -33,6 +33,24 @@ def test_channel_refinement_reaches_the_next_widths():
     assert ref < 1.05 * rel_error(q1, q1.fit(x), x, False)
 
 
+def test_channel_refinement_follows_the_searched_scale():
+    """With the row-scale search, the refinement bit splits the cell of the scale the base code was taken at: rows
+    coded at a wider scale refine as well as the others (a bit taken at the RMS scale would miss their cells)."""
+    torch.manual_seed(8)
+    x = torch.distributions.StudentT(2.5).sample((1, 1, 2000, 64)) * (torch.rand(64) * 2 + 0.3)
+    q = ChannelCodebook(64, [6, 5, 5, 4, 4, 3, 3, 2] * 8)
+    st = q.fit(x)
+    _, divisor, _ = q._encode(x, st)
+    wide = (divisor / q._row_norm(q._whiten(x, st)) > 1.2).flatten()
+    assert 50 < int(wide.sum()) < 1950
+    parts = q.quantize(x, st)
+    y = q.to_space(x, st)
+    base = ((q.decode_space(parts, st) - y) ** 2).sum(-1).flatten()
+    ratio = ((q.decode_refined(parts, q.refine(x, st, parts), st) - y) ** 2).sum(-1).flatten() / base
+    # median error ratio ~0.25 on either kind of row; a bit taken at the RMS scale reads ~0.5 on the wide ones
+    assert float(ratio[wide].median()) < 0.35 and float(ratio[~wide].median()) < 0.35
+
+
 @pytest.mark.parametrize("cls", [Codebook, VectorCodebook])
 def test_refinement_reaches_about_the_next_width(cls):
     """tq3 + its refinement bit has about tq4's error (the embedded code costs little), far below tq3's."""

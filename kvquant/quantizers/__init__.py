@@ -72,10 +72,11 @@ def is_precision(name: object) -> bool:
 
 def make_quantizer(
     precision: str, head_dim: int, group_size: int = 32, headroom: float = 1.0, block_size: int = 128,
-    gain: str = "unbiased",
+    gain: str = "unbiased", search: bool = True,
 ) -> Quantizer:
     """Build the quantizer for one config ``precision`` (see :data:`PRECISIONS`); ``gain``: how a codebook
-    precision (``tq*``, ``tqv*``, ``tqt*``, ``tqc-*``) picks each row's norm (:func:`~.codebook.row_gain`)."""
+    precision (``tq*``, ``tqv*``, ``tqt*``, ``tqc-*``) picks each row's norm (:func:`~.codebook.row_gain`);
+    ``search``: whether ``tqc-*`` searches each row's code scale (:class:`~.codebook.ChannelCodebook`)."""
     if precision in FLOAT_DTYPES:
         return Passthrough(head_dim, precision)
     if precision == "int8":
@@ -95,7 +96,7 @@ def make_quantizer(
     if precision in TRELLIS:
         return TrellisCodebook(head_dim, bits=TRELLIS[precision], gain=gain)
     if precision.startswith(CHANNEL_PREFIX):
-        return ChannelCodebook.from_name(precision, head_dim, gain)
+        return ChannelCodebook.from_name(precision, head_dim, gain, search)
     if precision in FP8_DTYPES:
         return Fp8(head_dim, precision, headroom=headroom)
     raise ValueError(f"precision: unknown {precision!r} (known: {', '.join(PRECISIONS)})")

@@ -353,6 +353,7 @@ def allocate_widths(weights: torch.Tensor | list[float], total_bits: int, max_bi
 
 
 CHANNEL_PREFIX = "tqc-"
+SEARCH_SCALES = (1.0, 1.25, 1.5, 2.0, 2.5)  # ChannelCodebook's row scales tried, times the row's RMS norm (search)
 
 
 def channel_precision(widths: list[int]) -> str:
@@ -381,15 +382,27 @@ class ChannelCodebook(Quantizer):
     the codes in-kernel (``kernels/triton_codebook.py``, ``KIND_TQC``). ``gain``: ``unbiased`` (default) stores
     the :func:`row_gain` over the wide channels of the row norm (narrow channels keep some shrinkage); ``mse``
     stores the whitened row's RMS over them, as recorded before the unbiased gain (not a least-squares fit).
+
+    ``search`` (default True): each row's code scale is searched, not fixed. The RMS norm codes a typical row well,
+    but a row with a value far out on a narrow channel (often a rare token's key: the ones a copying head must
+    find again) is clipped at that channel's outermost level. The encoder codes the row at the norm times each
+    of :data:`SEARCH_SCALES` and keeps the codes with the least *score-weighted* error
+    ``sum_j 4^{width_j} (w_j - g c_j)^2`` (``g``: the row's stored gain for those codes). ``4^{width_j}`` is the
+    channel's weight ``E[q_j^2] var(k_j)`` up to a constant: what :func:`allocate_widths` equalises. Encoder
+    only: the stored format, the decoders and the kernels are unchanged. False: the RMS scale alone (what
+    configs recorded before 2026-12-02 06:00 UTC used).
     """
 
     static = True
     space = True
     center = True
 
-    def __init__(self, head_dim: int, widths: list[int] | tuple[int, ...], gain: str = "unbiased") -> None:
+    def __init__(
+        self, head_dim: int, widths: list[int] | tuple[int, ...], gain: str = "unbiased", search: bool = True,
+    ) -> None:
         super().__init__(head_dim)
         self.gain = check_gain(gain)
+        self.search = bool(search)
         widths = [int(b) for b in widths]
         if len(widths) != head_dim:
             raise ValueError(f"widths: {len(widths)} given, head_dim is {head_dim}")
@@ -412,6 +425,7 @@ class ChannelCodebook(Quantizer):
                 table[j, : 2**b] = torch.tensor(gaussian_levels(b))
         self.table = table
         self.norm_mask = self.widths >= int(self.bits)  # the channels the row norm is taken over
+        self.error_weight = torch.where(self.widths > 0, 4.0 ** self.widths.double(), 0.0).float()  # see search
         self.by_width = {b: torch.tensor([j for j, w in enumerate(widths) if w == b]) for b in sorted(set(widths)) if b}
         bit = torch.arange(GAUSS_MAX_BITS)
         self._bit = bit
@@ -420,11 +434,11 @@ class ChannelCodebook(Quantizer):
         self._byte, self._shift, self._mask = start // 8, start % 8, (1 << self.widths) - 1
 
     @classmethod
-    def from_name(cls, precision: str, head_dim: int, gain: str = "unbiased") -> ChannelCodebook:
+    def from_name(cls, precision: str, head_dim: int, gain: str = "unbiased", search: bool = True) -> ChannelCodebook:
         digits = precision[len(CHANNEL_PREFIX):]
         if not precision.startswith(CHANNEL_PREFIX) or not digits.isdigit():
             raise ValueError(f"precision: {precision!r} is not tqc-<one width digit per channel>")
-        return cls(head_dim, [int(c) for c in digits], gain)
+        return cls(head_dim, [int(c) for c in digits], gain, search)
 
     def parts(self) -> dict[str, PartSpec]:
         return {"q": PartSpec((self.total_bits // 8,), torch.uint8), "norm": PartSpec((1,), torch.uint8)}
@@ -485,23 +499,44 @@ class ChannelCodebook(Quantizer):
         return y.float() + _per_head(state["mean"].float(), y)
 
     # -- math -------------------------------------------------------------------------------
-    def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
-        w = self._whiten(x, state)
-        norm = self._row_norm(w)
-        u = w / norm.clamp_min(1e-30)
-        codes = torch.zeros(u.shape, dtype=torch.long, device=x.device)
+    def _code(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Nearest level of each channel's width for unit-scale rows ``u[..., D]``: ``(codes, levels)``."""
+        codes = torch.zeros(u.shape, dtype=torch.long, device=u.device)
         c = torch.zeros_like(u)
         for b, idx in self.by_width.items():
-            idx = idx.to(x.device)
-            lv = torch.tensor(gaussian_levels(b), device=x.device, dtype=u.dtype)
+            idx = idx.to(u.device)
+            lv = torch.tensor(gaussian_levels(b), device=u.device, dtype=u.dtype)
             k = torch.bucketize(u.index_select(-1, idx).contiguous(), (lv[1:] + lv[:-1]) / 2)
             codes[..., idx] = k
             c[..., idx] = lv[k]
-        if self.gain == "unbiased":  # over the channels of the row norm (a narrow one far out must not scale the rest)
-            y = self.to_space(x, state) * self.norm_mask.to(x.device)
-            norm = row_gain(y, c * _per_head(state["scale"].float(), c), "unbiased")
-        ncode = code_of_norm(norm, state["params"], x)
-        return {"q": self.pack(codes), "norm": ncode}
+        return codes, c
+
+    def _encode(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Rows ``x`` -> ``(codes, divisor, norm)``: the codes, the scale the whitened row was divided by before
+        coding (what :meth:`refine` must divide by too) and the row's stored gain (before its 8-bit code)."""
+        w = self._whiten(x, state)
+        rms = self._row_norm(w)  # 0 for a zero row: its norm code is 0 (under mse too)
+        mask = self.norm_mask.to(x.device)
+        y = self.to_space(x, state) * mask
+        sigma = _per_head(state["scale"].float(), x) * mask  # row_gain's cosine guard over the same channels
+        weight = self.error_weight.to(x.device)
+        best = None
+        for m in SEARCH_SCALES if self.search else (1.0,):
+            codes, c = self._code(w / (rms * m).clamp_min(1e-30))
+            # unbiased: over the channels of the row norm (a narrow one far out must not scale the rest)
+            norm = row_gain(y, c * sigma, "unbiased") if self.gain == "unbiased" else rms * m
+            if best is None:
+                best = (codes, rms * m, norm, ((w - norm * c) ** 2 * weight).sum(-1, keepdim=True))
+                continue
+            err = ((w - norm * c) ** 2 * weight).sum(-1, keepdim=True)
+            better = err < best[3]
+            best = (torch.where(better, codes, best[0]), torch.where(better, rms * m, best[1]),
+                    torch.where(better, norm, best[2]), torch.minimum(err, best[3]))  # fmt: skip
+        return best[:3]
+
+    def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
+        codes, _, norm = self._encode(x, state)
+        return {"q": self.pack(codes), "norm": code_of_norm(norm, state["params"], x)}
 
     def clipped(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Rows whose norm falls outside the 8-bit norm code's range (stored at its nearest end)."""
@@ -537,8 +572,8 @@ class ChannelCodebook(Quantizer):
     def refine(self, x: torch.Tensor, state: dict[str, torch.Tensor], parts: Parts) -> Parts:
         """Refinement parts of rows ``x`` (base parts ``parts``): per channel, the side of its cell's split point
         the whitened, normalised value lies on, and the norm correction (in head space)."""
-        w = self._whiten(x, state)
-        u = w / self._row_norm(w).clamp_min(1e-30)
+        _, divisor, _ = self._encode(x, state)  # the scale the base codes were taken at (deterministic)
+        u = self._whiten(x, state) / divisor.clamp_min(1e-30)
         codes = self.unpack(parts["q"])
         children, splits = (t.to(x.device) for t in self.refinement)
         ch = torch.arange(self.head_dim, device=x.device)
