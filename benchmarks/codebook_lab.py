@@ -160,12 +160,12 @@ class Lab:
     """The model with its attention replaced by the decode-equivalent quantized attention."""
 
     def __init__(self, windows: int, calib_windows: int = 0, layers: set[int] | None = None,
-                 model: str = "smollm2-135m") -> None:  # fmt: skip
+                 model: str = "smollm2-135m", first: int = 0) -> None:  # fmt: skip
         lm = load_model(model, dtype="float32", progress=False)
         self.trend = False  # --key-trend linear: a per-channel linear trend over positions removed before coding
         self.model = lm.model
         ids = tokenize(load_text("wikitext-2").text, lm.tokenizer)
-        self.windows = [ids[i * WINDOW:(i + 1) * WINDOW] for i in range(windows)]
+        self.windows = [ids[i * WINDOW:(i + 1) * WINDOW] for i in range(first, first + windows)]
         self.layers = layers  # quantize only these layers (None: all)
         self.spec: tuple[int, int, int, str] | None = None
         self.sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -286,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of none, calib, calib-diag: a value map from the calibration values' covariance "
                     "and the output projection's metric (see output_metric)")
     ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--first-window", type=int, default=0,
+                    help="skip this many windows first (e.g. 16: windows 17-20, text the recipe's runs never scored)")
     ap.add_argument("--model", default="smollm2-135m", help="the model (stress variants too: smollm2-135m+kbias)")
     ap.add_argument("--key-trend", choices=("none", "linear"), default="none",
                     help="linear: remove a per-channel linear trend over positions (fitted on the prefill) from the "
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             lo, _, hi = part.partition("-")
             layers.update(range(int(lo), int(hi or lo) + 1))
     need_calib = any(w.startswith("calib") for w in (args.key_weight + "," + args.value_weight).split(","))
-    lab = Lab(args.windows, args.calib_windows if need_calib else 0, layers, args.model)
+    lab = Lab(args.windows, args.calib_windows if need_calib else 0, layers, args.model, args.first_window)
     lab.trend = args.key_trend == "linear"
     n_, w_ = args.mid.split(":")
     lab.mid = (int(n_), _width(w_))
