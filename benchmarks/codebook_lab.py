@@ -165,6 +165,8 @@ class Lab:
         self.trend = False  # --key-trend linear: a per-channel linear trend over positions removed before coding
         self.model = lm.model
         ids = tokenize(load_text("wikitext-2").text, lm.tokenizer)
+        if (first + windows) * WINDOW > len(ids):
+            raise SystemExit(f"--first-window {first} --windows {windows}: the text holds {len(ids) // WINDOW} windows")
         self.windows = [ids[i * WINDOW:(i + 1) * WINDOW] for i in range(first, first + windows)]
         self.layers = layers  # quantize only these layers (None: all)
         self.spec: tuple[int, int, int, str] | None = None
