@@ -183,15 +183,15 @@ def weighted_error(q, x, state):
 def test_row_scale_search_lowers_the_score_weighted_error():
     """``search``: on heavy-tailed keys the searched row scale lowers the score-weighted error on average and
     on the rows with a value far out on a narrow channel (clipped at the RMS scale), with the same bytes."""
-    g = torch.Generator().manual_seed(4)
-    x = torch.distributions.StudentT(3.0).sample((1, 2, 1024, 64)) * (torch.rand(64, generator=g) * 2 + 0.3)
+    torch.manual_seed(4)
+    x = torch.distributions.StudentT(3.0).sample((1, 2, 1024, 64)) * (torch.rand(64) * 2 + 0.3)
     x[:, :, 700, 56] = 25.0  # channel 56 is 2 bits wide
     widths = allocate_widths(torch.linspace(4.0, 0.05, 64) ** 2, 4 * 64)
     assert widths[56] == 2
     plain, searched = ChannelCodebook(64, widths, search=False), ChannelCodebook(64, widths)
     state = plain.fit(x[:, :, :960])
     e0, e1 = weighted_error(plain, x, state), weighted_error(searched, x, state)
-    assert float(e1.mean()) < 0.9 * float(e0.mean())
+    assert float(e1.mean()) < 0.5 * float(e0.mean())  # ~0.2 over seeds
     assert float(e1[:, :, 700].max()) < 0.9 * float(e0[:, :, 700].max())  # (the grid ends at 2.5x: bounded)
     for part, spec in plain.parts().items():
         assert searched.parts()[part] == spec
