@@ -525,13 +525,13 @@ class ChannelCodebook(Quantizer):
             codes, c = self._code(w / (rms * m).clamp_min(1e-30))
             # unbiased: over the channels of the row norm (a narrow one far out must not scale the rest)
             norm = row_gain(y, c * sigma, "unbiased") if self.gain == "unbiased" else rms * m
-            if best is None:
-                best = (codes, rms * m, norm, ((w - norm * c) ** 2 * weight).sum(-1, keepdim=True))
-                continue
             err = ((w - norm * c) ** 2 * weight).sum(-1, keepdim=True)
-            better = err < best[3]
-            best = (torch.where(better, codes, best[0]), torch.where(better, rms * m, best[1]),
-                    torch.where(better, norm, best[2]), torch.minimum(err, best[3]))  # fmt: skip
+            if best is None:
+                best = (codes, rms * m, norm, err)
+            else:
+                better = err < best[3]
+                best = (torch.where(better, codes, best[0]), torch.where(better, rms * m, best[1]),
+                        torch.where(better, norm, best[2]), torch.minimum(err, best[3]))  # fmt: skip
         return best[:3]
 
     def quantize(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> Parts:
