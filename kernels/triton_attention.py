@@ -11,6 +11,9 @@
   log-sum-exp; the dense keys (sink rows ``[0, sinks)``, residual ``[q_end, past_len)``, at most
   ``sink_tokens + residual_tokens + block_size`` of them) are attended in torch
   (:func:`attend_dense`), and the two partials merged by log-sum-exp (:func:`merge_lse`).
+* Stores with an age ladder (``ladder_tokens``): its young pool rows ``[q_end - ladder_n, q_end)`` are
+  decoded with their refinement bits by the store (at most ``ladder_tokens`` rows a head, each step) and
+  join the dense side (:func:`ladder_segment`); the kernels read the pool below them, at its base width.
 
 Raises :class:`~kvquant.kernels.unsupported.Unsupported` (the dispatcher then runs the torch path and
 logs the reason once) for: head_dim not a power of two in [16, 256]; a device Triton cannot run on
@@ -75,8 +78,6 @@ def check_shapes(query: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tens
         raise Unsupported(f"fresh K/V shape {tuple(fresh_k.shape)}, expected {(B, Hkv, Tq, D)}")
     if layer.batch != B:
         raise Unsupported(f"store batch {layer.batch}, query batch {B}")
-    if getattr(layer, "ladder_n", 0):
-        raise Unsupported("ladder_tokens: the kernels do not read the age ladder's refinement rows yet")
     for t in (query, fresh_k, fresh_v):
         if t.stride(-1) != 1 or t.device != query.device:
             raise Unsupported("query/K/V must share a device and have unit stride along head_dim")
@@ -197,6 +198,30 @@ def dense_segments(layer: LayerStore, past_len: int) -> tuple[torch.Tensor, torc
     return torch.cat(ks, dim=2).float(), torch.cat(vs, dim=2).float(), torch.cat(pos, dim=1).to(ks[0].device)
 
 
+def ladder_segment(layer: LayerStore, hist: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The age ladder's young pool rows ``[q_end - ladder_n, hist)`` decoded with their refinement bits, in each
+    head's space (K, V ``[B, Hkv, n, D]`` float32, positions ``[B, n]``), or None without a ladder.
+
+    At most ``ladder_tokens`` rows, decoded by the store (:meth:`~kvquant.store.LayerStore.read`, the torch
+    path's own decode) and attended as a dense segment: the kernels read the pool below them at its base width.
+    A row's sink slots get position -1 (the sink segment holds them).
+    """
+    lo = layer.q_end - layer.ladder_n
+    if not layer.ladder_n or lo >= hist:
+        return None
+    B, H, D, n = layer.batch, layer.num_heads, layer.head_dim, hist - lo
+    k = torch.empty((B, H, n, D), dtype=torch.float32, device=layer.device)
+    v = torch.empty_like(k)
+    for g in layer.groups:
+        gk, gv = layer.read(g, lo, hist)
+        k[:, g.head_index], v[:, g.head_index] = gk, gv
+    p = torch.arange(lo, hist, device=layer.device).expand(B, n)
+    if layer.sink_k is not None:
+        slot = p - layer.row_start.view(-1, 1)
+        p = torch.where((slot >= 0) & (slot < layer.sink_tokens), -1, p)
+    return k, v, p
+
+
 def block_table(layer: LayerStore, hist: int, batch: int, device: torch.device) -> torch.Tensor:
     """The rows' block tables as int32 ``[B, max(1, blocks)]`` on ``device``; raises :class:`Unsupported`
     when they do not cover ``hist`` tokens."""
@@ -281,7 +306,8 @@ def attend_triton(
     Stores with dense segments (sink tokens, residual window): the kernels attend over the quantized
     pool ``[sinks, q_end)`` plus the chunk (history length ``q_end``) and also return each row's
     log-sum-exp; the dense keys (sink rows, residual ``[q_end, past_len)``) are attended in torch
-    (:func:`attend_dense`) and the two merged by log-sum-exp (:func:`merge_lse`).
+    (:func:`attend_dense`) and the two merged by log-sum-exp (:func:`merge_lse`). An age ladder's young
+    rows join the dense side, refined (:func:`ladder_segment`); the kernels' pool then ends below them.
     """
     B, Hq, Tq, D = query.shape
     check_shapes(query, fresh_k, fresh_v, layer)
@@ -291,14 +317,24 @@ def attend_triton(
     groups = [
         (g.head_index, operand(g.key, D, fp8_native), operand(g.value, D, fp8_native)) for g in layer.groups
     ]
-    dense = getattr(layer, "has_dense_segments", False)
+    ladder_n = getattr(layer, "ladder_n", 0)
+    dense = getattr(layer, "has_dense_segments", False) or ladder_n > 0
     if dense:
-        hist = min(layer.q_end, past_len)  # history length the kernels see: the quantized pool
-        # per row: pool rows below its sinks' end are the dense side's sinks (or its pads)
+        hist = min(layer.q_end, past_len)
+        young = ladder_segment(layer, hist) if ladder_n else None
+        if young is not None:  # the ladder's refined rows are the dense side's: the kernels stop below them
+            hist = layer.q_end - ladder_n
+        # hist: the history length the kernels see (the quantized pool they read); per row, pool rows below its
+        # sinks' end are the dense side's sinks (or its pads)
         sinks = (layer.row_start + layer.sink_tokens).clamp_max(hist) if layer.sink_k is not None else 0
         segments = dense_segments(layer, past_len)
         if segments is not None and getattr(layer, "has_head_space", False):  # codebook heads: their space
             segments = (*layer.kv_to_head_space(segments[0], segments[1]), segments[2])
+        if young is not None and segments is not None:  # (the ladder's rows are in head space already)
+            segments = (torch.cat([segments[0], young[0]], dim=2), torch.cat([segments[1], young[1]], dim=2),
+                        torch.cat([segments[2], young[2]], dim=1))  # fmt: skip
+        elif young is not None:
+            segments = young
         kernel_ranges = split_ranges(ranges, B, Tq, past_len, hist, sinks, query.device)
     else:
         if getattr(layer, "q_end", past_len) < past_len:
@@ -339,6 +375,6 @@ def attend_triton(
 
 
 __all__ = [
-    "attend_dense", "attend_triton", "check_shapes", "dense_segments", "interpreted", "key_ranges", "merge_lse",
-    "split_ranges",
+    "attend_dense", "attend_triton", "check_shapes", "dense_segments", "interpreted", "key_ranges", "ladder_segment",
+    "merge_lse", "split_ranges",
 ]

@@ -192,8 +192,9 @@ class KVQuantConfig:
             so they read at about the next
             width's error; older tokens drop the bit and read at the base width, never re-coded. The bits are
             held in a small ring beside the residual window (``D / 8`` bytes per row; counted in the bytes held).
-            Not held for sliding-window layers or per-head lanes; excludes ``evict`` and ``offload``. Torch path
-            only (the Triton kernels fall back to it). 0 (default): off.
+            Not held for sliding-window layers or per-head lanes; excludes ``evict`` and ``offload``. The Triton
+            path decodes the ring's rows (refined) beside the residual window and reads the older pool in-kernel.
+            0 (default): off.
         center_keys: subtract one per-channel key mean per (sequence, KV head), fixed from the prefill
             (sink tokens left out), from every stored key before rotating and quantizing. Exact: a query
             sees ``q.(k - mu) = q.k - q.mu`` for every key, a shift common to all of its scores, which

@@ -232,15 +232,63 @@ def test_ladder_config_is_checked():
         KVQuantConfig.from_dict({"default": {"key": "tqv3", "value": "tqt3"}, "ladder_tokens": 8})
 
 
-def test_triton_refuses_a_ladder():
+def _triton_matches_torch(monkeypatch, args) -> torch.Tensor:
+    """Attention through the Triton path (interpreter on CPU, no torch fallback allowed) against the torch path."""
     pytest.importorskip("triton")
-    from kvquant.kernels.triton_attention import check_shapes
-    from kvquant.kernels.unsupported import Unsupported
+    monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
+    ref = dispatch.attend(*args)
+    monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
 
-    layer, k, v = ladder_layer(ladder=8)
-    q = torch.randn(2, 9, 1, 64)
-    with pytest.raises(Unsupported, match="ladder"):
-        check_shapes(q, k[:, :, 70:], v[:, :, 70:], layer)
+    def no_fallback(*a, **kw):
+        raise AssertionError("the Triton path fell back to torch")
+
+    monkeypatch.setattr(dispatch, "attend_torch", no_fallback)
+    out = dispatch.attend(*args)
+    assert (out - ref).abs().max() <= 2e-4
+    return out
+
+
+LADDER_CASES = {  # ladder_layer keywords
+    "sinks+residual": {},
+    "short": {"past": 26},  # the ring reaches down into the sink rows (they stay the sink buffer's)
+    "ladder only": {"sink_tokens": 0, "residual_tokens": 0, "residual_step": 16},  # no other dense segment
+}
+
+
+@pytest.mark.parametrize("case", list(LADDER_CASES), ids=str)
+@pytest.mark.parametrize("row", [ROW, ROW_TQC], ids=["tq-tqv-int8", "tqc"])
+@pytest.mark.parametrize("Tq", [1, 5], ids=["decode", "chunk"])
+def test_triton_reads_the_ladder(Tq, row, case, monkeypatch):
+    """The Triton kernels (decode, chunk) read a store with an age ladder as the torch path does: the ring's young
+    rows refined on the dense side, the pool below them in-kernel, merged by log-sum-exp."""
+    kw = {"ladder": 24, **LADDER_CASES[case]}
+    past = kw.pop("past", 70)
+    layer, k, v = ladder_layer(past=past, Tq=Tq, row=row, **kw)
+    assert layer.ladder_n > 0
+    if case == "short":
+        assert layer.q_end - layer.ladder_n < layer.sink_tokens
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3 * layer.num_heads, Tq, 64, generator=g).to(DEV)
+    out = _triton_matches_torch(monkeypatch, (q, k[:, :, past:], v[:, :, past:], layer, past, None, 0.125))
+    if layer.residual_tokens:  # (ladder_reference refines fp16 rows, as a residual window hands them over)
+        assert (out - ladder_reference(q, k, v, layer, past, 0.125)).abs().max() <= 2e-4
+
+
+def test_triton_reads_the_ladder_of_a_padded_batch(monkeypatch):
+    """Left padding, sinks and the ring through the Triton path: the padded row reads what it reads alone."""
+    g = torch.Generator().manual_seed(4)
+    T, pad = 40, 3
+    k, v = torch.randn(2, 3, T + 1, 64, generator=g) * 2, torch.randn(2, 3, T + 1, 64, generator=g)
+    k[1, :, :pad] = v[1, :, :pad] = 0
+    cfg = KVQuantConfig(block_size=16, ladder_tokens=12, **OPTS)
+    from kvquant.store import LayerStore
+
+    layer = LayerStore(ROW_TQC, cfg, 64, 2, DEV)
+    layer.append(k[:, :, :T], v[:, :, :T], row_start=torch.tensor([0, pad]))
+    q = torch.randn(2, 9, 1, 64, generator=g)
+    mask = torch.ones(2, 1, 1, T + 1, dtype=torch.bool)
+    mask[1, :, :, :pad] = False
+    _triton_matches_torch(monkeypatch, (q, k[:, :, T:], v[:, :, T:], layer, T, mask, 0.125))
 
 
 def test_ladder_with_left_padding(monkeypatch):

@@ -119,6 +119,29 @@ def test_greedy_same_tokens_and_logits(model, name, monkeypatch):
     kvquant.unwrap(model)
 
 
+def test_greedy_codebook_ladder(model, monkeypatch):
+    """Codebook K4/V3 (one int8 head) with sinks, an exact residual window and an age ladder, on a padded batch
+    long enough to quantize (static codebook state is fitted once each row has real tokens): the Triton path
+    (the ring's young rows refined on the dense side) generates what the torch path does."""
+    kvquant.wrap(model, {"default": {"key": "tq4", "value": "tq3"}, "heads": {"1.1": "int8-token"}, "sink_tokens": 2,
+                         "residual_tokens": 3, "residual_step": 1, "ladder_tokens": 5})  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 96, (2, 28), generator=g).to(DEV)
+    mask = torch.ones_like(ids)
+    ids[1, :4] = 0
+    mask[1, :4] = 0
+    seq_t, logits_t, _, cache_t = generate(model, ids, mask, "torch", monkeypatch, new_tokens=4)
+    seq_k, logits_k, calls_k, cache_k = generate(model, ids, mask, "triton", monkeypatch, new_tokens=4)
+    layers = model.config.num_hidden_layers
+    assert len(calls_k) == layers * 4  # every call through the kernels
+    assert [layer.store.ladder_n for layer in cache_k.layers] == [5] * layers  # a full ring was read
+    assert torch.equal(seq_t, seq_k)
+    assert differing_codes(cache_t, cache_k) == 0, "a rounding-boundary flip: pick other fixed inputs"
+    err = (logits_t - logits_k).abs().max().item()
+    assert err <= E2E_TOL, f"ladder: max abs logit difference {err:.2e}"
+    kvquant.unwrap(model)
+
+
 def test_unbatched_no_mask(model, monkeypatch):
     """Batch 1 without padding (transformers may pass no mask at all: the causal case)."""
     kvquant.wrap(model, "int4")
