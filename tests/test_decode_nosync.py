@@ -46,8 +46,10 @@ class NoHostSync(TorchDispatchMode):
 
 
 def _layer(option: dict, past: int, B: int = 2, capacity: int = 256):
+    option = dict(option)
+    row = option.pop("row", [KVPrecision("int8", "int4"), KVPrecision("int4", "int8-token"),
+                             KVPrecision("fp8-e4m3", "int8")])  # fmt: skip
     cfg = KVQuantConfig(block_size=16, **option)
-    row = [KVPrecision("int8", "int4"), KVPrecision("int4", "int8-token"), KVPrecision("fp8-e4m3", "int8")]
     layer = LayerStore(row, cfg, 64, B, torch.device("cpu"), capacity=capacity)
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, B, 3, past + 1, 64, generator=g)
@@ -62,7 +64,15 @@ def _mask(B: int, past: int) -> torch.Tensor:
     return j >= pad
 
 
-OPTIONS = {"plain": {}, "sinks+residual": {"sink_tokens": 4, "residual_tokens": 16}}
+OPTIONS = {
+    "plain": {},
+    "sinks+residual": {"sink_tokens": 4, "residual_tokens": 16},
+    # codebook heads (their head space) with an age ladder: the ring's rows decoded on the dense side
+    "codebook+ladder": {
+        "row": [KVPrecision("tq3", "tqv3"), KVPrecision("tqv3", "tq2"), KVPrecision("int8-token", "tq3")],
+        "sink_tokens": 4, "residual_tokens": 5, "residual_step": 1, "ladder_tokens": 12,
+    },
+}
 
 
 def test_detector_sees_a_sync():
