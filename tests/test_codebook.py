@@ -257,7 +257,13 @@ def test_triton_reads_codebook_codes(row, option, Tq, monkeypatch):
     layer, k, v = codebook_layer(TRITON_ROWS[row], D=32, past=45, Tq=Tq, steps=(20,), **OPTIONS[option])
     assert layer.has_head_space
     q = torch.randn(2, 2 * layer.num_heads, Tq, 32, device=DEV)
-    args = (q, k[:, :, 45:], v[:, :, 45:], layer, 45, None, 0.17)
+    triton_matches_torch(monkeypatch, (q, k[:, :, 45:], v[:, :, 45:], layer, 45, None, 0.17))
+
+
+def triton_matches_torch(monkeypatch, args: tuple) -> torch.Tensor:
+    """``dispatch.attend(*args)`` through the Triton path (interpreter on CPU; a fallback to torch fails the test)
+    equals the torch path's result within 2e-4; returns the Triton result."""
+    pytest.importorskip("triton")
     monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
     ref = dispatch.attend(*args)
     monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
@@ -268,3 +274,4 @@ def test_triton_reads_codebook_codes(row, option, Tq, monkeypatch):
     monkeypatch.setattr(dispatch, "attend_torch", no_fallback)
     out = dispatch.attend(*args)
     assert (out - ref).abs().max() <= 2e-4
+    return out

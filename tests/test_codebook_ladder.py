@@ -11,7 +11,7 @@ from kvquant.errors import ConfigError
 from kvquant.kernels import dispatch
 from kvquant.quantizers import ChannelCodebook, Codebook, VectorCodebook
 from kvquant.quantizers.codebook import refined_levels, unpack_codes
-from tests.test_codebook import DEV, codebook_layer, model_space_reference
+from tests.test_codebook import DEV, codebook_layer, model_space_reference, triton_matches_torch
 
 
 def rel_error(q, state, x, refined):
@@ -232,22 +232,6 @@ def test_ladder_config_is_checked():
         KVQuantConfig.from_dict({"default": {"key": "tqv3", "value": "tqt3"}, "ladder_tokens": 8})
 
 
-def _triton_matches_torch(monkeypatch, args) -> torch.Tensor:
-    """Attention through the Triton path (interpreter on CPU, no torch fallback allowed) against the torch path."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
-    ref = dispatch.attend(*args)
-    monkeypatch.setenv("KVQUANT_ATTENTION", "triton")
-
-    def no_fallback(*a, **kw):
-        raise AssertionError("the Triton path fell back to torch")
-
-    monkeypatch.setattr(dispatch, "attend_torch", no_fallback)
-    out = dispatch.attend(*args)
-    assert (out - ref).abs().max() <= 2e-4
-    return out
-
-
 LADDER_CASES = {  # ladder_layer keywords
     "sinks+residual": {},
     "short": {"past": 26},  # the ring reaches down into the sink rows (they stay the sink buffer's)
@@ -269,31 +253,14 @@ def test_triton_reads_the_ladder(Tq, row, case, monkeypatch):
         assert layer.q_end - layer.ladder_n < layer.sink_tokens
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 3 * layer.num_heads, Tq, 64, generator=g).to(DEV)
-    out = _triton_matches_torch(monkeypatch, (q, k[:, :, past:], v[:, :, past:], layer, past, None, 0.125))
+    out = triton_matches_torch(monkeypatch, (q, k[:, :, past:], v[:, :, past:], layer, past, None, 0.125))
     if layer.residual_tokens:  # (ladder_reference refines fp16 rows, as a residual window hands them over)
         assert (out - ladder_reference(q, k, v, layer, past, 0.125)).abs().max() <= 2e-4
 
 
-def test_triton_reads_the_ladder_of_a_padded_batch(monkeypatch):
-    """Left padding, sinks and the ring through the Triton path: the padded row reads what it reads alone."""
-    g = torch.Generator().manual_seed(4)
-    T, pad = 40, 3
-    k, v = torch.randn(2, 3, T + 1, 64, generator=g) * 2, torch.randn(2, 3, T + 1, 64, generator=g)
-    k[1, :, :pad] = v[1, :, :pad] = 0
-    cfg = KVQuantConfig(block_size=16, ladder_tokens=12, **OPTS)
-    from kvquant.store import LayerStore
-
-    layer = LayerStore(ROW_TQC, cfg, 64, 2, DEV)
-    layer.append(k[:, :, :T], v[:, :, :T], row_start=torch.tensor([0, pad]))
-    q = torch.randn(2, 9, 1, 64, generator=g)
-    mask = torch.ones(2, 1, 1, T + 1, dtype=torch.bool)
-    mask[1, :, :, :pad] = False
-    _triton_matches_torch(monkeypatch, (q, k[:, :, T:], v[:, :, T:], layer, T, mask, 0.125))
-
-
 def test_ladder_with_left_padding(monkeypatch):
     """A left-padded row reads what the same tokens read unpadded in a batch of one (its sinks, static state and
-    ring rows are its own real tokens')."""
+    ring rows are its own real tokens'); the Triton path reads the padded batch as the torch path does."""
     monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
     g = torch.Generator().manual_seed(4)
     T, pad = 60, 3
@@ -313,6 +280,7 @@ def test_ladder_with_left_padding(monkeypatch):
     out = dispatch.attend(q, k[:, :, T:], v[:, :, T:], both, T, mask, 0.125)
     ref = dispatch.attend(q[1:], k[1:, :, T:], v[1:, :, T:], one, T - pad, None, 0.125)
     assert (out[1:] - ref).abs().max() <= 1e-4
+    triton_matches_torch(monkeypatch, (q, k[:, :, T:], v[:, :, T:], both, T, mask, 0.125))  # (the same batch)
 
 
 def test_ladder_reads_any_range():
