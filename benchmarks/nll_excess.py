@@ -23,6 +23,8 @@ import json
 import math
 from pathlib import Path
 
+from kvquant.eval.metrics import standard_error
+
 
 def windows_of(path: str, config: str) -> list[dict]:
     """The per-window rows of ``config`` (file name without ``.yaml``, or a baseline name) in a results file."""
@@ -37,12 +39,9 @@ def windows_of(path: str, config: str) -> list[dict]:
 
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
-    """Mean and standard error (sample standard deviation / sqrt(n); NaN for one value)."""
-    n = len(xs)
-    m = sum(xs) / n
-    if n < 2:
-        return m, float("nan")
-    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n)
+    """Mean and standard error (:func:`kvquant.eval.metrics.standard_error`, the eval's own; NaN for one value)."""
+    se = standard_error(xs)
+    return sum(xs) / len(xs), float("nan") if se is None else se
 
 
 def main(argv: list[str] | None = None) -> int:
