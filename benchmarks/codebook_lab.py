@@ -44,7 +44,17 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvquant import KVQuantConfig, ModelShape
 from kvquant.eval.data import load_text, tokenize
 from kvquant.eval.models import load_model
-from kvquant.quantizers import CHANNEL_PREFIX, CODEBOOK, VECTOR, Codebook, Quantizer, VectorCodebook, make_quantizer
+from kvquant.quantizers import (
+    CHANNEL_PREFIX,
+    CODEBOOK,
+    TRELLIS,
+    VECTOR,
+    Codebook,
+    Quantizer,
+    TrellisCodebook,
+    VectorCodebook,
+    make_quantizer,
+)
 
 WINDOW, PREFILL, SINK, SCORE_FROM = 1024, 960, 4, 512
 
@@ -108,21 +118,24 @@ GAIN = {"gain": "unbiased", "search": True}  # the codebooks' row gain (--gain),
 
 
 def _quantizer(width: int | str, d: int) -> Quantizer:
-    """``3`` -> ``tq3``; ``"v3"`` -> ``tqv3`` (2-D vector codebook); ``"tqc-..."`` -> that per-channel code;
+    """``3`` -> ``tq3``; ``"v3"`` -> ``tqv3`` (2-D vector codebook); ``"t3"`` -> ``tqt3`` (trellis);
+    ``"tqc-..."`` -> that per-channel code;
     with the row gain of ``--gain`` (and ``tqc``'s row-scale search of ``--search``)."""
     if isinstance(width, str) and width.startswith(CHANNEL_PREFIX):
         return make_quantizer(width, d, gain=GAIN["gain"], search=GAIN["search"])
     if isinstance(width, str) and width.startswith("v"):
         return VectorCodebook(d, int(width[1:]), gain=GAIN["gain"])
+    if isinstance(width, str) and width.startswith("t"):
+        return TrellisCodebook(d, int(width[1:]), gain=GAIN["gain"])
     return Codebook(d, int(width), gain=GAIN["gain"])
 
 
 def _width(token: str) -> int | str:
-    """A spec's width: ``3`` / ``tq3`` -> 3, ``exact`` -> 0, ``v3`` / ``tqv3`` -> ``"v3"``."""
+    """A spec's width: ``3`` / ``tq3`` -> 3, ``exact`` -> 0, ``v3`` / ``tqv3`` -> ``"v3"``, ``tqt3`` -> ``"t3"``."""
     token = token.replace("tq", "")
     if token == "e":
         return "e"
-    return 0 if token == "exact" else token if token.startswith("v") else int(token)
+    return 0 if token == "exact" else token if token.startswith(("v", "t")) else int(token)
 
 
 def fake_quantize(x: torch.Tensor, bits: int | str | list[int | str], embedded: bool = False) -> torch.Tensor:
@@ -275,7 +288,7 @@ def plan_bits(path: str) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
     a ``tqc-<widths>`` head keeps its name)."""
     plan = KVQuantConfig.load(path).resolve(ModelShape(num_layers=30, num_kv_heads=3, head_dim=64))
     width = lambda p: (p if p.startswith(CHANNEL_PREFIX) else CODEBOOK.get(p)  # noqa: E731
-                       or (f"v{VECTOR[p]}" if p in VECTOR else 0))
+                       or (f"v{VECTOR[p]}" if p in VECTOR else f"t{TRELLIS[p]}" if p in TRELLIS else 0))
     return ({i: [width(p.key) for p in row] for i, row in enumerate(plan)},
             {i: [width(p.value) for p in row] for i, row in enumerate(plan)})  # fmt: skip
 

@@ -39,7 +39,6 @@ from .quantizers import (
     GAINS,
     GROUPED,
     PRECISIONS,
-    TRELLIS,
     is_precision,
     make_quantizer,
 )
@@ -187,9 +186,9 @@ class KVQuantConfig:
             ``R`` (every new token pushes the oldest one into the pool). Any value from 1 to ``block_size``;
             per-block precisions (``int*-channel``: one scale per block of tokens) need ``block_size``.
         ladder_tokens: an age ladder: the N newest quantized tokens of each (layer, KV head) whose K (or V) is a
-            codebook code (``tq*``, ``tqv*``, ``tqc-*``; not the trellis ``tqt*``) also keep one refinement bit per
-            coordinate (an embedded code: the base code plus a bit that splits its cell; ``Codebook.refine``),
-            so they read at about the next
+            codebook code (``tq*``, ``tqv*``, ``tqc-*``, ``tqt*``) also keep one refinement bit per coordinate (an
+            embedded code: the base code plus a bit that splits its cell, ``Codebook.refine``; for the trellis
+            ``tqt*``, the sign of the coordinate's residual, ``TrellisCodebook.refine``), so they read at about the next
             width's error; older tokens drop the bit and read at the base width, never re-coded. The bits are
             held in a small ring beside the residual window (``D / 8`` bytes per row; counted in the bytes held).
             Not held for sliding-window layers or per-head lanes; excludes ``evict`` and ``offload``. The Triton
@@ -361,8 +360,6 @@ class KVQuantConfig:
         check_int(self.ladder_tokens, "ladder_tokens", 0, MAX_RESIDUAL_TOKENS)
         if self.ladder_tokens and self.offload is not None:
             raise ConfigError("ladder_tokens: not supported together with offload (use one of them)")
-        if self.ladder_tokens and (trellis := sorted(p for p in self.precisions() if p in TRELLIS)):
-            raise ConfigError(f"ladder_tokens: {', '.join(trellis)} has no embedded refinement (tq*, tqv*, tqc-* do)")
         for name in ("share_kv_scale", "check_finite", "codebook_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} must be true or false")

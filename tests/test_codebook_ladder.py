@@ -1,4 +1,5 @@
-"""The age ladder (``ladder_tokens``, issue 14): embedded refinement codes of ``tq*`` / ``tqv*`` rows and the store's
+"""The age ladder (``ladder_tokens``, issue 14): embedded refinement codes of ``tq*`` / ``tqv*`` / ``tqc-*`` / ``tqt*``
+rows and the store's
 ring of young refinement rows (exact attention, crop, beams, bytes)."""
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ import torch
 from kvquant.config import KVPrecision, KVQuantConfig
 from kvquant.errors import ConfigError
 from kvquant.kernels import dispatch
-from kvquant.quantizers import ChannelCodebook, Codebook, VectorCodebook
+from kvquant.quantizers import ChannelCodebook, Codebook, TrellisCodebook, VectorCodebook
+from kvquant.quantizers import trellis as trellis_module
 from kvquant.quantizers.codebook import refined_levels, unpack_codes
 from tests.test_codebook import DEV, codebook_layer, model_space_reference, triton_matches_torch
 
@@ -62,6 +64,40 @@ def test_refinement_reaches_about_the_next_width(cls):
     base, ref = rel_error(q, st, x, False), rel_error(q, st, x, True)
     assert ref < 0.35 * base
     assert ref < 1.12 * e4
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_trellis_refinement_beats_the_scalar_ladder(bits):
+    """tqt: a sign-of-residual bit per coordinate takes ~64% off the trellis code's error, and the refined row reads
+    below the scalar code's refined row (tq + its embedded bit) and, at 3 bits, the next scalar width."""
+    x = torch.randn(1, 2, 1500, 64, generator=torch.Generator().manual_seed(7)) * 2 + 0.5
+    q = TrellisCodebook(64, bits)
+    st = q.fit(x)
+    base, ref = rel_error(q, st, x, False), rel_error(q, st, x, True)
+    assert ref < 0.4 * base
+    qs = Codebook(64, bits)
+    sts = qs.fit(x)
+    assert ref < 0.92 * rel_error(qs, sts, x, True)
+    if bits == 3:
+        q4 = Codebook(64, 4)
+        assert ref < rel_error(q4, q4.fit(x), x, False)
+
+
+def test_trellis_refinement_step_is_least_squares(monkeypatch):
+    """The step ``residual_step`` (mean |residual| on Gaussian rows) reads below a step a fifth smaller or larger on
+    other rows; dropping the bits leaves the trellis code (decode_space is what it was)."""
+    x = torch.randn(1, 1, 1500, 64, generator=torch.Generator().manual_seed(9))
+    q = TrellisCodebook(64, 3)
+    st = q.fit(x)
+    parts = q.quantize(x, st)
+    before = q.decode_space(parts, st)
+    delta = trellis_module.residual_step(3, 64)
+    errs = {}
+    for f in (0.8, 1.0, 1.25):
+        monkeypatch.setattr(trellis_module, "residual_step", lambda b, d, f=f: f * delta)
+        errs[f] = rel_error(q, st, x, True)
+    assert errs[1.0] < min(errs[0.8], errs[1.25])
+    assert torch.equal(q.decode_space(parts, st), before)
 
 
 def test_refined_levels_split_their_parent_cell():
@@ -133,13 +169,15 @@ OPTS = {"sink_tokens": 4, "residual_tokens": 5, "residual_step": 1}
 
 TQC = "tqc-" + "43305234" * 8  # 3 bits a channel on average, widths 0..5
 ROW_TQC = [KVPrecision(TQC, "tqv3"), KVPrecision("tq3", "tq3"), KVPrecision(TQC, "int8-token")]
+ROW_TQT = [KVPrecision("tqt3", "tqt4"), KVPrecision(TQC, "tqt3"), KVPrecision("int8-token", "tqt2")]
+ROWS = {"tq-tqv-int8": ROW, "tqc": ROW_TQC, "tqt": ROW_TQT}
 
 
 def ladder_layer(ladder=24, past=70, Tq=1, row=ROW, **kw):
     return codebook_layer(row, past=past, Tq=Tq, steps=(40, 41, 42), ladder_tokens=ladder, **{**OPTS, **kw})
 
 
-@pytest.mark.parametrize("row", [ROW, ROW_TQC], ids=["tq-tqv-int8", "tqc"])
+@pytest.mark.parametrize("row", list(ROWS.values()), ids=list(ROWS))
 @pytest.mark.parametrize("Tq", [1, 5])
 def test_ladder_attention_is_exact(Tq, row, monkeypatch):
     """Attention over a store with a ladder equals SDPA over the history with the young rows refined (and the
@@ -228,8 +266,8 @@ def test_ladder_config_is_checked():
         KVQuantConfig.from_dict({"default": "tq3", "ladder_tokens": -1})
     with pytest.raises(ConfigError, match="ladder_tokens"):
         KVQuantConfig.from_dict({"default": "tq3", "ladder_tokens": 8, "evict": {"policy": "snapkv", "keep": 0.5}})
-    with pytest.raises(ConfigError, match="ladder_tokens: tqt3 has no embedded refinement"):
-        KVQuantConfig.from_dict({"default": {"key": "tqv3", "value": "tqt3"}, "ladder_tokens": 8})
+    tqt = KVQuantConfig.from_dict({"default": {"key": "tqv3", "value": "tqt3"}, "ladder_tokens": 8})  # sign bits
+    assert tqt.ladder_tokens == 8
 
 
 LADDER_CASES = {  # ladder_layer keywords
@@ -240,7 +278,7 @@ LADDER_CASES = {  # ladder_layer keywords
 
 
 @pytest.mark.parametrize("case", list(LADDER_CASES), ids=str)
-@pytest.mark.parametrize("row", [ROW, ROW_TQC], ids=["tq-tqv-int8", "tqc"])
+@pytest.mark.parametrize("row", list(ROWS.values()), ids=list(ROWS))
 @pytest.mark.parametrize("Tq", [1, 5], ids=["decode", "chunk"])
 def test_triton_reads_the_ladder(Tq, row, case, monkeypatch):
     """The Triton kernels (decode, chunk) read a store with an age ladder as the torch path does: the ring's young

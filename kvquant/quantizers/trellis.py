@@ -35,6 +35,8 @@ from .base import Parts, Quantizer
 from .codebook import (
     Codebook,
     VectorCodebook,
+    _rscale,
+    _rscale_code,
     check_gain,
     code_of_norm,
     norm_of_code,
@@ -50,6 +52,7 @@ TRAIN_ROWS = 2048  # seeded Gaussian rows of TRAIN_LEN coordinates the table is 
 TRAIN_LEN = 64
 TRAIN_ITERS = 8
 TRELLIS_SEED = 0x7157
+RESIDUAL_ROWS = 1024  # seeded unit rows the refinement step (:func:`residual_step`) is measured on
 VITERBI_CHUNK = 512  # rows per Viterbi pass (distances and back pointers: ~D * rows * 2^L * 4 bytes)
 BOUNDARY = 16  # coordinates on each side of the row's wrap-around that the first (free) encoder pass looks at
 
@@ -194,5 +197,45 @@ class TrellisCodebook(Quantizer):
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return self.from_space(self.decode_space(parts, state), state).to(dtype)
 
+    # -- embedded refinement (the store's age ladder, ``ladder_tokens``) ----------------------
+    # A trellis cell is not an interval of one coordinate, so the refinement is not a split of it: one bit per
+    # coordinate says on which side of its decoded value the unit row's coordinate lies, and the refined value
+    # moves by +-delta (:func:`residual_step`, the mean |residual| of this code on Gaussian rows: the least-squares
+    # step of a sign code). Dropping the bits leaves the trellis code exactly.
+    def _unit(self, parts: Parts) -> torch.Tensor:
+        codes = unpack_bits(parts["q"], self.bits, self.head_dim)
+        return self.table.to(codes.device)[states_of(codes, self.bits, self.state_bits)]
 
-__all__ = ["TRELLIS_PREFIX", "TrellisCodebook", "encode", "states_of", "trellis_table", "viterbi"]
+    def refine(self, x: torch.Tensor, state: dict[str, torch.Tensor], parts: Parts) -> Parts:
+        """Refinement parts of rows ``x`` whose base parts are ``parts``: one bit per coordinate, the sign of the
+        row's residual against its decoded trellis code, and the norm correction (as ``tq``'s)."""
+        y = self.to_space(x, state)
+        n = norm_of_code(parts["norm"], state["params"])
+        c = self._unit(parts)
+        bit = (y >= n * c).long()
+        cr = c + (2 * bit - 1) * residual_step(self.bits, self.head_dim)
+        return {"r": pack_bits(bit, 1), "rscale": _rscale_code(y, cr, n, self.gain)}
+
+    def decode_refined(self, parts: Parts, rparts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Refined rows in head space, float32 ``[B, H, T, D]``: ``norm * rscale * (table[s_j] +- delta)``."""
+        c = self._unit(parts)
+        sign = 2 * unpack_bits(rparts["r"], 1, self.head_dim) - 1
+        norm = norm_of_code(parts["norm"], state["params"]) * _rscale(rparts["rscale"])
+        return (c + sign * residual_step(self.bits, self.head_dim)) * norm
+
+
+@functools.cache
+def residual_step(bits: int, head_dim: int) -> float:
+    """The refinement step ``delta`` of :class:`TrellisCodebook` ``(bits)`` rows of ``head_dim``: the mean absolute
+    residual ``|u_j - g c_j|`` of seeded random unit rows ``u`` against their codes ``c`` (``g``: the least-squares
+    row gain), the step that minimises the squared error of a sign-of-residual bit. Deterministic; cached."""
+    gen = torch.Generator().manual_seed(TRELLIS_SEED * 23 + bits * 5 + head_dim)
+    u = torch.randn(RESIDUAL_ROWS, head_dim, generator=gen)
+    u = u / u.norm(dim=1, keepdim=True)
+    table = trellis_table(bits) / math.sqrt(head_dim)
+    c = table[states_of(encode(u, table, bits), bits, STATE_BITS[bits])]
+    g = (u * c).sum(1, keepdim=True) / (c * c).sum(1, keepdim=True).clamp_min(1e-30)
+    return float((u - g * c).abs().mean())
+
+
+__all__ = ["TRELLIS_PREFIX", "TrellisCodebook", "encode", "residual_step", "states_of", "trellis_table", "viterbi"]
