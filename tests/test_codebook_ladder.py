@@ -1,6 +1,5 @@
 """The age ladder (``ladder_tokens``, issue 14): embedded refinement codes of ``tq*`` / ``tqv*`` / ``tqc-*`` / ``tqt*``
-rows and the store's
-ring of young refinement rows (exact attention, crop, beams, bytes)."""
+rows and the store's ring of young refinement rows (exact attention, crop, beams, bytes)."""
 
 from __future__ import annotations
 
