@@ -194,22 +194,17 @@ class TrellisCodebook(Quantizer):
 
     def decode_space(self, parts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Stored rows in head space: ``norm * table[s_j]``, float32 ``[B, H, T, D]``."""
-        codes = unpack_bits(parts["q"], self.bits, self.head_dim)
-        c = self.table.to(codes.device)[states_of(codes, self.bits, self.state_bits)]
-        return c * norm_of_code(parts["norm"], state["params"])
+        return self._unit(parts) * norm_of_code(parts["norm"], state["params"])
 
     def dequantize(self, parts: Parts, state: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return self.from_space(self.decode_space(parts, state), state).to(dtype)
 
-    # -- embedded refinement (the store's age ladder, ``ladder_tokens``) ----------------------
-    # A trellis cell is not an interval of one coordinate, so the refinement is not a split of it: one bit per
-    # coordinate says on which side of its decoded value the unit row's coordinate lies, and the refined value
-    # moves by +-delta (:func:`residual_step`, the mean |residual| of this code on Gaussian rows: the least-squares
-    # step of a sign code). Dropping the bits leaves the trellis code exactly.
     def _unit(self, parts: Parts) -> torch.Tensor:
+        """The stored rows' unit-scale values ``table[s_j]``, float32 ``[B, H, T, D]``."""
         codes = unpack_bits(parts["q"], self.bits, self.head_dim)
         return self.table.to(codes.device)[states_of(codes, self.bits, self.state_bits)]
 
+    # -- embedded refinement (the store's age ladder, ``ladder_tokens``; see the module doc) --------
     def refine(self, x: torch.Tensor, state: dict[str, torch.Tensor], parts: Parts) -> Parts:
         """Refinement parts of rows ``x`` whose base parts are ``parts``: one bit per coordinate, the sign of the
         row's residual against its decoded trellis code, and the norm correction (as ``tq``'s)."""
