@@ -26,7 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvquant import KVQuantConfig, ModelShape
 from kvquant.eval.data import load_text, tokenize
 from kvquant.eval.models import load_model
-from kvquant.quantizers import CODEBOOK, VECTOR, allocate_widths, channel_precision, make_quantizer
+from kvquant.quantizers import CODEBOOK, TRELLIS, VECTOR, allocate_widths, channel_precision, make_quantizer
 
 WINDOW, SINK, PREFILL = 1024, 4, 960
 
@@ -96,7 +96,7 @@ def channel_weights(windows: int, captured: dict | None = None) -> dict[int, tor
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("base", help="a kvquant config whose tq2/3/4 (or tqv2/3/4) key heads get per-channel widths")
+    ap.add_argument("base", help="a kvquant config whose tq2/3/4 (or tqv / tqt 2/3/4) key heads get per-channel widths")
     ap.add_argument("--out", required=True)
     ap.add_argument("--name", required=True)
     ap.add_argument("--calib-windows", type=int, default=2)
@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     for layer, row in enumerate(plan):
         for h, p in enumerate(row):
             key = p.key
-            if key in CODEBOOK or key in VECTOR:
-                bits = CODEBOOK.get(key) or VECTOR[key]
+            if key in CODEBOOK or key in VECTOR or key in TRELLIS:
+                bits = CODEBOOK.get(key) or VECTOR.get(key) or TRELLIS[key]
                 tqc = channel_precision(allocate_widths(weights[layer][h], bits * shape.head_dim))
                 if args.select:
                     base_kl, tqc_kl = head_kls(captured, layer, h, [key, tqc], residual)

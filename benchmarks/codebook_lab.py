@@ -27,7 +27,11 @@ Specs: ``K:V:R`` with widths 2/3/4 or ``exact`` (quantize only K or only V: wher
 assigns (its other precisions read as exact). ``--layers 0-14`` quantizes only those layers. ``--model
 smollm2-135m+kbias`` runs a stress variant; ``--key-trend linear`` removes a per-channel linear trend over
 positions (fitted on the prefill) from the keys before coding, a test of whether a RoPE-turned key offset
-is what costs there (it was not: lowbit-kbias.md).
+is what costs there (it was not: lowbit-kbias.md). ``--key-space pre-rope`` codes each key *before* its rotary
+embedding (KVQuant's pre-RoPE keys: a key channel's mean and spread do not turn with the position there), then
+turns the decoded key back; a config's ``tqc`` heads get their widths re-allocated there (:func:`pre_rope_widths`,
+same bits per head, from the ``--calib-windows``). The store does not do this (it holds post-RoPE keys: a kernel
+would have to turn each decoded key by its position); the lab says what it would buy.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ from kvquant.quantizers import (
     Quantizer,
     TrellisCodebook,
     VectorCodebook,
+    allocate_widths,
+    channel_precision,
     make_quantizer,
 )
 
@@ -158,6 +164,25 @@ def fake_quantize(x: torch.Tensor, bits: int | str | list[int | str], embedded: 
     return out
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' RoPE partner of each channel: ``(-x2, x1)`` for the halves ``x1``, ``x2``."""
+    d = x.shape[-1] // 2
+    return torch.cat((-x[..., d:], x[..., :d]), -1)
+
+
+def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, back: bool = False) -> torch.Tensor:
+    """transformers' rotary embedding of ``x`` (``x cos + rotate_half(x) sin``); ``back``: its inverse."""
+    return x * cos - rotate_half(x) * sin if back else x * cos + rotate_half(x) * sin
+
+
+def pre_rope_widths(widths: str, e_q: torch.Tensor, var_k: torch.Tensor) -> str:
+    """A ``tqc-<widths>`` head's bits re-allocated over its pre-RoPE key channels: weights ``E[q_j^2] var(k_j)``
+    with ``e_q`` averaged over each channel's RoPE partner (a pair's energy turns with the position)."""
+    bits = sum(int(c) for c in widths[len(CHANNEL_PREFIX):])
+    e = (e_q + rotate_half(e_q).abs()) / 2
+    return channel_precision(allocate_widths(e * var_k, bits))
+
+
 def linear_trend(x: torch.Tensor) -> torch.Tensor:
     """``a + s t`` per (head, channel) of ``x[1, H, T, D]``, least squares over the prefill's non-sink positions ``t``
     (a slowly turning RoPE offset, e.g. a pre-RoPE key bias, is close to linear in the position), at every position."""
@@ -176,6 +201,9 @@ class Lab:
                  model: str = "smollm2-135m", first: int = 0) -> None:  # fmt: skip
         lm = load_model(model, dtype="float32", progress=False)
         self.trend = False  # --key-trend linear: a per-channel linear trend over positions removed before coding
+        self.pre_rope = False  # --key-space pre-rope: keys coded before their rotary embedding
+        self.rotary = lm.model.model.rotary_emb
+        self.pre_stats: dict[int, list[torch.Tensor]] = {}  # per layer [E q_j^2, var k_pre_j] [H, D] (calibration)
         self.model = lm.model
         ids = tokenize(load_text("wikitext-2").text, lm.tokenizer)
         if (first + windows) * WINDOW > len(ids):
@@ -206,6 +234,10 @@ class Lab:
             if layer in self.calib:
                 ck, cq, cv = ck + self.calib[layer][0], cq + self.calib[layer][1], cv + self.calib[layer][2]
             self.calib[layer] = (ck, cq, cv)
+            kp = self.unrope(k)[0, :, SINK:PREFILL].double()
+            st = [q[0, :, SINK:PREFILL].double().reshape(k.shape[1], -1, k.shape[-1]).pow(2).mean(1), kp.var(1)]
+            prev = self.pre_stats.get(layer)
+            self.pre_stats[layer] = st if prev is None else [a + b for a, b in zip(prev, st, strict=True)]
         if self.spec is None or (self.layers is not None and layer not in self.layers):
             return self.sdpa(module, q, k, v, mask, scaling=scaling, **kw)
         kb, vb, r, weight, vweight = self.spec
@@ -228,7 +260,7 @@ class Lab:
             trend = linear_trend(k)
             kh = fake_quantize(k.float() - trend, kb) + trend
         else:
-            kh = fake_quantize(k, kb)
+            kh = self.code_keys(k, kb)
         if vweight.startswith("calib"):
             key = ("v" + vweight, layer)
             if key not in self.maps:
@@ -249,7 +281,7 @@ class Lab:
         if self.mid[0]:  # an age ladder: the mid[0] tokens just past the exact window at width mid[1]
             mid = (pos[None, :] > pos[:, None] - r - self.mid[0]) & ~exact
             if self.mid[1] == "e":  # embedded: the base widths plus one refinement bit per coordinate
-                km = k if kb == 0 else fake_quantize(k, kb, embedded=True)
+                km = k if kb == 0 else self.code_keys(k, kb, embedded=True)
                 vm = v if vb == 0 else fake_quantize(v, vb, embedded=True)
             else:
                 km = k if kb == 0 else fake_quantize(k, self.mid[1])
@@ -264,6 +296,26 @@ class Lab:
             o = torch.einsum("bhgts,bhsd->bhgtd", p * exact, v.float()) + torch.einsum("bhgts,bhsd->bhgtd",
                                                                                       p * ~exact, vh)  # fmt: skip
         return o.reshape(b, hq, t, d).transpose(1, 2).to(q.dtype), None
+
+    def _cos_sin(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary(k.float(), torch.arange(k.shape[2])[None])
+        return cos[:, None].float(), sin[:, None].float()
+
+    def unrope(self, k: torch.Tensor) -> torch.Tensor:
+        """Keys ``[1, H, T, D]`` (positions ``0..T-1``) before their rotary embedding."""
+        return turn(k.float(), *self._cos_sin(k), back=True)
+
+    def code_keys(self, k: torch.Tensor, bits: Any, embedded: bool = False) -> torch.Tensor:
+        """:func:`fake_quantize` of the keys, in the key space of ``--key-space``."""
+        if not self.pre_rope:
+            return fake_quantize(k, bits, embedded)
+        return turn(fake_quantize(self.unrope(k), bits, embedded), *self._cos_sin(k))
+
+    def pre_rope_plan(self, kb: dict[int, list[int | str]]) -> dict[int, list[int | str]]:
+        """A config's key widths with every ``tqc`` head re-allocated before RoPE (:func:`pre_rope_widths`)."""
+        return {layer: [pre_rope_widths(w, *(s[h] for s in self.pre_stats[layer]))
+                        if isinstance(w, str) and w.startswith(CHANNEL_PREFIX) else w for h, w in enumerate(row)]
+                for layer, row in kb.items()}  # fmt: skip
 
     @torch.no_grad()
     def log_probs(self, ids: torch.Tensor) -> torch.Tensor:
@@ -308,7 +360,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="linear: remove a per-channel linear trend over positions (fitted on the prefill) from the "
                     "keys before coding, and add it back (what a RoPE-turned key offset needs)")
     ap.add_argument("--calib-windows", type=int, default=4,
-                    help="windows from the END of the corpus that --key-weight calib fits its maps on")
+                    help="windows from the END of the corpus that --key-weight calib fits its maps on (and "
+                    "--key-space pre-rope its tqc widths)")
+    ap.add_argument("--key-space", choices=("post-rope", "pre-rope"), default="post-rope",
+                    help="pre-rope: code each key before its rotary embedding and turn it back after decoding (a "
+                    "config's tqc widths re-allocated there); the store holds post-RoPE keys")
     ap.add_argument("--mid", default="0:0",
                     help="N:W, an age ladder: the N tokens just older than the exact window at width W (e.g. 51:4), "
                     "the rest at the spec's widths; W = e: the spec's own codes plus their embedded refinement bit "
@@ -330,8 +386,10 @@ def main(argv: list[str] | None = None) -> int:
             lo, _, hi = part.partition("-")
             layers.update(range(int(lo), int(hi or lo) + 1))
     need_calib = any(w.startswith("calib") for w in (args.key_weight + "," + args.value_weight).split(","))
+    need_calib = need_calib or args.key_space == "pre-rope"
     lab = Lab(args.windows, args.calib_windows if need_calib else 0, layers, args.model, args.first_window)
     lab.trend = args.key_trend == "linear"
+    lab.pre_rope = args.key_space == "pre-rope"
     n_, w_ = args.mid.split(":")
     lab.mid = (int(n_), _width(w_))
     print("| K | V | R (exact newest) | key map | value map | gain | KL | Δppl % |")
@@ -340,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         if ".y" in spec:  # a kvquant config with per-(layer, head) codebook widths: PATH:R
             path, _, r_ = spec.rpartition(":")
             kb, vb, r = *plan_bits(path), int(r_)
+            if lab.pre_rope:
+                kb = lab.pre_rope_plan(kb)
         else:
             k_, v_, r_ = spec.split(":")
             kb, vb, r = _width(k_), _width(v_), int(r_)

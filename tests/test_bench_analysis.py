@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,3 +56,30 @@ def test_nll_excess_pools_runs_and_subtracts_kl(tmp_path, capsys):
         ne.main([f"a={path}=b"])
     with pytest.raises(SystemExit, match="LABEL=RESULTS_JSON=CONFIG"):
         ne.main([path])
+
+
+def test_lab_pre_rope_keys_turn_back_exactly():
+    """codebook_lab --key-space pre-rope: `turn(..., back=True)` undoes transformers' rotary embedding."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    lab = load("codebook_lab")
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 3, 17, 64, generator=g)
+    ang = torch.arange(17.0)[:, None] * 10000.0 ** (-torch.arange(32.0) / 32)
+    emb = torch.cat((ang, ang), -1)[None]
+    cos, sin = emb.cos(), emb.sin()
+    _, k_rot = apply_rotary_pos_emb(k, k, cos, sin)
+    assert torch.allclose(lab.turn(k, cos[:, None], sin[:, None]), k_rot, atol=1e-6)
+    assert torch.allclose(lab.turn(k_rot, cos[:, None], sin[:, None], back=True), k, atol=1e-5)
+    assert not torch.allclose(k_rot, k, atol=1e-2)
+
+
+def test_lab_pre_rope_widths_keep_the_bits_and_treat_rope_partners_alike():
+    lab = load("codebook_lab")
+    e_q = torch.ones(64)
+    e_q[3] = 8.0  # the query energy of channel 3 turns into its RoPE partner 35 and back
+    var_k = torch.ones(64)
+    name = lab.pre_rope_widths("tqc-" + "3" * 64, e_q, var_k)
+    widths = [int(c) for c in name[len("tqc-"):]]
+    assert sum(widths) == 192
+    assert widths[3] == widths[35] > max(w for j, w in enumerate(widths) if j not in (3, 35))
