@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     pooled: dict[str, list[dict]] = {}
     for spec in args.runs:
-        parts = spec.split("=")
+        parts = spec.split("=", 2)  # a baseline's name may hold '=' itself (hf-hqq-int4:residual=8)
         if len(parts) != 3:
             raise SystemExit(f"{spec!r}: expected LABEL=RESULTS_JSON=CONFIG")
         label, path, config = parts
