@@ -296,14 +296,14 @@ class Codebook(Quantizer):
         bit = (u >= splits.to(x.device)[codes]).long()
         c = children.to(x.device)[2 * codes + bit]
         return {"r": pack_bits(bit, 1),
-                "rscale": _rscale_code(y, c, norm_of_code(parts["norm"], state["params"]), self.gain)}
+                "rscale": rscale_code(y, c, norm_of_code(parts["norm"], state["params"]), self.gain)}
 
     def decode_refined(self, parts: Parts, rparts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Refined rows in head space, float32 ``[B, H, T, D]``: ``norm * rscale * children[2 code + bit]``."""
         codes = unpack_codes(parts["q"], self.bits).long()
         bit = unpack_bits(rparts["r"], 1, self.head_dim)
         children, _ = self.refinement
-        norm = norm_of_code(parts["norm"], state["params"]) * _rscale(rparts["rscale"])
+        norm = norm_of_code(parts["norm"], state["params"]) * rscale_of_code(rparts["rscale"])
         return children.to(codes.device)[2 * codes + bit] * norm
 
 
@@ -581,7 +581,7 @@ class ChannelCodebook(Quantizer):
         c = children[ch, 2 * codes + bit] * _per_head(state["scale"].float(), u)
         y = self.to_space(x, state)
         return {"r": pack_bits(bit, 1),
-                "rscale": _rscale_code(y, c, norm_of_code(parts["norm"], state["params"]), self.gain)}
+                "rscale": rscale_code(y, c, norm_of_code(parts["norm"], state["params"]), self.gain)}
 
     def decode_refined(self, parts: Parts, rparts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Refined rows in head space: ``sigma * g * rscale * children[code, bit]``, float32 ``[B, H, T, D]``."""
@@ -590,7 +590,7 @@ class ChannelCodebook(Quantizer):
         children, _ = self.refinement
         ch = torch.arange(self.head_dim, device=codes.device)
         c = children.to(codes.device)[ch, 2 * codes + bit]
-        g = norm_of_code(parts["norm"], state["params"]) * _rscale(rparts["rscale"])
+        g = norm_of_code(parts["norm"], state["params"]) * rscale_of_code(rparts["rscale"])
         return c * g * _per_head(state["scale"].float(), c)
 
 
@@ -751,7 +751,7 @@ class VectorCodebook(Quantizer):
         cand = self.refined_codewords.to(x.device)[codes]  # [..., n, m, dim]
         sub = ((u.view(*u.shape[:-1], n, 1, self.dim) - cand) ** 2).sum(-1).argmin(-1)  # [B, H, T, n]
         c = torch.gather(cand, -2, sub[..., None, None].expand(*sub.shape, 1, self.dim)).flatten(-3)
-        rscale = _rscale_code(y, c, norm_of_code(parts["norm"], state["params"]), self.gain)
+        rscale = rscale_code(y, c, norm_of_code(parts["norm"], state["params"]), self.gain)
         return {"r": pack_bits(sub, self.dim), "rscale": rscale}
 
     def decode_refined(self, parts: Parts, rparts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -760,7 +760,7 @@ class VectorCodebook(Quantizer):
         codes = unpack_bits(parts["q"], self.width, n)
         sub = unpack_bits(rparts["r"], self.dim, n)
         ch = self.refined_codewords.to(codes.device)
-        norm = norm_of_code(parts["norm"], state["params"]) * _rscale(rparts["rscale"])
+        norm = norm_of_code(parts["norm"], state["params"]) * rscale_of_code(rparts["rscale"])
         return ch[codes, sub].flatten(-2) * norm
 
 
@@ -840,7 +840,7 @@ def refined_vq(bits: int, dim: int = VQ_DIM, iters: int = 30) -> torch.Tensor:
 RSCALE_STEP = 1 / 1024  # the refined row's norm correction: a linear byte, 1 + (code - 128) * step (+-12.5%)
 
 
-def _rscale_code(y: torch.Tensor, c: torch.Tensor, n: torch.Tensor, gain: str) -> torch.Tensor:
+def rscale_code(y: torch.Tensor, c: torch.Tensor, n: torch.Tensor, gain: str) -> torch.Tensor:
     """The byte of the factor ``s`` of :func:`row_gain` for ``y`` and ``n * c`` (``n``: the base row's decoded norm).
 
     A refinement row is ``D`` bits plus this byte. Without it the refined row would reuse the norm fitted to the
@@ -851,5 +851,6 @@ def _rscale_code(y: torch.Tensor, c: torch.Tensor, n: torch.Tensor, gain: str) -
     return (torch.round((s - 1) / RSCALE_STEP) + 128).clamp(0, 255).to(torch.uint8)
 
 
-def _rscale(code: torch.Tensor) -> torch.Tensor:
+def rscale_of_code(code: torch.Tensor) -> torch.Tensor:
+    """The factor a refinement row's byte (:func:`rscale_code`) stands for: ``1 + (code - 128) RSCALE_STEP``."""
     return 1 + (code.float() - 128) * RSCALE_STEP

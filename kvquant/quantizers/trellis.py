@@ -39,13 +39,13 @@ from .base import Parts, Quantizer
 from .codebook import (
     Codebook,
     VectorCodebook,
-    _rscale,
-    _rscale_code,
     check_gain,
     code_of_norm,
     norm_of_code,
     pack_bits,
     row_gain,
+    rscale_code,
+    rscale_of_code,
     unpack_bits,
 )
 
@@ -213,13 +213,13 @@ class TrellisCodebook(Quantizer):
         c = self._unit(parts)
         bit = (y >= n * c).long()
         cr = c + (2 * bit - 1) * residual_step(self.bits, self.head_dim)
-        return {"r": pack_bits(bit, 1), "rscale": _rscale_code(y, cr, n, self.gain)}
+        return {"r": pack_bits(bit, 1), "rscale": rscale_code(y, cr, n, self.gain)}
 
     def decode_refined(self, parts: Parts, rparts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """Refined rows in head space, float32 ``[B, H, T, D]``: ``norm * rscale * (table[s_j] +- delta)``."""
         c = self._unit(parts)
         sign = 2 * unpack_bits(rparts["r"], 1, self.head_dim) - 1
-        norm = norm_of_code(parts["norm"], state["params"]) * _rscale(rparts["rscale"])
+        norm = norm_of_code(parts["norm"], state["params"]) * rscale_of_code(rparts["rscale"])
         return (c + sign * residual_step(self.bits, self.head_dim)) * norm
 
 
