@@ -183,6 +183,14 @@ def pre_rope_widths(widths: str, e_q: torch.Tensor, var_k: torch.Tensor) -> str:
     return channel_precision(allocate_widths(e * var_k, bits))
 
 
+def second_refinement(x: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
+    """``x1`` (a refined row's decode) moved by a second sign bit per coordinate: ``x1 + sign(x - x1) * step``, with
+    ``step`` each (head, channel)'s mean ``|x - x1|`` over the prefill's non-sink rows. A lab proxy for a second
+    ladder rung (the store would code it in the head space, like the first bit); 8 more bytes a row."""
+    res = x.float() - x1.float()
+    return x1.float() + torch.sign(res) * res[:, :, SINK:PREFILL].abs().mean(2, keepdim=True)
+
+
 def linear_trend(x: torch.Tensor) -> torch.Tensor:
     """``a + s t`` per (head, channel) of ``x[1, H, T, D]``, least squares over the prefill's non-sink positions ``t``
     (a slowly turning RoPE offset, e.g. a pre-RoPE key bias, is close to linear in the position), at every position."""
@@ -218,6 +226,7 @@ class Lab:
         self.maps: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.recording = False
         self.mid: tuple[int, int | str] = (0, 0)  # (tokens, width) of the age ladder's middle rung (--mid)
+        self.ladder2 = 0  # --ladder2: the youngest of the --mid rows that keep a second refinement bit
         self.refs = [self.log_probs(w) for w in self.windows]
         if calib_windows:
             self.recording = True
@@ -287,11 +296,19 @@ class Lab:
                 km = k if kb == 0 else fake_quantize(k, self.mid[1])
                 vm = v if vb == 0 else fake_quantize(v, self.mid[1])
             s = torch.where(mid, torch.einsum("bhgtd,bhsd->bhgts", qf, km.float()) * scaling, s)
+            # --ladder2: the youngest of those rows with a second refinement bit (see second_refinement)
+            young = mid & (pos[None, :] > pos[:, None] - r - self.ladder2)
+            if self.ladder2:
+                km2 = k if kb == 0 else second_refinement(k, km)
+                vm2 = v if vb == 0 else second_refinement(v, vm)
+                s = torch.where(young, torch.einsum("bhgtd,bhsd->bhgts", qf, km2.float()) * scaling, s)
             p = torch.softmax(s.masked_fill(~causal, -math.inf), -1)
             vh = vh.float()
             o = (torch.einsum("bhgts,bhsd->bhgtd", p * exact, v.float())
-                 + torch.einsum("bhgts,bhsd->bhgtd", p * mid, vm.float())
+                 + torch.einsum("bhgts,bhsd->bhgtd", p * (mid & ~young), vm.float())
                  + torch.einsum("bhgts,bhsd->bhgtd", p * ~(exact | mid), vh))  # fmt: skip
+            if self.ladder2:
+                o = o + torch.einsum("bhgts,bhsd->bhgtd", p * young, vm2.float())
         else:
             o = torch.einsum("bhgts,bhsd->bhgtd", p * exact, v.float()) + torch.einsum("bhgts,bhsd->bhgtd",
                                                                                       p * ~exact, vh)  # fmt: skip
@@ -369,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="N:W, an age ladder: the N tokens just older than the exact window at width W (e.g. 51:4), "
                     "the rest at the spec's widths; W = e: the spec's own codes plus their embedded refinement bit "
                     "(what an aged row loses: the store's `ladder`)")
+    ap.add_argument("--ladder2", type=int, default=0,
+                    help="with --mid N:e, the youngest this many of those N rows keep a second refinement bit (a "
+                    "two-rung ladder; a lab proxy, see second_refinement; such a row holds 8 more bytes per K or V)")
     ap.add_argument("--layers", default=None, help="quantize only these layers, e.g. 0-14 or 3,5 (default all)")
     ap.add_argument("--gain", default="unbiased",
                     help="comma list of the codebooks' row gains to try: unbiased (default), mse (kvquant.quantizers."
@@ -392,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     lab.pre_rope = args.key_space == "pre-rope"
     n_, w_ = args.mid.split(":")
     lab.mid = (int(n_), _width(w_))
+    if args.ladder2 and (lab.mid[1] != "e" or args.ladder2 > lab.mid[0]):
+        raise SystemExit(f"--ladder2 {args.ladder2}: needs --mid N:e with N >= {args.ladder2}")
+    lab.ladder2 = args.ladder2
     print("| K | V | R (exact newest) | key map | value map | gain | KL | Δppl % |")
     print("|---|---|---:|---|---|---|---:|---:|")
     for spec in args.specs:

@@ -83,3 +83,16 @@ def test_lab_pre_rope_widths_keep_the_bits_and_treat_rope_partners_alike():
     widths = [int(c) for c in name[len("tqc-"):]]
     assert sum(widths) == 192
     assert widths[3] == widths[35] > max(w for j, w in enumerate(widths) if j not in (3, 35))
+
+
+def test_lab_second_refinement_halves_what_is_left():
+    """codebook_lab --ladder2: a second sign bit at each channel's mean |residual| lowers the error of a refined row
+    (to ~1 - 2/pi of it on Gaussian residuals), and leaves an exact row exact."""
+    lab = load("codebook_lab")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 2, 1024, 64, generator=g)
+    x1 = x + 0.1 * torch.randn(1, 2, 1024, 64, generator=g)
+    x2 = lab.second_refinement(x, x1)
+    ratio = float((x2 - x).pow(2).mean() / (x1 - x).pow(2).mean())
+    assert 0.3 < ratio < 0.42  # 1 - 2/pi = 0.363
+    assert torch.equal(lab.second_refinement(x, x), x)
