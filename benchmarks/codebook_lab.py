@@ -210,7 +210,7 @@ class Lab:
         lm = load_model(model, dtype="float32", progress=False)
         self.trend = False  # --key-trend linear: a per-channel linear trend over positions removed before coding
         self.pre_rope = False  # --key-space pre-rope: keys coded before their rotary embedding
-        self.rotary = lm.model.model.rotary_emb
+        self.rotary = getattr(lm.model.model, "rotary_emb", None)  # None: a model without RoPE (no pre-rope mode)
         self.pre_stats: dict[int, list[torch.Tensor]] = {}  # per layer [E q_j^2, var k_pre_j] [H, D] (calibration)
         self.model = lm.model
         ids = tokenize(load_text("wikitext-2").text, lm.tokenizer)
@@ -243,10 +243,11 @@ class Lab:
             if layer in self.calib:
                 ck, cq, cv = ck + self.calib[layer][0], cq + self.calib[layer][1], cv + self.calib[layer][2]
             self.calib[layer] = (ck, cq, cv)
-            kp = self.unrope(k)[0, :, SINK:PREFILL].double()
-            st = [q[0, :, SINK:PREFILL].double().reshape(k.shape[1], -1, k.shape[-1]).pow(2).mean(1), kp.var(1)]
-            prev = self.pre_stats.get(layer)
-            self.pre_stats[layer] = st if prev is None else [a + b for a, b in zip(prev, st, strict=True)]
+            if self.rotary is not None:
+                kp = self.unrope(k)[0, :, SINK:PREFILL].double()
+                st = [q[0, :, SINK:PREFILL].double().reshape(k.shape[1], -1, k.shape[-1]).pow(2).mean(1), kp.var(1)]
+                prev = self.pre_stats.get(layer)
+                self.pre_stats[layer] = st if prev is None else [a + b for a, b in zip(prev, st, strict=True)]
         if self.spec is None or (self.layers is not None and layer not in self.layers):
             return self.sdpa(module, q, k, v, mask, scaling=scaling, **kw)
         kb, vb, r, weight, vweight = self.spec
@@ -410,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     lab = Lab(args.windows, args.calib_windows if need_calib else 0, layers, args.model, args.first_window)
     lab.trend = args.key_trend == "linear"
     lab.pre_rope = args.key_space == "pre-rope"
+    if lab.pre_rope and lab.rotary is None:
+        raise SystemExit(f"--key-space pre-rope: {args.model} has no rotary embedding")
     n_, w_ = args.mid.split(":")
     lab.mid = (int(n_), _width(w_))
     if args.ladder2 and (lab.mid[1] != "e" or args.ladder2 > lab.mid[0]):
