@@ -114,11 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     raw = yaml.safe_load(Path(args.base).read_text())
     residual = int(raw.get("residual_tokens", 0))
     heads, picked, est = {}, 0, [0.0, 0.0]
+    rotated = {**CODEBOOK, **VECTOR, **TRELLIS}  # the rotated key codes tqc may replace: name -> bits
     for layer, row in enumerate(plan):
         for h, p in enumerate(row):
             key = p.key
-            if key in CODEBOOK or key in VECTOR or key in TRELLIS:
-                bits = CODEBOOK.get(key) or VECTOR.get(key) or TRELLIS[key]
+            if key in rotated:
+                bits = rotated[key]
                 tqc = channel_precision(allocate_widths(weights[layer][h], bits * shape.head_dim))
                 if args.select:
                     base_kl, tqc_kl = head_kls(captured, layer, h, [key, tqc], residual)

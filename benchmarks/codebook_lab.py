@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import rotate_half
 
 from kvquant import KVQuantConfig, ModelShape
 from kvquant.eval.data import load_text, tokenize
@@ -164,12 +165,6 @@ def fake_quantize(x: torch.Tensor, bits: int | str | list[int | str], embedded: 
     return out
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """transformers' RoPE partner of each channel: ``(-x2, x1)`` for the halves ``x1``, ``x2``."""
-    d = x.shape[-1] // 2
-    return torch.cat((-x[..., d:], x[..., :d]), -1)
-
-
 def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, back: bool = False) -> torch.Tensor:
     """transformers' rotary embedding of ``x`` (``x cos + rotate_half(x) sin``); ``back``: its inverse."""
     return x * cos - rotate_half(x) * sin if back else x * cos + rotate_half(x) * sin
@@ -179,7 +174,7 @@ def pre_rope_widths(widths: str, e_q: torch.Tensor, var_k: torch.Tensor) -> str:
     """A ``tqc-<widths>`` head's bits re-allocated over its pre-RoPE key channels: weights ``E[q_j^2] var(k_j)``
     with ``e_q`` averaged over each channel's RoPE partner (a pair's energy turns with the position)."""
     bits = sum(int(c) for c in widths[len(CHANNEL_PREFIX):])
-    e = (e_q + rotate_half(e_q).abs()) / 2
+    e = (e_q + e_q.roll(e_q.shape[-1] // 2, -1)) / 2  # channel j's RoPE partner is j +- D/2
     return channel_precision(allocate_widths(e * var_k, bits))
 
 
@@ -206,11 +201,13 @@ class Lab:
     """The model with its attention replaced by the decode-equivalent quantized attention."""
 
     def __init__(self, windows: int, calib_windows: int = 0, layers: set[int] | None = None,
-                 model: str = "smollm2-135m", first: int = 0) -> None:  # fmt: skip
+                 model: str = "smollm2-135m", first: int = 0, pre_rope: bool = False) -> None:  # fmt: skip
         lm = load_model(model, dtype="float32", progress=False)
         self.trend = False  # --key-trend linear: a per-channel linear trend over positions removed before coding
-        self.pre_rope = False  # --key-space pre-rope: keys coded before their rotary embedding
+        self.pre_rope = pre_rope  # --key-space pre-rope: keys coded before their rotary embedding
         self.rotary = getattr(lm.model.model, "rotary_emb", None)  # None: a model without RoPE (no pre-rope mode)
+        if pre_rope and self.rotary is None:
+            raise SystemExit(f"--key-space pre-rope: {model} has no rotary embedding")
         self.pre_stats: dict[int, list[torch.Tensor]] = {}  # per layer [E q_j^2, var k_pre_j] [H, D] (calibration)
         self.model = lm.model
         ids = tokenize(load_text("wikitext-2").text, lm.tokenizer)
@@ -243,7 +240,7 @@ class Lab:
             if layer in self.calib:
                 ck, cq, cv = ck + self.calib[layer][0], cq + self.calib[layer][1], cv + self.calib[layer][2]
             self.calib[layer] = (ck, cq, cv)
-            if self.rotary is not None:
+            if self.pre_rope:
                 kp = self.unrope(k)[0, :, SINK:PREFILL].double()
                 st = [q[0, :, SINK:PREFILL].double().reshape(k.shape[1], -1, k.shape[-1]).pow(2).mean(1), kp.var(1)]
                 prev = self.pre_stats.get(layer)
@@ -408,11 +405,9 @@ def main(argv: list[str] | None = None) -> int:
             layers.update(range(int(lo), int(hi or lo) + 1))
     need_calib = any(w.startswith("calib") for w in (args.key_weight + "," + args.value_weight).split(","))
     need_calib = need_calib or args.key_space == "pre-rope"
-    lab = Lab(args.windows, args.calib_windows if need_calib else 0, layers, args.model, args.first_window)
+    lab = Lab(args.windows, args.calib_windows if need_calib else 0, layers, args.model, args.first_window,
+              pre_rope=args.key_space == "pre-rope")
     lab.trend = args.key_trend == "linear"
-    lab.pre_rope = args.key_space == "pre-rope"
-    if lab.pre_rope and lab.rotary is None:
-        raise SystemExit(f"--key-space pre-rope: {args.model} has no rotary embedding")
     n_, w_ = args.mid.split(":")
     lab.mid = (int(n_), _width(w_))
     if args.ladder2 and (lab.mid[1] != "e" or args.ladder2 > lab.mid[0]):
