@@ -148,6 +148,7 @@ _OPTION_FIELDS = {
     "residual_tokens",
     "residual_step",
     "ladder_tokens",
+    "ladder2_tokens",
     "center_keys",
     "codebook_gain",
     "codebook_search",
@@ -194,6 +195,12 @@ class KVQuantConfig:
             Not held for sliding-window layers or per-head lanes; excludes ``evict`` and ``offload``. The Triton
             path decodes the ring's rows (refined) beside the residual window and reads the older pool in-kernel.
             0 (default): off.
+        ladder2_tokens: a second rung on the age ladder: the N newest of its ``ladder_tokens`` rows (so N <=
+            ``ladder_tokens``) keep one more bit per coordinate, the sign of the coordinate's residual against its
+            refined value, which moves by the refined cell's mean absolute residual (``SecondRung``; ~1/3 of the
+            refined row's error on Gaussian rows). Another ``D / 8`` bytes per row, held in a second ring; a row
+            that ages past it drops that bit and reads refined once. For ``tq*``, ``tqc-*`` and ``tqt*`` rows
+            (``tqv*`` rows keep the first rung). 0 (default): off.
         center_keys: subtract one per-channel key mean per (sequence, KV head), fixed from the prefill
             (sink tokens left out), from every stored key before rotating and quantizing. Exact: a query
             sees ``q.(k - mu) = q.k - q.mu`` for every key, a shift common to all of its scores, which
@@ -232,6 +239,7 @@ class KVQuantConfig:
     residual_tokens: int = 0
     residual_step: int | None = None
     ladder_tokens: int = 0
+    ladder2_tokens: int = 0
     center_keys: bool | None = None
     codebook_gain: str = "unbiased"
     codebook_search: bool = True
@@ -360,6 +368,12 @@ class KVQuantConfig:
         check_int(self.ladder_tokens, "ladder_tokens", 0, MAX_RESIDUAL_TOKENS)
         if self.ladder_tokens and self.offload is not None:
             raise ConfigError("ladder_tokens: not supported together with offload (use one of them)")
+        check_int(self.ladder2_tokens, "ladder2_tokens", 0, MAX_RESIDUAL_TOKENS)
+        if self.ladder2_tokens > self.ladder_tokens:
+            raise ConfigError(
+                f"ladder2_tokens: {self.ladder2_tokens} exceeds ladder_tokens ({self.ladder_tokens}); the second "
+                "rung's rows are the ladder's youngest"
+            )
         for name in ("share_kv_scale", "check_finite", "codebook_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} must be true or false")

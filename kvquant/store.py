@@ -34,7 +34,9 @@ Outlier options (all in the config, composable with per-head precision):
   also keep the refinement bits of their embedded code (``Quantizer.refine``) in a small ring per head group
   (``ladder``), and are read refined (``decode_refined``); a token that ages past them drops its bits and is
   read at the base width, as stored. The attention walks the pool up to ``q_end - n`` and reads the young
-  rows as one more small segment (:meth:`LayerStore.read`).
+  rows as one more small segment (:meth:`LayerStore.read`). ``ladder2_tokens = N2 <= N`` (a second rung): the
+  ``n2`` newest of them also keep a second bit per coordinate (``Quantizer.refine2``) in a second ring
+  (``ladder2``) and are read through both (``decode_refined2``); past them a row reads refined once.
 """
 
 from __future__ import annotations
@@ -109,6 +111,18 @@ def block_specs(
     """``(heads, key part specs, value part specs)`` per group: what :class:`LayerBlocks` allocates."""
     return [(len(heads), kq.parts(), vq.parts()) for _, heads, kq, vq in groups]
 
+
+
+def _rows(parts: dict[str, torch.Tensor], start: int) -> dict[str, torch.Tensor]:
+    """Parts ``[B, H, T, ...]`` from row ``start`` on."""
+    return {n: t[:, :, start:] for n, t in parts.items()}
+
+
+def _ring_push(prev: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor], cap: int) -> dict[str, torch.Tensor]:
+    """A ladder ring's parts with rows ``new`` appended after ``prev`` (None: a new ring), its newest ``cap`` kept."""
+    if prev is not None:
+        new = {n: torch.cat([prev[n], t], dim=2) for n, t in new.items()}
+    return {n: t[:, :, -cap:] for n, t in new.items()}
 
 @dataclass
 class HeadGroup:
@@ -242,6 +256,10 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.ladder_n = 0
         if not any(hasattr(s.quantizer, "refine") for g in self.groups for s in (g.key, g.value)):
             self.ladder_tokens = 0  # no codebook K or V in this layer: nothing to refine
+        # the second rung's ring: the same layout, the ladder2_n newest pool tokens (None: no second rung there)
+        self.ladder2_tokens = config.ladder2_tokens if self.ladder_tokens else 0
+        self.ladder2: list[tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]] = []
+        self.ladder2_n = 0
         if capacity:
             self.reserve(capacity)
 
@@ -592,49 +610,87 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.q_end = pos + keys.shape[2]
 
     def _push_ladder(self, masked: dict, quantized: list, pos: int) -> None:
-        """Add the refinement parts of the chunk just written at ``pos`` to the ladder's ring and keep its newest
-        ``ladder_tokens`` rows (the ring always covers ``[q_end - ladder_n, q_end)``)."""
-        if pos != self.q_end:  # (not a suffix of the pool: start the ring again)
+        """Add the refinement parts of the chunk just written at ``pos`` to the ladder's rings and keep their newest
+        ``ladder_tokens`` (``ladder2_tokens``) rows: the rings cover ``[q_end - ladder_n, q_end)`` and
+        ``[q_end - ladder2_n, q_end)``."""
+        if pos != self.q_end:  # (not a suffix of the pool: start the rings again)
             self.clear_ladder()
-        old = self.ladder or [(None, None)] * len(self.groups)
-        ring = []
-        for g, (qk, qv), (ok, ov) in zip(self.groups, quantized, old, strict=True):
+        none = [(None, None)] * len(self.groups)
+        ring1, ring2 = [], []
+        for g, (qk, qv), old1, old2 in zip(self.groups, quantized, self.ladder or none, self.ladder2 or none,
+                                           strict=True):  # fmt: skip
             gk, gv = masked[g.per_block]
-            pair = []
-            for s, x, q, prev in ((g.key, gk, qk, ok), (g.value, gv, qv, ov)):
+            p1, p2 = [], []
+            for s, x, q, prev1, prev2 in zip((g.key, g.value), (gk, gv), (qk, qv), old1, old2, strict=True):
                 if not hasattr(s.quantizer, "refine"):
-                    pair.append(None)
+                    p1.append(None)
+                    p2.append(None)
                     continue
                 x = x if g.all_heads else x.index_select(1, g.head_index)
                 t0 = max(0, x.shape[2] - self.ladder_tokens)  # only the rows the ring keeps (a long prefill)
-                r = s.quantizer.refine(x[:, :, t0:], s.state, {n: t[:, :, t0:] for n, t in q.parts.items()})
-                if prev is not None and self.ladder_n:
-                    r = {n: torch.cat([prev[n], t], dim=2) for n, t in r.items()}
-                pair.append({n: t[:, :, -self.ladder_tokens:] for n, t in r.items()})
-            ring.append((pair[0], pair[1]))
-        self.ladder = ring
-        self.ladder_n = min(self.ladder_tokens, self.ladder_n + next(iter(masked.values()))[0].shape[2])
+                x, parts = x[:, :, t0:], _rows(q.parts, t0)
+                r = s.quantizer.refine(x, s.state, parts)
+                p1.append(_ring_push(prev1 if self.ladder_n else None, r, self.ladder_tokens))
+                if not (self.ladder2_tokens and hasattr(s.quantizer, "refine2")):
+                    p2.append(None)
+                    continue
+                t2 = max(0, x.shape[2] - self.ladder2_tokens)
+                r2 = s.quantizer.refine2(x[:, :, t2:], s.state, _rows(parts, t2), _rows(r, t2))
+                p2.append(_ring_push(prev2 if self.ladder2_n else None, r2, self.ladder2_tokens))
+            ring1.append((p1[0], p1[1]))
+            ring2.append((p2[0], p2[1]))
+        t = next(iter(masked.values()))[0].shape[2]
+        self.ladder = ring1
+        self.ladder_n = min(self.ladder_tokens, self.ladder_n + t)
+        if self.ladder2_tokens:
+            self.ladder2 = ring2
+            self.ladder2_n = min(self.ladder2_tokens, self.ladder2_n + t)
 
     def clear_ladder(self) -> None:
         """Drop the ladder's refinement rows (the pool's tokens then read at their base width)."""
         self.ladder, self.ladder_n = [], 0
+        self.ladder2, self.ladder2_n = [], 0
+
+    def _map_rings(self, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
+        """Apply ``fn(tensor, rung)`` to every tensor of the ladder's rings (rung 1 or 2), replacing them."""
+        for rung in (1, 2):
+            rings = self.ladder if rung == 1 else self.ladder2
+            new = [tuple(None if r is None else {n: fn(t, rung) for n, t in r.items()} for r in pair) for pair in rings]
+            if rung == 1:
+                self.ladder = new
+            else:
+                self.ladder2 = new
+
+    def _ring_parts(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
+        """``(kind, parts)`` of every ring entry held (kind: ``keys`` / ``values``), both rungs."""
+        return [(kind, r) for pair in (*self.ladder, *self.ladder2)
+                for kind, r in zip(("keys", "values"), pair, strict=True) if r is not None]  # fmt: skip
 
     def _read_ladder(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """K and V of ``group``'s young pool tokens ``[start, end)`` (inside the ladder's ring) decoded with their
-        refinement bits, float32 head space ``[B, Hg, t, D]`` (None: that side is read at its base width)."""
+        refinement bits, float32 head space ``[B, Hg, t, D]`` (None: that side is read at its base width); rows
+        inside the second rung's ring ``[q_end - ladder2_n, q_end)`` with both rungs."""
         gi = group.key.group  # (the index of the group in self.groups)
         bs = self.block_size
         j0, j1 = start // bs, -(-end // bs)
         tbl = self.table()[:, j0:j1]
         off = start - (self.q_end - self.ladder_n)
+        b2 = max(start, self.q_end - self.ladder2_n)  # the first row with a second rung (end: none)
+        rings2 = self.ladder2[gi] if self.ladder2_n and b2 < end else (None, None)
         out = []
-        for s, ring in zip((group.key, group.value), self.ladder[gi], strict=True):
+        for s, ring, ring2 in zip((group.key, group.value), self.ladder[gi], rings2, strict=True):
             if ring is None:
                 out.append(None)
                 continue
             parts = s._window(tbl, start - j0 * bs, end - start, None, None)
             rp = {n: t[:, :, off:off + end - start] for n, t in ring.items()}
-            out.append(s.quantizer.decode_refined(parts, rp, s.state).float())
+            y = s.quantizer.decode_refined(parts, rp, s.state).float()
+            if ring2 is not None:  # the youngest rows: through the second rung too
+                a, o2 = b2 - start, b2 - (self.q_end - self.ladder2_n)
+                r2 = {n: t[:, :, o2:o2 + end - b2] for n, t in ring2.items()}
+                y2 = s.quantizer.decode_refined2(_rows(parts, a), _rows(rp, a), r2, s.state).float()
+                y = torch.cat([y[:, :, :a], y2], dim=2)
+            out.append(y)
         return out[0], out[1]
 
     def _place(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> WritePlan:
@@ -1045,11 +1101,11 @@ class LayerStore(LaneLayer, OffloadedStore):
                     f"(its scales cover the whole block); keep a multiple of {self.block_size} tokens or at "
                     f"least {self.q_end} (the full-precision window)"
                 )
-            if self.ladder_n:  # the ring keeps its rows below ``tokens``
-                keep = max(0, self.ladder_n - (self.q_end - tokens))
-                self.ladder = [tuple(None if r is None else {n: t[:, :, :keep] for n, t in r.items()} for r in pair)
-                               for pair in self.ladder]  # fmt: skip
-                self.ladder_n = keep
+            if self.ladder_n:  # the rings keep their rows below ``tokens``
+                cut = self.q_end - tokens
+                keep = [0, max(0, self.ladder_n - cut), max(0, self.ladder2_n - cut)]
+                self._map_rings(lambda t, rung: t[:, :, : keep[rung]])
+                self.ladder_n, self.ladder2_n = keep[1], keep[2]
             self.q_end = tokens
             self._truncate(-(-tokens // self.block_size))
             self.offload_from = min(self.offload_from, tokens // self.block_size)
@@ -1124,7 +1180,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             t = getattr(self, name)
             setattr(new, name, None if t is None else t.clone())
         new.slots = None if self.slots is None else self.slots.copy()
-        new.ladder = list(self.ladder)  # (ring tensors are replaced, never written in place)
+        new.ladder, new.ladder2 = list(self.ladder), list(self.ladder2)  # (ring tensors are replaced, never in place)
         return new
 
     def index_batch(self, idx: torch.Tensor) -> None:
@@ -1153,8 +1209,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
         self.row_start = self.row_start.index_select(0, idx)
-        self.ladder = [tuple(None if r is None else {n: t.index_select(0, idx) for n, t in r.items()} for r in pair)
-                       for pair in self.ladder]  # fmt: skip
+        self._map_rings(lambda t, _: t.index_select(0, idx))
         if self.slots is not None:  # each row's own kept tokens (per head) follow it
             self.slots.index_batch(idx)
         for g in self.groups:  # per-sequence static state (scales [B, H], codebook means ...) follows its rows
@@ -1229,15 +1284,13 @@ class LayerStore(LaneLayer, OffloadedStore):
             out["scales"] += self.key_mean.numel() * self.key_mean.element_size()
         for k, v in self.dense_buffers().values():
             out["dense"] += k.numel() * k.element_size() + v.numel() * v.element_size()
-        for pair in self.ladder:  # the ladder's refinement rows
-            for kind, r in zip(("keys", "values"), pair, strict=True):
-                out[kind] += 0 if r is None else sum(t.numel() * t.element_size() for t in r.values())
+        for kind, r in self._ring_parts():  # the ladder's refinement rows (both rungs)
+            out[kind] += sum(t.numel() * t.element_size() for t in r.values())
         return out
 
     def ladder_bytes(self) -> int:
-        """Bytes of the age ladder's refinement rows held (0 without a ladder)."""
-        return sum(t.numel() * t.element_size() for pair in self.ladder for r in pair if r is not None
-                   for t in r.values())  # fmt: skip
+        """Bytes of the age ladder's refinement rows held, both rungs (0 without a ladder)."""
+        return sum(t.numel() * t.element_size() for _, r in self._ring_parts() for t in r.values())
 
     def clipped(self) -> int:
         return sum(s.counts.totals()[0] for g in self.groups for s in (g.key, g.value))

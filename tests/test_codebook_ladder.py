@@ -1,5 +1,6 @@
 """The age ladder (``ladder_tokens``, issue 14): embedded refinement codes of ``tq*`` / ``tqv*`` / ``tqc-*`` / ``tqt*``
-rows and the store's ring of young refinement rows (exact attention, crop, beams, bytes)."""
+rows and the store's ring of young refinement rows (exact attention, crop, beams, bytes); its second rung
+(``ladder2_tokens``: ``refine2`` / ``decode_refined2``) likewise."""
 
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def test_refined_levels_split_their_parent_cell():
     """Each child level lies in its parent's cell on the parent's side of the split: dropping the bit leaves the
     tq3 code."""
     lv = Codebook(64, 3).levels.tolist()
-    children, splits = refined_levels(tuple(lv), 64)
+    children, splits, _ = refined_levels(tuple(lv), 64)
     edges = [-1.0, *((a + b) / 2 for a, b in zip(lv[:-1], lv[1:], strict=True)), 1.0]
     for c in range(len(lv)):
         a, b = children[2 * c], children[2 * c + 1]
@@ -128,11 +129,39 @@ def test_refine_keeps_the_base_code():
     assert torch.isfinite(u).all() and (n > 0).all()
 
 
+SECOND_RUNG = {
+    "tq3": Codebook(64, 3), "tqt3": TrellisCodebook(64, 3), "tqc": ChannelCodebook(64, [4, 3, 3, 0, 5, 2, 3, 4] * 8),
+}
+
+
+@pytest.mark.parametrize("name", list(SECOND_RUNG))
+def test_second_rung_cuts_the_refined_error(name):
+    """The second rung's sign bit leaves ~1/3 of the refined row's error (tq3 / tqt3 / tqc, Gaussian rows with
+    per-channel spreads and an offset), its step beats one a fifth smaller or larger, and dropping the bit leaves
+    the refined row."""
+    q = SECOND_RUNG[name]
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 2, 1500, 64, generator=g) * (torch.rand(64, generator=g) * 3 + 0.2) + 1.0
+    st = q.fit(x)
+    parts = q.quantize(x, st)
+    y = q.to_space(x, st)
+    rp = q.refine(x, st, parts)
+    r2 = q.refine2(x, st, parts, rp)
+    y1, y2 = q.decode_refined(parts, rp, st), q.decode_refined2(parts, rp, r2, st)
+    err = lambda r: float(((r - y) ** 2).sum(-1).mean())  # noqa: E731
+    assert err(y2) < 0.4 * err(y1)
+    assert err(y2) < min(err(y1 + (y2 - y1) * f) for f in (0.8, 1.2))
+    assert torch.allclose((y2 - y1).abs(), q.step2(parts, rp, st))  # one step per coordinate, either sign
+    assert r2["r2"].dtype == torch.uint8 and r2["r2"].shape[-1] == 64 // 8
+
+
 def ladder_reference(q, k, v, layer, past, scaling):
     """:func:`model_space_reference` with the ladder's young pool rows ``[q_end - n, q_end)`` decoded with their
-    refinement bits, recomputed here from the rows written (fp16-rounded, as the residual window holds them)."""
+    refinement bits (the second rung's ``[q_end - n2, q_end)`` with both), recomputed here from the rows written
+    (fp16-rounded, as the residual window holds them)."""
     kh, vh = k.clone(), v.clone()
     lo, hi = layer.q_end - layer.ladder_n, layer.q_end
+    lo2 = layer.q_end - layer.ladder2_n
     for g in layer.groups:
         for s, x, src in ((g.key, kh, k), (g.value, vh, v)):
             full = s.gather(layer.table())
@@ -143,6 +172,11 @@ def ladder_reference(q, k, v, layer, past, scaling):
                 rows = src[:, g.head_index, lo:hi].half().float()
                 r = s.quantizer.refine(rows, s.state, young)
                 y = s.quantizer.decode_refined(young, r, s.state)
+                if hasattr(s.quantizer, "refine2") and hi > lo2:
+                    a = lo2 - lo
+                    sub = lambda d: {n: t[:, :, a:] for n, t in d.items()}  # noqa: B023, E731
+                    r2 = s.quantizer.refine2(rows[:, :, a:], s.state, sub(young), sub(r))
+                    y[:, :, a:] = s.quantizer.decode_refined2(sub(young), sub(r), r2, s.state)
                 x[:, g.head_index, lo:hi] = s.quantizer.from_space(y, s.state)
     # sinks, residual and the fresh chunk as the plain reference has them
     ref_k, ref_v = k.clone(), v.clone()
@@ -176,19 +210,24 @@ def ladder_layer(ladder=24, past=70, Tq=1, row=ROW, **kw):
     return codebook_layer(row, past=past, Tq=Tq, steps=(40, 41, 42), ladder_tokens=ladder, **{**OPTS, **kw})
 
 
+@pytest.mark.parametrize("rung2", [0, 10], ids=["one rung", "two rungs"])
 @pytest.mark.parametrize("row", list(ROWS.values()), ids=list(ROWS))
 @pytest.mark.parametrize("Tq", [1, 5])
-def test_ladder_attention_is_exact(Tq, row, monkeypatch):
-    """Attention over a store with a ladder equals SDPA over the history with the young rows refined (and the
-    ladder moves the output towards the exact attention: it is read)."""
+def test_ladder_attention_is_exact(Tq, row, rung2, monkeypatch):
+    """Attention over a store with a ladder equals SDPA over the history with the young rows refined (the
+    youngest through the second rung too), and the ladder moves the output towards the exact attention: it is
+    read; so does the second rung."""
     monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
-    layer, k, v = ladder_layer(Tq=Tq, row=row)
-    assert layer.ladder_n == 24 and layer.q_end == 70 + Tq - 5  # (the fresh chunk is written too)
+    layer, k, v = ladder_layer(Tq=Tq, row=row, ladder2_tokens=rung2)
+    assert layer.ladder_n == 24 and layer.ladder2_n == rung2 and layer.q_end == 70 + Tq - 5  # (fresh chunk too)
     q = torch.randn(2, 3 * layer.num_heads, Tq, 64, device=DEV)
     out = dispatch.attend(q, k[:, :, 70:], v[:, :, 70:], layer, 70, None, 0.125)
     assert (out - ladder_reference(q, k, v, layer, 70, 0.125)).abs().max() <= 2e-4
     plain = model_space_reference(q, k, v, layer, 70, 0.125)  # the same store read without its ladder
     assert (out - plain).abs().max() > 1e-3
+    if rung2:  # the same store read with one rung
+        layer.ladder2, layer.ladder2_n = [], 0
+        assert (out - dispatch.attend(q, k[:, :, 70:], v[:, :, 70:], layer, 70, None, 0.125)).abs().max() > 1e-4
 
 
 def test_ladder_lowers_the_error_against_exact_attention(monkeypatch):
@@ -205,11 +244,29 @@ def test_ladder_lowers_the_error_against_exact_attention(monkeypatch):
     assert errs[1] < 0.6 * errs[0]
 
 
-def test_ladder_decode_steps_crop_reorder_copy(monkeypatch):
-    """One-token steps keep the ring on the newest N pool tokens; crop keeps its rows below the cut; a beam
-    reorder and a copy carry it; reset drops it. Attention stays exact throughout."""
+def test_second_rung_lowers_the_error_against_exact_attention(monkeypatch):
+    """A ladder over the whole pool: with a second rung on every row the output comes closer to the exact
+    attention (ROW: its tq3 heads take the second rung, its tqv3 heads keep one)."""
     monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
-    layer, k, v = ladder_layer(ladder=10, past=60, Tq=0)
+    errs = []
+    for rung2 in (0, 42):
+        layer, k, v = ladder_layer(ladder=42, past=50, ladder2_tokens=rung2)
+        assert layer.q_end - layer.ladder_n <= layer.sink_tokens
+        torch.manual_seed(0)
+        q = torch.randn(2, 3 * layer.num_heads, 1, 64, device=DEV)
+        out = dispatch.attend(q, k[:, :, 50:], v[:, :, 50:], layer, 50, None, 0.125)
+        exact = _sdpa(q, k.clone(), v.clone(), k, v, layer, 50, 0.125)
+        errs.append(float((out - exact).pow(2).mean()))
+    assert errs[1] < 0.75 * errs[0]
+
+
+@pytest.mark.parametrize("rung2", [0, 8], ids=["one rung", "two rungs"])
+def test_ladder_decode_steps_crop_reorder_copy(rung2, monkeypatch):
+    """One-token steps keep the ring on the newest N pool tokens (the second ring on the newest N2); crop keeps
+    their rows below the cut; a beam reorder and a copy carry them; reset drops them. Attention stays exact
+    throughout."""
+    monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
+    layer, k, v = ladder_layer(ladder=10, past=60, Tq=0, ladder2_tokens=rung2)
     g = torch.Generator().manual_seed(9)
     ks, vs = [k[:, :, :60]], [v[:, :, :60]]
     for _ in range(3):
@@ -219,7 +276,7 @@ def test_ladder_decode_steps_crop_reorder_copy(monkeypatch):
         vs.append(vv)
     k, v = torch.cat(ks, 2), torch.cat(vs, 2)
     past = 63
-    assert layer.q_end == past - 5 and layer.ladder_n == 10
+    assert layer.q_end == past - 5 and layer.ladder_n == 10 and layer.ladder2_n == rung2
 
     def check(layer, k, v, past):
         torch.manual_seed(1)
@@ -235,14 +292,14 @@ def test_ladder_decode_steps_crop_reorder_copy(monkeypatch):
     check(layer, k.flip(0), v.flip(0), past)
     check(twin, k, v, past)  # the copy is untouched by the reorder
     layer.crop(52)  # 6 tokens below q_end = 58: 4 ring rows stay
-    assert layer.q_end == 52 and layer.ladder_n == 4
+    assert layer.q_end == 52 and layer.ladder_n == 4 and layer.ladder2_n == max(0, rung2 - 6)
     check(layer, k.flip(0), v.flip(0), 52)
     for t in range(52, 60):  # the ring refills with the tokens written after the crop
         layer.append(k.flip(0)[:, :, t:t + 1], v.flip(0)[:, :, t:t + 1])
-    assert layer.q_end == 55 and layer.ladder_n == 7
+    assert layer.q_end == 55 and layer.ladder_n == 7 and layer.ladder2_n == min(rung2, max(0, rung2 - 6) + 3)
     check(layer, k.flip(0), v.flip(0), 60)
     layer.reset()
-    assert layer.ladder_n == 0 and layer.ladder == []
+    assert layer.ladder_n == layer.ladder2_n == 0 and layer.ladder == layer.ladder2 == []
 
 
 def test_ladder_bytes_are_counted():
@@ -256,6 +313,12 @@ def test_ladder_bytes_are_counted():
         assert mb[kind] - ma[kind] == 2 * heads * 32 * (64 // 8 + 1)  # batch 2, 32 rows, 9 B a row
     assert b.ladder_bytes() == 2 * 5 * 32 * 9
     assert mb["scales"] == ma["scales"] and mb["dense"] == ma["dense"]
+    c, _, _ = ladder_layer(ladder=32, past=100, ladder2_tokens=20)  # the second ring: D / 8 bytes a row
+    mc = c.memory()
+    rung2 = {"keys": 1, "values": 2}  # ROW's tq3 heads (its tqv3 heads keep one rung)
+    for kind, heads in rung2.items():
+        assert mc[kind] - mb[kind] == 2 * heads * 20 * (64 // 8)
+    assert c.ladder_bytes() == b.ladder_bytes() + 2 * 3 * 20 * 8
 
 
 def test_ladder_config_is_checked():
@@ -267,12 +330,19 @@ def test_ladder_config_is_checked():
         KVQuantConfig.from_dict({"default": "tq3", "ladder_tokens": 8, "evict": {"policy": "snapkv", "keep": 0.5}})
     tqt = KVQuantConfig.from_dict({"default": {"key": "tqv3", "value": "tqt3"}, "ladder_tokens": 8})  # sign bits
     assert tqt.ladder_tokens == 8
+    two = KVQuantConfig.from_dict({"default": "tqt3", "ladder_tokens": 39, "ladder2_tokens": 30})
+    assert KVQuantConfig.from_dict(two.to_dict()).ladder2_tokens == 30
+    with pytest.raises(ConfigError, match=r"ladder2_tokens: 9 exceeds ladder_tokens \(8\)"):
+        KVQuantConfig.from_dict({"default": "tq3", "ladder_tokens": 8, "ladder2_tokens": 9})
+    with pytest.raises(ConfigError, match="ladder2_tokens"):
+        KVQuantConfig.from_dict({"default": "tq3", "ladder_tokens": 8, "ladder2_tokens": -2})
 
 
 LADDER_CASES = {  # ladder_layer keywords
     "sinks+residual": {},
     "short": {"past": 26},  # the ring reaches down into the sink rows (they stay the sink buffer's)
     "ladder only": {"sink_tokens": 0, "residual_tokens": 0, "residual_step": 16},  # no other dense segment
+    "two rungs": {"ladder2_tokens": 10},
 }
 
 
@@ -285,7 +355,7 @@ def test_triton_reads_the_ladder(Tq, row, case, monkeypatch):
     kw = {"ladder": 24, **LADDER_CASES[case]}
     past = kw.pop("past", 70)
     layer, k, v = ladder_layer(past=past, Tq=Tq, row=row, **kw)
-    assert layer.ladder_n > 0
+    assert layer.ladder_n > 0 and layer.ladder2_n == kw.get("ladder2_tokens", 0)
     if case == "short":
         assert layer.q_end - layer.ladder_n < layer.sink_tokens
     g = torch.Generator().manual_seed(3)

@@ -179,7 +179,29 @@ def norm_code_range(norms: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor,
     return lo, (hi - lo) / (NORM_CODES - 2)
 
 
-class Codebook(Quantizer):
+class SecondRung:
+    """The age ladder's second rung (``ladder2_tokens``), for a quantizer with an embedded refinement
+    (``refine`` / ``decode_refined``) and a per-coordinate ``step2``: one more bit per coordinate of a refined
+    row, the sign of the coordinate's residual against its refined value (in head space), which then moves by
+    ``+- step2``, the mean absolute residual of the refined cell: the step that minimises the squared error of a
+    sign bit. Embedded like the first rung: dropping the bit leaves the refined row. The row keeps its refined
+    norm (no byte of its own): ``D / 8`` bytes a row."""
+
+    def refine2(self, x: torch.Tensor, state: dict[str, torch.Tensor], parts: Parts, rparts: Parts) -> Parts:
+        """Second-rung parts of rows ``x`` whose base parts are ``parts`` and first-rung parts ``rparts``."""
+        y = self.to_space(x, state)  # type: ignore[attr-defined]
+        return {"r2": pack_bits((y >= self.decode_refined(parts, rparts, state)).long(), 1)}  # type: ignore[attr-defined]
+
+    def decode_refined2(
+        self, parts: Parts, rparts: Parts, r2parts: Parts, state: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """Rows refined by both rungs, float32 head space ``[B, H, T, D]``: the refined row ``+- step2``."""
+        sign = 2 * unpack_bits(r2parts["r2"], 1, self.head_dim) - 1  # type: ignore[attr-defined]
+        y1 = self.decode_refined(parts, rparts, state)  # type: ignore[attr-defined]
+        return y1 + sign * self.step2(parts, rparts, state)  # type: ignore[attr-defined]
+
+
+class Codebook(SecondRung, Quantizer):
     """``tq{bits}``: randomized-Hadamard-rotated rows, one 8-bit log norm, a ``2^bits``-level codebook.
 
     ``levels`` overrides the data-oblivious Lloyd-Max codebook (e.g. :func:`uniform_levels`, or
@@ -283,8 +305,13 @@ class Codebook(Quantizer):
     def refinement(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(children [2 * 2^b], splits [2^b])`` float32 of this codebook's levels (:func:`refined_levels`; built
         on first use, kept: the ladder reads it every step)."""
-        ch, sp = refined_levels(tuple(self.levels.tolist()), self.head_dim)
+        ch, sp, _ = refined_levels(tuple(self.levels.tolist()), self.head_dim)
         return torch.tensor(ch, dtype=torch.float32), torch.tensor(sp, dtype=torch.float32)
+
+    @functools.cached_property
+    def child_mads(self) -> torch.Tensor:
+        """``[2 * 2^b]`` float32: each refined level's mean absolute residual (:func:`refined_levels`)."""
+        return torch.tensor(refined_levels(tuple(self.levels.tolist()), self.head_dim)[2], dtype=torch.float32)
 
     def refine(self, x: torch.Tensor, state: dict[str, torch.Tensor], parts: Parts) -> Parts:
         """Refinement parts of rows ``x`` whose base parts are ``parts``: one bit per coordinate, the side of its
@@ -305,6 +332,14 @@ class Codebook(Quantizer):
         children, _ = self.refinement
         norm = norm_of_code(parts["norm"], state["params"]) * rscale_of_code(rparts["rscale"])
         return children.to(codes.device)[2 * codes + bit] * norm
+
+    def step2(self, parts: Parts, rparts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The second rung's step per coordinate (:class:`SecondRung`): the refined level's mean absolute
+        residual, at the row's refined norm."""
+        codes = unpack_codes(parts["q"], self.bits).long()
+        bit = unpack_bits(rparts["r"], 1, self.head_dim)
+        norm = norm_of_code(parts["norm"], state["params"]) * rscale_of_code(rparts["rscale"])
+        return self.child_mads.to(codes.device)[2 * codes + bit] * norm
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -361,7 +396,7 @@ def channel_precision(widths: list[int]) -> str:
     return CHANNEL_PREFIX + "".join(str(int(b)) for b in widths)
 
 
-class ChannelCodebook(Quantizer):
+class ChannelCodebook(SecondRung, Quantizer):
     """``tqc-<widths>``: per-channel Gaussian Lloyd-Max codes of different widths, one 8-bit log norm per row.
 
     No rotation: each channel ``j`` of a row is centered and scaled by its own mean ``mu_j`` and spread
@@ -565,9 +600,18 @@ class ChannelCodebook(Quantizer):
         ch = torch.zeros(self.head_dim, 2 ** (GAUSS_MAX_BITS + 1))
         sp = torch.zeros(self.head_dim, 2**GAUSS_MAX_BITS)
         for j, b in enumerate(self.widths.tolist()):
-            c, s = gaussian_refined(b)
+            c, s, _ = gaussian_refined(b)
             ch[j, : len(c)], sp[j, : len(s)] = torch.tensor(c), torch.tensor(s)
         return ch, sp
+
+    @functools.cached_property
+    def child_mads(self) -> torch.Tensor:
+        """``[D, 2 * 2^8]``: per channel, each refined level's mean absolute residual (:func:`gaussian_refined`)."""
+        m = torch.zeros(self.head_dim, 2 ** (GAUSS_MAX_BITS + 1))
+        for j, b in enumerate(self.widths.tolist()):
+            a = gaussian_refined(b)[2]
+            m[j, : len(a)] = torch.tensor(a)
+        return m
 
     def refine(self, x: torch.Tensor, state: dict[str, torch.Tensor], parts: Parts) -> Parts:
         """Refinement parts of rows ``x`` (base parts ``parts``): per channel, the side of its cell's split point
@@ -592,6 +636,16 @@ class ChannelCodebook(Quantizer):
         c = children.to(codes.device)[ch, 2 * codes + bit]
         g = norm_of_code(parts["norm"], state["params"]) * rscale_of_code(rparts["rscale"])
         return c * g * _per_head(state["scale"].float(), c)
+
+    def step2(self, parts: Parts, rparts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The second rung's step per channel (:class:`SecondRung`): the refined level's mean absolute residual
+        (Gaussian cells), at the row's refined gain and the channel's spread."""
+        codes = self.unpack(parts["q"])
+        bit = unpack_bits(rparts["r"], 1, self.head_dim)
+        ch = torch.arange(self.head_dim, device=codes.device)
+        m = self.child_mads.to(codes.device)[ch, 2 * codes + bit]
+        g = norm_of_code(parts["norm"], state["params"]) * rscale_of_code(rparts["rscale"])
+        return m * g * _per_head(state["scale"].float(), m)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -771,13 +825,16 @@ REFINE_ITERS = 200
 
 
 @functools.cache
-def refined_levels(levels: tuple[float, ...], head_dim: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def refined_levels(
+    levels: tuple[float, ...], head_dim: int
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
     """An embedded refinement of the scalar codebook ``levels`` (ascending) for one coordinate of a random unit
     vector in ``head_dim`` dims (the density :func:`lloyd_max_levels` is fitted to): each cell of ``levels``
     (between the midpoints of its neighbours) is split in two by its own 2-level Lloyd-Max quantizer, so that
-    ``(children[2 c + bit], splits[c])``: the two child levels (conditional centroids of the density on either
-    side of the split) and the split point of cell ``c``. Dropping the refinement bit leaves exactly the
-    ``levels`` code (an embedded code: a row ages by dropping a bit plane, not by re-coding)."""
+    ``(children[2 c + bit], splits[c], mads[2 c + bit])``: the two child levels (conditional centroids of the
+    density on either side of the split), the split point of cell ``c`` and each child's mean absolute residual.
+    Dropping the refinement bit leaves exactly the ``levels`` code (an embedded code: a row ages by dropping a bit
+    plane, not by re-coding)."""
     d = head_dim
     grid = torch.linspace(-1.0, 1.0, 40_001, dtype=torch.float64)[1:-1]
     w = torch.exp((d - 3) / 2 * torch.log1p(-grid * grid)) if d > 3 else torch.ones_like(grid)
@@ -785,7 +842,7 @@ def refined_levels(levels: tuple[float, ...], head_dim: int) -> tuple[tuple[floa
 
 
 @functools.cache
-def gaussian_refined(bits: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def gaussian_refined(bits: int) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
     """:func:`refined_levels` for :func:`gaussian_levels` ``(bits)`` on a unit Gaussian (``tqc`` channels); ``bits``
     0 (a channel stored as its mean): one cell, the whole line, split at 0 into +-0.798."""
     grid = torch.linspace(-9.0, 9.0, 72_001, dtype=torch.float64)
@@ -794,11 +851,13 @@ def gaussian_refined(bits: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
 
 def _split_cells(
     levels: tuple[float, ...], grid: torch.Tensor, w: torch.Tensor
-) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Each cell of ``levels`` split by its own 2-level Lloyd-Max quantizer for the density ``w`` on ``grid``."""
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """Each cell of ``levels`` split by its own 2-level Lloyd-Max quantizer for the density ``w`` on ``grid``:
+    ``(children, splits, mads)``, ``mads[2 c + bit]`` the mean absolute residual ``E|u - child|`` inside the
+    child's half-cell (the step of a second rung's sign bit, :class:`SecondRung`)."""
     lv = torch.tensor(levels, dtype=torch.float64)
     edges = torch.cat([grid[:1] - 1, (lv[1:] + lv[:-1]) / 2, grid[-1:] + 1])
-    children, splits = [], []
+    children, splits, mads = [], [], []
     for c in range(len(levels)):
         inside = (grid >= edges[c]) & (grid < edges[c + 1])
         g, p = grid[inside], w[inside]
@@ -808,9 +867,12 @@ def _split_cells(
             a = float((g[lo] * p[lo]).sum() / p[lo].sum()) if lo.any() else float(g[0])
             b = float((g[hi] * p[hi]).sum() / p[hi].sum()) if hi.any() else float(g[-1])
             t = (a + b) / 2
+        lo, hi = g < t, g >= t
         children += [a, b]
         splits.append(t)
-    return tuple(children), tuple(splits)
+        mads += [float(((g[lo] - a).abs() * p[lo]).sum() / p[lo].sum()) if lo.any() else 0.0,
+                 float(((g[hi] - b).abs() * p[hi]).sum() / p[hi].sum()) if hi.any() else 0.0]
+    return tuple(children), tuple(splits), tuple(mads)
 
 
 @functools.cache

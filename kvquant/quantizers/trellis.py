@@ -38,6 +38,7 @@ import torch
 from .base import Parts, Quantizer
 from .codebook import (
     Codebook,
+    SecondRung,
     VectorCodebook,
     check_gain,
     code_of_norm,
@@ -145,7 +146,7 @@ def trellis_table(bits: int) -> torch.Tensor:
     return table
 
 
-class TrellisCodebook(Quantizer):
+class TrellisCodebook(SecondRung, Quantizer):
     """``tqt{bits}``: :class:`Codebook`'s rotation, mean and 8-bit log norm; the unit row coded by a tail-biting
     bit-shift trellis of ``2^L`` states (see the module doc). Same bytes as ``tq{bits}`` / ``tqv{bits}``.
     Read by the torch path and in-kernel by the Triton decode / chunk kernels
@@ -222,6 +223,12 @@ class TrellisCodebook(Quantizer):
         norm = norm_of_code(parts["norm"], state["params"]) * rscale_of_code(rparts["rscale"])
         return (c + sign * residual_step(self.bits, self.head_dim)) * norm
 
+    def step2(self, parts: Parts, rparts: Parts, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The second rung's step (:class:`~kvquant.quantizers.codebook.SecondRung`): :func:`residual_step2` at the
+        row's refined norm, the same for every coordinate."""
+        norm = norm_of_code(parts["norm"], state["params"]) * rscale_of_code(rparts["rscale"])
+        return norm * residual_step2(self.bits, self.head_dim)
+
 
 @functools.cache
 def residual_step(bits: int, head_dim: int) -> float:
@@ -237,4 +244,23 @@ def residual_step(bits: int, head_dim: int) -> float:
     return float((u - g * c).abs().mean())
 
 
-__all__ = ["TRELLIS_PREFIX", "TrellisCodebook", "encode", "residual_step", "states_of", "trellis_table", "viterbi"]
+@functools.cache
+def residual_step2(bits: int, head_dim: int) -> float:
+    """The second rung's step of :class:`TrellisCodebook` ``(bits)`` rows of ``head_dim``: the mean absolute residual
+    of seeded random unit rows against their refined decode (first-rung sign bit at :func:`residual_step`, then the
+    least-squares row gain), in units of that gain. Deterministic; cached."""
+    gen = torch.Generator().manual_seed(TRELLIS_SEED * 29 + bits * 7 + head_dim)
+    u = torch.randn(RESIDUAL_ROWS, head_dim, generator=gen)
+    u = u / u.norm(dim=1, keepdim=True)
+    table = trellis_table(bits) / math.sqrt(head_dim)
+    c = table[states_of(encode(u, table, bits), bits, STATE_BITS[bits])]
+    g = (u * c).sum(1, keepdim=True) / (c * c).sum(1, keepdim=True).clamp_min(1e-30)
+    c1 = c + torch.where(u >= g * c, 1.0, -1.0) * residual_step(bits, head_dim)
+    g1 = (u * c1).sum(1, keepdim=True) / (c1 * c1).sum(1, keepdim=True).clamp_min(1e-30)
+    return float(((u - g1 * c1) / g1).abs().mean())
+
+
+__all__ = [
+    "TRELLIS_PREFIX", "TrellisCodebook", "encode", "residual_step", "residual_step2", "states_of", "trellis_table",
+    "viterbi",
+]
