@@ -145,11 +145,12 @@ def _width(token: str) -> int | str:
     return 0 if token == "exact" else token if token.startswith(("v", "t")) else int(token)
 
 
-def fake_quantize(x: torch.Tensor, bits: int | str | list[int | str], embedded: bool = False) -> torch.Tensor:
+def fake_quantize(x: torch.Tensor, bits: int | str | list[int | str], embedded: int = 0) -> torch.Tensor:
     """``x[1, H, T, D]`` through a codebook quantizer fitted on the prefill's non-sink tokens (bits 0: exact;
     ``"v3"``: the 2-D vector codebook ``tqv3``); ``bits`` per head (a list) groups the heads by width, like
     the store's head groups. ``embedded``: the base code plus its embedded refinement (one more bit per
-    coordinate, ``Codebook.refine`` / ``decode_refined``), what the store's age-ladder ring holds."""
+    coordinate, ``Codebook.refine`` / ``decode_refined``), what the store's age-ladder ring holds; ``2``: with the
+    store's second rung too (``refine2`` / ``decode_refined2``, ``ladder2_tokens``; a width without it: the first)."""
     per_head = bits if isinstance(bits, list) else [bits] * x.shape[1]
     out = x.float().clone()
     for b in sorted(set(per_head) - {0}, key=str):
@@ -159,7 +160,12 @@ def fake_quantize(x: torch.Tensor, bits: int | str | list[int | str], embedded: 
         state = qz.fit(xs[:, :, SINK:PREFILL])
         parts = qz.quantize(xs, state)
         if embedded:
-            out[:, idx] = qz.from_space(qz.decode_refined(parts, qz.refine(xs, state, parts), state), state)
+            rp = qz.refine(xs, state, parts)
+            if embedded == 2 and hasattr(qz, "refine2"):
+                y = qz.decode_refined2(parts, rp, qz.refine2(xs, state, parts, rp), state)
+            else:
+                y = qz.decode_refined(parts, rp, state)
+            out[:, idx] = qz.from_space(y, state)
         else:
             out[:, idx] = qz.dequantize(parts, state, torch.float32)
     return out
@@ -224,6 +230,9 @@ class Lab:
         self.recording = False
         self.mid: tuple[int, int | str] = (0, 0)  # (tokens, width) of the age ladder's middle rung (--mid)
         self.ladder2 = 0  # --ladder2: the youngest of the --mid rows that keep a second refinement bit
+        self.store_rung2 = False  # --store-rung2: that bit as the store codes it (refine2), not the lab proxy
+        self.score_scale = 1.0  # --score-scale: every quantized row's score times this (a temperature probe)
+        self.ladder3 = 0  # --ladder3: the youngest of the --ladder2 rows with a third bit (lab proxy)
         self.refs = [self.log_probs(w) for w in self.windows]
         if calib_windows:
             self.recording = True
@@ -284,12 +293,13 @@ class Lab:
         qf = q.float().view(b, h, hq // h, t, d)
         s = torch.where(exact, torch.einsum("bhgtd,bhsd->bhgts", qf, k.float()),
                         torch.einsum("bhgtd,bhsd->bhgts", qf, kh)) * scaling  # fmt: skip
+        s = torch.where(exact, s, s * self.score_scale)  # --score-scale (1: none)
         p = torch.softmax(s.masked_fill(~causal, -math.inf), -1)
         if self.mid[0]:  # an age ladder: the mid[0] tokens just past the exact window at width mid[1]
             mid = (pos[None, :] > pos[:, None] - r - self.mid[0]) & ~exact
             if self.mid[1] == "e":  # embedded: the base widths plus one refinement bit per coordinate
-                km = k if kb == 0 else self.code_keys(k, kb, embedded=True)
-                vm = v if vb == 0 else fake_quantize(v, vb, embedded=True)
+                km = k if kb == 0 else self.code_keys(k, kb, embedded=1)
+                vm = v if vb == 0 else fake_quantize(v, vb, embedded=1)
             else:
                 km = k if kb == 0 else fake_quantize(k, self.mid[1])
                 vm = v if vb == 0 else fake_quantize(v, self.mid[1])
@@ -297,16 +307,28 @@ class Lab:
             # --ladder2: the youngest of those rows with a second refinement bit (see second_refinement)
             young = mid & (pos[None, :] > pos[:, None] - r - self.ladder2)
             if self.ladder2:
-                km2 = k if kb == 0 else second_refinement(k, km)
-                vm2 = v if vb == 0 else second_refinement(v, vm)
+                if self.store_rung2:
+                    km2 = k if kb == 0 else self.code_keys(k, kb, embedded=2)
+                    vm2 = v if vb == 0 else fake_quantize(v, vb, embedded=2)
+                else:
+                    km2 = k if kb == 0 else second_refinement(k, km)
+                    vm2 = v if vb == 0 else second_refinement(v, vm)
                 s = torch.where(young, torch.einsum("bhgtd,bhsd->bhgts", qf, km2.float()) * scaling, s)
+            young3 = mid & (pos[None, :] > pos[:, None] - r - self.ladder3)
+            if self.ladder3:  # a third sign bit on the youngest rows (lab proxy on top of the second rung)
+                km3 = k if kb == 0 else second_refinement(k, km2)
+                vm3 = v if vb == 0 else second_refinement(v, vm2)
+                s = torch.where(young3, torch.einsum("bhgtd,bhsd->bhgts", qf, km3.float()) * scaling, s)
+            s = torch.where(mid, s * self.score_scale, s)  # (the rows just replaced, unscaled)
             p = torch.softmax(s.masked_fill(~causal, -math.inf), -1)
             vh = vh.float()
             o = (torch.einsum("bhgts,bhsd->bhgtd", p * exact, v.float())
                  + torch.einsum("bhgts,bhsd->bhgtd", p * (mid & ~young), vm.float())
                  + torch.einsum("bhgts,bhsd->bhgtd", p * ~(exact | mid), vh))  # fmt: skip
             if self.ladder2:
-                o = o + torch.einsum("bhgts,bhsd->bhgtd", p * young, vm2.float())
+                o = o + torch.einsum("bhgts,bhsd->bhgtd", p * (young & ~young3), vm2.float())
+            if self.ladder3:
+                o = o + torch.einsum("bhgts,bhsd->bhgtd", p * young3, vm3.float())
         else:
             o = torch.einsum("bhgts,bhsd->bhgtd", p * exact, v.float()) + torch.einsum("bhgts,bhsd->bhgtd",
                                                                                       p * ~exact, vh)  # fmt: skip
@@ -320,7 +342,7 @@ class Lab:
         """Keys ``[1, H, T, D]`` (positions ``0..T-1``) before their rotary embedding."""
         return turn(k.float(), *self._cos_sin(k), back=True)
 
-    def code_keys(self, k: torch.Tensor, bits: Any, embedded: bool = False) -> torch.Tensor:
+    def code_keys(self, k: torch.Tensor, bits: Any, embedded: int = 0) -> torch.Tensor:
         """:func:`fake_quantize` of the keys, in the key space of ``--key-space``."""
         if not self.pre_rope:
             return fake_quantize(k, bits, embedded)
@@ -387,6 +409,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ladder2", type=int, default=0,
                     help="with --mid N:e, the youngest this many of those N rows keep a second refinement bit (a "
                     "two-rung ladder; a lab proxy, see second_refinement; such a row holds 8 more bytes per K or V)")
+    ap.add_argument("--store-rung2", action="store_true",
+                    help="--ladder2's bit as the store codes it (ladder2_tokens: refine2 / decode_refined2 in each "
+                    "head's space, step from the refined cell), not the lab proxy")
+    ap.add_argument("--ladder3", type=int, default=0,
+                    help="the youngest this many of the --ladder2 rows keep a third bit (lab proxy on the second)")
+    ap.add_argument("--score-scale", type=float, default=1.0,
+                    help="multiply every quantized row's attention score by this (exact rows unchanged): a probe of "
+                    "whether coding noise flattens attention (default 1: off)")
     ap.add_argument("--layers", default=None, help="quantize only these layers, e.g. 0-14 or 3,5 (default all)")
     ap.add_argument("--gain", default="unbiased",
                     help="comma list of the codebooks' row gains to try: unbiased (default), mse (kvquant.quantizers."
@@ -413,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.ladder2 and (lab.mid[1] != "e" or args.ladder2 > lab.mid[0]):
         raise SystemExit(f"--ladder2 {args.ladder2}: needs --mid N:e with N >= {args.ladder2}")
     lab.ladder2 = args.ladder2
+    if args.ladder3 > args.ladder2:
+        raise SystemExit(f"--ladder3 {args.ladder3}: needs --ladder2 N with N >= {args.ladder3}")
+    lab.ladder3, lab.store_rung2, lab.score_scale = args.ladder3, args.store_rung2, args.score_scale
     print("| K | V | R (exact newest) | key map | value map | gain | KL | Δppl % |")
     print("|---|---|---:|---|---|---|---:|---:|")
     for spec in args.specs:
