@@ -231,6 +231,7 @@ class Lab:
         self.mid: tuple[int, int | str] = (0, 0)  # (tokens, width) of the age ladder's middle rung (--mid)
         self.ladder2 = 0  # --ladder2: the youngest of the --mid rows that keep a second refinement bit
         self.store_rung2 = False  # --store-rung2: that bit as the store codes it (refine2), not the lab proxy
+        self.lognormal_fix = False  # --lognormal-fix: see lognormal
         self.score_scale = 1.0  # --score-scale: every quantized row's score times this (a temperature probe)
         self.ladder3 = 0  # --ladder3: the youngest of the --ladder2 rows with a third bit (lab proxy)
         self.refs = [self.log_probs(w) for w in self.windows]
@@ -294,7 +295,8 @@ class Lab:
         s = torch.where(exact, torch.einsum("bhgtd,bhsd->bhgts", qf, k.float()),
                         torch.einsum("bhgtd,bhsd->bhgts", qf, kh)) * scaling  # fmt: skip
         s = torch.where(exact, s, s * self.score_scale)  # --score-scale (1: none)
-        p = torch.softmax(s.masked_fill(~causal, -math.inf), -1)
+        lb = self.lognormal(qf, k, kh, scaling)
+        p = torch.softmax(torch.where(exact, s, s - lb).masked_fill(~causal, -math.inf), -1)
         if self.mid[0]:  # an age ladder: the mid[0] tokens just past the exact window at width mid[1]
             mid = (pos[None, :] > pos[:, None] - r - self.mid[0]) & ~exact
             if self.mid[1] == "e":  # embedded: the base widths plus one refinement bit per coordinate
@@ -320,6 +322,13 @@ class Lab:
                 vm3 = v if vb == 0 else second_refinement(v, vm2)
                 s = torch.where(young3, torch.einsum("bhgtd,bhsd->bhgts", qf, km3.float()) * scaling, s)
             s = torch.where(mid, s * self.score_scale, s)  # (the rows just replaced, unscaled)
+            if self.lognormal_fix:  # each row class's own correction
+                corr = torch.where(mid, self.lognormal(qf, k, km, scaling), lb)
+                if self.ladder2:
+                    corr = torch.where(young, self.lognormal(qf, k, km2, scaling), corr)
+                if self.ladder3:
+                    corr = torch.where(young3, self.lognormal(qf, k, km3, scaling), corr)
+                s = torch.where(exact, s, s - corr)
             p = torch.softmax(s.masked_fill(~causal, -math.inf), -1)
             vh = vh.float()
             o = (torch.einsum("bhgts,bhsd->bhgtd", p * exact, v.float())
@@ -333,6 +342,16 @@ class Lab:
             o = torch.einsum("bhgts,bhsd->bhgtd", p * exact, v.float()) + torch.einsum("bhgts,bhsd->bhgtd",
                                                                                       p * ~exact, vh)  # fmt: skip
         return o.reshape(b, hq, t, d).transpose(1, 2).to(q.dtype), None
+
+    def lognormal(self, qf: torch.Tensor, k: torch.Tensor, kx: torch.Tensor, scaling: float) -> torch.Tensor:
+        """``--lognormal-fix``: half the variance of each query's score error against keys coded as ``kx``,
+        ``scaling^2 sum_j q_j^2 E[(k_j - kx_j)^2]`` / 2, ``[b, h, g, t, 1]`` (the mean over the prefill's non-sink rows,
+        per head and channel): with Gaussian score noise of that variance a coded row's weight ``exp(s + n)`` is
+        ``exp(var / 2)`` too large on average against an exact row's; subtracting it removes that bias. 0 when off."""
+        if not self.lognormal_fix:
+            return torch.zeros(1)
+        e = (k.float() - kx.float())[:, :, SINK:PREFILL].pow(2).mean(2)  # [b, h, d]
+        return (0.5 * scaling**2 * torch.einsum("bhgtd,bhd->bhgt", qf * qf, e))[..., None]
 
     def _cos_sin(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.rotary(k.float(), torch.arange(k.shape[2])[None])
@@ -417,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--score-scale", type=float, default=1.0,
                     help="multiply every quantized row's attention score by this (exact rows unchanged): a probe of "
                     "whether coding noise flattens attention (default 1: off)")
+    ap.add_argument("--lognormal-fix", action="store_true",
+                    help="subtract half the expected score-error variance from every coded row's score (Lab.lognormal)")
     ap.add_argument("--layers", default=None, help="quantize only these layers, e.g. 0-14 or 3,5 (default all)")
     ap.add_argument("--gain", default="unbiased",
                     help="comma list of the codebooks' row gains to try: unbiased (default), mse (kvquant.quantizers."
@@ -446,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ladder3 > args.ladder2:
         raise SystemExit(f"--ladder3 {args.ladder3}: needs --ladder2 N with N >= {args.ladder3}")
     lab.ladder3, lab.store_rung2, lab.score_scale = args.ladder3, args.store_rung2, args.score_scale
+    lab.lognormal_fix = args.lognormal_fix
     print("| K | V | R (exact newest) | key map | value map | gain | KL | Δppl % |")
     print("|---|---|---:|---|---|---|---:|---:|")
     for spec in args.specs:
