@@ -688,7 +688,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             if ring2 is not None:  # the youngest rows: through the second rung too
                 a, o2 = b2 - start, b2 - (self.q_end - self.ladder2_n)
                 r2 = {n: t[:, :, o2:o2 + end - b2] for n, t in ring2.items()}
-                y2 = s.quantizer.decode_refined2(_rows(parts, a), _rows(rp, a), r2, s.state).float()
+                y2 = s.quantizer.add_rung2(y[:, :, a:], _rows(parts, a), _rows(rp, a), r2, s.state).float()
                 y = torch.cat([y[:, :, :a], y2], dim=2)
             out.append(y)
         return out[0], out[1]

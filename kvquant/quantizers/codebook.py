@@ -196,8 +196,13 @@ class SecondRung:
         self, parts: Parts, rparts: Parts, r2parts: Parts, state: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """Rows refined by both rungs, float32 head space ``[B, H, T, D]``: the refined row ``+- step2``."""
+        return self.add_rung2(self.decode_refined(parts, rparts, state), parts, rparts, r2parts, state)  # type: ignore[attr-defined]
+
+    def add_rung2(
+        self, y1: torch.Tensor, parts: Parts, rparts: Parts, r2parts: Parts, state: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """:meth:`decode_refined2` from the rows' refined decode ``y1`` (already at hand: not decoded again)."""
         sign = 2 * unpack_bits(r2parts["r2"], 1, self.head_dim) - 1  # type: ignore[attr-defined]
-        y1 = self.decode_refined(parts, rparts, state)  # type: ignore[attr-defined]
         return y1 + sign * self.step2(parts, rparts, state)  # type: ignore[attr-defined]
 
 
