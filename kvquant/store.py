@@ -35,7 +35,7 @@ Outlier options (all in the config, composable with per-head precision):
   (``ladder``), and are read refined (``decode_refined``); a token that ages past them drops its bits and is
   read at the base width, as stored. The attention walks the pool up to ``q_end - n`` and reads the young
   rows as one more small segment (:meth:`LayerStore.read`). ``ladder2_tokens = N2 <= N`` (a second rung): the
-  ``n2`` newest of them also keep a second bit per coordinate (``Quantizer.refine2``) in a second ring
+  ``n2`` newest of them also keep a second bit per coordinate (``SecondRung.refine2``) in a second ring
   (``ladder2``) and are read through both (``decode_refined2``); past them a row reads refined once.
 """
 
@@ -112,7 +112,6 @@ def block_specs(
     return [(len(heads), kq.parts(), vq.parts()) for _, heads, kq, vq in groups]
 
 
-
 def _rows(parts: dict[str, torch.Tensor], start: int) -> dict[str, torch.Tensor]:
     """Parts ``[B, H, T, ...]`` from row ``start`` on."""
     return {n: t[:, :, start:] for n, t in parts.items()}
@@ -123,6 +122,7 @@ def _ring_push(prev: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor
     if prev is not None:
         new = {n: torch.cat([prev[n], t], dim=2) for n, t in new.items()}
     return {n: t[:, :, -cap:] for n, t in new.items()}
+
 
 @dataclass
 class HeadGroup:
