@@ -230,17 +230,27 @@ class TrellisCodebook(SecondRung, Quantizer):
         return norm * residual_step2(self.bits, self.head_dim)
 
 
+def _coded_unit_rows(bits: int, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``RESIDUAL_ROWS`` seeded random unit rows ``u`` of ``head_dim``, their trellis values ``c`` and the
+    least-squares row gains ``g`` (what :func:`residual_step` and :func:`residual_step2` are measured on)."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randn(RESIDUAL_ROWS, head_dim, generator=gen)
+    u = u / u.norm(dim=1, keepdim=True)
+    table = trellis_table(bits) / math.sqrt(head_dim)
+    c = table[states_of(encode(u, table, bits), bits, STATE_BITS[bits])]
+    return u, c, _ls_gain(u, c)
+
+
+def _ls_gain(u: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return (u * c).sum(1, keepdim=True) / (c * c).sum(1, keepdim=True).clamp_min(1e-30)
+
+
 @functools.cache
 def residual_step(bits: int, head_dim: int) -> float:
     """The refinement step ``delta`` of :class:`TrellisCodebook` ``(bits)`` rows of ``head_dim``: the mean absolute
     residual ``|u_j - g c_j|`` of seeded random unit rows ``u`` against their codes ``c`` (``g``: the least-squares
     row gain), the step that minimises the squared error of a sign-of-residual bit. Deterministic; cached."""
-    gen = torch.Generator().manual_seed(TRELLIS_SEED * 23 + bits * 5 + head_dim)
-    u = torch.randn(RESIDUAL_ROWS, head_dim, generator=gen)
-    u = u / u.norm(dim=1, keepdim=True)
-    table = trellis_table(bits) / math.sqrt(head_dim)
-    c = table[states_of(encode(u, table, bits), bits, STATE_BITS[bits])]
-    g = (u * c).sum(1, keepdim=True) / (c * c).sum(1, keepdim=True).clamp_min(1e-30)
+    u, c, g = _coded_unit_rows(bits, head_dim, TRELLIS_SEED * 23 + bits * 5 + head_dim)
     return float((u - g * c).abs().mean())
 
 
@@ -249,14 +259,9 @@ def residual_step2(bits: int, head_dim: int) -> float:
     """The second rung's step of :class:`TrellisCodebook` ``(bits)`` rows of ``head_dim``: the mean absolute residual
     of seeded random unit rows against their refined decode (first-rung sign bit at :func:`residual_step`, then the
     least-squares row gain), in units of that gain. Deterministic; cached."""
-    gen = torch.Generator().manual_seed(TRELLIS_SEED * 29 + bits * 7 + head_dim)
-    u = torch.randn(RESIDUAL_ROWS, head_dim, generator=gen)
-    u = u / u.norm(dim=1, keepdim=True)
-    table = trellis_table(bits) / math.sqrt(head_dim)
-    c = table[states_of(encode(u, table, bits), bits, STATE_BITS[bits])]
-    g = (u * c).sum(1, keepdim=True) / (c * c).sum(1, keepdim=True).clamp_min(1e-30)
+    u, c, g = _coded_unit_rows(bits, head_dim, TRELLIS_SEED * 29 + bits * 7 + head_dim)
     c1 = c + torch.where(u >= g * c, 1.0, -1.0) * residual_step(bits, head_dim)
-    g1 = (u * c1).sum(1, keepdim=True) / (c1 * c1).sum(1, keepdim=True).clamp_min(1e-30)
+    g1 = _ls_gain(u, c1)
     return float(((u - g1 * c1) / g1).abs().mean())
 
 
