@@ -43,7 +43,13 @@ MAX_TOKENS = 1 << 40  # --context
 ESTIMATE_DESCRIPTION = """\
 Size a KV cache: FP16 vs a kvquant config, budgets and request-length percentiles; and, with the
 serving options, the three figures a capacity plan needs (ceilings from stated formulas, not
-measurements; kvquant/serving.py):
+measurements; kvquant/serving.py).
+
+A config's bytes are what its cache holds, laid out as the store lays it out: quantized rows in
+whole blocks of block_size, the fp16 sink and residual tokens, the age ladder's refinement rows
+and each head's scale state (kvquant.memory.sequence_bytes; equal to a cache's memory_report).
+"avg bits x tokens" is printed beside it: it leaves those fixed per-sequence bytes out, which
+matters at short contexts. Eviction (evict:) is not modelled: every token is counted.
 
   prefix reuse   --prompt-tokens P --shared-prefix S: a request whose first S of P prompt tokens are
                  already cached (a PagedKVPool prefix hit) skips their prefill. Hit rate = S / P; the
@@ -123,7 +129,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         print(f"config: {cfg.name or args.config}  avg bits {res['avg_bits']:.3f} (overhead included)")
         print(f"KV cache at context {args.context}, batch {args.batch}:")
         print(f"  fp16    {human(res['fp16_bytes']):>12}")
-        print(f"  config  {human(res['config_bytes']):>12}  ({res['ratio_vs_fp16']:.3f}x FP16)")
+        print(f"  config  {human(res['config_bytes']):>12}  ({res['ratio_vs_fp16']:.3f}x FP16; as a cache holds it)")
+        parts = res["config_parts"]
+        print(f"          pool {human(parts['pool'])}, fp16 sinks/residual {human(parts['dense'])}, "
+              f"ladder {human(parts['ladder'])}, scale state {human(parts['state'])}; "
+              f"avg bits x tokens alone: {human(res['formula_bytes'])}")
+        if cfg.evict is not None:
+            print("          (evict: not modelled; these figures keep every token)")
         if budget is not None:
             print(f"within a budget of {human(budget)}:")
             print(f"  longest context at batch {args.batch}: fp16 {res['fp16_max_context']}, "

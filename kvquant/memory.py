@@ -9,11 +9,15 @@ with ``bytes per element = avg_bits / 8`` (scale and zero-point overhead include
 
 from __future__ import annotations
 
+import functools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from .config import KVQuantConfig
 from .errors import ArgumentError, InputError
@@ -28,6 +32,92 @@ _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb"
 def kv_bytes(batch: int, tokens: int, shape: ModelShape, bytes_per_element: float) -> float:
     """The seed formula: ``batch x tokens x 2 x layers x kv_heads x head_dim x bytes``."""
     return batch * tokens * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * bytes_per_element
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """What one layer's store holds per sequence, from its K/V precisions (see :func:`sequence_bytes`)."""
+
+    heads: int
+    token_bytes: float  # one pooled token: every head, K and V, scales included
+    static: bool  # a static-scale precision: a short prompt is held in full precision until it can be fitted
+    per_block: bool  # a per-block precision: residual mode even without residual_tokens
+    state_bytes: tuple[int, int]  # fitted scales / codebook state of every head, K and V: per sequence, shared
+    rung_bytes: tuple[int, int]  # one age-ladder row of every head, first and second rung
+
+
+def layouts(shape: ModelShape, config: KVQuantConfig) -> list[LayerLayout]:
+    """Each layer's :class:`LayerLayout` under ``config`` (builds each precision's quantizer once)."""
+    from .quantizers import make_quantizer  # (config -> quantizer: the quantizers know their own layouts)
+    from .quantizers.base import spec_bits
+    from .store import CALIB_MIN_TOKENS
+
+    D, bs = shape.head_dim, config.block_size
+    made: dict[str, tuple[Any, tuple[int, int]]] = {}
+    plan = config.resolve(shape)
+    for name in {n for row in plan for p in row for n in (p.key, p.value)}:
+        q = make_quantizer(name, D, group_size=config.effective_group_size(D), block_size=bs)
+        x = torch.randn(1, 1, max(bs, CALIB_MIN_TOKENS), D, generator=torch.Generator().manual_seed(0))
+        state = (q.fit(x) if q.space else None) or q.calibrate(x.abs().amax(dim=(2, 3)))
+        nbytes = [0, 0]  # per sequence (one row of [B, H, ...]), shared by every sequence (e.g. rotation signs)
+        for n, t in state.items():
+            nbytes[not q.per_sequence(n, t)] += t.numel() * t.element_size()
+        made[name] = q, (nbytes[0], nbytes[1])
+    out = []
+    for row in plan:
+        names = [n for p in row for n in (p.key, p.value)]
+        qs = [made[n][0] for n in names]
+        rungs = (0, 0)
+        if config.ladder_tokens and any(q.rung_parts(1) for q in qs):
+            rungs = tuple(sum(spec_bits(q.rung_parts(r)) for q in qs) // 8 for r in (1, 2))  # type: ignore[assignment]
+        out.append(LayerLayout(
+            heads=len(row), token_bytes=sum(config.bits(n, D) for n in names) * D / 8,
+            static=any(q.static for q in qs), per_block=any(q.per_block for q in qs),
+            state_bytes=(sum(made[n][1][0] for n in names) + (len(row) * D * 4 if config.centers_keys else 0),
+                         sum(made[n][1][1] for n in names)),
+            rung_bytes=rungs))  # fmt: skip
+    return out
+
+
+def sequence_bytes(
+    shape: ModelShape, config: KVQuantConfig, tokens: int, batch: int = 1, layout: list[LayerLayout] | None = None
+) -> dict[str, int]:
+    """Bytes a cache of ``batch`` sequences of ``tokens`` each holds under ``config``, laid out as
+    :mod:`kvquant.store` lays it out (``layout``: :func:`layouts` of ``shape`` and ``config``, when at hand).
+
+    * ``pool``: the quantized rows, in whole blocks of ``block_size`` tokens (per layer); in residual mode
+      (``residual_tokens`` > 0, or a per-block precision) the pool ends where the residual window starts.
+    * ``dense``: the full-precision (2-byte) rows: the ``sink_tokens`` buffer (the sinks are in the pool too), the
+      residual window (``residual_tokens`` plus up to ``residual_step - 1`` tokens waiting to be quantized), and a
+      prompt shorter than ``CALIB_MIN_TOKENS`` that static scales are not fitted on yet.
+    * ``ladder``: the age ladder's refinement rows (``ladder_tokens`` / ``ladder2_tokens`` newest pool tokens of the
+      heads whose precision has those rungs, :meth:`~kvquant.quantizers.Quantizer.rung_parts`).
+    * ``state``: each head's fitted scales or codebook state and the key mean (``center_keys``): per sequence, and
+      once for all of them (a codebook's rotation signs).
+    * ``total``: their sum. Not modelled: eviction (``evict`` keeps fewer tokens), sliding-window layers and per-head
+      lanes (no ladder there), and blocks shared between sequences (prefix reuse, beams).
+    """
+    from .store import CALIB_MIN_TOKENS
+
+    out = {"pool": 0, "dense": 0, "ladder": 0, "state": 0}
+    if tokens <= 0:
+        return {**out, "total": 0}
+    bs, r = config.block_size, config.residual_tokens
+    for lay in layout if layout is not None else layouts(shape, config):
+        if lay.static and tokens < CALIB_MIN_TOKENS:
+            dense = tokens  # (held until the static scales can be fitted)
+        elif r > 0 or lay.per_block:
+            dense = tokens if tokens <= r else r + (tokens - r) % (config.residual_step or bs)
+        else:
+            dense = 0
+        pooled = tokens - dense
+        out["pool"] += batch * round(-(-pooled // bs) * bs * lay.token_bytes)
+        out["dense"] += batch * (config.sink_tokens + dense) * 2 * lay.heads * shape.head_dim * 2
+        out["state"] += batch * lay.state_bytes[0] + lay.state_bytes[1] if pooled else 0
+        out["ladder"] += batch * sum(min(n, pooled) * b for n, b in zip((config.ladder_tokens, config.ladder2_tokens),
+                                                                         lay.rung_bytes, strict=True))  # fmt: skip
+    out["total"] = sum(out.values())
+    return out
 
 
 def parse_bytes(text: str, what: str = "--budget") -> int:
@@ -162,8 +252,14 @@ def estimate(
     budget: int | None = None,
     lengths: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """Sizing figures for FP16 and ``config``: bytes at (context, batch), what fits a budget, P95/P99."""
+    """Sizing figures for FP16 and ``config``: bytes at (context, batch), what fits a budget, P95/P99.
+
+    ``config_bytes`` is :func:`sequence_bytes` (the store's layout: whole blocks, fp16 sinks and residual
+    window, ladder rows, scale state), which is what a cache holds; ``formula_bytes`` is the seed formula at
+    ``avg_bits``, which leaves the fixed per-sequence bytes out (they weigh most at short contexts)."""
     bits = config.avg_bits(shape)
+    layout = layouts(shape, config)
+    held = functools.cache(lambda t, b=batch: sequence_bytes(shape, config, t, b, layout)["total"])
     out: dict[str, Any] = {
         "shape": shape.as_dict(),
         "config": config.name,
@@ -171,22 +267,35 @@ def estimate(
         "context": context,
         "batch": batch,
         "fp16_bytes": kv_bytes(batch, context, shape, 2.0),
-        "config_bytes": kv_bytes(batch, context, shape, bits / 8),
+        "config_bytes": held(context),
+        "config_parts": {k: v for k, v in sequence_bytes(shape, config, context, batch, layout).items()
+                         if k != "total"},
+        "formula_bytes": kv_bytes(batch, context, shape, bits / 8),
     }
     out["ratio_vs_fp16"] = out["config_bytes"] / out["fp16_bytes"]
     if budget is not None:
         out["budget"] = budget
-        for name, bpe in (("fp16", 2.0), ("config", bits / 8)):
-            out[f"{name}_max_context"] = int(budget // kv_bytes(batch, 1, shape, bpe))
-            out[f"{name}_max_batch"] = int(budget // kv_bytes(1, context, shape, bpe))
+        out["fp16_max_context"] = int(budget // kv_bytes(batch, 1, shape, 2.0))
+        out["fp16_max_batch"] = int(budget // kv_bytes(1, context, shape, 2.0))
+        out["config_max_context"] = largest_fitting(lambda t: held(t) <= budget)
+        out["config_max_batch"] = largest_fitting(lambda b: held(context, b) <= budget)
     if lengths:
         p95, p99 = percentile(lengths, 95), percentile(lengths, 99)
         out["lengths"] = {"n": len(lengths), "p50": percentile(lengths, 50), "p95": p95, "p99": p99,
                           "max": float(max(lengths))}
         for q, v in (("p95", p95), ("p99", p99)):
             out[f"{q}_fp16_bytes"] = kv_bytes(batch, int(v), shape, 2.0)
-            out[f"{q}_config_bytes"] = kv_bytes(batch, int(v), shape, bits / 8)
+            out[f"{q}_config_bytes"] = held(int(v))
     return out
+
+
+def largest_fitting(fits: Callable[[int], bool], hi: int = 1 << 40) -> int:
+    """The largest ``t`` in ``[0, hi]`` with ``fits(t)`` (``fits`` true up to some length, then false)."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 def plot_lengths_cdf(lengths: Sequence[int], path: str | Path, marks: dict[str, float], force: bool = True) -> None:

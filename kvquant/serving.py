@@ -10,6 +10,8 @@ Three figures a capacity plan needs, each a stated formula:
   once, so at memory bandwidth ``bw`` a step takes at least ``(weight bytes + batch x context x KV bytes per
   token) / bw`` and the server makes at most ``batch / that`` tokens/s. The bound ignores compute and launch
   overheads (decode is bandwidth-bound at these sizes); it is a ceiling, not a prediction.
+  A config's KV bytes are those a cache holds (:func:`kvquant.memory.sequence_bytes`: whole blocks, fp16 sinks and
+  residual window, ladder rows, scale state); FP16's are the formula's.
 * **the batch that fits**: at the P99 request length, ``(memory - weight bytes) // KV bytes per sequence``.
 """
 
@@ -20,7 +22,7 @@ from typing import Any
 
 from .config import KVQuantConfig
 from .errors import ArgumentError
-from .memory import human, kv_bytes
+from .memory import human, kv_bytes, largest_fitting, layouts, sequence_bytes
 from .shape import ModelShape
 
 
@@ -64,11 +66,9 @@ def prefill_flops(tokens: int, start: int, shape: ModelShape, cost: ModelCost) -
     return 2.0 * cost.params * tokens + 4.0 * shape.num_layers * q_heads * shape.head_dim * pos_sum
 
 
-def decode_bound(
-    shape: ModelShape, cost: ModelCost, bytes_per_element: float, context: int, batch: int, bandwidth: float
-) -> dict[str, float]:
-    """Bytes one decode step reads and the tokens/s ceiling they allow at ``bandwidth`` bytes/s."""
-    kv = kv_bytes(batch, context, shape, bytes_per_element)
+def decode_bound(cost: ModelCost, kv: float, batch: int, bandwidth: float) -> dict[str, float]:
+    """Bytes one decode step of ``batch`` sequences reads (the weights and ``kv`` bytes of KV cache) and the
+    tokens/s ceiling they allow at ``bandwidth`` bytes/s."""
     step = cost.weight_bytes + kv
     return {"kv_bytes_per_step": float(kv), "bytes_per_step": float(step),
             "tokens_per_s_bound": batch * bandwidth / step, "kv_share_of_step": kv / step}
@@ -87,12 +87,16 @@ def serving_estimate(
     shared_prefix: int | None = None,
 ) -> dict[str, Any]:
     """FP16 vs ``config`` for the three figures of the module docstring (only those whose inputs are given)."""
-    formats = {"fp16": 2.0, "config": config.avg_bits(shape) / 8}
+    layout = layouts(shape, config)
+    formats = {  # KV bytes of b sequences of t tokens: fp16 by the formula, the config as a cache holds it
+        "fp16": lambda t, b: kv_bytes(b, t, shape, 2.0),
+        "config": lambda t, b: sequence_bytes(shape, config, t, b, layout)["total"],
+    }
     out: dict[str, Any] = {"params": cost.params, "weight_bytes": cost.weight_bytes}
     if bandwidth:
         out["bandwidth"] = bandwidth
-        for name, bpe in formats.items():
-            out[f"{name}_decode"] = decode_bound(shape, cost, bpe, context, batch, bandwidth)
+        for name, held in formats.items():
+            out[f"{name}_decode"] = decode_bound(cost, held(context, batch), batch, bandwidth)
         out["decode_speedup_bound"] = (
             out["config_decode"]["tokens_per_s_bound"] / out["fp16_decode"]["tokens_per_s_bound"]
         )
@@ -100,8 +104,8 @@ def serving_estimate(
         free = memory - cost.weight_bytes
         if free <= 0:
             raise ArgumentError(f"budget: {memory:.0f} bytes do not even hold the weights ({cost.weight_bytes:.0f})")
-        for name, bpe in formats.items():
-            out[f"{name}_batch_at_p99"] = int(free // kv_bytes(1, p99, shape, bpe))
+        for name, held in formats.items():
+            out[f"{name}_batch_at_p99"] = largest_fitting(lambda b, held=held: held(p99, b) <= free)
         out["p99"] = p99
     if prompt_tokens:
         shared = min(shared_prefix or 0, prompt_tokens)

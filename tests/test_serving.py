@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvquant import KVQuantConfig, ModelShape
-from kvquant.memory import kv_bytes
+from kvquant.memory import kv_bytes, sequence_bytes
 from kvquant.serving import ModelCost, decode_bound, params_from_config, prefill_flops, serving_estimate
 
 from conftest import tiny_model
@@ -37,7 +37,8 @@ def test_decode_bound_and_batch_at_p99():
     est = serving_estimate(shape, cfg, cost, context=8192, batch=16, bandwidth=4.8e12, memory=16e9, p99=4096,
                            prompt_tokens=2048, shared_prefix=1536)
     fp16, q = est["fp16_decode"], est["config_decode"]
-    assert q["kv_bytes_per_step"] == kv_bytes(16, 8192, shape, cfg.avg_bits(shape) / 8)
+    assert q["kv_bytes_per_step"] == sequence_bytes(shape, cfg, 8192, 16)["total"]  # what 16 caches would hold
+    assert q["kv_bytes_per_step"] == kv_bytes(16, 8192, shape, cfg.avg_bits(shape) / 8)  # int4: whole blocks, no state
     assert fp16["bytes_per_step"] == cost.weight_bytes + kv_bytes(16, 8192, shape, 2.0)
     assert fp16["tokens_per_s_bound"] == pytest.approx(16 * 4.8e12 / fp16["bytes_per_step"])
     ratio = cfg.avg_bits(shape) / 16
@@ -47,7 +48,7 @@ def test_decode_bound_and_batch_at_p99():
     assert est["prefix"]["hit_rate"] == 0.75
     assert est["prefix"]["prefill_flops_saved"] == pytest.approx(prefill_flops(1536, 0, shape, cost))
     assert 0.7 < est["prefix"]["saved_fraction"] < 0.75  # later tokens attend further: saved is under 75%
-    long_ctx = decode_bound(shape, cost, 2.0, 10**6, 16, 4.8e12)
+    long_ctx = decode_bound(cost, kv_bytes(16, 10**6, shape, 2.0), 16, 4.8e12)
     assert long_ctx["kv_share_of_step"] > 0.99
 
 

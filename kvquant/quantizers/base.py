@@ -76,13 +76,12 @@ class Quantizer(ABC):
 
     def bits_per_element(self) -> float:
         """Average stored bits per K/V element, scale and zero-point overhead included."""
-        total = 0.0
-        for spec in self.parts().values():
-            n = 1
-            for s in spec.shape:
-                n *= s
-            total += n * _dtype_bits(spec.dtype)
-        return total / self.head_dim
+        return spec_bits(self.parts()) / self.head_dim
+
+    def rung_parts(self, rung: int) -> dict[str, PartSpec]:
+        """The parts one row of the age ladder holds per token and head at ``rung`` (1: ``refine``, 2:
+        ``refine2``; see :mod:`kvquant.store`), on top of its base parts; ``{}``: this precision has no such rung."""
+        return {}
 
     # -- static scales ----------------------------------------------------------------------
     def calibrate(self, amax: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -179,6 +178,11 @@ class WidenableScales:
             return False
         self.scale_dtype = torch.float32
         return True
+
+
+def spec_bits(specs: dict[str, PartSpec]) -> int:
+    """Bits of one row of every part in ``specs`` (per token and head)."""
+    return sum(math.prod(spec.shape) * _dtype_bits(spec.dtype) for spec in specs.values())
 
 
 def _dtype_bits(dtype: torch.dtype) -> int:

@@ -179,6 +179,12 @@ def norm_code_range(norms: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor,
     return lo, (hi - lo) / (NORM_CODES - 2)
 
 
+def refinement_parts(head_dim: int) -> dict[str, PartSpec]:
+    """The first rung's parts of every codebook precision: ``head_dim`` bits (``r``: one per coordinate, or
+    ``tqv``'s one per coordinate of a pair's child) and the row's norm correction (``rscale``, :func:`rscale_code`)."""
+    return {"r": PartSpec((head_dim // 8,), torch.uint8), "rscale": PartSpec((1,), torch.uint8)}
+
+
 class SecondRung:
     """The age ladder's second rung (``ladder2_tokens``), for a quantizer with an embedded refinement
     (``refine`` / ``decode_refined``) and a per-coordinate ``step2``: one more bit per coordinate of a refined
@@ -186,6 +192,12 @@ class SecondRung:
     ``+- step2``, the mean absolute residual of the refined cell: the step that minimises the squared error of a
     sign bit. Embedded like the first rung: dropping the bit leaves the refined row. The row keeps its refined
     norm (no byte of its own): ``D / 8`` bytes a row."""
+
+    def rung_parts(self, rung: int) -> dict[str, PartSpec]:
+        """Both rungs: :func:`refinement_parts`, then one bit per coordinate (``r2``)."""
+        if rung == 2:
+            return {"r2": PartSpec((self.head_dim // 8,), torch.uint8)}  # type: ignore[attr-defined]
+        return refinement_parts(self.head_dim) if rung == 1 else {}  # type: ignore[attr-defined]
 
     def refine2(self, x: torch.Tensor, state: dict[str, torch.Tensor], parts: Parts, rparts: Parts) -> Parts:
         """Second-rung parts of rows ``x`` whose base parts are ``parts`` and first-rung parts ``rparts``."""
@@ -759,6 +771,10 @@ class VectorCodebook(Quantizer):
             "q": PartSpec((self.head_dim * self.bits // 8,), torch.uint8),
             "norm": PartSpec((1,), torch.uint8),
         }
+
+    def rung_parts(self, rung: int) -> dict[str, PartSpec]:
+        """One rung (:func:`refinement_parts`): a second is not defined for pair codes."""
+        return refinement_parts(self.head_dim) if rung == 1 else {}
 
     def fit(self, x: torch.Tensor, use: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Static state from the first chunk, per sequence and head: mean, norm code range; signs per head."""
