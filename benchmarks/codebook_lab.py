@@ -234,6 +234,7 @@ class Lab:
         self.lognormal_fix = False  # --lognormal-fix: see lognormal
         self.score_scale = 1.0  # --score-scale: every quantized row's score times this (a temperature probe)
         self.ladder3 = 0  # --ladder3: the youngest of the --ladder2 rows with a third bit (lab proxy)
+        self.heavy: tuple[int, int, str] = (0, 1, "sum")  # --heavy N:RUNG:SCORE: prompt rows refined by attention
         self.refs = [self.log_probs(w) for w in self.windows]
         if calib_windows:
             self.recording = True
@@ -321,6 +322,10 @@ class Lab:
                 km3 = k if kb == 0 else second_refinement(k, km2)
                 vm3 = v if vb == 0 else second_refinement(v, vm2)
                 s = torch.where(young3, torch.einsum("bhgtd,bhsd->bhgts", qf, km3.float()) * scaling, s)
+            heavy = self.heavy_rows(qf, k, scaling) & ~(exact | mid)  # --heavy: [b, h, 1, 1, t] & [t, t]
+            if self.heavy[0]:
+                kx, vx = (km, vm) if self.heavy[1] == 1 else (km2, vm2)
+                s = torch.where(heavy, torch.einsum("bhgtd,bhsd->bhgts", qf, kx.float()) * scaling, s)
             s = torch.where(mid, s * self.score_scale, s)  # (the rows just replaced, unscaled)
             if self.lognormal_fix:  # each row class's own correction
                 corr = torch.where(mid, self.lognormal(qf, k, km, scaling), lb)
@@ -333,7 +338,9 @@ class Lab:
             vh = vh.float()
             o = (torch.einsum("bhgts,bhsd->bhgtd", p * exact, v.float())
                  + torch.einsum("bhgts,bhsd->bhgtd", p * (mid & ~young), vm.float())
-                 + torch.einsum("bhgts,bhsd->bhgtd", p * ~(exact | mid), vh))  # fmt: skip
+                 + torch.einsum("bhgts,bhsd->bhgtd", p * ~(exact | mid | heavy), vh))  # fmt: skip
+            if self.heavy[0]:
+                o = o + torch.einsum("bhgts,bhsd->bhgtd", p * heavy, vx.float())
             if self.ladder2:
                 o = o + torch.einsum("bhgts,bhsd->bhgtd", p * (young & ~young3), vm2.float())
             if self.ladder3:
@@ -352,6 +359,27 @@ class Lab:
             return torch.zeros(1)
         e = (k.float() - kx.float())[:, :, SINK:PREFILL].pow(2).mean(2)  # [b, h, d]
         return (0.5 * scaling**2 * torch.einsum("bhgtd,bhd->bhgt", qf * qf, e))[..., None]
+
+    def heavy_rows(self, qf: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+        """``--heavy N:RUNG:SCORE``: per KV head, the ``N`` prompt rows in ``[SINK, SCORE_FROM)`` the exact attention
+        of the queries there weighs most (``sum``: H2O's accumulated weight, ``mean``: over the queries that see the
+        row), ``[b, h, 1, 1, t]`` (all False when off). What a store could pick at the prefill (its attention reads
+        the prompt exactly) and keep refined for good; the scored queries come after them."""
+        b, h, _, t, _ = qf.shape
+        out = torch.zeros(b, h, 1, 1, t, dtype=torch.bool)
+        if not self.heavy[0]:
+            return out
+        n = SCORE_FROM
+        sc = torch.einsum("bhgtd,bhsd->bhgts", qf[:, :, :, SINK:n], k.float()[:, :, :n]) * scaling
+        pos = torch.arange(n)
+        sc = sc.masked_fill(pos[None, :] > pos[SINK:, None], -math.inf)
+        acc = torch.softmax(sc, -1).sum((2, 3))  # [b, h, n]
+        if self.heavy[2] == "mean":
+            acc = acc / (n - torch.arange(n).clamp_min(SINK)).float()
+        acc[..., :SINK] = -math.inf
+        top = acc.topk(self.heavy[0], dim=-1).indices
+        out[..., :n] = torch.zeros(b, h, n, dtype=torch.bool).scatter(-1, top, True)[:, :, None, None]
+        return out
 
     def _cos_sin(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.rotary(k.float(), torch.arange(k.shape[2])[None])
@@ -433,6 +461,12 @@ def main(argv: list[str] | None = None) -> int:
                     "head's space, step from the refined cell), not the lab proxy")
     ap.add_argument("--ladder3", type=int, default=0,
                     help="the youngest this many of the --ladder2 rows keep a third bit (lab proxy on the second)")
+    ap.add_argument("--heavy", default="0:1:sum",
+                    help="N:RUNG:SCORE (with --mid N:e): besides the age ladder, the N prompt rows per KV head the "
+                    "exact attention of the queries before the scored ones weighs most keep RUNG refinement bits "
+                    "(1, or 2 with --ladder2 --store-rung2); SCORE: sum (H2O) or mean over the queries that see the "
+                    "row (Lab.heavy_rows). A lab probe of importance- instead of age-refined rows; N x 9 (x 17) B "
+                    "per K or V row")
     ap.add_argument("--score-scale", type=float, default=1.0,
                     help="multiply every quantized row's attention score by this (exact rows unchanged): a probe of "
                     "whether coding noise flattens attention (default 1: off)")
@@ -468,6 +502,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--ladder3 {args.ladder3}: needs --ladder2 N with N >= {args.ladder3}")
     lab.ladder3, lab.store_rung2, lab.score_scale = args.ladder3, args.store_rung2, args.score_scale
     lab.lognormal_fix = args.lognormal_fix
+    hn, hr, hs = args.heavy.split(":")
+    lab.heavy = (int(hn), int(hr), hs)
+    if lab.heavy[0] and (lab.mid[1] != "e" or hs not in ("sum", "mean") or hr not in "12"
+                         or (hr == "2" and not (args.ladder2 and args.store_rung2))):  # fmt: skip
+        raise SystemExit(f"--heavy {args.heavy}: needs --mid N:e, RUNG 1 (or 2 with --ladder2 --store-rung2), "
+                         "SCORE sum or mean")
     print("| K | V | R (exact newest) | key map | value map | gain | KL | Δppl % |")
     print("|---|---|---:|---|---|---|---:|---:|")
     for spec in args.specs:
