@@ -260,6 +260,7 @@ def estimate(
     bits = config.avg_bits(shape)
     layout = layouts(shape, config)
     held = functools.cache(lambda t, b=batch: sequence_bytes(shape, config, t, b, layout)["total"])
+    parts = sequence_bytes(shape, config, context, batch, layout)
     out: dict[str, Any] = {
         "shape": shape.as_dict(),
         "config": config.name,
@@ -267,9 +268,8 @@ def estimate(
         "context": context,
         "batch": batch,
         "fp16_bytes": kv_bytes(batch, context, shape, 2.0),
-        "config_bytes": held(context),
-        "config_parts": {k: v for k, v in sequence_bytes(shape, config, context, batch, layout).items()
-                         if k != "total"},
+        "config_bytes": parts["total"],
+        "config_parts": {k: v for k, v in parts.items() if k != "total"},
         "formula_bytes": kv_bytes(batch, context, shape, bits / 8),
     }
     out["ratio_vs_fp16"] = out["config_bytes"] / out["fp16_bytes"]
