@@ -14,6 +14,8 @@
 * Stores with an age ladder (``ladder_tokens``): its young pool rows ``[q_end - ladder_n, q_end)`` are
   decoded with their refinement bits by the store (at most ``ladder_tokens`` rows a head, each step) and
   join the dense side (:func:`ladder_segment`); the kernels read the pool below them, at its base width.
+* Stores with heavy rows (``heavy_tokens``, :mod:`kvquant.heavy`) are not served yet: the kernels would have to
+  skip those rows' base codes per head (raises :class:`Unsupported`; the torch path reads them refined).
 
 Raises :class:`~kvquant.kernels.unsupported.Unsupported` (the dispatcher then runs the torch path and
 logs the reason once) for: head_dim not a power of two in [16, 256]; a device Triton cannot run on
@@ -310,6 +312,8 @@ def attend_triton(
     rows join the dense side, refined (:func:`ladder_segment`); the kernels' pool then ends below them.
     """
     B, Hq, Tq, D = query.shape
+    if getattr(layer, "heavy", None):  # (kvquant.heavy) their base rows would have to be skipped in the pool walk
+        raise Unsupported("heavy rows (heavy_tokens): the kernels do not skip a pool row yet")
     check_shapes(query, fresh_k, fresh_v, layer)
     dk = dot_kind(query.dtype, interpreted())
     ranges = key_ranges(mask, B, Hq, Tq, past_len)

@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import view as handoff
 from .config import DEFAULT_PRESET, MAX_CAPACITY, KVPrecision, KVQuantConfig, check_int
-from .evict import Policy, choose_slots
+from .evict import Policy, choose_slots, window_attention
 from .outliers import OutlierWatch
 from .scales import load_static_amax
 from .shape import ModelShape, sliding_windows
@@ -181,12 +181,30 @@ class QuantizedLayer(CacheLayerMixin):
         assert self.store is not None
         q_end = self.store.q_end
         if self.policy is None:
-            self.store.append(keys, values, row_start)
+            self.store.append(keys, values, row_start, self._heavy_scores(keys, context or {}))
         else:
             self._write_evicting(keys, values, row_start, context or {})
         if self.owner is not None:
             self.owner.index_new_blocks(self.layer_idx, q_end)
         self._check_clipping(keys.shape[2])
+
+    def _heavy_scores(self, keys: torch.Tensor, context: dict[str, Any]) -> torch.Tensor | None:
+        """What the store picks heavy rows by (``heavy_tokens``, :mod:`kvquant.heavy`), while it has none: the
+        softmax weight each key of a multi-token chunk received from the chunk's queries, summed over them and over
+        the query heads of its KV head (H2O's score), ``[B, H, T]``; else None."""
+        store = self.store
+        assert store is not None
+        if not store.heavy_tokens or store.heavy or keys.shape[2] < 2:
+            return None
+        if context.get("queries") is None:
+            raise ValueError(
+                "heavy_tokens: heavy rows are picked by the model's queries; build the cache for a model whose "
+                "attention is kvquant's (kvquant.wrap), not for a bare ModelShape"
+            )
+        mask, past = context.get("mask"), store.cache_pos
+        if mask is not None:  # the chunk's own keys
+            mask = mask[..., past:past + keys.shape[2]]
+        return window_attention(context["queries"], keys, context.get("scaling") or keys.shape[-1] ** -0.5, mask)
 
     def _write_evicting(
         self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None, context: dict[str, Any]

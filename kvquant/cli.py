@@ -46,8 +46,9 @@ serving options, the three figures a capacity plan needs (ceilings from stated f
 measurements; kvquant/serving.py).
 
 A config's bytes are what its cache holds, laid out as the store lays it out: quantized rows in
-whole blocks of block_size, the fp16 sink and residual tokens, the age ladder's refinement rows
-and each head's scale state (kvquant.memory.sequence_bytes; equal to a cache's memory_report).
+whole blocks of block_size, the fp16 sink and residual tokens, the age ladder's and heavy rows'
+refinement bits (the context taken as one prompt) and each head's scale state
+(kvquant.memory.sequence_bytes; equal to a cache's memory_report).
 "avg bits x tokens" is printed beside it: it leaves those fixed per-sequence bytes out, which
 matters at short contexts. Eviction (evict:) is not modelled: every token is counted.
 
@@ -132,7 +133,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         print(f"  config  {human(res['config_bytes']):>12}  ({res['ratio_vs_fp16']:.3f}x FP16; as a cache holds it)")
         parts = res["config_parts"]
         print(f"          pool {human(parts['pool'])}, fp16 sinks/residual {human(parts['dense'])}, "
-              f"ladder {human(parts['ladder'])}, scale state {human(parts['state'])}; "
+              f"ladder {human(parts['ladder'])}, heavy rows {human(parts['heavy'])}, "
+              f"scale state {human(parts['state'])}; "
               f"avg bits x tokens alone: {human(res['formula_bytes'])}")
         if cfg.evict is not None:
             print("          (evict: not modelled; these figures keep every token)")

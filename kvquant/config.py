@@ -149,6 +149,7 @@ _OPTION_FIELDS = {
     "residual_step",
     "ladder_tokens",
     "ladder2_tokens",
+    "heavy_tokens",
     "center_keys",
     "codebook_gain",
     "codebook_search",
@@ -201,6 +202,14 @@ class KVQuantConfig:
             refined row's error on Gaussian rows). Another ``D / 8`` bytes per row, held in a second ring; a row
             that ages past it drops that bit and reads refined once. For ``tq*``, ``tqc-*`` and ``tqt*`` rows
             (``tqv*`` rows keep the first rung). 0 (default): off.
+        heavy_tokens: heavy rows: the N prompt rows of each (layer, KV head) with a codebook K (or V) that the
+            prompt's own attention weighs most (H2O's score: softmax weight summed over every prompt query) keep the
+            first rung's bit per coordinate for good, picked when the prompt is written (rows of the age ladder,
+            the sinks and the residual window excepted); :mod:`kvquant.heavy`. ``D / 8 + 1`` bytes per row and
+            side, plus a 2-byte position per (row, head); counted in the bytes held. Needs the model's queries (a
+            model wrapped by kvquant, whose attention passes them); not for sliding-window layers or per-head lanes;
+            excludes ``evict`` and ``offload``. Read by the torch path (the Triton kernels do not skip a pool row
+            yet: such a layer falls back to torch, logged once). 0 (default): off.
         center_keys: subtract one per-channel key mean per (sequence, KV head), fixed from the prefill
             (sink tokens left out), from every stored key before rotating and quantizing. Exact: a query
             sees ``q.(k - mu) = q.k - q.mu`` for every key, a shift common to all of its scores, which
@@ -240,6 +249,7 @@ class KVQuantConfig:
     residual_step: int | None = None
     ladder_tokens: int = 0
     ladder2_tokens: int = 0
+    heavy_tokens: int = 0
     center_keys: bool | None = None
     codebook_gain: str = "unbiased"
     codebook_search: bool = True
@@ -374,6 +384,9 @@ class KVQuantConfig:
                 f"ladder2_tokens: {self.ladder2_tokens} exceeds ladder_tokens ({self.ladder_tokens}); the second "
                 "rung's rows are the ladder's youngest"
             )
+        check_int(self.heavy_tokens, "heavy_tokens", 0, MAX_RESIDUAL_TOKENS)
+        if self.heavy_tokens and self.offload is not None:
+            raise ConfigError("heavy_tokens: not supported together with offload (use one of them)")
         for name in ("share_kv_scale", "check_finite", "codebook_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} must be true or false")
@@ -400,6 +413,8 @@ class KVQuantConfig:
             raise ConfigError(f"evict: expected a mapping like {{policy: snapkv, keep: 0.5}}, got {ev!r}")
         if self.ladder_tokens:
             raise ConfigError("ladder_tokens: not supported together with evict (kept tokens are not a suffix)")
+        if self.heavy_tokens:
+            raise ConfigError("heavy_tokens: not supported together with evict (kept tokens are not the prompt's rows)")
         if self.offload is not None:  # evicting layers rewrite slots in place; host blocks are not written
             raise ConfigError("offload: not supported together with evict yet (use one of them)")
         adakv = any(c is not None and c.budget == "adakv" for c in (ev, *ev.layers.values()))

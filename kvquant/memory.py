@@ -21,6 +21,7 @@ import torch
 
 from .config import KVQuantConfig
 from .errors import ArgumentError, InputError
+from .heavy import position_dtype
 from .inputs import read_text
 from .outputs import save_figure
 from .shape import ModelShape
@@ -44,6 +45,7 @@ class LayerLayout:
     per_block: bool  # a per-block precision: residual mode even without residual_tokens
     state_bytes: tuple[int, int]  # fitted scales / codebook state of every head, K and V: per sequence, shared
     rung_bytes: tuple[int, int]  # one age-ladder row of every head, first and second rung
+    refined_heads: int = 0  # heads with a first rung on K or V (a heavy row's position is held per such head)
 
 
 def layouts(shape: ModelShape, config: KVQuantConfig) -> list[LayerLayout]:
@@ -67,15 +69,16 @@ def layouts(shape: ModelShape, config: KVQuantConfig) -> list[LayerLayout]:
     for row in plan:
         names = [n for p in row for n in (p.key, p.value)]
         qs = [made[n][0] for n in names]
+        refined = sum(any(made[n][0].rung_parts(1) for n in (p.key, p.value)) for p in row)
         rungs = (0, 0)
-        if config.ladder_tokens and any(q.rung_parts(1) for q in qs):
+        if (config.ladder_tokens or config.heavy_tokens) and any(q.rung_parts(1) for q in qs):
             rungs = tuple(sum(spec_bits(q.rung_parts(r)) for q in qs) // 8 for r in (1, 2))  # type: ignore[assignment]
         out.append(LayerLayout(
             heads=len(row), token_bytes=sum(config.bits(n, D) for n in names) * D / 8,
             static=any(q.static for q in qs), per_block=any(q.per_block for q in qs),
             state_bytes=(sum(made[n][1][0] for n in names) + (len(row) * D * 4 if config.centers_keys else 0),
                          sum(made[n][1][1] for n in names)),
-            rung_bytes=rungs))  # fmt: skip
+            rung_bytes=rungs, refined_heads=refined))  # fmt: skip
     return out
 
 
@@ -92,6 +95,9 @@ def sequence_bytes(
       prompt shorter than ``CALIB_MIN_TOKENS`` that static scales are not fitted on yet.
     * ``ladder``: the age ladder's refinement rows (``ladder_tokens`` / ``ladder2_tokens`` newest pool tokens of the
       heads whose precision has those rungs, :meth:`~kvquant.quantizers.Quantizer.rung_parts`).
+    * ``heavy``: the heavy rows (``heavy_tokens``, picked when the prompt is written: here the whole context is
+      taken as the prompt): their first-rung parts and 2-byte positions (4 past 32,767 tokens), of the pool rows
+      below the ladder's.
     * ``state``: each head's fitted scales or codebook state and the key mean (``center_keys``): per sequence, and
       once for all of them (a codebook's rotation signs).
     * ``total``: their sum. Not modelled: eviction (``evict`` keeps fewer tokens), sliding-window layers and per-head
@@ -99,7 +105,7 @@ def sequence_bytes(
     """
     from .store import CALIB_MIN_TOKENS
 
-    out = {"pool": 0, "dense": 0, "ladder": 0, "state": 0}
+    out = {"pool": 0, "dense": 0, "ladder": 0, "heavy": 0, "state": 0}
     if tokens <= 0:
         return {**out, "total": 0}
     bs, r = config.block_size, config.residual_tokens
@@ -116,6 +122,11 @@ def sequence_bytes(
         out["state"] += batch * lay.state_bytes[0] + lay.state_bytes[1] if pooled else 0
         out["ladder"] += batch * sum(min(n, pooled) * b for n, b in zip((config.ladder_tokens, config.ladder2_tokens),
                                                                          lay.rung_bytes, strict=True))  # fmt: skip
+        below = pooled - config.ladder_tokens  # the prompt's pool rows heavy rows are picked among
+        if config.heavy_tokens and lay.refined_heads and below > 0:
+            n = min(config.heavy_tokens, below)
+            at = position_dtype(below).itemsize
+            out["heavy"] += batch * n * (lay.rung_bytes[0] + lay.refined_heads * at)
     out["total"] = sum(out.values())
     return out
 
@@ -177,6 +188,9 @@ def memory_report(cache: Any) -> dict[str, Any]:
             per_precision[name] = per_precision.get(name, 0) + k.numel() * k.element_size() * 2
         if store.ladder_n:  # the age ladder's refinement rows (in keys / values above)
             per_precision["refinement (ladder)"] = per_precision.get("refinement (ladder)", 0) + store.ladder_bytes()
+        if store.heavy:  # heavy rows' refinement parts and positions (in keys / values / index above)
+            per_precision["refinement (heavy rows)"] = per_precision.get("refinement (heavy rows)", 0) + \
+                store.heavy_bytes()
     tokens = cache.get_seq_length()
     total = totals["keys"] + totals["values"] + totals["scales"] + totals["dense"] + totals["index"]
     fp16_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2

@@ -52,6 +52,7 @@ import torch
 from .blocks import LayerBlocks
 from .config import KVPrecision, KVQuantConfig
 from .errors import ConfigError
+from .heavy import gather_parts, pick_rows, position_dtype, put_rows, take_rows
 from .lanes import LaneLayer
 from .offload import OffloadedStore, Prefetcher, host_id, is_host
 from .quantizers import Quantizer, make_quantizer
@@ -260,6 +261,14 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.ladder2_tokens = config.ladder2_tokens if self.ladder_tokens else 0
         self.ladder2: list[tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]] = []
         self.ladder2_n = 0
+        # heavy rows (``heavy_tokens``, kvquant.heavy): per group, (positions [B, Hg, n] (-1: none), K and V
+        # first-rung parts [B, Hg, n, ...]) of the prompt rows its attention weighs most; empty until picked
+        refinable = [s.quantizer for g in self.groups for s in (g.key, g.value) if hasattr(s.quantizer, "refine")]
+        self.heavy_tokens = config.heavy_tokens if window is None and not self.lanes and refinable else 0
+        if any(spec.per_block for q in refinable for spec in q.parts().values()):
+            self.heavy_tokens = 0  # (no codebook precision has per-block parts; the rows are read one by one)
+        self.heavy: list[tuple[torch.Tensor | None, dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]]
+        self.heavy = []
         if capacity:
             self.reserve(capacity)
 
@@ -330,11 +339,16 @@ class LayerStore(LaneLayer, OffloadedStore):
             keys = (keys.float() - self.key_mean).to(keys.dtype)
         return (fwht(keys) if self.rotate_keys else keys), (fwht(values) if self.rotate_values else values)
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None = None) -> int:
+    def append(
+        self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None = None,
+        key_scores: torch.Tensor | None = None,
+    ) -> int:
         """Quantize and write ``keys/values[B, H, T, D]`` at the cursor; returns the past length.
 
         ``row_start[B]`` (first append only): each row's first real token; the positions before it are
         left padding. Sink tokens are then each row's first real tokens, and static scales ignore pads.
+        ``key_scores[B, H, T]``: the attention weight each new token received from the chunk's queries; with
+        ``heavy_tokens`` set and no heavy rows picked yet, the pool rows this append writes pick them by it.
         """
         past = self.cache_pos
         largest = None  # max |K|, |V| when the finiteness check found it (CPU)
@@ -362,6 +376,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         if past < self.sink_end:
             self._keep_sinks(keys, values, past)
         held = self.res_k.shape[2] if self.res_k is not None and not self.calibrated else 0
+        scores = (past, key_scores) if key_scores is not None and self.heavy_tokens and not self.heavy else None
         if not self.calibrated:
             if self._hold_for_calibration(keys, values, past):
                 self.cache_pos = past + T
@@ -374,12 +389,12 @@ class LayerStore(LaneLayer, OffloadedStore):
                 self._calibrate(keys, values, past)
         self.release_window()
         if self.residual_mode:
-            self._append_residual(keys, values)
+            self._append_residual(keys, values, scores)
         else:
             if held:  # tokens held while calibration was deferred go to the pool first
                 self._write_pool(self.res_k.to(keys.dtype), self.res_v.to(values.dtype), self.q_end)
                 self.res_k = self.res_v = None
-            self._write_pool(keys, values, past)
+            self._write_pool(keys, values, past, scores)
         self.cache_pos = past + T
         self.offload_cold()
         return past
@@ -584,8 +599,11 @@ class LayerStore(LaneLayer, OffloadedStore):
             values[rows, :, offs] = 0
         return keys, values
 
-    def _write_pool(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> None:
-        """Quantize a chunk into the pool at ``pos`` (sink rows masked: they are read from the sink buffer)."""
+    def _write_pool(
+        self, keys: torch.Tensor, values: torch.Tensor, pos: int, scores: tuple[int, torch.Tensor] | None = None
+    ) -> None:
+        """Quantize a chunk into the pool at ``pos`` (sink rows masked: they are read from the sink buffer).
+        ``scores``: ``(first position, key scores [B, H, T])`` of the append, to pick heavy rows by."""
         if self.lanes:
             if self._lane_overwrite and pos == self.cache_pos and keys.shape[2] == 1 and pos >= self.sink_end:
                 self._lane_overwrite = False  # grow_lanes' token: overwrite() writes every head at its slot
@@ -607,7 +625,52 @@ class LayerStore(LaneLayer, OffloadedStore):
             g.value.commit(qv, plan)
         if self.ladder_tokens:
             self._push_ladder(masked, quantized, pos)
+        if scores is not None and not self.heavy:
+            self._pick_heavy(masked, quantized, pos, scores)
         self.q_end = pos + keys.shape[2]
+
+    def _pick_heavy(self, masked: dict, quantized: list, pos: int, scores: tuple[int, torch.Tensor]) -> None:
+        """Pick the heavy rows among the chunk just written at ``pos`` (:mod:`kvquant.heavy`): per (row, KV head),
+        the ``heavy_tokens`` rows of highest score, sinks and the rows the ladder holds after this write excepted,
+        and keep their first-rung refinement parts."""
+        s0, sc = scores
+        t = next(iter(masked.values()))[0].shape[2]
+        lo, hi = max(pos, s0), min(pos + t, s0 + sc.shape[2], pos + t - self.ladder_tokens)
+        if hi <= lo:
+            return
+        p = torch.arange(lo, hi, device=self.device)
+        eligible = p[None, :] >= (self.row_start + self.sink_tokens)[:, None]  # [B, t]: not a pad, not a sink
+        idx = pick_rows(sc[:, :, lo - s0:hi - s0].to(self.device), eligible, self.heavy_tokens)  # [B, H, n]
+        heavy = []
+        for g, q_kv in zip(self.groups, quantized, strict=True):
+            gidx = idx if g.all_heads else idx.index_select(1, g.head_index)
+            rel = torch.where(gidx >= 0, gidx + (lo - pos), -1)  # rows of the chunk
+            sides = []
+            for s, x, q in zip((g.key, g.value), masked[g.per_block], q_kv, strict=True):
+                if not hasattr(s.quantizer, "refine"):
+                    sides.append(None)
+                    continue
+                x = take_rows(x if g.all_heads else x.index_select(1, g.head_index), rel)
+                sides.append(s.quantizer.refine(x, s.state, {n: take_rows(v, rel) for n, v in q.parts.items()}))
+            at = None if sides == [None, None] else torch.where(gidx >= 0, gidx + lo, -1).to(position_dtype(hi))
+            heavy.append((at, sides[0], sides[1]))
+        self.heavy = heavy
+
+    def _put_heavy(self, group: HeadGroup, start: int, end: int, k: Any, v: Any) -> tuple[Any, Any]:
+        """``k``, ``v`` (tokens ``[start, end)`` of ``group``'s pool: tensors ``[B, Hg, t, D]`` or dense
+        :class:`Factored`) with the group's heavy rows among them read refined."""
+        at, kr, vr = self.heavy[group.key.group]
+        if at is None:
+            return k, v
+        tbl = self.table()
+        out = []
+        for s, x, r in ((group.key, k, kr), (group.value, v, vr)):
+            if r is not None:
+                rows = s.quantizer.decode_refined(gather_parts(s.parts, tbl, at), r, s.state).float()
+                x = Factored(put_rows(x.codes, rows, at, start, end)) if isinstance(x, Factored) else \
+                    put_rows(x, rows, at, start, end)
+            out.append(x)
+        return out[0], out[1]
 
     def _push_ladder(self, masked: dict, quantized: list, pos: int) -> None:
         """Add the refinement parts of the chunk just written at ``pos`` to the ladder's rings and keep their newest
@@ -804,8 +867,11 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.first_live = dead
         self._table_cache = None
 
-    def _append_residual(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Residual mode: keep the newest tokens dense; quantize whole blocks beyond ``residual_tokens``."""
+    def _append_residual(
+        self, keys: torch.Tensor, values: torch.Tensor, scores: tuple[int, torch.Tensor] | None = None
+    ) -> None:
+        """Residual mode: keep the newest tokens dense; quantize whole blocks beyond ``residual_tokens``
+        (``scores``: see :meth:`_write_pool`)."""
         if self.lanes:  # each head its own tail (kvquant.lanes)
             self._append_tails(keys, values)
             return
@@ -817,7 +883,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         flush = (pending - self.residual_tokens) // self.residual_step * self.residual_step
         if flush > 0:
             # tokens reach the pool through the residual buffer's dtype (exact for 16-bit models)
-            self._write_pool(dk[:, :, :flush].to(keys.dtype), dv[:, :, :flush].to(values.dtype), self.q_end)
+            self._write_pool(dk[:, :, :flush].to(keys.dtype), dv[:, :, :flush].to(values.dtype), self.q_end, scores)
         self.res_k, self.res_v = dk[:, :, max(flush, 0):].contiguous(), dv[:, :, max(flush, 0):].contiguous()
 
     def fake_quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1068,10 +1134,13 @@ class LayerStore(LaneLayer, OffloadedStore):
         if factored:
             if start < self.first_live * bs:
                 raise AssertionError("read_pool(factored=True) starts in a released block")
-            return (group.key.read_factored(tbl, start - j0 * bs, end - start, run=run, parts=kparts),
-                    group.value.read_factored(tbl, start - j0 * bs, end - start, run=run, parts=vparts))
+            k = group.key.read_factored(tbl, start - j0 * bs, end - start, run=run, parts=kparts)
+            v = group.value.read_factored(tbl, start - j0 * bs, end - start, run=run, parts=vparts)
+            return self._put_heavy(group, start, end, k, v) if self.heavy else (k, v)
         k = group.key.read(tbl, start - j0 * bs, end - start, run=run, parts=kparts)
         v = group.value.read(tbl, start - j0 * bs, end - start, run=run, parts=vparts)
+        if self.heavy:
+            k, v = self._put_heavy(group, start, end, k, v)
         dead = self.first_live * bs - start
         if dead > 0:
             k[:, :, :dead] = 0
@@ -1107,6 +1176,8 @@ class LayerStore(LaneLayer, OffloadedStore):
                 self._map_rings(lambda t, rung: t[:, :, : keep[rung]])
                 self.ladder_n, self.ladder2_n = keep[1], keep[2]
             self.q_end = tokens
+            self.heavy = [(None if at is None else torch.where(at < tokens, at, -1).to(at.dtype), kr, vr)
+                          for at, kr, vr in self.heavy]  # rows cut off are no longer refined (-1)
             self._truncate(-(-tokens // self.block_size))
             self.offload_from = min(self.offload_from, tokens // self.block_size)
             if tokens % self.block_size:
@@ -1137,6 +1208,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.sink_k = self.sink_v = None
         self.key_mean = None
         self.clear_ladder()
+        self.heavy = []
         self.slots = None
         self.fill = [[0] * self.num_heads for _ in range(self.batch)]
         self._set_qfill([[0] * self.num_heads for _ in range(self.batch)])
@@ -1181,6 +1253,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             setattr(new, name, None if t is None else t.clone())
         new.slots = None if self.slots is None else self.slots.copy()
         new.ladder, new.ladder2 = list(self.ladder), list(self.ladder2)  # (ring tensors are replaced, never in place)
+        new.heavy = list(self.heavy)  # (likewise)
         return new
 
     def index_batch(self, idx: torch.Tensor) -> None:
@@ -1210,6 +1283,8 @@ class LayerStore(LaneLayer, OffloadedStore):
                 setattr(self, name, t.index_select(0, idx))
         self.row_start = self.row_start.index_select(0, idx)
         self._map_rings(lambda t, _: t.index_select(0, idx))
+        self.heavy = [tuple(None if x is None else x.index_select(0, idx) if isinstance(x, torch.Tensor)
+                            else {n: t.index_select(0, idx) for n, t in x.items()} for x in h) for h in self.heavy]
         if self.slots is not None:  # each row's own kept tokens (per head) follow it
             self.slots.index_batch(idx)
         for g in self.groups:  # per-sequence static state (scales [B, H], codebook means ...) follows its rows
@@ -1286,7 +1361,16 @@ class LayerStore(LaneLayer, OffloadedStore):
             out["dense"] += k.numel() * k.element_size() + v.numel() * v.element_size()
         for kind, r in self._ring_parts():  # the ladder's refinement rows (both rungs)
             out[kind] += sum(t.numel() * t.element_size() for t in r.values())
+        for at, kr, vr in self.heavy:  # heavy rows: their refinement parts and positions
+            for kind, r in (("keys", kr), ("values", vr)):
+                out[kind] += sum(t.numel() * t.element_size() for t in (r or {}).values())
+            out["index"] += 0 if at is None else at.numel() * at.element_size()
         return out
+
+    def heavy_bytes(self) -> int:
+        """Bytes of the heavy rows held: refinement parts and positions (0 without them)."""
+        return sum(t.numel() * t.element_size() for h in self.heavy for x in h if x is not None
+                   for t in (x.values() if isinstance(x, dict) else (x,)))  # fmt: skip
 
     def ladder_bytes(self) -> int:
         """Bytes of the age ladder's refinement rows held, both rungs (0 without a ladder)."""

@@ -159,6 +159,11 @@ def ladder_reference(q, k, v, layer, past, scaling):
     """:func:`model_space_reference` with the ladder's young pool rows ``[q_end - n, q_end)`` decoded with their
     refinement bits (the second rung's ``[q_end - n2, q_end)`` with both), recomputed here from the rows written
     (fp16-rounded, as the residual window holds them)."""
+    return _sdpa(q, *ladder_history(k, v, layer), k, v, layer, past, scaling)
+
+
+def ladder_history(k, v, layer):
+    """The history ``k``, ``v`` as :func:`ladder_reference` reads it (its pool rows, the ladder's refined)."""
     kh, vh = k.clone(), v.clone()
     lo, hi = layer.q_end - layer.ladder_n, layer.q_end
     lo2 = layer.q_end - layer.ladder2_n
@@ -181,7 +186,7 @@ def ladder_reference(q, k, v, layer, past, scaling):
     # sinks, residual and the fresh chunk as the plain reference has them
     ref_k, ref_v = k.clone(), v.clone()
     ref_k[:, :, :hi], ref_v[:, :, :hi] = kh[:, :, :hi], vh[:, :, :hi]
-    return _sdpa(q, ref_k, ref_v, k, v, layer, past, scaling)
+    return ref_k, ref_v
 
 
 def _sdpa(q, kh, vh, k, v, layer, past, scaling):

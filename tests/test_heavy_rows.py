@@ -1,0 +1,245 @@
+"""Heavy rows (``heavy_tokens``, :mod:`kvquant.heavy`): the prompt rows each KV head attends to most keep their
+first refinement rung; attention reads them refined (torch path), through decode steps, crop, beams, copies; their
+bytes are counted and sized; the cache picks them by the prompt's own attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvquant import KVQuantConfig, ModelShape, QuantizedKVCache
+from kvquant.config import KVPrecision
+from kvquant.errors import ConfigError
+from kvquant.heavy import gather_parts, pick_rows, position_dtype, put_rows
+from kvquant.kernels import attention_torch, dispatch
+from kvquant.memory import sequence_bytes
+from kvquant.store import LayerStore
+from tests.test_codebook import DEV, model_space_reference
+from tests.test_codebook_ladder import ROWS, _sdpa, ladder_history
+
+OPTS = {"sink_tokens": 4, "residual_tokens": 5, "residual_step": 1, "block_size": 16}
+
+
+def heavy_layer(row, past=70, heavy=12, B=2, seed=0, **kw):
+    """A store of ``row``'s heads that wrote ``past`` tokens (keys with a per-channel offset) in one append with
+    random key scores; returns it, ``past + 8`` keys / values (the rest for fresh chunks) and the scores."""
+    g = torch.Generator().manual_seed(seed)
+    layer = LayerStore(row, KVQuantConfig(**{**OPTS, "heavy_tokens": heavy, **kw}), 64, B, DEV)
+    H = len(row)
+    off = torch.randn(1, H, 1, 64, generator=g) * 4
+    k = torch.randn(B, H, past + 8, 64, generator=g) + off
+    v = torch.randn(B, H, past + 8, 64, generator=g) + off / 4
+    scores = torch.rand(B, H, past, generator=g)
+    layer.append(k[:, :, :past], v[:, :, :past], None, scores)
+    return layer, k, v, scores
+
+
+def heavy_reference(q, k, v, layer, past, scaling):
+    """SDPA over the history as the store should read it (:func:`ladder_history`: pool rows dequantized, the
+    ladder's young rows refined) with the heavy rows refined too -- their refinement recomputed here from the rows
+    written (fp16-rounded, as the residual window passes them on)."""
+    kh, vh = ladder_history(k, v, layer)
+    end = layer.q_end
+    for gi, g in enumerate(layer.groups):
+        at = layer.heavy[gi][0] if layer.heavy else None
+        for side, (s, x, src) in enumerate(((g.key, kh, k), (g.value, vh, v))):
+            if at is None or layer.heavy[gi][1 + side] is None:
+                continue
+            parts = {n: t[:, :, :end] for n, t in s.gather(layer.table()).items()}
+            rows = src[:, g.head_index, :end].half().float()
+            refined = s.quantizer.from_space(
+                s.quantizer.decode_refined(parts, s.quantizer.refine(rows, s.state, parts), s.state), s.state)
+            for b, h, n in (at >= 0).nonzero().tolist():
+                p = int(at[b, h, n])
+                x[b, g.heads[h], p] = refined[b, h, p]
+    return _sdpa(q, kh, vh, k, v, layer, past, scaling)
+
+
+def test_pick_put_gather():
+    scores = torch.tensor([[[0.1, 0.9, 0.5, 0.8, 0.7]]])
+    eligible = torch.tensor([[False, True, True, False, True]])
+    assert pick_rows(scores, eligible, 2).tolist() == [[[1, 4]]]  # 0.8 is not eligible; ascending order
+    assert pick_rows(scores, eligible, 4).tolist() == [[[-1, 1, 2, 4]]]  # three eligible: a placeholder
+    x = torch.zeros(1, 1, 4, 2)
+    rows = torch.tensor([[[[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]]])
+    out = put_rows(x, rows, torch.tensor([[[-1, 11, 12]]]), 10, 13)  # tokens [10, 14), rows at 11 and 12 only
+    assert out[0, 0, :, 0].tolist() == [0.0, 2.0, 3.0, 0.0] and x.abs().sum() == 0
+    assert put_rows(x, rows, torch.tensor([[[10, 11, 13]]]), 10, 13)[0, 0, :, 0].tolist() == [1.0, 2.0, 0.0, 0.0]
+    blocks = torch.arange(3 * 2 * 4).view(3, 2, 4, 1)  # [num_blocks, H, block_size, 1]
+    got = gather_parts({"q": blocks}, torch.tensor([[2, 0]]), torch.tensor([[[5, 1], [-1, 2]]]))["q"]
+    want = [[[blocks[0, 0, 1, 0], blocks[2, 0, 1, 0]], [blocks[2, 1, 0, 0], blocks[2, 1, 2, 0]]]]  # (-1: row 0)
+    assert got[..., 0].tolist() == want
+    assert position_dtype(32768) == torch.int16 and position_dtype(32769) == torch.int32
+
+
+@pytest.mark.parametrize("row", list(ROWS.values()), ids=list(ROWS))
+def test_picks_are_the_top_scores_below_the_ladder(row):
+    """Per (row, head), the heavy positions are the highest-scoring pool rows, sinks and the ladder's rows out;
+    their stored refinement is the quantizer's refinement of those rows."""
+    layer, k, _, scores = heavy_layer(row, ladder_tokens=10)
+    lo, hi = 4, layer.q_end - 10
+    for gi, g in enumerate(layer.groups):
+        at = layer.heavy[gi][0]
+        if at is None:
+            assert not any(hasattr(s.quantizer, "refine") for s in (g.key, g.value))
+            continue
+        assert at.dtype == torch.int16 and at.shape == (2, len(g.heads), 12)
+        for hi_, h in enumerate(g.heads):
+            for b in range(2):
+                want = scores[b, h, lo:hi].topk(12).indices + lo
+                assert sorted(at[b, hi_].tolist()) == sorted(want.tolist())
+
+
+@pytest.mark.parametrize("Tq", [1, 5])
+@pytest.mark.parametrize("row", list(ROWS.values()), ids=list(ROWS))
+def test_attention_reads_heavy_rows_refined(row, Tq, monkeypatch):
+    """Attention (torch: one decode softmax, the tiled walk, the online softmax over small tiles) equals SDPA over
+    the history with the heavy rows refined; and it differs from the same store read without them."""
+    monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
+    layer, k, v, _ = heavy_layer(row)
+    torch.manual_seed(3)
+    q = torch.randn(2, 3 * layer.num_heads, Tq, 64)
+    fk, fv = k[:, :, 70:70 + Tq], v[:, :, 70:70 + Tq]
+    ref = heavy_reference(q, k[:, :, :70 + Tq], v[:, :, :70 + Tq], layer, 70, 0.125)
+    out = dispatch.attend(q, fk, fv, layer, 70, None, 0.125)
+    assert (out - ref).abs().max() <= 2e-4
+    monkeypatch.setattr(attention_torch, "WORKSPACE_BYTES", 4096)  # tiles of a block: the online softmax
+    assert (dispatch.attend(q, fk, fv, layer, 70, None, 0.125) - ref).abs().max() <= 2e-4
+    heavy, layer.heavy = layer.heavy, []
+    assert (dispatch.attend(q, fk, fv, layer, 70, None, 0.125) - out).abs().max() > 1e-3
+    plain = model_space_reference(q, k[:, :, :70 + Tq], v[:, :, :70 + Tq], layer, 70, 0.125)
+    assert (dispatch.attend(q, fk, fv, layer, 70, None, 0.125) - plain).abs().max() <= 2e-4
+    layer.heavy = heavy
+
+
+def test_heavy_rows_lower_the_error_where_attention_looks(monkeypatch):
+    """Rows picked by the queries' own attention, refined, bring the output closer to the exact attention than
+    the same bytes of random rows do."""
+    monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
+    errs = {}
+    for pick in ("attention", "random"):
+        g = torch.Generator().manual_seed(4)
+        layer = LayerStore([KVPrecision("tq2", "tq2")] * 2, KVQuantConfig(**{**OPTS, "heavy_tokens": 16}), 64, 1,
+                           DEV)  # fmt: skip
+        k, v = torch.randn(1, 2, 200, 64, generator=g), torch.randn(1, 2, 200, 64, generator=g)
+        k[:, :, 20:200:10] += torch.randn(1, 2, 1, 64, generator=g) * 2  # a few keys the queries below favour
+        q = k[:, :, 20:200:10].mean(2, keepdim=True).repeat_interleave(3, 1) * 0.6
+        s = (q.view(1, 2, 3, 64) @ k.transpose(-1, -2) / 8).softmax(-1).sum(2)  # [1, 2, 200]
+        layer.append(k[:, :, :199], v[:, :, :199], None, s[..., :199] if pick == "attention" else torch.rand(1, 2, 199))
+        out = dispatch.attend(q, k[:, :, 199:], v[:, :, 199:], layer, 199, None, 0.125)
+        errs[pick] = float((out - _sdpa(q, k.clone(), v.clone(), k, v, layer, 199, 0.125)).pow(2).mean())
+    assert errs["attention"] < 0.7 * errs["random"]
+
+
+def test_decode_steps_crop_reorder_copy_reset(monkeypatch):
+    """Decode steps keep the picks (picked once, from the prompt) beside a moving two-rung ladder; a beam reorder
+    and a copy carry them; crop drops the rows cut off; reset forgets them. Attention stays exact throughout."""
+    monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
+    layer, k, v, _ = heavy_layer(ROWS["tqt"], past=60, heavy=8, ladder_tokens=6, ladder2_tokens=3)
+    picks = [h[0].clone() for h in layer.heavy if h[0] is not None]
+    for t in range(60, 66):
+        layer.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    assert all(torch.equal(h[0], p) for h, p in zip([h for h in layer.heavy if h[0] is not None], picks, strict=True))
+
+    def check(layer, k, v, past):
+        torch.manual_seed(1)
+        q = torch.randn(layer.batch, 3 * layer.num_heads, 1, 64)
+        kk, vv = torch.cat([k[:, :, :past], k[:, :, 66:67]], 2), torch.cat([v[:, :, :past], v[:, :, 66:67]], 2)
+        out = dispatch.attend(q, kk[:, :, past:], vv[:, :, past:], layer, past, None, 0.125)
+        assert (out - heavy_reference(q, kk, vv, layer, past, 0.125)).abs().max() <= 2e-4
+
+    check(layer, k, v, 66)
+    twin = layer.copy()
+    layer.index_batch(torch.tensor([1, 0]))
+    check(layer, k.flip(0), v.flip(0), 66)
+    check(twin, k, v, 66)  # the copy is untouched by the reorder
+    top = max(int(h[0].max()) for h in layer.heavy if h[0] is not None)
+    layer.crop(top)  # the highest pick (and any at or above it) is cut off
+    assert all(int(h[0].max()) < top for h in layer.heavy if h[0] is not None)
+    check(layer, k.flip(0), v.flip(0), top)
+    layer.reset()
+    assert layer.heavy == []
+
+
+def test_bytes_are_counted_and_sized():
+    """memory(): per pick and refined side D / 8 bits + a norm byte, per pick and head of a refined group a 2-byte
+    position; sequence_bytes gives the same."""
+    a, *_ = heavy_layer(ROWS["tq-tqv-int8"], heavy=0)
+    b, *_ = heavy_layer(ROWS["tq-tqv-int8"], heavy=12)
+    ma, mb = a.memory(), b.memory()
+    refinable = {"keys": 2, "values": 3}  # codebook heads per side in the row (every head has one: 3 positions)
+    for kind, n in refinable.items():
+        assert mb[kind] - ma[kind] == 2 * 12 * n * (64 // 8 + 1)
+    assert mb["index"] - ma["index"] == 2 * 12 * 3 * 2
+    assert b.heavy_bytes() == 2 * 12 * (5 * 9 + 3 * 2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from tests.test_kernels_e2e import tiny_llama
+
+    return tiny_llama(heads=4, kv_heads=2, layers=2)
+
+
+CACHE_CONFIG = {"default": "tq3", "heads": {"1.1": {"key": "int8", "value": "tqt3"}}, "heavy_tokens": 10,
+                "ladder_tokens": 6, "ladder2_tokens": 2, **OPTS}  # fmt: skip
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cache_picks_by_the_prompt_and_sizes_them(model, batch, monkeypatch):
+    """Through a wrapped model: the prompt's write picks every layer's heavy rows (real rows past the sinks,
+    below the ladder), ``generate`` decodes with them, and the cache holds what ``sequence_bytes`` says."""
+    import kvquant
+
+    monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
+    cfg = KVQuantConfig.from_dict(CACHE_CONFIG)
+    kvquant.wrap(model, cfg)
+    try:
+        g = torch.Generator().manual_seed(5)
+        ids = torch.randint(3, 96, (batch, 50), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1:, :7] = 0  # the second row is left-padded by 7
+        cache = QuantizedKVCache(model, cfg)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=5, do_sample=False)
+        for layer in cache.layers:
+            store = layer.store
+            first = store.row_start.view(-1, 1, 1) + 4
+            for at, _, _ in store.heavy:
+                assert at.shape[-1] == 10 and bool(((at >= first) & (at < 50 - 5 - 6)).all())
+        shape = ModelShape.of(model)
+        assert cache.memory_report()["bytes_total"] == sequence_bytes(shape, cfg, 54, batch)["total"]
+        # layer 0: 4 codebook sides and 2 positions a pick; layer 1 (head 1 has int8 keys): 3 sides, 2 positions
+        assert sequence_bytes(shape, cfg, 54, batch)["heavy"] == batch * 10 * ((4 * 9 + 2 * 2) + (3 * 9 + 2 * 2))
+    finally:
+        kvquant.unwrap(model)
+
+
+def test_needs_the_models_queries_and_config_checks():
+    cfg = KVQuantConfig.from_dict({"default": "tq3", "heavy_tokens": 8})
+    assert KVQuantConfig.from_dict(cfg.to_dict()).heavy_tokens == 8
+    cache = QuantizedKVCache(ModelShape(num_layers=1, num_kv_heads=2, head_dim=64), cfg)
+    k = torch.randn(1, 2, 20, 64)
+    with pytest.raises(ValueError, match="heavy_tokens: heavy rows are picked by the model's queries"):
+        cache.update(k, k, 0)
+    with pytest.raises(ConfigError, match="heavy_tokens"):
+        KVQuantConfig.from_dict({"default": "tq3", "heavy_tokens": -1})
+    with pytest.raises(ConfigError, match="heavy_tokens"):
+        KVQuantConfig.from_dict({"default": "tq3", "heavy_tokens": 8, "evict": {"policy": "snapkv", "keep": 0.5}})
+    with pytest.raises(ConfigError, match="heavy_tokens"):
+        KVQuantConfig.from_dict({"default": "tq3", "heavy_tokens": 8, "offload": {"device_blocks": 4}})
+    # layers without a codebook side hold none
+    plain = LayerStore([KVPrecision("int8", "int8")], KVQuantConfig(heavy_tokens=8), 64, 1, DEV)
+    assert plain.heavy_tokens == 0
+
+
+def test_triton_leaves_heavy_rows_to_torch():
+    """The kernels cannot skip a pool row yet: a store with heavy rows is Unsupported there (the dispatcher then
+    runs the torch path)."""
+    pytest.importorskip("triton")
+    from kvquant.kernels.triton_attention import attend_triton
+    from kvquant.kernels.unsupported import Unsupported
+
+    layer, k, v, _ = heavy_layer(ROWS["tq-tqv-int8"])
+    with pytest.raises(Unsupported, match="heavy rows"):
+        attend_triton(torch.randn(2, 9, 1, 64), k[:, :, 70:71], v[:, :, 70:71], layer, 70, None, 0.125)
