@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 ATTN_NAME = "kvquant"
 CLIP_WARN_RATE = 1e-3  # warn (once per cache) when static scales clip more than this fraction of values
+HEAVY_SCORE_ELEMENTS = 1 << 24  # fp32 scores per query tile when a prompt picks its heavy rows (64 MiB)
 
 
 def new_session_id() -> str:
@@ -204,7 +205,9 @@ class QuantizedLayer(CacheLayerMixin):
         mask, past = context.get("mask"), store.cache_pos
         if mask is not None:  # the chunk's own keys
             mask = mask[..., past:past + keys.shape[2]]
-        return window_attention(context["queries"], keys, context.get("scaling") or keys.shape[-1] ** -0.5, mask)
+        q = context["queries"]
+        tile = max(1, min(256, HEAVY_SCORE_ELEMENTS // (q.shape[0] * q.shape[1] * keys.shape[2])))  # a long prompt
+        return window_attention(q, keys, context.get("scaling") or keys.shape[-1] ** -0.5, mask, tile)
 
     def _write_evicting(
         self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None, context: dict[str, Any]

@@ -243,3 +243,25 @@ def test_triton_leaves_heavy_rows_to_torch():
     layer, k, v, _ = heavy_layer(ROWS["tq-tqv-int8"])
     with pytest.raises(Unsupported, match="heavy rows"):
         attend_triton(torch.randn(2, 9, 1, 64), k[:, :, 70:71], v[:, :, 70:71], layer, 70, None, 0.125)
+
+
+def test_picks_do_not_depend_on_the_score_tile(model, monkeypatch):
+    """A long prompt scores its keys a few queries at a time (HEAVY_SCORE_ELEMENTS): the same picks."""
+    import kvquant
+    from kvquant import cache as cache_module
+
+    monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
+    cfg = KVQuantConfig.from_dict(CACHE_CONFIG)
+    kvquant.wrap(model, cfg)
+    try:
+        ids = torch.randint(3, 96, (1, 60), generator=torch.Generator().manual_seed(6))
+        picks = []
+        for elements in (1 << 24, 4 * 60 * 3):  # tiles of 256 queries, then of 3
+            monkeypatch.setattr(cache_module, "HEAVY_SCORE_ELEMENTS", elements)
+            cache = QuantizedKVCache(model, cfg)
+            with torch.no_grad():
+                model(ids, past_key_values=cache)
+            picks.append([h[0] for layer in cache.layers for h in layer.store.heavy])
+        assert all(torch.equal(a, b) for a, b in zip(*picks, strict=True))
+    finally:
+        kvquant.unwrap(model)
