@@ -14,8 +14,11 @@
 * Stores with an age ladder (``ladder_tokens``): its young pool rows ``[q_end - ladder_n, q_end)`` are
   decoded with their refinement bits by the store (at most ``ladder_tokens`` rows a head, each step) and
   join the dense side (:func:`ladder_segment`); the kernels read the pool below them, at its base width.
-* Stores with heavy rows (``heavy_tokens``, :mod:`kvquant.heavy`) are not served yet: the kernels would have to
-  skip those rows' base codes per head (raises :class:`Unsupported`; the torch path reads them refined).
+* Stores with heavy rows (``heavy_tokens``, :mod:`kvquant.heavy`): the kernels read the pool as it is, heavy rows
+  at their base width; the store decodes those rows (at most ``heavy_tokens`` a head, base and refined) and
+  :func:`swap_rows` trades each one's base term in the softmax for its refined term, exactly: the kernels' partial
+  is ``(out, lse)``, so removing a row's ``exp(s_base) v_base`` and adding ``exp(s_refined) v_refined`` to the
+  numerator and denominator is the softmax with that row refined (the kernels need no per-head skip).
 
 Raises :class:`~kvquant.kernels.unsupported.Unsupported` (the dispatcher then runs the torch path and
 logs the reason once) for: head_dim not a power of two in [16, 256]; a device Triton cannot run on
@@ -224,6 +227,69 @@ def ladder_segment(layer: LayerStore, hist: int) -> tuple[torch.Tensor, torch.Te
     return k, v, p
 
 
+def heavy_segment(
+    layer: LayerStore, hist: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The heavy rows the kernels read (pool positions below ``hist``), decoded by the store in each head's space:
+    K and V at their base width, then refined (``[B, Hkv, n, D]`` float32; a side without refinement: its base), and
+    their positions ``[B, Hkv, n]`` (-1: none there, or not in the kernels' pool)."""
+    B, H, D = layer.batch, layer.num_heads, layer.head_dim
+    n = max(h[0].shape[-1] for h in layer.heavy if h[0] is not None)
+    out = [torch.zeros((B, H, n, D), dtype=torch.float32, device=layer.device) for _ in range(4)]
+    pos = torch.full((B, H, n), -1, dtype=torch.long, device=layer.device)
+    for g in layer.groups:
+        at, base = layer.heavy_rows(g, base=True)
+        if at is None:
+            continue
+        _, refined = layer.heavy_rows(g)
+        for t, x in zip(out, (*base, *(r if r is not None else b for r, b in zip(refined, base, strict=True))),
+                        strict=True):  # fmt: skip
+            t[:, g.head_index] = x
+        pos[:, g.head_index] = torch.where(at < hist, at.long(), -1)
+    return out[0], out[1], out[2], out[3], pos
+
+
+def swap_rows(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    query: torch.Tensor,
+    heavy: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    ranges: tuple[torch.Tensor, torch.Tensor] | None,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention ``out[B, Hq, Tq, D]`` (log-sum-exp ``lse[B, Hq, Tq]``, natural log) over keys that include the
+    heavy rows at their base width, turned into the attention with those rows refined (:func:`heavy_segment`): per
+    visible heavy row, its base term ``exp(s) v`` leaves the softmax's numerator and denominator and its refined
+    term joins them. Visible: ``lo <= position < hi`` (``ranges``; None: every position >= 0). Exact up to how
+    closely this base term matches the kernels' own (fp32: float rounding; 16-bit queries: the same operand rounding,
+    but not the same summation order or exp2; not measured on a GPU)."""
+    kc, vc, kr, vr, pos = heavy
+    B, Hq, Tq, D = query.shape
+    Hkv, n = pos.shape[1], pos.shape[2]
+    rep = Hq // Hkv
+    q = query.float().reshape(B, Hkv, rep * Tq, D) * scaling
+    if query.dtype != torch.float32:  # the kernels' dot takes 16-bit operands: the base term as they computed it
+        kc, vc = kc.to(query.dtype).float(), vc.to(query.dtype).float()
+    p = pos.view(B, Hkv, 1, 1, n)
+    vis = p >= 0
+    if ranges is not None:
+        lo, hi = ranges
+        vis = vis & (p >= lo.view(B, 1, 1, Tq, 1)) & (p < hi.view(B, 1, 1, Tq, 1))
+    sc, sr = (cap_scores(q @ k.transpose(-1, -2), softcap).view(B, Hkv, rep, Tq, n).masked_fill(~vis, float("-inf"))
+              for k in (kc, kr))  # fmt: skip
+    lse5 = lse.reshape(B, Hkv, rep, Tq)
+    m = torch.maximum(lse5, sr.amax(dim=-1))
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    wc, wr = torch.exp(sc - m[..., None]), torch.exp(sr - m[..., None])
+    den = torch.exp(lse5 - m) - wc.sum(-1) + wr.sum(-1)
+    flat = lambda w: w.reshape(B, Hkv, rep * Tq, n)  # noqa: E731
+    num = torch.exp(lse5 - m)[..., None] * out.reshape(B, Hkv, rep, Tq, D) + (
+        (flat(wr) @ vr - flat(wc) @ vc).view(B, Hkv, rep, Tq, D))
+    res = torch.where(den[..., None] > 0, num / torch.where(den > 0, den, 1.0)[..., None], out.reshape(num.shape))
+    return res.reshape(B, Hq, Tq, D)
+
+
 def block_table(layer: LayerStore, hist: int, batch: int, device: torch.device) -> torch.Tensor:
     """The rows' block tables as int32 ``[B, max(1, blocks)]`` on ``device``; raises :class:`Unsupported`
     when they do not cover ``hist`` tokens."""
@@ -312,8 +378,6 @@ def attend_triton(
     rows join the dense side, refined (:func:`ladder_segment`); the kernels' pool then ends below them.
     """
     B, Hq, Tq, D = query.shape
-    if getattr(layer, "heavy", None):  # (kvquant.heavy) their base rows would have to be skipped in the pool walk
-        raise Unsupported("heavy rows (heavy_tokens): the kernels do not skip a pool row yet")
     check_shapes(query, fresh_k, fresh_v, layer)
     dk = dot_kind(query.dtype, interpreted())
     ranges = key_ranges(mask, B, Hq, Tq, past_len)
@@ -348,6 +412,7 @@ def attend_triton(
         for op in (k, v):
             if op.data.device != query.device:
                 raise Unsupported("store parts on another device")
+    heavy = heavy_segment(layer, hist) if getattr(layer, "heavy", None) else None
     table = block_table(layer, hist, B, query.device)
     if segments is not None and segments[0].device != query.device:
         raise Unsupported("dense segments on another device")
@@ -357,9 +422,10 @@ def attend_triton(
     # Triton's interpreter converts fp32 -> bf16 by truncation (compiled code rounds to nearest even):
     # under the interpreter a bf16 result is written in fp32 and rounded by torch. With dense segments
     # the kernels' result is a partial, kept in fp32 for the merge.
-    fp32_res = segments is not None or (interpreted() and out.dtype == torch.bfloat16)
+    partial = segments is not None or heavy is not None
+    fp32_res = partial or (interpreted() and out.dtype == torch.bfloat16)
     res = torch.empty(out.shape, device=out.device) if fp32_res else out
-    lse = torch.empty((B, Hq, Tq), dtype=torch.float32, device=query.device) if segments is not None else None
+    lse = torch.empty((B, Hq, Tq), dtype=torch.float32, device=query.device) if partial else None
     if Tq == 1:
         launches = decode_launches(query, fresh_k, fresh_v, groups, layer.num_heads, hist, kernel_ranges, scaling,
                                    res, dk, splits=splits, lse=lse, softcap=softcap, table=table,
@@ -373,12 +439,16 @@ def attend_triton(
     if segments is not None:
         d_out, d_lse = attend_dense(query, *segments, ranges, scaling, softcap)
         res = merge_lse(res, lse * LN2, d_out, d_lse)
+        if heavy is not None:
+            lse = torch.logaddexp(lse * LN2, d_lse) / LN2
+    if heavy is not None:
+        res = swap_rows(res, lse * LN2, query, heavy, ranges, scaling, softcap)
     if res is not out:
         out.copy_(res)
     return out
 
 
 __all__ = [
-    "attend_dense", "attend_triton", "check_shapes", "dense_segments", "interpreted", "key_ranges", "ladder_segment",
-    "merge_lse", "split_ranges",
+    "attend_dense", "attend_triton", "check_shapes", "dense_segments", "heavy_segment", "interpreted", "key_ranges",
+    "ladder_segment", "merge_lse", "split_ranges", "swap_rows",
 ]

@@ -208,8 +208,8 @@ class KVQuantConfig:
             the sinks and the residual window excepted); :mod:`kvquant.heavy`. ``D / 8 + 1`` bytes per row and
             side, plus a 2-byte position per (row, head); counted in the bytes held. Needs the model's queries (a
             model wrapped by kvquant, whose attention passes them); not for sliding-window layers or per-head lanes;
-            excludes ``evict`` and ``offload``. Read by the torch path (the Triton kernels do not skip a pool row
-            yet: such a layer falls back to torch, logged once). 0 (default): off.
+            excludes ``evict`` and ``offload``. The Triton kernels read the pool as it is; each heavy row's base term
+            in their softmax is then traded for its refined one (``swap_rows``). 0 (default): off.
         center_keys: subtract one per-channel key mean per (sequence, KV head), fixed from the prefill
             (sink tokens left out), from every stored key before rotating and quantizing. Exact: a query
             sees ``q.(k - mu) = q.k - q.mu`` for every key, a shift common to all of its scores, which

@@ -4,8 +4,10 @@ The age ladder (``ladder_tokens``) refines the *youngest* pool rows; this refine
 write, each KV head's ``N`` pool rows with the most attention from the prompt's own queries (H2O's accumulated
 score: softmax weight summed over every prompt query and the query heads of the KV head) keep the first rung of
 their codebook code (``Quantizer.refine``: one bit per coordinate and a norm byte), picked once and kept for good.
-The attention reads those rows refined in place of their base decode (:func:`put_rows`); the rest of the pool is
-read as it is. A row position costs 2 bytes (4 past 32,767 tokens) per (sequence, KV head).
+The torch attention reads those rows refined in place of their base decode (:func:`put_rows`); the Triton kernels
+read the pool as it is and each heavy row's base softmax term is then swapped for its refined one
+(:func:`kvquant.kernels.triton_attention.swap_rows`). A row position costs 2 bytes (4 past 32,767 tokens) per
+(sequence, KV head).
 
 Three small functions with one job each (the store holds the state, see :class:`~kvquant.store.LayerStore`):
 :func:`pick_rows` chooses the positions, :func:`gather_parts` reads the picked rows' base parts out of the pool's

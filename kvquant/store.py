@@ -656,19 +656,37 @@ class LayerStore(LaneLayer, OffloadedStore):
             heavy.append((at, sides[0], sides[1]))
         self.heavy = heavy
 
+    def heavy_rows(self, group: HeadGroup, base: bool = False) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """``group``'s heavy rows (:mod:`kvquant.heavy`): their positions ``[B, Hg, n]`` (-1: none; None: the group
+        holds none) and, per side (K, V), their refined decode (float32, the space the attention reads; None: a side
+        without refinement) or, with ``base``, their base decode (both sides: what the pool's codes read)."""
+        at, kr, vr = self.heavy[group.key.group]
+        if at is None:
+            return None, [None, None]
+        tbl = self.table()
+        out: list[torch.Tensor | None] = []
+        for s, r in ((group.key, kr), (group.value, vr)):
+            if r is None and not base:
+                out.append(None)
+                continue
+            parts = gather_parts(s.parts, tbl, at)
+            if not base:
+                out.append(s.quantizer.decode_refined(parts, r, s.state).float())
+            elif s.quantizer.space:  # (as QuantizedTensorStore.read)
+                out.append(s.quantizer.decode_space(parts, s.state).float())
+            else:
+                out.append(s.quantizer.dequantize(parts, s.state, torch.float32))
+        return at, out
+
     def _put_heavy(self, group: HeadGroup, start: int, end: int, k: Any, v: Any) -> tuple[Any, Any]:
         """``k``, ``v`` (tokens ``[start, end)`` of ``group``'s pool: tensors ``[B, Hg, t, D]`` or dense
         :class:`Factored`) with the group's heavy rows among them read refined."""
-        at, kr, vr = self.heavy[group.key.group]
-        if at is None:
-            return k, v
-        tbl = self.table()
+        at, rows = self.heavy_rows(group)
         out = []
-        for s, x, r in ((group.key, k, kr), (group.value, v, vr)):
+        for x, r in zip((k, v), rows, strict=True):
             if r is not None:
-                rows = s.quantizer.decode_refined(gather_parts(s.parts, tbl, at), r, s.state).float()
-                x = Factored(put_rows(x.codes, rows, at, start, end)) if isinstance(x, Factored) else \
-                    put_rows(x, rows, at, start, end)
+                x = Factored(put_rows(x.codes, r, at, start, end)) if isinstance(x, Factored) else \
+                    put_rows(x, r, at, start, end)
             out.append(x)
         return out[0], out[1]
 

@@ -14,7 +14,7 @@ from kvquant.heavy import gather_parts, pick_rows, position_dtype, put_rows
 from kvquant.kernels import attention_torch, dispatch
 from kvquant.memory import sequence_bytes
 from kvquant.store import LayerStore
-from tests.test_codebook import DEV, model_space_reference
+from tests.test_codebook import DEV, model_space_reference, triton_matches_torch
 from tests.test_codebook_ladder import ROWS, _sdpa, ladder_history
 
 OPTS = {"sink_tokens": 4, "residual_tokens": 5, "residual_step": 1, "block_size": 16}
@@ -233,16 +233,56 @@ def test_needs_the_models_queries_and_config_checks():
     assert plain.heavy_tokens == 0
 
 
-def test_triton_leaves_heavy_rows_to_torch():
-    """The kernels cannot skip a pool row yet: a store with heavy rows is Unsupported there (the dispatcher then
-    runs the torch path)."""
-    pytest.importorskip("triton")
-    from kvquant.kernels.triton_attention import attend_triton
-    from kvquant.kernels.unsupported import Unsupported
+HEAVY_CASES = {  # heavy_layer keywords
+    "sinks+residual": {},
+    "with a two-rung ladder": {"ladder_tokens": 10, "ladder2_tokens": 4},
+    "no dense side": {"sink_tokens": 0, "residual_tokens": 0, "residual_step": 16},  # the kernels' lse alone
+}
 
-    layer, k, v, _ = heavy_layer(ROWS["tq-tqv-int8"])
-    with pytest.raises(Unsupported, match="heavy rows"):
-        attend_triton(torch.randn(2, 9, 1, 64), k[:, :, 70:71], v[:, :, 70:71], layer, 70, None, 0.125)
+
+@pytest.mark.parametrize("case", list(HEAVY_CASES))
+@pytest.mark.parametrize("row", list(ROWS.values()), ids=list(ROWS))
+@pytest.mark.parametrize("Tq", [1, 5], ids=["decode", "chunk"])
+def test_triton_reads_heavy_rows(Tq, row, case, monkeypatch):
+    """The Triton kernels (decode, chunk) read a store with heavy rows as the torch path does: the pool in-kernel at
+    its base width, each heavy row's base softmax term then traded for its refined one (swap_rows)."""
+    layer, k, v, _ = heavy_layer(row, **HEAVY_CASES[case])
+    assert layer.heavy
+    q = torch.randn(2, 3 * layer.num_heads, Tq, 64, generator=torch.Generator().manual_seed(3))
+    args = (q, k[:, :, 70:70 + Tq], v[:, :, 70:70 + Tq], layer, 70, None, 0.125)
+    out = triton_matches_torch(monkeypatch, args)
+    monkeypatch.undo()  # (triton_matches_torch stubbed the torch path out)
+    heavy, layer.heavy = layer.heavy, []  # the swap is what moves it: without it the kernels read other values
+    monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
+    assert (out - dispatch.attend(*args)).abs().max() > 1e-3
+    layer.heavy = heavy
+
+
+def test_swap_rows_with_a_mask_and_softcap():
+    """swap_rows on its own: attention over keys with some rows at a base value, turned into attention with those
+    rows at another value, equals plain softmax attention over the changed keys (per-head rows, key ranges that hide
+    some of them, softcapping)."""
+    from kvquant.kernels.triton_attention import attend_dense, swap_rows
+
+    g = torch.Generator().manual_seed(8)
+    B, Hkv, rep, Tq, T, D = 2, 2, 3, 4, 30, 16
+    q = torch.randn(B, Hkv * rep, Tq, D, generator=g)
+    k, v = torch.randn(B, Hkv, T, D, generator=g) * 2, torch.randn(B, Hkv, T, D, generator=g)
+    pos = torch.tensor([[[3, 17, -1], [9, 3, 25]], [[0, 28, 11], [-1, -1, 5]]])
+    kr, vr = k.clone(), v.clone()
+    rows = torch.randn(B, Hkv, 3, D, generator=g)
+    base = [x.gather(2, pos.clamp_min(0)[..., None].expand(-1, -1, -1, D)) for x in (k, v)]
+    for b, h, i in (pos >= 0).nonzero().tolist():
+        kr[b, h, pos[b, h, i]] += rows[b, h, i]
+        vr[b, h, pos[b, h, i]] -= rows[b, h, i]
+    refined = [x.gather(2, pos.clamp_min(0)[..., None].expand(-1, -1, -1, D)) for x in (kr, vr)]
+    ranges = (torch.tensor([[0, 2, 4, 10], [1, 0, 0, 12]]), torch.tensor([[30, 20, 26, 30], [29, 30, 9, 30]]))
+    at = torch.arange(T).expand(B, T)
+    for softcap in (None, 5.0):
+        out, lse = attend_dense(q, k, v, at, ranges, 0.3, softcap)
+        want, _ = attend_dense(q, kr, vr, at, ranges, 0.3, softcap)
+        got = swap_rows(out, lse, q, (*base, *refined, pos), ranges, 0.3, softcap)
+        assert (got - want).abs().max() <= 1e-5
 
 
 def test_picks_do_not_depend_on_the_score_tile(model, monkeypatch):
@@ -260,8 +300,28 @@ def test_picks_do_not_depend_on_the_score_tile(model, monkeypatch):
             monkeypatch.setattr(cache_module, "HEAVY_SCORE_ELEMENTS", elements)
             cache = QuantizedKVCache(model, cfg)
             with torch.no_grad():
-                model(ids, past_key_values=cache)
+                model(ids, cache=cache)
             picks.append([h[0] for layer in cache.layers for h in layer.store.heavy])
         assert all(torch.equal(a, b) for a, b in zip(*picks, strict=True))
+    finally:
+        kvquant.unwrap(model)
+
+
+def test_generate_with_heavy_rows_triton_matches_torch(model, monkeypatch):
+    """End to end (a left-padded batch, greedy): the Triton path (interpreter on CPU) reads the heavy rows as the
+    torch path does, every decode step in-kernel (no fallback)."""
+    import kvquant
+    from tests.test_kernels_e2e import E2E_TOL, generate
+
+    kvquant.wrap(model, KVQuantConfig.from_dict(CACHE_CONFIG))
+    try:
+        ids = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(7))
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0
+        ref_tokens, ref_logits, _, _ = generate(model, ids, mask, "torch", monkeypatch, new_tokens=4)
+        tokens, logits, calls, cache = generate(model, ids, mask, "triton", monkeypatch, new_tokens=4)
+        assert all(layer.store.heavy for layer in cache.layers)
+        assert calls.count(1) == 3 * 2  # 3 decode steps x 2 layers, none fell back
+        assert torch.equal(tokens, ref_tokens) and (logits - ref_logits).abs().max() <= E2E_TOL  # (measured 1.8e-5)
     finally:
         kvquant.unwrap(model)
