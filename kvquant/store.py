@@ -255,7 +255,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.ladder_tokens = config.ladder_tokens if window is None and not self.lanes else 0
         self.ladder: list[tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]] = []
         self.ladder_n = 0
-        if not any(hasattr(s.quantizer, "refine") for g in self.groups for s in (g.key, g.value)):
+        if not any(s.quantizer.rung_parts(1) for g in self.groups for s in (g.key, g.value)):
             self.ladder_tokens = 0  # no codebook K or V in this layer: nothing to refine
         # the second rung's ring: the same layout, the ladder2_n newest pool tokens (None: no second rung there)
         self.ladder2_tokens = config.ladder2_tokens if self.ladder_tokens else 0
@@ -263,7 +263,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.ladder2_n = 0
         # heavy rows (``heavy_tokens``, kvquant.heavy): per group, (positions [B, Hg, n] (-1: none), K and V
         # first-rung parts [B, Hg, n, ...]) of the prompt rows its attention weighs most; empty until picked
-        refinable = [s.quantizer for g in self.groups for s in (g.key, g.value) if hasattr(s.quantizer, "refine")]
+        refinable = [s.quantizer for g in self.groups for s in (g.key, g.value) if s.quantizer.rung_parts(1)]
         self.heavy_tokens = config.heavy_tokens if window is None and not self.lanes and refinable else 0
         if any(spec.per_block for q in refinable for spec in q.parts().values()):
             self.heavy_tokens = 0  # (no codebook precision has per-block parts; the rows are read one by one)
@@ -647,7 +647,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             rel = torch.where(gidx >= 0, gidx + (lo - pos), -1)  # rows of the chunk
             sides = []
             for s, x, q in zip((g.key, g.value), masked[g.per_block], q_kv, strict=True):
-                if not hasattr(s.quantizer, "refine"):
+                if not s.quantizer.rung_parts(1):
                     sides.append(None)
                     continue
                 x = take_rows(x if g.all_heads else x.index_select(1, g.head_index), rel)
@@ -703,7 +703,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             gk, gv = masked[g.per_block]
             p1, p2 = [], []
             for s, x, q, prev1, prev2 in zip((g.key, g.value), (gk, gv), (qk, qv), old1, old2, strict=True):
-                if not hasattr(s.quantizer, "refine"):
+                if not s.quantizer.rung_parts(1):
                     p1.append(None)
                     p2.append(None)
                     continue
@@ -712,7 +712,7 @@ class LayerStore(LaneLayer, OffloadedStore):
                 x, parts = x[:, :, t0:], _rows(q.parts, t0)
                 r = s.quantizer.refine(x, s.state, parts)
                 p1.append(_ring_push(prev1 if self.ladder_n else None, r, self.ladder_tokens))
-                if not (self.ladder2_tokens and hasattr(s.quantizer, "refine2")):
+                if not (self.ladder2_tokens and s.quantizer.rung_parts(2)):
                     p2.append(None)
                     continue
                 t2 = max(0, x.shape[2] - self.ladder2_tokens)

@@ -80,7 +80,8 @@ class Quantizer(ABC):
 
     def rung_parts(self, rung: int) -> dict[str, PartSpec]:
         """The parts one row of the age ladder holds per token and head at ``rung`` (1: ``refine``, 2:
-        ``refine2``; see :mod:`kvquant.store`), on top of its base parts; ``{}``: this precision has no such rung."""
+        ``refine2``; see :mod:`kvquant.store`), on top of its base parts; ``{}``: this precision has no such rung. The
+        store keeps ladder and heavy rows for a K or V exactly where this is non-empty (sizing counts them by it)."""
         return {}
 
     # -- static scales ----------------------------------------------------------------------
