@@ -238,13 +238,12 @@ def heavy_segment(
     out = [torch.zeros((B, H, n, D), dtype=torch.float32, device=layer.device) for _ in range(4)]
     pos = torch.full((B, H, n), -1, dtype=torch.long, device=layer.device)
     for g in layer.groups:
-        at, base = layer.heavy_rows(g, base=True)
+        at, refined, base = layer.heavy_rows(g, base=True)
         if at is None:
             continue
-        _, refined = layer.heavy_rows(g)
-        for t, x in zip(out, (*base, *(r if r is not None else b for r, b in zip(refined, base, strict=True))),
-                        strict=True):  # fmt: skip
-            t[:, g.head_index] = x
+        for i, (r, b) in enumerate(zip(refined, base, strict=True)):
+            out[i][:, g.head_index] = b
+            out[2 + i][:, g.head_index] = b if r is None else r
         pos[:, g.head_index] = torch.where(at < hist, at.long(), -1)
     return out[0], out[1], out[2], out[3], pos
 
@@ -281,10 +280,10 @@ def swap_rows(
     lse5 = lse.reshape(B, Hkv, rep, Tq)
     m = torch.maximum(lse5, sr.amax(dim=-1))
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    wc, wr = torch.exp(sc - m[..., None]), torch.exp(sr - m[..., None])
-    den = torch.exp(lse5 - m) - wc.sum(-1) + wr.sum(-1)
+    wp, wc, wr = torch.exp(lse5 - m), torch.exp(sc - m[..., None]), torch.exp(sr - m[..., None])
+    den = wp - wc.sum(-1) + wr.sum(-1)
     flat = lambda w: w.reshape(B, Hkv, rep * Tq, n)  # noqa: E731
-    num = torch.exp(lse5 - m)[..., None] * out.reshape(B, Hkv, rep, Tq, D) + (
+    num = wp[..., None] * out.reshape(B, Hkv, rep, Tq, D) + (
         (flat(wr) @ vr - flat(wc) @ vc).view(B, Hkv, rep, Tq, D))
     res = torch.where(den[..., None] > 0, num / torch.where(den > 0, den, 1.0)[..., None], out.reshape(num.shape))
     return res.reshape(B, Hq, Tq, D)

@@ -652,36 +652,37 @@ class LayerStore(LaneLayer, OffloadedStore):
                     continue
                 x = take_rows(x if g.all_heads else x.index_select(1, g.head_index), rel)
                 sides.append(s.quantizer.refine(x, s.state, {n: take_rows(v, rel) for n, v in q.parts.items()}))
-            at = None if sides == [None, None] else torch.where(gidx >= 0, gidx + lo, -1).to(position_dtype(hi))
+            at = None if all(x is None for x in sides) else torch.where(gidx >= 0, gidx + lo, -1).to(position_dtype(hi))
             heavy.append((at, sides[0], sides[1]))
         self.heavy = heavy
 
-    def heavy_rows(self, group: HeadGroup, base: bool = False) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    def heavy_rows(
+        self, group: HeadGroup, base: bool = False
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
         """``group``'s heavy rows (:mod:`kvquant.heavy`): their positions ``[B, Hg, n]`` (-1: none; None: the group
         holds none) and, per side (K, V), their refined decode (float32, the space the attention reads; None: a side
-        without refinement) or, with ``base``, their base decode (both sides: what the pool's codes read)."""
+        without refinement) and, with ``base``, their base decode (what the pool's codes read; else None). Each
+        side's parts are gathered from the blocks once."""
         at, kr, vr = self.heavy[group.key.group]
+        refined: list[torch.Tensor | None] = [None, None]
+        based: list[torch.Tensor | None] = [None, None]
         if at is None:
-            return None, [None, None]
+            return None, refined, based
         tbl = self.table()
-        out: list[torch.Tensor | None] = []
-        for s, r in ((group.key, kr), (group.value, vr)):
+        for i, (s, r) in enumerate(((group.key, kr), (group.value, vr))):
             if r is None and not base:
-                out.append(None)
                 continue
             parts = gather_parts(s.parts, tbl, at)
-            if not base:
-                out.append(s.quantizer.decode_refined(parts, r, s.state).float())
-            elif s.quantizer.space:  # (as QuantizedTensorStore.read)
-                out.append(s.quantizer.decode_space(parts, s.state).float())
-            else:
-                out.append(s.quantizer.dequantize(parts, s.state, torch.float32))
-        return at, out
+            if r is not None:
+                refined[i] = s.quantizer.decode_refined(parts, r, s.state).float()
+            if base:
+                based[i] = s.decode(parts)
+        return at, refined, based
 
     def _put_heavy(self, group: HeadGroup, start: int, end: int, k: Any, v: Any) -> tuple[Any, Any]:
         """``k``, ``v`` (tokens ``[start, end)`` of ``group``'s pool: tensors ``[B, Hg, t, D]`` or dense
         :class:`Factored`) with the group's heavy rows among them read refined."""
-        at, rows = self.heavy_rows(group)
+        at, rows, _ = self.heavy_rows(group)
         out = []
         for x, r in zip((k, v), rows, strict=True):
             if r is not None:

@@ -214,8 +214,12 @@ class QuantizedTensorStore:
         """Dequantize ``length`` tokens from ``offset`` of the blocks ``table[B, nb]`` -> ``[B, H, length, D]``.
 
         Per-block parts need ``offset == 0`` (reads start at a block boundary). ``parts``: see :meth:`gather`."""
-        parts = self._window(table, offset, length, run, parts)
-        if self.quantizer.space:  # codebook rows stay in their head space (see LayerStore.read)
+        return self.decode(self._window(table, offset, length, run, parts), dtype)
+
+    def decode(self, parts: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``[B, H, T, D]`` of per-row ``parts`` as the attention reads them (codebook rows stay in their head
+        space, see ``LayerStore.read``; other rows dequantized)."""
+        if self.quantizer.space:
             return self.quantizer.decode_space(parts, self.state).to(dtype)
         return self.quantizer.dequantize(parts, self.state, dtype)
 
@@ -226,10 +230,8 @@ class QuantizedTensorStore:
         """Like :meth:`read` (float32), as codes and scales when the quantizer factors them (see
         :class:`~kvquant.quantizers.base.Factored`), else as the dequantized rows with no scale."""
         window = self._window(table, offset, length, run, parts)
-        if self.quantizer.space:
-            return Factored(self.quantizer.decode_space(window, self.state).float())
-        fac = self.quantizer.factored(window, self.state)
-        return fac if fac is not None else Factored(self.quantizer.dequantize(window, self.state, torch.float32))
+        fac = None if self.quantizer.space else self.quantizer.factored(window, self.state)
+        return fac if fac is not None else Factored(self.decode(window))
 
     def _window(
         self, table: torch.Tensor, offset: int, length: int, run: int | None,
