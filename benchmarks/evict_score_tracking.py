@@ -79,7 +79,7 @@ def op_costs(args) -> dict[str, float]:
     writing one token in place per head vs appending it."""
     from kvquant.config import KVPrecision
     from kvquant.evict import choose_slots
-    from kvquant.kernels import attend_torch
+    from kvquant.kernels.attention_torch import attend_torch
     from kvquant.store import LayerStore
 
     cfg = kvquant.KVQuantConfig.load(args.precision)

@@ -49,7 +49,7 @@ def kvquant_attention_forward(
     mask = _bool_mask(attention_mask)
     if view is None:  # another cache, softcapped logits (SDPA has no softcap): plain softmax attention
         return _softcapped_attention(query, key, value, mask, scaling, softcap), None
-    from kvquant.kernels import attend
+    from kvquant.kernels.dispatch import attend
 
     if view.commit is not None:
         row_start = first_real_token(mask, query.shape[0]) if view.past_len == 0 else None

@@ -7,7 +7,7 @@ import torch
 
 import kvquant.kernels.attention_torch as at
 from kvquant import KVPrecision, KVQuantConfig
-from kvquant.kernels import attend_naive, attend_torch
+from kvquant.kernels.attention_torch import attend_naive, attend_torch
 from kvquant.store import LayerStore
 
 PRECISIONS = ["fp16", "int8", "int8-token", "int4", "int2", "fp8-e4m3", "fp8-e5m2"]

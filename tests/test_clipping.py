@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvquant import KVPrecision, KVQuantConfig, ModelShape, QuantizedKVCache
-from kvquant.kernels import dequantize_history
+from kvquant.kernels.attention_torch import dequantize_history
 from kvquant.store import CALIB_MAX_TOKENS, CALIB_MIN_TOKENS, LayerStore
 
 SHAPE = ModelShape(num_layers=2, num_kv_heads=2, head_dim=32)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvquant import KVPrecision, KVQuantConfig, QuantizedKVCache
-from kvquant.kernels import attend_naive, attend_torch, dequantize_history
+from kvquant.kernels.attention_torch import attend_naive, attend_torch, dequantize_history
 from kvquant.store import LayerStore
 
 from conftest import tiny_model

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 import kvquant.kernels.attention_torch as at
 from kvquant import KVQuantConfig, QuantizedKVCache
 from kvquant.evict import Budget
-from kvquant.kernels import attend_naive, attend_torch
+from kvquant.kernels.attention_torch import attend_naive, attend_torch
 from kvquant.slots import SlotMap
 
 from conftest import tiny_model

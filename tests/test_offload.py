@@ -11,7 +11,7 @@ import kvquant
 from kvquant import KVQuantConfig, QuantizedKVCache
 from kvquant.blocks import GROWTH
 from kvquant.errors import ConfigError
-from kvquant.kernels import attend_torch
+from kvquant.kernels.attention_torch import attend_torch
 from kvquant.store import LayerStore
 
 from conftest import tiny_model

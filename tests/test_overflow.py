@@ -8,7 +8,7 @@ import torch
 
 import kvquant
 from kvquant import KVPrecision, KVQuantConfig
-from kvquant.kernels import attend_naive, attend_torch, dequantize_history
+from kvquant.kernels.attention_torch import attend_naive, attend_torch, dequantize_history
 from kvquant.quantizers import PRECISIONS
 from kvquant.store import LayerStore
 from kvquant.tensor_store import StoredOverflow
