@@ -1,28 +1,98 @@
-"""Batch independence on stories260K: max |logit difference| between prompt A decoded alone and A's
-row when batched after a longer prompt (so A is left-padded), 8 greedy steps, every precision, with and
-without sink tokens. Prints a markdown table (0 would be bit-identical; fp32 rounding gives ~1e-5).
+"""Batch independence on stories260K: a request's logits alone vs. in a batch with other requests.
 
-    KVQUANT_SHARED=/work/shared python benchmarks/batch_independence.py
+Two measurements, each printed as a markdown table (0 would be bit-identical; fp32 rounding gives ~1e-5):
+
+* ``--mode similar`` (issue 11): prompt A decoded alone vs. A's row when batched after a longer prompt (A
+  left-padded by 10 tokens), 8 greedy steps, every precision, with and without sink tokens.
+* ``--mode lengths`` (issue 38): teacher-forced. Row 0 holds 60 real tokens, row 1 holds 3 real tokens
+  left-padded to 60 (and, with ``--long``, row 2 holds 500); every row is then fed the same 24 next tokens,
+  one decode step at a time. Max |logit difference| of each row (all steps, whole vocabulary) against that
+  row's prompt run alone, per precision and preset.
+
+    KVQUANT_SHARED=/work/shared python benchmarks/batch_independence.py --mode lengths
+
+:func:`teacher_forced` is also what ``tests/test_batch_independence.py`` runs.
 """
 
 from __future__ import annotations
+
+import argparse
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvquant import KVQuantConfig, QuantizedKVCache, wrap
+from kvquant.config import PRESETS
+from kvquant.errors import ConfigError
 from kvquant.paths import shared_dir
 from kvquant.quantizers import PRECISIONS
 
 A = "Once upon a time, there was a little girl named Lily. She"
 LONGER = A + " loved to play outside in the park with her"
+LENGTHS = (60, 3)
+STEPS = 24
 
 
-def main() -> None:
+def teacher_forced(
+    model: Any, prompts: list[list[int]], follow: list[list[int]], config: Any, pad_id: int = 0,
+    capacity: int | None = None,
+) -> torch.Tensor:
+    """Logits ``[B, 1 + steps, vocab]`` of ``prompts`` (left-padded to the longest, one prefill), then of the
+    tokens ``follow[b]`` fed one decode step at a time, through a fresh ``QuantizedKVCache(model, config)``;
+    positions count each row's real tokens only (what ``generate`` passes for a left-padded batch)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    cache = QuantizedKVCache(model, config, capacity=capacity)
+    out = []
+    with torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits
+        out.append(logits[:, -1].float())
+        for t in range(len(follow[0])):
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
+            pos = pos[:, -1:] + 1
+            step = torch.tensor([[f[t]] for f in follow])
+            out.append(model(input_ids=step, attention_mask=mask, position_ids=pos, cache=cache,
+                             use_cache=True).logits[:, -1].float())
+    return torch.stack(out, dim=1)
+
+
+def row_drift(model: Any, prompts: list[list[int]], follow: list[list[int]], config: Any) -> list[float]:
+    """Max |logit difference| of each row batched vs. the same row alone (:func:`teacher_forced`)."""
+    batched = teacher_forced(model, prompts, follow, config)
+    return [float((batched[b] - teacher_forced(model, [p], [follow[b]], config)[0]).abs().max())
+            for b, p in enumerate(prompts)]
+
+
+def story_ids(tok: Any, text: str, lengths: tuple[int, ...], steps: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts of ``lengths`` tokens cut from different places of ``text``, and ``steps`` next tokens each."""
+    ids = tok(text)["input_ids"]
+    prompts, follow = [], []
+    at = 0
+    for n in lengths:
+        prompts.append(ids[at:at + n])
+        follow.append(ids[at + n:at + n + steps])
+        at += n + steps
+    return prompts, follow
+
+
+def configs() -> list[tuple[str, KVQuantConfig]]:
+    """Every precision (block_size 16) and every preset."""
+    out = [(p, KVQuantConfig.from_dict({"default": p, "block_size": 16})) for p in sorted(PRECISIONS)]
+    return out + [(f"preset {name}", KVQuantConfig.preset(name)) for name in PRESETS]
+
+
+def load() -> tuple[Any, Any]:
     path = shared_dir() / "models" / "stories260K" / "hf"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
     wrap(model, "fp32")  # the kvquant attention reads the caches built below
+    return model, tok
+
+
+def similar(model: Any, tok: Any) -> None:
     tok.padding_side = "left"
     tok.pad_token = tok.pad_token or tok.unk_token or tok.eos_token
 
@@ -43,6 +113,35 @@ def main() -> None:
             seq_b, log_b = logits([LONGER, A], cfg)
             cells += [f"{(log_a[0] - log_b[1]).abs().max().item():.1e}", str(bool(torch.equal(seq_a[0], seq_b[1])))]
         print(f"| {prec} | " + " | ".join(cells) + " |")
+
+
+def lengths(model: Any, tok: Any, long: bool) -> None:
+    text = (shared_dir() / "data" / "tinystories-valid-sample.txt").read_text()
+    sizes = (*LENGTHS, 440) if long else LENGTHS
+    prompts, follow = story_ids(tok, text, sizes, STEPS)
+    heads = " | ".join(f"row {i} ({n} tokens)" for i, n in enumerate(sizes))
+    print(f"| config | {heads} |")
+    print("|---|" + "---:|" * len(sizes))
+    for name, cfg in configs():
+        try:
+            drift = row_drift(model, prompts, follow, cfg)
+        except ConfigError as e:  # a preset this model's shape cannot take (e.g. group_size > head_dim)
+            print(f"| {name} | n/a: {e} |")
+            continue
+        print(f"| {name} | " + " | ".join(f"{d:.1e}" for d in drift) + " |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=("similar", "lengths"), default="lengths")
+    ap.add_argument("--long", action="store_true", help="lengths: a third row of 440 tokens (context 512)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model, tok = load()
+    if args.mode == "similar":
+        similar(model, tok)
+    else:
+        lengths(model, tok, args.long)
 
 
 if __name__ == "__main__":

@@ -130,4 +130,18 @@ def install_attention(model: Any) -> str | None:
     before = getattr(model.config, "_attn_implementation", None)
     if before != ATTN_NAME:
         model.set_attn_implementation(ATTN_NAME)
+    if getattr(model, "_kvquant_ids_hook", None) is None:  # once per model (kept by unwrap: it only checks)
+        model._kvquant_ids_hook = model.base_model.register_forward_pre_hook(check_bound_ids, with_kwargs=True)
     return before
+
+
+def check_bound_ids(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook of the decoder: a :class:`~kvquant.QuantizedKVCache` bound to token ids (prefix reuse,
+    :meth:`~kvquant.PagedKVPool.cache_for`) refuses input ids that do not extend its own, before anything is
+    written (:meth:`~kvquant.QuantizedKVCache.check_ids`)."""
+    from .cache import QuantizedKVCache
+
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(cache, QuantizedKVCache) and cache.token_ids is not None and isinstance(ids, torch.Tensor):
+        cache.check_ids(ids)

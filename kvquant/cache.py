@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import secrets
+import sys
 import warnings
 import weakref
 from pathlib import Path
@@ -22,11 +23,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import view as handoff
 from .config import DEFAULT_PRESET, MAX_CAPACITY, KVPrecision, KVQuantConfig, check_int
+from .errors import ArgumentError, InputError
 from .evict import Policy, choose_slots, window_attention
 from .outliers import OutlierWatch
 from .scales import load_static_amax
 from .shape import ModelShape, sliding_windows
-from .store import LayerStore
+from .store import LayerStore, row_index
 
 if TYPE_CHECKING:
     from .pool import PagedKVPool
@@ -34,6 +36,11 @@ if TYPE_CHECKING:
 ATTN_NAME = "kvquant"
 CLIP_WARN_RATE = 1e-3  # warn (once per cache) when static scales clip more than this fraction of values
 HEAVY_SCORE_ELEMENTS = 1 << 24  # fp32 scores per query tile when a prompt picks its heavy rows (64 MiB)
+
+
+class BoundIdsError(InputError):
+    """A forward's input ids do not extend the token ids a prefix-reuse cache is bound to (its blocks would be
+    indexed under another prompt's hashes); the message names ``reset()``."""
 
 
 def new_session_id() -> str:
@@ -312,18 +319,22 @@ class QuantizedLayer(CacheLayerMixin):
             self.store.crop(self.store.cache_pos + tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Rows take the block tables of ``beam_idx``: references change, no quantized byte moves."""
+        """Rows take the block tables of ``beam_idx``: references change, no quantized byte moves. A bad index
+        (not integer, not 1-D, out of range) raises :class:`~kvquant.errors.ArgumentError` and changes nothing."""
         if self.store is not None and self.store.cache_pos:
-            self.store.index_batch(beam_idx)
+            self.store.index_batch(row_index(beam_idx, self.store.batch, "beam_idx"))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times in place (row ``b`` becomes rows ``b * repeats ...``)."""
+        check_int(repeats, "repeats", 1, MAX_CAPACITY, ArgumentError)
         if self.store is not None:
             idx = torch.arange(self.store.batch).repeat_interleave(repeats)
             self.store.index_batch(idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (checked first, as for :meth:`reorder_cache`)."""
         if self.store is not None:
-            self.store.index_batch(torch.as_tensor(indices).long().cpu())
+            self.store.index_batch(row_index(indices, self.store.batch, "indices"))
 
     def offload(self) -> None:  # offloading a quantized store is not supported (kept resident)
         return None
@@ -412,10 +423,48 @@ class QuantizedKVCache(Cache):
 
     # ------------------------------------------------------------------ pool / prefix reuse
     def bind_ids(self, rows: list[list[int]]) -> None:
-        """Index the full blocks this cache writes under ``rows`` (the token ids of each row)."""
-        self.token_ids = rows
+        """Index the full blocks this cache writes under ``rows`` (the token ids of each row).
+
+        A bound cache only extends its own prompt: a forward whose ``input_ids`` differ from the bound ids at
+        the positions they cover raises :class:`BoundIdsError` (:meth:`check_ids`). To use the cache for a
+        new prompt call :meth:`reset` (every token forgotten, the binding dropped, a fresh session id), or take a
+        new cache from :meth:`PagedKVPool.cache_for`."""
+        self.token_ids = [list(r) for r in rows]
         reusable = self.pool is not None and self.pool.reusable
         self._hashes = [self.pool.block_hashes(r) for r in rows] if reusable else []
+
+    def check_ids(self, input_ids: torch.Tensor) -> None:
+        """Raise :class:`BoundIdsError` (nothing written) unless ``input_ids[B, T]``, written at the cache's
+        current length, agree with the bound token ids wherever those cover (positions past them are new
+        tokens: free). Called by the kvquant model hook before every forward with this cache; a no-op when the
+        cache is not bound."""
+        if self.token_ids is None:
+            return
+        ids = torch.as_tensor(input_ids)
+        ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+        past = self.get_seq_length()
+        if ids.shape[0] != len(self.token_ids):
+            raise BoundIdsError(
+                f"input_ids: {ids.shape[0]} rows, but cache {self.session_id} is bound to the token ids of "
+                f"{len(self.token_ids)}; call cache.reset() to reuse it for a new prompt (or take one from "
+                "pool.cache_for(ids))")
+        rows = ids.tolist()
+        for b, (new, bound) in enumerate(zip(rows, self.token_ids, strict=True)):
+            cover = bound[past:past + len(new)]
+            if new[:len(cover)] != cover:
+                at = past + next(i for i, (x, y) in enumerate(zip(new, cover, strict=False)) if x != y)
+                raise BoundIdsError(
+                    f"input_ids: row {b} has token {new[at - past]} at position {at} where cache {self.session_id} "
+                    f"is bound to {bound[at]} (a prefix-reuse cache only extends its own prompt); call cache.reset() "
+                    "to reuse it for a new prompt (or take one from pool.cache_for(ids))")
+
+    def _rows_follow(self, idx: torch.Tensor) -> None:
+        """After a reorder / select / repeat of the rows: the bound ids (and block hashes) follow their rows."""
+        rows = idx.tolist()
+        if self.token_ids is not None:
+            self.token_ids = [self.token_ids[i] for i in rows]
+        if self._hashes:
+            self._hashes = [self._hashes[i] for i in rows]
 
     def adopt_prefix(self, tables: list[list[list[int]]], tokens: int) -> None:
         """Start every layer from shared blocks: ``tables[b][j]`` = block ids per layer of row ``b``'s block ``j``."""
@@ -464,9 +513,64 @@ class QuantizedKVCache(Cache):
         return self.get_seq_length()
 
     def reset(self) -> None:
-        """Forget every token (blocks back to the pool) and start a new session id."""
+        """Forget every token (blocks back to the pool) and static scales, drop the binding to token ids (a
+        cache from :meth:`PagedKVPool.cache_for`), and start a new session id: the way to reuse this cache
+        for a new prompt."""
         super().reset()
+        self.token_ids = None
+        self._hashes = []
         self.session_id = new_session_id()
+        self.clip_monitor.name = self.session_id
+
+    def _batch(self) -> int | None:
+        """The rows of the layers' stores (None before the first write)."""
+        sizes = {layer.store.batch for layer in self.layers if layer.store is not None}
+        if len(sizes) > 1:
+            raise AssertionError(f"layers hold different batch sizes {sorted(sizes)}")
+        return next(iter(sizes), None)
+
+    def _checked_rows(self, idx: Any, name: str) -> torch.Tensor:
+        """``idx`` checked against the batch (:func:`~kvquant.store.row_index`) before any layer changes."""
+        batch = self._batch()
+        if batch is None and self.token_ids is not None:
+            batch = len(self.token_ids)
+        return row_index(idx, sys.maxsize if batch is None else batch, name)  # (no rows yet: any row number)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Rows take the block tables of ``beam_idx`` (beam search), in every layer. A bad index (not integer,
+        not 1-D, out of range) raises :class:`~kvquant.errors.ArgumentError` and changes nothing."""
+        idx = self._checked_rows(beam_idx, "beam_idx")
+        for layer in self.layers:
+            layer.reorder_cache(idx)
+        self._rows_follow(idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices``, in every layer (checked first, as for :meth:`reorder_cache`)."""
+        idx = self._checked_rows(indices, "indices")
+        for layer in self.layers:
+            layer.batch_select_indices(idx)
+        self._rows_follow(idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times (``repeats`` checked first)."""
+        check_int(repeats, "repeats", 1, MAX_CAPACITY, ArgumentError)
+        batch = self._batch()
+        for layer in self.layers:
+            layer.batch_repeat_interleave(repeats)
+        if batch is not None or self.token_ids is not None:
+            n = batch if batch is not None else len(self.token_ids or [])
+            self._rows_follow(torch.arange(n).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens of every layer (transformers' convention: a negative
+        count). Every layer is checked first: a crop one layer refuses (per-channel block split, sliding window,
+        eviction) raises before any layer changes."""
+        check_int(tokens_to_remove, "tokens_to_remove", -MAX_CAPACITY, 0, ArgumentError)
+        for layer in self.layers:
+            if layer.store is not None and tokens_to_remove:
+                layer.store.check_crop(layer.store.cache_pos + tokens_to_remove)
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> QuantizedKVCache:
         """A copy sharing the blocks (references, no quantized byte copied), with a new session id."""

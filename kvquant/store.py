@@ -51,7 +51,7 @@ import torch
 
 from .blocks import LayerBlocks
 from .config import KVPrecision, KVQuantConfig
-from .errors import ConfigError
+from .errors import ArgumentError, ConfigError
 from .heavy import gather_parts, pick_rows, position_dtype, put_rows, take_rows
 from .lanes import LaneLayer
 from .offload import OffloadedStore, Prefetcher, host_id, is_host
@@ -68,11 +68,11 @@ from .tensor_store import (
     stored_finite,
 )
 
-# Static (per-head) scales are calibrated on at least this many real tokens of every row; until then the
-# tokens are held in full precision (a 1-token prompt says little about later magnitudes) ...
+# Static (per-head) scales of a row are calibrated on at least this many of its own real tokens; until then
+# its tokens are held in full precision (a 1-token prompt says little about later magnitudes) ...
 CALIB_MIN_TOKENS = 16
 # ... and while a (row, head) has only seen zeros, up to this many tokens: then its scale falls back to
-# the layer's largest calibrated max (1.0 if every value was zero), and clipping is counted and reported.
+# the row's largest calibrated max (1.0 if every value was zero), and clipping is counted and reported.
 CALIB_MAX_TOKENS = 512
 
 
@@ -82,10 +82,45 @@ def row_amax(x: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
 
 
 def safe_amax(amax: torch.Tensor) -> torch.Tensor:
-    """Calibrated maxima with zeros (a row / head that only saw zeros) replaced by the largest one, or
-    1.0 when all are zero: a scale of 0 would turn every later value into 0."""
-    top = amax.max()
+    """Calibrated maxima ``[B, H]`` (or ``[H]``) with zeros (a head that only saw zeros) replaced by the largest
+    one of the same row, or 1.0 when all of that row are zero: a scale of 0 would turn every later value into 0.
+    Each row is filled from its own heads only (never from a batch-mate)."""
+    top = amax.amax(dim=-1, keepdim=True)
     return torch.where(amax > 0, amax, torch.where(top > 0, top, torch.ones_like(top)))
+
+
+def row_index(idx: Any, batch: int, name: str) -> torch.Tensor:
+    """``idx`` as a 1-D int64 CPU tensor of row numbers in ``[0, batch)`` (at least one), or
+    :class:`~kvquant.errors.ArgumentError` naming ``name``: a reorder / select is checked before anything moves."""
+    try:
+        t = torch.as_tensor(idx)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ArgumentError(f"{name}: not a tensor of row indices ({e})") from None
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise ArgumentError(f"{name}: row indices must be integers, got {t.dtype}")
+    if t.dim() != 1 or t.numel() == 0:
+        raise ArgumentError(f"{name}: must be a 1-D tensor of at least one row index, got shape {list(t.shape)}")
+    t = t.to("cpu", torch.long)
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= batch:
+        bad = lo if lo < 0 else hi
+        raise ArgumentError(f"{name}: row index {bad} is out of range for a batch of {batch} rows (0 .. {batch - 1})")
+    return t
+
+
+def merge_rows(
+    quantizer: Quantizer, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], rows: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """A static state whose per-sequence entries (:meth:`Quantizer.per_sequence`) are ``new``'s in ``rows[B]``
+    and ``old``'s elsewhere; shared entries (one per head, not fitted on the data) are ``new``'s."""
+    out = {}
+    for n, t in new.items():
+        if quantizer.per_sequence(n, t) and n in old:
+            sel = rows.to(t.device).view(-1, *([1] * (t.dim() - 1)))
+            out[n] = torch.where(sel, t, old[n].to(t.dtype))
+        else:
+            out[n] = t
+    return out
 
 
 def make_groups(
@@ -182,7 +217,9 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.row_start = torch.zeros(batch, dtype=torch.long, device=device)
         self.sink_end = 0  # sink tokens lie below this position in every row
         self.pad_end = 0  # left padding lies below this position in every row
-        self.calibrated = False
+        self.calibrated = False  # every row's static scales are fitted (tokens then go to the pool)
+        # per row: its static scales are fitted (on its own first real tokens) while a batch-mate still waits
+        self.calibrated_rows = [False] * batch
         self._static_amax = static_amax
         self.rotate_keys = config.rotate in ("keys", "kv")
         self.rotate_values = config.rotate == "kv"
@@ -203,6 +240,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.offload_from = 0  # blocks below this index were considered for offload already
         self.prefetcher: Prefetcher | None = None  # host -> device tile copies (``offload``), made on first use
         self._table_cache: torch.Tensor | None = None
+        self._held_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # see held_rows
         self._lane_runs: list[int | None] = []  # lanes: per group, the in-place run of one sequence (see table())
         self.slots: SlotMap | None = None  # an evicting layer: its token axis holds slots (see kvquant.slots)
         self.groups: list[HeadGroup] = []
@@ -327,11 +365,19 @@ class LayerStore(LaneLayer, OffloadedStore):
         return self.rotate_keys or self.rotate_values or self.center_keys
 
     def _set_key_mean(self, keys: torch.Tensor, past: int) -> None:
-        """Fix the per-channel key mean of each sequence and head from its first chunk (sinks left out)."""
-        skip = max(0, self.sink_tokens - past)
-        if skip >= keys.shape[2]:
-            skip = 0
-        self.key_mean = keys[:, :, skip:].detach().float().mean(dim=2, keepdim=True)
+        """Fix the per-channel key mean of each sequence and head from its first chunk: over the row's own real
+        tokens (never its left padding), its sink tokens left out when it has others (a row without a real
+        token in the chunk: over the whole chunk)."""
+        T = keys.shape[2]
+        use = self.real_tokens(past, past + T)
+        sel = self.sink_slots(past, past + T)
+        if sel is not None:
+            not_sink = torch.ones_like(use)
+            not_sink[sel[0], sel[1]] = False
+            use = torch.where((use & not_sink).any(dim=1, keepdim=True), use & not_sink, use)
+        use = torch.where(use.any(dim=1, keepdim=True), use, torch.ones_like(use))
+        w = use[:, None, :, None].float()
+        self.key_mean = (keys.detach().float() * w).sum(dim=2, keepdim=True) / w.sum(dim=2, keepdim=True)
 
     def to_storage_space(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Apply the configured key centering and Hadamard rotation (identity when both are off)."""
@@ -361,14 +407,14 @@ class LayerStore(LaneLayer, OffloadedStore):
                 raise AssertionError("append: new tokens of a per-head-lane layer whose heads hold different counts "
                                      "go through grow_lanes (each head at its own next slot)")
             self.fill = [[past + keys.shape[2]] * self.num_heads for _ in range(self.batch)]
+        if past == 0:
+            self._set_row_start(row_start)
         if self.center_keys and self.key_mean is None:
             self._set_key_mean(keys, past)
         if self.transforms:
             keys, values = self.to_storage_space(keys, values)
             largest = None  # (a rotation or centering changes the magnitudes)
         T = keys.shape[2]
-        if past == 0:
-            self._set_row_start(row_start)
         if self.dense_dtype is None:
             self.dense_dtype = torch.float16 if keys.dtype == torch.float32 else keys.dtype
         if self.config.check_finite and (self.has_dense_segments or not self.calibrated):
@@ -377,16 +423,9 @@ class LayerStore(LaneLayer, OffloadedStore):
             self._keep_sinks(keys, values, past)
         held = self.res_k.shape[2] if self.res_k is not None and not self.calibrated else 0
         scores = (past, key_scores) if key_scores is not None and self.heavy_tokens and not self.heavy else None
-        if not self.calibrated:
-            if self._hold_for_calibration(keys, values, past):
-                self.cache_pos = past + T
-                return past
-            if held:  # calibrate on the held tokens and this chunk together
-                hk = torch.cat([self.res_k.float(), keys.float()], dim=2)
-                hv = torch.cat([self.res_v.float(), values.float()], dim=2)
-                self._calibrate(hk, hv, self.q_end)
-            else:
-                self._calibrate(keys, values, past)
+        if not self.calibrated and self._hold_for_calibration(keys, values, past):
+            self.cache_pos = past + T
+            return past
         self.release_window()
         if self.residual_mode:
             self._append_residual(keys, values, scores)
@@ -499,27 +538,124 @@ class LayerStore(LaneLayer, OffloadedStore):
             g.value.write_heads(v, rows, heads, blk, off, self.config.check_finite)
 
     def _hold_for_calibration(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> bool:
-        """Defer static-scale calibration (holding this chunk in full precision) while some row has fewer
-        than ``CALIB_MIN_TOKENS`` real tokens, or only zeros in a head, and fewer than ``CALIB_MAX_TOKENS``."""
+        """Fit the static scales of every row that is ready, each on its own real tokens so far (held ones and
+        this chunk's), and return True (this chunk held in full precision too) while some row is not.
+
+        A row is ready once it has ``CALIB_MIN_TOKENS`` real tokens and a nonzero value in every head, or
+        ``CALIB_MAX_TOKENS`` real tokens. So a row's scales never depend on its batch-mates: a long row is
+        fitted on its prompt at once, as alone, while a short batch-mate waits for its own tokens. Until the
+        last row is fitted the layer holds every row's tokens unquantized (the model's dtype, so that a row
+        fitted early is later quantized from exactly the values it would have been alone); the rows already
+        fitted are read as their pool would read them (:meth:`held_rows`)."""
         static = any(q.static for g in self.groups for q in (g.key.quantizer, g.value.quantizer))
-        end = past + keys.shape[2]
-        if not static or self._static_amax is not None or end >= CALIB_MAX_TOKENS:
+        if not static or self._static_amax is not None:  # nothing fitted on the data: one calibration, no wait
+            self._calibrate(keys, values, past)
             return False
-        seen = (end - self.row_start).clamp_min(0)  # real tokens per row, this chunk included
-        if bool((seen >= CALIB_MIN_TOKENS).all()):
+        end = past + keys.shape[2]
+        start, ks, vs = past, keys, values
+        if self.res_k is not None and self.res_k.shape[2]:  # the held tokens [q_end, past) and this chunk
             start = self.q_end
-            ks, vs = keys.float(), values.float()
-            if self.res_k is not None and self.res_k.shape[2]:
-                ks = torch.cat([self.res_k.float(), ks], dim=2)
-                vs = torch.cat([self.res_v.float(), vs], dim=2)
-            use = self.real_tokens(start, end)
-            if bool(((row_amax(ks, use) > 0) & (row_amax(vs, use) > 0)).all()):
-                return False
-        dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
-        if self.res_k is not None and self.res_k.shape[2]:
-            dk, dv = torch.cat([self.res_k, dk], dim=2), torch.cat([self.res_v, dv], dim=2)
-        self.res_k, self.res_v = dk, dv
+            ks = torch.cat([self.res_k.to(keys.dtype), keys], dim=2)
+            vs = torch.cat([self.res_v.to(values.dtype), values], dim=2)
+        use = self.real_tokens(start, end)
+        seen = (end - self.row_start).clamp_min(0)  # real tokens per row, this chunk included
+        nonzero = ((row_amax(ks, use) > 0) & (row_amax(vs, use) > 0)).all(dim=1)
+        ready = ((seen >= CALIB_MIN_TOKENS) & nonzero) | (seen >= CALIB_MAX_TOKENS)
+        new = ready.cpu() & ~torch.tensor(self.calibrated_rows, dtype=torch.bool)
+        if bool(new.any()):
+            self._calibrate(ks, vs, start, rows=new)
+        if all(self.calibrated_rows):
+            if self.residual_mode and self.res_k is not None:  # the held tokens join the residual window
+                self.res_k, self.res_v = self.res_k.to(self.dense_dtype), self.res_v.to(self.dense_dtype)
+            return False
+        self.res_k, self.res_v = (ks, vs) if ks is not keys else (keys.clone(), values.clone())
+        self._held_cache = {}
         return True
+
+    def virtual_q_end(self) -> int:
+        """Where the pool would end if every row's static scales were fitted: the tokens below it are read
+        quantized by a row already fitted while a batch-mate still waits (:meth:`held_rows`)."""
+        if not self.residual_mode:
+            return self.cache_pos
+        flush = (self.cache_pos - self.q_end - self.residual_tokens) // self.residual_step * self.residual_step
+        return self.q_end + max(0, flush)
+
+    def held_rows(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``group`` for held tokens ``[start, end)`` (``start >= q_end``, static scales of some row
+        not fitted yet) as float32 storage-space rows ``[B, Hg, t, D]``: a row not fitted yet as held; a row
+        fitted already as it would be read with every row fitted, i.e. as alone: tokens below
+        :meth:`virtual_q_end` quantized with its own scales (the age ladder's newest rows refined), the rest
+        and its sink tokens in the dense buffers' dtype. Computed once per held chunk and group."""
+        gi = group.key.group
+        hit = self._held_cache.get(gi)
+        if hit is None or hit[0] is not self.res_k:
+            hit = (self.res_k, *self._held_as_stored(group))
+            self._held_cache[gi] = hit
+        a, b = start - self.q_end, end - self.q_end
+        return hit[1][:, :, a:b], hit[2][:, :, a:b]
+
+    def _held_as_stored(self, group: HeadGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`held_rows` of the whole held range ``[q_end, cache_pos)``."""
+        assert self.res_k is not None and self.res_v is not None and self.dense_dtype is not None
+        q0, n = self.q_end, self.res_k.shape[2]
+        pooled = self.virtual_q_end() - q0  # held tokens the pool would hold
+        xk, xv = self.res_k, self.res_v
+        if self.residual_mode:  # tokens reach the pool through the residual window's dtype
+            xk, xv = xk.to(self.dense_dtype).to(xk.dtype), xv.to(self.dense_dtype).to(xv.dtype)
+        dense = self._group_rows(xk.to(self.dense_dtype), group).float(), \
+            self._group_rows(xv.to(self.dense_dtype), group).float()
+        out = [dense[0].clone(), dense[1].clone()]
+        if pooled > 0:
+            mk, mv = self._mask_sinks(xk[:, :, :pooled], xv[:, :, :pooled], q0, group.per_block)
+            for i, (s, x) in enumerate(((group.key, mk), (group.value, mv))):
+                out[i][:, :, :pooled] = self._as_pool_reads(s, self._group_rows(x, group))
+        sel = self.sink_slots(q0, q0 + n)
+        if sel is not None:  # sinks: read from the sink buffer (the dense dtype)
+            r, o, _ = sel
+            for i in range(2):
+                out[i][r, :, o] = dense[i][r, :, o]
+        fitted = torch.tensor(self.calibrated_rows, device=self.device).view(-1, 1, 1, 1)
+        held = self._group_rows(self.res_k, group).float(), self._group_rows(self.res_v, group).float()
+        return torch.where(fitted, out[0], held[0]), torch.where(fitted, out[1], held[1])
+
+    def _as_pool_reads(self, store: QuantizedTensorStore, x: torch.Tensor) -> torch.Tensor:
+        """Rows ``x[B, Hg, t, D]`` (the pool's newest ``t`` tokens to be) as the pool would read them, float32
+        storage space: quantized and decoded with ``store``'s state, the age ladder's newest rows refined."""
+        q = store.quantizer
+        parts = q.quantize(x, store.state)
+        y = store.decode(parts)
+        t = x.shape[2]
+        n1 = min(self.ladder_tokens, t) if q.rung_parts(1) else 0
+        if n1:
+            p1, x1 = _rows(parts, t - n1), x[:, :, t - n1:]
+            r = q.refine(x1, store.state, p1)
+            y1 = q.decode_refined(p1, r, store.state).float()
+            n2 = min(self.ladder2_tokens, n1) if q.rung_parts(2) else 0
+            if n2:
+                y2 = q.add_rung2(y1[:, :, n1 - n2:], _rows(p1, n1 - n2), _rows(r, n1 - n2),
+                                 q.refine2(x1[:, :, n1 - n2:], store.state, _rows(p1, n1 - n2), _rows(r, n1 - n2)),
+                                 store.state).float()
+                y1 = torch.cat([y1[:, :, :n1 - n2], y2], dim=2)
+            y = torch.cat([y[:, :, :t - n1].float(), y1], dim=2)
+        return q.from_space(y, store.state) if q.space else y.float()
+
+    def residual_rows(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The history ``[q_end, end)`` held in full precision, every KV head ``[B, H, t, D]``, as the attention
+        reads it (storage space): the residual buffers, or while static scales wait for a row, :meth:`held_rows`."""
+        assert self.res_k is not None and self.res_v is not None
+        k, v = self.res_k[:, :, :end - self.q_end], self.res_v[:, :, :end - self.q_end]
+        if not self.holds_fitted_rows:
+            return k, v
+        k, v = k.float().clone(), v.float().clone()
+        for g in self.groups:
+            hk, hv = self.held_rows(g, self.q_end, end)
+            k[:, g.head_index], v[:, g.head_index] = hk, hv
+        return k, v
+
+    @property
+    def holds_fitted_rows(self) -> bool:
+        """True while some rows' static scales are fitted and a batch-mate's are not (see :meth:`held_rows`)."""
+        return not self.calibrated and any(self.calibrated_rows) and not self.lanes
 
     def _fit_dense(self, keys: torch.Tensor, values: torch.Tensor, largest: float | None = None) -> None:
         """fp16 sink / residual buffers (fp32 models) become fp32 when a value would overflow fp16.
@@ -911,6 +1047,8 @@ class LayerStore(LaneLayer, OffloadedStore):
         Centering, rotation and sink tokens apply; the residual window does not (it is a property of
         decoding).
         """
+        if self.cache_pos == 0:
+            self._set_row_start(None)
         if self.center_keys and self.key_mean is None:
             self._set_key_mean(keys, self.cache_pos)
         ks, vs = self.to_storage_space(keys, values)
@@ -922,8 +1060,6 @@ class LayerStore(LaneLayer, OffloadedStore):
                 x = src if g.all_heads else src.index_select(1, g.head_index)
                 y = s.quantizer.dequantize(s.quantizer.quantize(x, s.state), s.state, src.dtype)
                 dst[:, g.head_index] = y
-        if self.cache_pos == 0:
-            self._set_row_start(None)
         sel = self.sink_slots(self.cache_pos, self.cache_pos + ks.shape[2])
         if sel is not None:
             rows, offs, _ = sel
@@ -935,8 +1071,9 @@ class LayerStore(LaneLayer, OffloadedStore):
             k_out = (k_out.float() + self.key_mean).to(k_out.dtype)
         return k_out, v_out
 
-    def _calibrate(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
-        """Set the static scales per (sequence, KV head), from a scales file or from this first chunk.
+    def _calibrate(self, keys: torch.Tensor, values: torch.Tensor, past: int, rows: torch.Tensor | None = None) -> None:
+        """Set the static scales per (sequence, KV head), from a scales file or from the chunk ``keys/values``
+        at ``past`` (``rows[B]``: only those rows', the others keep theirs; None: every row).
 
         Each row's scale comes from its own real tokens: never from batch-mates or left padding. Sink
         tokens (read in full precision) are left out of the max when the chunk has other tokens.
@@ -961,16 +1098,25 @@ class LayerStore(LaneLayer, OffloadedStore):
             both_int8 = g.key.quantizer.name == g.value.quantizer.name == "int8"
             if both_int8 and self.config.share_kv_scale:
                 ka = va = torch.maximum(ka, va)
+            states = []
             for s, x, amax in ((g.key, keys, ka), (g.value, values, va)):
                 fitted = s.quantizer.fit(self._group_rows(x, g), use) if s.quantizer.space else None
-                s.state = fitted if fitted is not None else s.quantizer.calibrate(amax)
-            for st in (g.key, g.value):
-                if not stored_finite(st.state):
+                states.append(fitted if fitted is not None else s.quantizer.calibrate(amax))
+            for st, state in zip((g.key, g.value), states, strict=True):
+                mine = state if rows is None else {n: t[rows.to(t.device)] if st.quantizer.per_sequence(n, t) else t
+                                                   for n, t in state.items()}
+                if not stored_finite(mine):
                     raise StoredOverflow(
                         f"headroom: {self.config.headroom!r} times the calibrated max overflows the static "
                         f"{st.quantizer.name} scale (float32)"
                     )
-        self.calibrated = True
+            for st, state in zip((g.key, g.value), states, strict=True):  # (nothing changed before every check)
+                st.state = state if rows is None or not st.state else merge_rows(st.quantizer, st.state, state, rows)
+        if rows is not None:
+            self.calibrated_rows = [a or b for a, b in zip(self.calibrated_rows, rows.tolist(), strict=True)]
+        else:
+            self.calibrated_rows = [True] * self.batch
+        self.calibrated = all(self.calibrated_rows)
 
     # ---------------------------------------------------------------- head spaces (codebook heads)
     @staticmethod
@@ -1052,6 +1198,8 @@ class LayerStore(LaneLayer, OffloadedStore):
         if start >= self.q_end and self.tail_lanes:  # each head's lanes, then its own tail
             return self._read_tails(group, start, end)
         if start >= self.q_end:  # residual buffer (dense)
+            if self.holds_fitted_rows:  # some rows fitted, a batch-mate not yet: see held_rows
+                return self.held_rows(group, start, end)
             a, b = start - self.q_end, end - self.q_end
             k, v = self.res_k[:, :, a:b], self.res_v[:, :, a:b]
             return self._dense_to_group_space(group, self._group_rows(k, group), self._group_rows(v, group))
@@ -1176,19 +1324,10 @@ class LayerStore(LaneLayer, OffloadedStore):
         share one scale per block, so their pool can only be cut at a block boundary: a crop to the
         middle of a quantized block is refused (keeping its head would mean re-quantizing it).
         """
-        if self.slots is not None:
-            raise ValueError("crop: this layer evicts tokens (its store holds kept tokens, not a prefix); "
-                             "it cannot be cropped")
-        tokens = max(0, min(tokens, self.cache_pos))
-        if tokens < self.first_live * self.block_size:
-            raise ValueError(f"crop: tokens before {self.first_live * self.block_size} left the sliding window")
+        tokens = self.check_crop(tokens)
         if tokens < self.q_end:
-            if self.per_block and tokens % self.block_size:
-                raise ValueError(
-                    f"crop: keeping {tokens} tokens would split a quantized per-channel block of {self.block_size} "
-                    f"(its scales cover the whole block); keep a multiple of {self.block_size} tokens or at "
-                    f"least {self.q_end} (the full-precision window)"
-                )
+            if tokens % self.block_size:  # (offload: may raise KVCacheFull, before anything changed)
+                self._bring_back(tokens // self.block_size)
             if self.ladder_n:  # the rings keep their rows below ``tokens``
                 cut = self.q_end - tokens
                 keep = [0, max(0, self.ladder_n - cut), max(0, self.ladder2_n - cut)]
@@ -1199,12 +1338,27 @@ class LayerStore(LaneLayer, OffloadedStore):
                           for at, kr, vr in self.heavy]  # rows cut off are no longer refined (-1)
             self._truncate(-(-tokens // self.block_size))
             self.offload_from = min(self.offload_from, tokens // self.block_size)
-            if tokens % self.block_size:
-                self._bring_back(tokens // self.block_size)
         if self.res_k is not None:
             keep = tokens - self.q_end
             self.res_k, self.res_v = self.res_k[:, :, :keep], self.res_v[:, :, :keep]
         self.cache_pos = tokens
+
+    def check_crop(self, tokens: int) -> int:
+        """The token count :meth:`crop` keeps for ``tokens`` (clamped to ``[0, cache_pos]``), or the ValueError it
+        would raise; nothing changes."""
+        if self.slots is not None:
+            raise ValueError("crop: this layer evicts tokens (its store holds kept tokens, not a prefix); "
+                             "it cannot be cropped")
+        tokens = max(0, min(tokens, self.cache_pos))
+        if tokens < self.first_live * self.block_size:
+            raise ValueError(f"crop: tokens before {self.first_live * self.block_size} left the sliding window")
+        if tokens < self.q_end and self.per_block and tokens % self.block_size:
+            raise ValueError(
+                f"crop: keeping {tokens} tokens would split a quantized per-channel block of {self.block_size} "
+                f"(its scales cover the whole block); keep a multiple of {self.block_size} tokens or at "
+                f"least {self.q_end} (the full-precision window)"
+            )
+        return tokens
 
     def _truncate(self, blocks: int) -> None:
         for t in self.tables:
@@ -1223,6 +1377,8 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.cache_pos = self.q_end = self.sink_end = self.pad_end = self.offload_from = 0
         self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self.calibrated = False
+        self.calibrated_rows = [False] * self.batch
+        self._held_cache = {}
         self.res_k = self.res_v = None
         self.sink_k = self.sink_v = None
         self.key_mean = None
@@ -1257,6 +1413,8 @@ class LayerStore(LaneLayer, OffloadedStore):
         new.qfill = [list(r) for r in self.qfill]
         new.cap_host = None if self.cap_host is None else [list(r) for r in self.cap_host]
         new._table_cache = None
+        new._held_cache = {}
+        new.calibrated_rows = list(self.calibrated_rows)
         new.prefetcher = None
         new.groups = []
         for g in self.groups:
@@ -1276,7 +1434,9 @@ class LayerStore(LaneLayer, OffloadedStore):
         return new
 
     def index_batch(self, idx: torch.Tensor) -> None:
-        """Reorder / select / repeat batch rows (beam search): the tables change, no quantized byte moves."""
+        """Reorder / select / repeat batch rows (beam search): the tables change, no quantized byte moves.
+        ``idx`` is checked first (:func:`row_index`): a bad one raises and changes nothing."""
+        idx = row_index(idx, self.batch, "idx")
         old = self.tables
         rows = idx.tolist()
         if self.lanes:  # one table per (row, head): rows move with all their heads' tables
@@ -1301,6 +1461,8 @@ class LayerStore(LaneLayer, OffloadedStore):
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
         self.row_start = self.row_start.index_select(0, idx)
+        self.calibrated_rows = [self.calibrated_rows[i] for i in rows]
+        self._held_cache = {}
         self._map_rings(lambda t, _: t.index_select(0, idx))
         self.heavy = [tuple(None if x is None else x.index_select(0, idx) if isinstance(x, torch.Tensor)
                             else {n: t.index_select(0, idx) for n, t in x.items()} for x in h) for h in self.heavy]

@@ -167,13 +167,15 @@ def row_gain(y: torch.Tensor, c: torch.Tensor, gain: str = "unbiased") -> torch.
 def norm_code_range(norms: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Log2 of norm code 1 and the log2 step of the 8-bit norm code, per (sequence, head), from the first
     chunk's row norms ``norms[B, H, T]`` over the tokens weighted by ``w`` (:func:`token_weights`), with
-    NORM_MARGIN on both sides (4 more for a short chunk: it says little about later norms)."""
+    NORM_MARGIN on both sides (4 more for a sequence with fewer than SHORT_CHUNK such tokens: they say little
+    about later norms; counted per sequence, so that a row's left padding or batch-mates do not change it)."""
     B, _, T = norms.shape
     ok = (norms > 0) & (w.view(B, 1, T) > 0)
     logn = torch.log2(norms.clamp_min(1e-30))
     lo = torch.where(ok, logn, torch.full_like(logn, math.inf)).amin(dim=2)
     hi = torch.where(ok, logn, torch.full_like(logn, -math.inf)).amax(dim=2)
-    margin = NORM_MARGIN if T >= SHORT_CHUNK else NORM_MARGIN + 4.0
+    used = (w.view(B, T) > 0).sum(dim=1, keepdim=True)  # [B, 1]
+    margin = torch.where(used >= SHORT_CHUNK, NORM_MARGIN, NORM_MARGIN + 4.0)
     lo = torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo)) - margin
     hi = torch.where(torch.isfinite(hi), hi, torch.zeros_like(hi)) + margin
     return lo, (hi - lo) / (NORM_CODES - 2)
