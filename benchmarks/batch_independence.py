@@ -59,11 +59,18 @@ def teacher_forced(
     return torch.stack(out, dim=1)
 
 
-def row_drift(model: Any, prompts: list[list[int]], follow: list[list[int]], config: Any) -> list[float]:
-    """Max |logit difference| of each row batched vs. the same row alone (:func:`teacher_forced`)."""
+def row_drift(
+    model: Any, prompts: list[list[int]], follow: list[list[int]], config: Any
+) -> list[tuple[float, bool]]:
+    """Per row: max |logit difference| batched vs. the same row alone (:func:`teacher_forced`), and whether the
+    greedy token (the argmax) of every step is the same."""
     batched = teacher_forced(model, prompts, follow, config)
-    return [float((batched[b] - teacher_forced(model, [p], [follow[b]], config)[0]).abs().max())
-            for b, p in enumerate(prompts)]
+    out = []
+    for b, p in enumerate(prompts):
+        alone = teacher_forced(model, [p], [follow[b]], config)[0]
+        out.append((float((batched[b] - alone).abs().max()), bool(torch.equal(batched[b].argmax(-1),
+                                                                              alone.argmax(-1)))))
+    return out
 
 
 def story_ids(tok: Any, text: str, lengths: tuple[int, ...], steps: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -119,16 +126,17 @@ def lengths(model: Any, tok: Any, long: bool) -> None:
     text = (shared_dir() / "data" / "tinystories-valid-sample.txt").read_text()
     sizes = (*LENGTHS, 440) if long else LENGTHS
     prompts, follow = story_ids(tok, text, sizes, STEPS)
-    heads = " | ".join(f"row {i} ({n} tokens)" for i, n in enumerate(sizes))
+    heads = " | ".join(f"row {i} ({n} tokens) | same argmax" for i, n in enumerate(sizes))
     print(f"| config | {heads} |")
-    print("|---|" + "---:|" * len(sizes))
+    print("|---|" + "---:|:-:|" * len(sizes))
     for name, cfg in configs():
         try:
             drift = row_drift(model, prompts, follow, cfg)
         except ConfigError as e:  # a preset this model's shape cannot take (e.g. group_size > head_dim)
             print(f"| {name} | n/a: {e} |")
             continue
-        print(f"| {name} | " + " | ".join(f"{d:.1e}" for d in drift) + " |", flush=True)
+        print(f"| {name} | " + " | ".join(f"{d:.1e} | {'yes' if same else 'NO'}" for d, same in drift) + " |",
+              flush=True)
 
 
 def main() -> None:

@@ -43,6 +43,16 @@ class BoundIdsError(InputError):
     indexed under another prompt's hashes); the message names ``reset()``."""
 
 
+def check_removal(tokens_to_remove: Any) -> int:
+    """``tokens_to_remove`` of a crop when it is an integer <= 0 (transformers' convention), else ArgumentError."""
+    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+        raise ArgumentError(f"tokens_to_remove: {tokens_to_remove!r} must be an integer (a negative count)")
+    if tokens_to_remove > 0:
+        raise ArgumentError(f"tokens_to_remove: {tokens_to_remove} is positive; pass a negative number of tokens "
+                            "to remove")
+    return tokens_to_remove
+
+
 def new_session_id() -> str:
     """A fresh random id for one sequence's cache (creation, reset, deep copy)."""
     return f"kvq-{secrets.token_hex(6)}"
@@ -311,10 +321,7 @@ class QuantizedLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count)."""
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"crop: {tokens_to_remove} is positive; pass a negative number of tokens to remove"
-            )
+        check_removal(tokens_to_remove)
         if self.store is not None and tokens_to_remove:
             self.store.crop(self.store.cache_pos + tokens_to_remove)
 
@@ -565,7 +572,7 @@ class QuantizedKVCache(Cache):
         """Remove the last ``-tokens_to_remove`` tokens of every layer (transformers' convention: a negative
         count). Every layer is checked first: a crop one layer refuses (per-channel block split, sliding window,
         eviction) raises before any layer changes."""
-        check_int(tokens_to_remove, "tokens_to_remove", -MAX_CAPACITY, 0, ArgumentError)
+        check_removal(tokens_to_remove)
         for layer in self.layers:
             if layer.store is not None and tokens_to_remove:
                 layer.store.check_crop(layer.store.cache_pos + tokens_to_remove)

@@ -274,6 +274,9 @@ class LayerStore(LaneLayer, OffloadedStore):
                               "per-block precision (int*-channel: one scale per block of tokens)")
         self.dense_dtype: torch.dtype | None = None
         self.sink_k = self.sink_v = self.res_k = self.res_v = None
+        # while static scales wait for some rows: what the rows fitted already will be quantized from (held_rows)
+        self.exact_k: torch.Tensor | None = None
+        self.exact_v: torch.Tensor | None = None
         # per-head block lanes (AdaKV): ``tables[b * H + h]`` holds the lane ids of (row b, KV head h)
         self._lane_step = False  # append_kept / grow_lanes set the fills of this append
         self._lane_overwrite = False  # grow_lanes: overwrite() writes this step's token (append need not)
@@ -430,9 +433,12 @@ class LayerStore(LaneLayer, OffloadedStore):
         if self.residual_mode:
             self._append_residual(keys, values, scores)
         else:
-            if held:  # tokens held while calibration was deferred go to the pool first
-                self._write_pool(self.res_k.to(keys.dtype), self.res_v.to(values.dtype), self.q_end)
-                self.res_k = self.res_v = None
+            if held:  # tokens held while calibration was deferred go to the pool first (see _hold_for_calibration)
+                if self.exact_k is not None and self.exact_v is not None:
+                    self._write_pool(self.exact_k, self.exact_v, self.q_end)
+                else:
+                    self._write_pool(self.res_k.to(keys.dtype), self.res_v.to(values.dtype), self.q_end)
+                self.res_k = self.res_v = self.exact_k = self.exact_v = None
             self._write_pool(keys, values, past, scores)
         self.cache_pos = past + T
         self.offload_cold()
@@ -544,16 +550,18 @@ class LayerStore(LaneLayer, OffloadedStore):
         A row is ready once it has ``CALIB_MIN_TOKENS`` real tokens and a nonzero value in every head, or
         ``CALIB_MAX_TOKENS`` real tokens. So a row's scales never depend on its batch-mates: a long row is
         fitted on its prompt at once, as alone, while a short batch-mate waits for its own tokens. Until the
-        last row is fitted the layer holds every row's tokens unquantized (the model's dtype, so that a row
-        fitted early is later quantized from exactly the values it would have been alone); the rows already
-        fitted are read as their pool would read them (:meth:`held_rows`)."""
+        last row is fitted the layer holds every row's tokens in full precision (``res_k``, the dense dtype,
+        as alone) and, while some rows are fitted already, also the values those rows' pool will be quantized
+        from (``exact_k``: the model's dtype from each row's calibration chunk on, as alone); those rows are
+        read as their pool would read them (:meth:`held_rows`)."""
         static = any(q.static for g in self.groups for q in (g.key.quantizer, g.value.quantizer))
         if not static or self._static_amax is not None:  # nothing fitted on the data: one calibration, no wait
             self._calibrate(keys, values, past)
             return False
         end = past + keys.shape[2]
+        held = self.res_k.shape[2] if self.res_k is not None else 0
         start, ks, vs = past, keys, values
-        if self.res_k is not None and self.res_k.shape[2]:  # the held tokens [q_end, past) and this chunk
+        if held:  # the held tokens [q_end, past) (as held: rounded to the dense dtype) and this chunk
             start = self.q_end
             ks = torch.cat([self.res_k.to(keys.dtype), keys], dim=2)
             vs = torch.cat([self.res_v.to(values.dtype), values], dim=2)
@@ -564,11 +572,23 @@ class LayerStore(LaneLayer, OffloadedStore):
         new = ready.cpu() & ~torch.tensor(self.calibrated_rows, dtype=torch.bool)
         if bool(new.any()):
             self._calibrate(ks, vs, start, rows=new)
+            if self.exact_k is not None and self.exact_v is not None and held:
+                # these rows' tokens before this chunk were held rounded, as alone: their pool is quantized from that
+                r = new.to(self.device).view(-1, 1, 1, 1)
+                self.exact_k = torch.where(r, self.res_k.to(self.exact_k.dtype), self.exact_k)
+                self.exact_v = torch.where(r, self.res_v.to(self.exact_v.dtype), self.exact_v)
         if all(self.calibrated_rows):
-            if self.residual_mode and self.res_k is not None:  # the held tokens join the residual window
-                self.res_k, self.res_v = self.res_k.to(self.dense_dtype), self.res_v.to(self.dense_dtype)
             return False
-        self.res_k, self.res_v = (ks, vs) if ks is not keys else (keys.clone(), values.clone())
+        if any(self.calibrated_rows) and not (self.residual_mode or self.lanes):  # (residual: quantized from res)
+            if self.exact_k is None:
+                self.exact_k, self.exact_v = (ks, vs) if ks is not keys else (keys.clone(), values.clone())
+            else:
+                self.exact_k = torch.cat([self.exact_k, keys], dim=2)
+                self.exact_v = torch.cat([self.exact_v, values], dim=2)
+        dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
+        if held:
+            dk, dv = torch.cat([self.res_k, dk], dim=2), torch.cat([self.res_v, dv], dim=2)
+        self.res_k, self.res_v = dk, dv
         self._held_cache = {}
         return True
 
@@ -585,7 +605,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         not fitted yet) as float32 storage-space rows ``[B, Hg, t, D]``: a row not fitted yet as held; a row
         fitted already as it would be read with every row fitted, i.e. as alone: tokens below
         :meth:`virtual_q_end` quantized with its own scales (the age ladder's newest rows refined), the rest
-        and its sink tokens in the dense buffers' dtype. Computed once per held chunk and group."""
+        and its sink tokens as held. Computed once per held chunk and group."""
         gi = group.key.group
         hit = self._held_cache.get(gi)
         if hit is None or hit[0] is not self.res_k:
@@ -600,11 +620,10 @@ class LayerStore(LaneLayer, OffloadedStore):
         q0, n = self.q_end, self.res_k.shape[2]
         pooled = self.virtual_q_end() - q0  # held tokens the pool would hold
         xk, xv = self.res_k, self.res_v
-        if self.residual_mode:  # tokens reach the pool through the residual window's dtype
-            xk, xv = xk.to(self.dense_dtype).to(xk.dtype), xv.to(self.dense_dtype).to(xv.dtype)
-        dense = self._group_rows(xk.to(self.dense_dtype), group).float(), \
-            self._group_rows(xv.to(self.dense_dtype), group).float()
+        dense = self._group_rows(xk, group).float(), self._group_rows(xv, group).float()
         out = [dense[0].clone(), dense[1].clone()]
+        if self.exact_k is not None and self.exact_v is not None:  # (not residual: what the pool is quantized from)
+            xk, xv = self.exact_k, self.exact_v
         if pooled > 0:
             mk, mv = self._mask_sinks(xk[:, :, :pooled], xv[:, :, :pooled], q0, group.per_block)
             for i, (s, x) in enumerate(((group.key, mk), (group.value, mv))):
@@ -615,8 +634,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             for i in range(2):
                 out[i][r, :, o] = dense[i][r, :, o]
         fitted = torch.tensor(self.calibrated_rows, device=self.device).view(-1, 1, 1, 1)
-        held = self._group_rows(self.res_k, group).float(), self._group_rows(self.res_v, group).float()
-        return torch.where(fitted, out[0], held[0]), torch.where(fitted, out[1], held[1])
+        return torch.where(fitted, out[0], dense[0]), torch.where(fitted, out[1], dense[1])
 
     def _as_pool_reads(self, store: QuantizedTensorStore, x: torch.Tensor) -> torch.Tensor:
         """Rows ``x[B, Hg, t, D]`` (the pool's newest ``t`` tokens to be) as the pool would read them, float32
@@ -1341,6 +1359,9 @@ class LayerStore(LaneLayer, OffloadedStore):
         if self.res_k is not None:
             keep = tokens - self.q_end
             self.res_k, self.res_v = self.res_k[:, :, :keep], self.res_v[:, :, :keep]
+            if self.exact_k is not None and self.exact_v is not None:
+                self.exact_k, self.exact_v = self.exact_k[:, :, :keep], self.exact_v[:, :, :keep]
+            self._held_cache = {}
         self.cache_pos = tokens
 
     def check_crop(self, tokens: int) -> int:
@@ -1379,7 +1400,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.calibrated = False
         self.calibrated_rows = [False] * self.batch
         self._held_cache = {}
-        self.res_k = self.res_v = None
+        self.res_k = self.res_v = self.exact_k = self.exact_v = None
         self.sink_k = self.sink_v = None
         self.key_mean = None
         self.clear_ladder()
@@ -1425,7 +1446,7 @@ class LayerStore(LaneLayer, OffloadedStore):
                 c.counts = s.counts.copy()
                 kv.append(c)
             new.groups.append(HeadGroup(g.precision, g.heads, kv[0], kv[1], g.head_index, g.all_heads))
-        for name in ("sink_k", "sink_v", "res_k", "res_v", "key_mean"):
+        for name in ("sink_k", "sink_v", "res_k", "res_v", "exact_k", "exact_v", "key_mean"):
             t = getattr(self, name)
             setattr(new, name, None if t is None else t.clone())
         new.slots = None if self.slots is None else self.slots.copy()
@@ -1456,7 +1477,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         if self.prefetcher is not None:
             self.prefetcher.clear()
         idx = idx.to(self.device)
-        for name in ("sink_k", "sink_v", "res_k", "res_v", "key_mean"):
+        for name in ("sink_k", "sink_v", "res_k", "res_v", "exact_k", "exact_v", "key_mean"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
@@ -1505,6 +1526,8 @@ class LayerStore(LaneLayer, OffloadedStore):
             out["sinks"] = (self.sink_k, self.sink_v)
         if self.res_k is not None:
             out["residual"] = (self.res_k, self.res_v)
+        if self.exact_k is not None:  # rows fitted while a batch-mate waits for its calibration tokens
+            out["held"] = (self.exact_k, self.exact_v)
         return out
 
     def memory(self) -> dict[str, int]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvquant import KVPrecision, KVQuantConfig, QuantizedKVCache
+from kvquant.errors import ConfigError
 from kvquant.quantizers import PRECISIONS
 from kvquant.store import LayerStore
 
@@ -106,3 +107,208 @@ def test_static_scales_per_sequence_ignore_pads():
     # beam search reorders rows: scales follow them
     store.index_batch(torch.tensor([1, 1, 0]))
     assert torch.equal(store.groups[0].key.state["scale"][2], scale[0])
+
+
+# ------------------------------------------------------------------------------------------ very different lengths
+def _bench():
+    """benchmarks/batch_independence.py (teacher_forced, row_drift, story_ids), loaded as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "batch_independence.py"
+    spec = importlib.util.spec_from_file_location("batch_independence", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+BENCH = _bench()
+STEPS = 16  # > CALIB_MIN_TOKENS - 3: the 3-token row's static scales are fitted during the run
+
+
+@pytest.fixture(scope="module")
+def story_rows(stories, tinystories_text):
+    """Prompts of 60, 3 and 440 real tokens from the TinyStories text, and STEPS next tokens of each."""
+    _, tok = stories
+    return BENCH.story_ids(tok, tinystories_text, (60, 3, 440), STEPS)
+
+
+@pytest.fixture(scope="module")
+def fp32_floor(stories, story_rows):
+    """Max |logit difference| batched vs. alone of fp32 storage (lossless): the model's own float noise."""
+    model, _ = stories
+    prompts, follow = story_rows
+    return {n: max(d for d, _ in BENCH.row_drift(model, prompts[:n], follow[:n], _cfg("fp32"))) for n in (2, 3)}
+
+
+def _floor_bound(floor: float) -> float:
+    return 2 * floor + 1e-6
+
+
+# per-head static scales (the schemes the calibration hold is for), exact rounding: the fp32 floor
+STATIC_EXACT = ["int8", "fp8-e4m3", "fp8-e5m2"]
+
+
+@pytest.mark.parametrize("precision", STATIC_EXACT)
+def test_short_batch_mate_static_scales(stories, story_rows, fp32_floor, precision):
+    """Row 0 (60 real tokens) batched with row 1 (3 real tokens, left-padded to 60), teacher-forced for 16
+    steps: row 0's logits equal its lone run to the fp32 floor. Before per-row calibration the layer waited for
+    row 1's 16th token and fitted row 0 on other tokens (row 0 off by 2.0 for int8). Row 1 holds its first
+    tokens in fp16 (a fp32 model) until its own scales are fitted, alone as batched, and fp16 rounding of the
+    model's float noise moves its logits by up to ~1e-4 (as fp16 storage does): the same greedy tokens, < 1e-2."""
+    model, _ = stories
+    prompts, follow = story_rows
+    (d0, same0), (d1, same1) = BENCH.row_drift(model, prompts[:2], follow[:2], _cfg(precision))
+    assert d0 <= _floor_bound(fp32_floor[2]) and same0, f"{precision} row 0: {d0:.2e} (floor {fp32_floor[2]:.1e})"
+    assert d1 < 1e-2 and same1, f"{precision} row 1: {d1:.2e}"
+
+
+@pytest.mark.parametrize("config", [{"default": "tq3"}, {"default": "int8", "sink_tokens": 3},
+                                    {"default": "tq4", "ladder_tokens": 8, "ladder2_tokens": 4}],
+                         ids=["tq3", "int8-sinks", "tq4-ladder"])
+def test_short_batch_mate_fitted_rows_read_as_alone(stories, story_rows, config):
+    """While row 1 waits for its calibration tokens, row 0 (fitted at once) reads its held tokens as its pool
+    would: codebook heads, sink tokens and the age ladder's refined rows included. Codebook codes flip on float
+    noise now and then (see above), so: the same greedy token every step, and logits within 1e-2."""
+    model, _ = stories
+    prompts, follow = story_rows
+    for b, (d, same) in enumerate(BENCH.row_drift(model, prompts[:2], follow[:2], _cfg(**config))):
+        assert same and d < 1e-2, f"{config} row {b}: {d:.2e}"
+
+
+def _all_configs():
+    from kvquant.config import PRESETS
+
+    return [pytest.param(_cfg(p), id=p) for p in sorted(PRECISIONS)] + [
+        pytest.param(KVQuantConfig.preset(n), id=f"preset-{n}") for n in PRESETS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", _all_configs())
+def test_three_very_different_lengths_every_config(stories, story_rows, fp32_floor, config):
+    """3 vs 60 vs 440 real tokens in one left-padded batch (the 3-token row padded by 437), teacher-forced, every
+    precision and preset: every row at the fp32 floor or with the same greedy token at every step."""
+    model, _ = stories
+    prompts, follow = story_rows
+    try:
+        config.resolve(model)
+    except ConfigError as e:
+        pytest.skip(f"not valid for stories260K: {e}")
+    for b, (d, same) in enumerate(BENCH.row_drift(model, prompts, follow, config)):
+        assert d <= _floor_bound(fp32_floor[3]) or same, f"{config.name} row {b}: {d:.2e}, greedy tokens differ"
+
+
+def _generate_rows(model, prompts, cfg, seed=None, **kw):
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, cache=QuantizedKVCache(model, cfg),
+                             max_new_tokens=STEPS, pad_token_id=0, **kw)
+    return out[:, width:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["int8", "fp8-e4m3", "tq3"])
+def test_beams_and_seeded_sampling_ignore_batch_mates(stories, story_rows, precision):
+    """Beam search: row 0's beams batched with a 3-token row == row 0 alone. Seeded sampling: row 0's sample
+    is the same whether its batch-mate has 3 or 440 real tokens (same batch size, so the same random draws)."""
+    model, _ = stories
+    prompts, _ = story_rows
+    cfg = _cfg(precision)
+    beams = {"num_beams": 3, "do_sample": False, "num_return_sequences": 1}
+    alone = _generate_rows(model, prompts[:1], cfg, **beams)
+    batched = _generate_rows(model, prompts[:2], cfg, **beams)
+    assert torch.equal(batched[0], alone[0]), f"{precision}: beams of row 0 depend on its batch-mate"
+    sample = {"do_sample": True, "top_k": 0, "temperature": 1.0}
+    short_mate = _generate_rows(model, [prompts[0], prompts[1]], cfg, seed=0, **sample)
+    long_mate = _generate_rows(model, [prompts[0], prompts[2][-200:]], cfg, seed=0, **sample)
+    assert torch.equal(short_mate[0], long_mate[0]), f"{precision}: row 0's seeded sample depends on its batch-mate"
+
+
+# ------------------------------------------------------------------------------------------ per-row calibration (store)
+def test_store_fits_each_row_on_its_own_first_tokens():
+    """LayerStore: a row with enough real tokens is fitted at once on them, a short row later on its own first
+    CALIB_MIN_TOKENS real tokens; the scales equal those of each row alone, whatever the other row holds."""
+    from kvquant.store import CALIB_MIN_TOKENS
+
+    cfg = _cfg("int8", headroom=1.0)
+    g = torch.Generator().manual_seed(1)
+    T, pad = 40, 37  # row 1: 3 real tokens after 37 pads
+    n = T + CALIB_MIN_TOKENS
+    k, v = torch.randn(2, 2, n, 32, generator=g), torch.randn(2, 2, n, 32, generator=g)
+    k[1, :, :pad] = 1e3  # pads: never seen by a scale
+    batched = LayerStore([KVPrecision("int8", "int8")] * 2, cfg, 32, 2, torch.device("cpu"))
+    batched.append(k[:, :, :T], v[:, :, :T], row_start=torch.tensor([0, pad]))
+    assert batched.calibrated_rows == [True, False] and not batched.calibrated
+    for t in range(T, T + CALIB_MIN_TOKENS):
+        batched.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    assert batched.calibrated and batched.q_end == batched.cache_pos
+    for b, (first, n) in enumerate(((0, T), (pad, CALIB_MIN_TOKENS))):
+        alone = LayerStore([KVPrecision("int8", "int8")] * 2, cfg, 32, 1, torch.device("cpu"))
+        alone.append(k[b:b + 1, :, first:first + n], v[b:b + 1, :, first:first + n])
+        assert alone.calibrated
+        torch.testing.assert_close(batched.groups[0].key.state["scale"][b], alone.groups[0].key.state["scale"][0],
+                                   rtol=0, atol=0)
+
+
+def test_store_zero_head_falls_back_within_its_row():
+    """A head that saw only zeros takes its own row's largest max, never a batch-mate's."""
+    from kvquant.store import safe_amax
+
+    amax = torch.tensor([[0.0, 2.0], [0.0, 0.0], [5.0, 0.0]])
+    assert safe_amax(amax).tolist() == [[2.0, 2.0], [1.0, 1.0], [5.0, 5.0]]
+
+
+# ------------------------------------------------------------------------------------------ validate first
+def _filled_cache(stories, config="int8", rows=2):
+    model, tok = stories
+    ids = torch.tensor(tok([A] * rows)["input_ids"])
+    cache = QuantizedKVCache(model, config)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+    return cache
+
+
+def _snapshot(cache):
+    return [(list(map(list, la.store.tables)), la.store.cache_pos, la.store.batch,
+             {n: t.clone() for g in la.store.groups for n, t in g.key.state.items()}) for la in cache.layers]
+
+
+@pytest.mark.parametrize("call", [
+    lambda c: c.reorder_cache(torch.tensor([1, 2])), lambda c: c.reorder_cache(torch.tensor([-1, 0])),
+    lambda c: c.reorder_cache(torch.tensor([0.0, 1.0])), lambda c: c.reorder_cache(torch.tensor([[0, 1]])),
+    lambda c: c.batch_select_indices(torch.tensor([], dtype=torch.long)),
+    lambda c: c.batch_select_indices([0, 5]), lambda c: c.batch_repeat_interleave(0),
+    lambda c: c.crop(3), lambda c: c.crop(1.5),
+], ids=["past-end", "negative", "float", "2-d", "empty", "list-past-end", "repeat-0", "crop-positive", "crop-float"])
+def test_bad_row_operations_change_nothing(stories, call):
+    """reorder_cache / batch_select_indices / batch_repeat_interleave / crop check their argument first: a bad
+    one raises a KVQuantError naming it, and every layer's tables, length and scales are as before."""
+    from kvquant.errors import KVQuantError
+
+    cache = _filled_cache(stories)
+    before = _snapshot(cache)
+    with pytest.raises(KVQuantError, match=r"^(beam_idx|indices|repeats|tokens_to_remove): "):
+        call(cache)
+    after = _snapshot(cache)
+    for (t0, p0, b0, s0), (t1, p1, b1, s1) in zip(before, after, strict=True):
+        assert (t0, p0, b0) == (t1, p1, b1) and all(torch.equal(s0[n], s1[n]) for n in s0)
+
+
+def test_crop_refused_by_one_layer_changes_no_layer(stories):
+    """A crop that a later layer refuses (an int4-channel block would be split) leaves every layer as it was."""
+    model, tok = stories
+    cfg = KVQuantConfig.from_dict({"default": "int8-token", "block_size": 16,
+                                   "layers": {4: "int4-channel"}, "residual_tokens": 0})
+    ids = torch.tensor(tok([A + " " + A])["input_ids"])
+    cache = QuantizedKVCache(model, cfg)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+    assert cache.layers[4].store.q_end >= 16
+    before = _snapshot(cache)
+    with pytest.raises(ValueError, match="crop: keeping"):
+        cache.crop(-(cache.get_seq_length() - 5))
+    assert _snapshot(cache)[0][:3] == before[0][:3] and cache.get_seq_length() == before[0][1]
