@@ -195,8 +195,9 @@ def dense_segments(layer: LayerStore, past_len: int) -> tuple[torch.Tensor, torc
     if past_len > q_end:
         if layer.res_k is None or layer.res_k.shape[2] < past_len - q_end:
             raise Unsupported(f"the residual buffer does not hold tokens [{q_end}, {past_len})")
-        ks.append(layer.res_k[:, :, : past_len - q_end])
-        vs.append(layer.res_v[:, :, : past_len - q_end])
+        rk, rv = layer.residual_rows(past_len)  # (rows fitted while a batch-mate waits: as their pool reads)
+        ks.append(rk)
+        vs.append(rv)
         pos.append(torch.arange(q_end, past_len, device=device).expand(B, -1))
     if not ks:
         return None

@@ -240,7 +240,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.offload_from = 0  # blocks below this index were considered for offload already
         self.prefetcher: Prefetcher | None = None  # host -> device tile copies (``offload``), made on first use
         self._table_cache: torch.Tensor | None = None
-        self._held_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # see held_rows
+        self._held_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # held_rows: K, V base decode per group
         self._lane_runs: list[int | None] = []  # lanes: per group, the in-place run of one sequence (see table())
         self.slots: SlotMap | None = None  # an evicting layer: its token axis holds slots (see kvquant.slots)
         self.groups: list[HeadGroup] = []
@@ -572,6 +572,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         new = ready.cpu() & ~torch.tensor(self.calibrated_rows, dtype=torch.bool)
         if bool(new.any()):
             self._calibrate(ks, vs, start, rows=new)
+            self._held_cache = {}  # (held_rows: those rows now read quantized)
             if self.exact_k is not None and self.exact_v is not None and held:
                 # these rows' tokens before this chunk were held rounded, as alone: their pool is quantized from that
                 r = new.to(self.device).view(-1, 1, 1, 1)
@@ -589,7 +590,6 @@ class LayerStore(LaneLayer, OffloadedStore):
         if held:
             dk, dv = torch.cat([self.res_k, dk], dim=2), torch.cat([self.res_v, dv], dim=2)
         self.res_k, self.res_v = dk, dv
-        self._held_cache = {}
         return True
 
     def virtual_q_end(self) -> int:
@@ -605,57 +605,60 @@ class LayerStore(LaneLayer, OffloadedStore):
         not fitted yet) as float32 storage-space rows ``[B, Hg, t, D]``: a row not fitted yet as held; a row
         fitted already as it would be read with every row fitted, i.e. as alone: tokens below
         :meth:`virtual_q_end` quantized with its own scales (the age ladder's newest rows refined), the rest
-        and its sink tokens as held. Computed once per held chunk and group."""
-        gi = group.key.group
-        hit = self._held_cache.get(gi)
-        if hit is None or hit[0] is not self.res_k:
-            hit = (self.res_k, *self._held_as_stored(group))
-            self._held_cache[gi] = hit
-        a, b = start - self.q_end, end - self.q_end
-        return hit[1][:, :, a:b], hit[2][:, :, a:b]
-
-    def _held_as_stored(self, group: HeadGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`held_rows` of the whole held range ``[q_end, cache_pos)``."""
-        assert self.res_k is not None and self.res_v is not None and self.dense_dtype is not None
+        and its sink tokens as held. Each held token is quantized once (the base decode is kept per group
+        until a row's scales change)."""
+        assert self.res_k is not None and self.res_v is not None
         q0, n = self.q_end, self.res_k.shape[2]
         pooled = self.virtual_q_end() - q0  # held tokens the pool would hold
-        xk, xv = self.res_k, self.res_v
-        dense = self._group_rows(xk, group).float(), self._group_rows(xv, group).float()
+        dense = self._group_rows(self.res_k, group).float(), self._group_rows(self.res_v, group).float()
         out = [dense[0].clone(), dense[1].clone()]
-        if self.exact_k is not None and self.exact_v is not None:  # (not residual: what the pool is quantized from)
-            xk, xv = self.exact_k, self.exact_v
+        xk, xv = (self.exact_k, self.exact_v) if self.exact_k is not None else (self.res_k, self.res_v)
         if pooled > 0:
-            mk, mv = self._mask_sinks(xk[:, :, :pooled], xv[:, :, :pooled], q0, group.per_block)
-            for i, (s, x) in enumerate(((group.key, mk), (group.value, mv))):
-                out[i][:, :, :pooled] = self._as_pool_reads(s, self._group_rows(x, group))
+            gi = group.key.group
+            base = self._held_cache.get(gi)
+            done = 0 if base is None else base[0].shape[2]
+            if done < pooled:  # quantize the tokens that reached the virtual pool since the last read
+                mk, mv = self._mask_sinks(xk[:, :, done:pooled], xv[:, :, done:pooled], q0 + done, group.per_block)
+                new = [self._pool_rows(s, self._group_rows(x, group)) for s, x in ((group.key, mk), (group.value, mv))]
+                base = tuple(y if base is None else torch.cat([base[i], y], dim=2) for i, y in enumerate(new))
+                self._held_cache[gi] = base
+            for i, (s, x) in enumerate(((group.key, xk), (group.value, xv))):
+                out[i][:, :, :pooled] = base[i][:, :, :pooled]
+                n1 = min(self.ladder_tokens, pooled) if s.quantizer.rung_parts(1) else 0
+                if n1:  # the age ladder's newest rows, refined
+                    x1 = self._mask_sinks(x[:, :, pooled - n1:pooled], x[:, :, pooled - n1:pooled], q0 + pooled - n1,
+                                          False)[0]
+                    out[i][:, :, pooled - n1:pooled] = self._ladder_rows(s, self._group_rows(x1, group))
         sel = self.sink_slots(q0, q0 + n)
         if sel is not None:  # sinks: read from the sink buffer (the dense dtype)
             r, o, _ = sel
             for i in range(2):
                 out[i][r, :, o] = dense[i][r, :, o]
         fitted = torch.tensor(self.calibrated_rows, device=self.device).view(-1, 1, 1, 1)
-        return torch.where(fitted, out[0], dense[0]), torch.where(fitted, out[1], dense[1])
+        a, b = start - q0, end - q0
+        return (torch.where(fitted, out[0], dense[0])[:, :, a:b], torch.where(fitted, out[1], dense[1])[:, :, a:b])
 
-    def _as_pool_reads(self, store: QuantizedTensorStore, x: torch.Tensor) -> torch.Tensor:
-        """Rows ``x[B, Hg, t, D]`` (the pool's newest ``t`` tokens to be) as the pool would read them, float32
-        storage space: quantized and decoded with ``store``'s state, the age ladder's newest rows refined."""
+    @staticmethod
+    def _pool_rows(store: QuantizedTensorStore, x: torch.Tensor) -> torch.Tensor:
+        """Rows ``x[B, Hg, t, D]`` quantized and decoded with ``store``'s state, float32 storage space."""
+        q = store.quantizer
+        y = store.decode(q.quantize(x, store.state))
+        return q.from_space(y, store.state) if q.space else y.float()
+
+    def _ladder_rows(self, store: QuantizedTensorStore, x: torch.Tensor) -> torch.Tensor:
+        """The pool's newest rows ``x[B, Hg, n1, D]`` as the age ladder reads them (refined; the newest
+        ``ladder2_tokens`` through both rungs), float32 storage space."""
         q = store.quantizer
         parts = q.quantize(x, store.state)
-        y = store.decode(parts)
-        t = x.shape[2]
-        n1 = min(self.ladder_tokens, t) if q.rung_parts(1) else 0
-        if n1:
-            p1, x1 = _rows(parts, t - n1), x[:, :, t - n1:]
-            r = q.refine(x1, store.state, p1)
-            y1 = q.decode_refined(p1, r, store.state).float()
-            n2 = min(self.ladder2_tokens, n1) if q.rung_parts(2) else 0
-            if n2:
-                y2 = q.add_rung2(y1[:, :, n1 - n2:], _rows(p1, n1 - n2), _rows(r, n1 - n2),
-                                 q.refine2(x1[:, :, n1 - n2:], store.state, _rows(p1, n1 - n2), _rows(r, n1 - n2)),
-                                 store.state).float()
-                y1 = torch.cat([y1[:, :, :n1 - n2], y2], dim=2)
-            y = torch.cat([y[:, :, :t - n1].float(), y1], dim=2)
-        return q.from_space(y, store.state) if q.space else y.float()
+        r = q.refine(x, store.state, parts)
+        y = q.decode_refined(parts, r, store.state).float()
+        n1 = x.shape[2]
+        n2 = min(self.ladder2_tokens, n1) if q.rung_parts(2) else 0
+        if n2:
+            p2, r1 = _rows(parts, n1 - n2), _rows(r, n1 - n2)
+            y2 = q.add_rung2(y[:, :, n1 - n2:], p2, r1, q.refine2(x[:, :, n1 - n2:], store.state, p2, r1), store.state)
+            y = torch.cat([y[:, :, :n1 - n2], y2.float()], dim=2)
+        return q.from_space(y, store.state) if q.space else y
 
     def residual_rows(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The history ``[q_end, end)`` held in full precision, every KV head ``[B, H, t, D]``, as the attention

@@ -169,11 +169,13 @@ def test_short_batch_mate_static_scales(stories, story_rows, fp32_floor, precisi
 def test_short_batch_mate_fitted_rows_read_as_alone(stories, story_rows, config):
     """While row 1 waits for its calibration tokens, row 0 (fitted at once) reads its held tokens as its pool
     would: codebook heads, sink tokens and the age ladder's refined rows included. Codebook codes flip on float
-    noise now and then (see above), so: the same greedy token every step, and logits within 1e-2."""
+    noise now and then (see above; row 1's first tokens are also held in fp16 until its own scales are fitted,
+    alone as batched), so: the same greedy token every step, and logits within 0.1 (a batch-dependence bug: 1-10)."""
     model, _ = stories
     prompts, follow = story_rows
-    for b, (d, same) in enumerate(BENCH.row_drift(model, prompts[:2], follow[:2], _cfg(**config))):
-        assert same and d < 1e-2, f"{config} row {b}: {d:.2e}"
+    cfg = KVQuantConfig.from_dict({"block_size": 16, **config})
+    for b, (d, same) in enumerate(BENCH.row_drift(model, prompts[:2], follow[:2], cfg)):
+        assert same and d < 0.1, f"{config} row {b}: {d:.2e}"
 
 
 def _all_configs():
@@ -231,7 +233,8 @@ def test_beams_and_seeded_sampling_ignore_batch_mates(stories, story_rows, preci
 # ------------------------------------------------------------------------------------------ per-row calibration (store)
 def test_store_fits_each_row_on_its_own_first_tokens():
     """LayerStore: a row with enough real tokens is fitted at once on them, a short row later on its own first
-    CALIB_MIN_TOKENS real tokens; the scales equal those of each row alone, whatever the other row holds."""
+    CALIB_MIN_TOKENS real tokens; the scales equal those of each row alone (fed the same chunks), bit for bit,
+    whatever the other row holds."""
     from kvquant.store import CALIB_MIN_TOKENS
 
     cfg = _cfg("int8", headroom=1.0)
@@ -246,9 +249,11 @@ def test_store_fits_each_row_on_its_own_first_tokens():
     for t in range(T, T + CALIB_MIN_TOKENS):
         batched.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
     assert batched.calibrated and batched.q_end == batched.cache_pos
-    for b, (first, n) in enumerate(((0, T), (pad, CALIB_MIN_TOKENS))):
+    for b, first in ((0, 0), (1, pad)):
         alone = LayerStore([KVPrecision("int8", "int8")] * 2, cfg, 32, 1, torch.device("cpu"))
-        alone.append(k[b:b + 1, :, first:first + n], v[b:b + 1, :, first:first + n])
+        alone.append(k[b:b + 1, :, first:T], v[b:b + 1, :, first:T])  # the prompt's real tokens, then one by one
+        for t in range(T, T + CALIB_MIN_TOKENS):
+            alone.append(k[b:b + 1, :, t:t + 1], v[b:b + 1, :, t:t + 1])
         assert alone.calibrated
         torch.testing.assert_close(batched.groups[0].key.state["scale"][b], alone.groups[0].key.state["scale"][0],
                                    rtol=0, atol=0)
