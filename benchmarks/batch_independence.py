@@ -35,39 +35,39 @@ STEPS = 24
 
 
 def teacher_forced(
-    model: Any, prompts: list[list[int]], follow: list[list[int]], config: Any, pad_id: int = 0,
-    capacity: int | None = None,
+    model: Any, prompts: list[list[int]], follow: list[list[int]], config: Any, pad_id: int = 0, chunk: int = 1,
 ) -> torch.Tensor:
     """Logits ``[B, 1 + steps, vocab]`` of ``prompts`` (left-padded to the longest, one prefill), then of the
-    tokens ``follow[b]`` fed one decode step at a time, through a fresh ``QuantizedKVCache(model, config)``;
-    positions count each row's real tokens only (what ``generate`` passes for a left-padded batch)."""
+    tokens ``follow[b]`` fed ``chunk`` at a time (1: one decode step each), through a fresh
+    ``QuantizedKVCache(model, config)``; positions count each row's real tokens only (what ``generate`` passes for
+    a left-padded batch)."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    cache = QuantizedKVCache(model, config, capacity=capacity)
+    cache = QuantizedKVCache(model, config)
     out = []
     with torch.no_grad():
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits
-        out.append(logits[:, -1].float())
-        for t in range(len(follow[0])):
-            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
-            pos = pos[:, -1:] + 1
-            step = torch.tensor([[f[t]] for f in follow])
+        out.append(logits[:, -1:].float())
+        for t in range(0, len(follow[0]), chunk):
+            step = torch.tensor([f[t:t + chunk] for f in follow])
+            mask = torch.cat([mask, torch.ones_like(step)], dim=1)
+            pos = pos[:, -1:] + 1 + torch.arange(step.shape[1])
             out.append(model(input_ids=step, attention_mask=mask, position_ids=pos, cache=cache,
-                             use_cache=True).logits[:, -1].float())
-    return torch.stack(out, dim=1)
+                             use_cache=True).logits.float())
+    return torch.cat(out, dim=1)
 
 
 def row_drift(
-    model: Any, prompts: list[list[int]], follow: list[list[int]], config: Any
+    model: Any, prompts: list[list[int]], follow: list[list[int]], config: Any, chunk: int = 1
 ) -> list[tuple[float, bool]]:
     """Per row: max |logit difference| batched vs. the same row alone (:func:`teacher_forced`), and whether the
     greedy token (the argmax) of every step is the same."""
-    batched = teacher_forced(model, prompts, follow, config)
+    batched = teacher_forced(model, prompts, follow, config, chunk=chunk)
     out = []
     for b, p in enumerate(prompts):
-        alone = teacher_forced(model, [p], [follow[b]], config)[0]
+        alone = teacher_forced(model, [p], [follow[b]], config, chunk=chunk)[0]
         out.append((float((batched[b] - alone).abs().max()), bool(torch.equal(batched[b].argmax(-1),
                                                                               alone.argmax(-1)))))
     return out

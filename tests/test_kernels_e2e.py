@@ -119,6 +119,26 @@ def test_greedy_same_tokens_and_logits(model, name, monkeypatch):
     kvquant.unwrap(model)
 
 
+def test_short_batch_mate_fitted_row_read_alike(model, monkeypatch):
+    """int8, row 0 with 20 real tokens (its scales fitted at the prefill), row 1 with 4 (left-padded by 16, fitted
+    12 steps later): while row 1 waits, both paths read row 0's held tokens as its pool will (the Triton path
+    through ``LayerStore.residual_rows``), and generate the same tokens and logits."""
+    kvquant.wrap(model, "int8")
+    ids = torch.randint(3, 96, (2, 20), generator=torch.Generator().manual_seed(4)).to(DEV)
+    mask = torch.ones_like(ids)
+    ids[1, :16] = 0
+    mask[1, :16] = 0
+    seq_t, logits_t, _, cache_t = generate(model, ids, mask, "torch", monkeypatch, new_tokens=14)
+    seq_k, logits_k, calls_k, cache_k = generate(model, ids, mask, "triton", monkeypatch, new_tokens=14)
+    assert len(calls_k) == model.config.num_hidden_layers * 14
+    assert cache_k.layers[0].store.calibrated_rows == [True, True] and cache_k.layers[0].store.calibrated
+    assert torch.equal(seq_t, seq_k)
+    assert differing_codes(cache_t, cache_k) == 0, "a rounding-boundary flip: pick other fixed inputs"
+    err = (logits_t - logits_k).abs().max().item()
+    assert err <= E2E_TOL, f"max abs logit difference {err:.2e}"
+    kvquant.unwrap(model)
+
+
 def test_greedy_codebook_ladder(model, monkeypatch):
     """Codebook K4/V3 (one int8 head) with sinks, an exact residual window and an age ladder, on a padded batch
     long enough to quantize (static codebook state is fitted once each row has real tokens): the Triton path
