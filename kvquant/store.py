@@ -1114,25 +1114,25 @@ class LayerStore(LaneLayer, OffloadedStore):
                 use = torch.where((use & not_sink).any(dim=1, keepdim=True), use & not_sink, use)
             k_amax = safe_amax(row_amax(keys, use))
             v_amax = safe_amax(row_amax(values, use))
+        fitted_states = []  # every group's K and V state, checked before any store changes
         for g in self.groups:
             ka, va = k_amax[:, g.head_index], v_amax[:, g.head_index]
             both_int8 = g.key.quantizer.name == g.value.quantizer.name == "int8"
             if both_int8 and self.config.share_kv_scale:
                 ka = va = torch.maximum(ka, va)
-            states = []
             for s, x, amax in ((g.key, keys, ka), (g.value, values, va)):
                 fitted = s.quantizer.fit(self._group_rows(x, g), use) if s.quantizer.space else None
-                states.append(fitted if fitted is not None else s.quantizer.calibrate(amax))
-            for st, state in zip((g.key, g.value), states, strict=True):
-                mine = state if rows is None else {n: t[rows.to(t.device)] if st.quantizer.per_sequence(n, t) else t
-                                                   for n, t in state.items()}
+                state = fitted if fitted is not None else s.quantizer.calibrate(amax)
+                mine = state if rows is None else {n: t[rows.to(t.device)] if s.quantizer.per_sequence(n, t) else t
+                                                   for n, t in state.items()}  # (the rows fitted now)
                 if not stored_finite(mine):
                     raise StoredOverflow(
                         f"headroom: {self.config.headroom!r} times the calibrated max overflows the static "
-                        f"{st.quantizer.name} scale (float32)"
+                        f"{s.quantizer.name} scale (float32)"
                     )
-            for st, state in zip((g.key, g.value), states, strict=True):  # (nothing changed before every check)
-                st.state = state if rows is None or not st.state else merge_rows(st.quantizer, st.state, state, rows)
+                fitted_states.append((s, state))
+        for s, state in fitted_states:
+            s.state = state if rows is None or not s.state else merge_rows(s.quantizer, s.state, state, rows)
         if rows is not None:
             self.calibrated_rows = [a or b for a, b in zip(self.calibrated_rows, rows.tolist(), strict=True)]
         else:
