@@ -450,6 +450,8 @@ class QuantizedKVCache(Cache):
         ids = torch.as_tensor(input_ids)
         ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
         past = self.get_seq_length()
+        if ids.shape[0] == len(self.token_ids) and past >= max(map(len, self.token_ids), default=0):
+            return  # decoding past the bound prompt: nothing to compare (and no read of the ids)
         if ids.shape[0] != len(self.token_ids):
             raise BoundIdsError(
                 f"input_ids: {ids.shape[0]} rows, but cache {self.session_id} is bound to the token ids of "
