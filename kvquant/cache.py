@@ -46,10 +46,10 @@ class BoundIdsError(InputError):
 def check_removal(tokens_to_remove: Any) -> int:
     """``tokens_to_remove`` of a crop when it is an integer <= 0 (transformers' convention), else ArgumentError."""
     if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
-        raise ArgumentError(f"tokens_to_remove: {tokens_to_remove!r} must be an integer (a negative count)")
+        raise ArgumentError(f"crop: tokens_to_remove {tokens_to_remove!r} must be an integer (a negative count)")
     if tokens_to_remove > 0:
-        raise ArgumentError(f"tokens_to_remove: {tokens_to_remove} is positive; pass a negative number of tokens "
-                            "to remove")
+        raise ArgumentError(f"crop: tokens_to_remove {tokens_to_remove} is positive; pass a negative number of "
+                            "tokens to remove")
     return tokens_to_remove
 
 

@@ -308,7 +308,7 @@ def test_bad_row_operations_change_nothing(stories, call):
 
     cache = _filled_cache(stories)
     before = _snapshot(cache)
-    with pytest.raises(KVQuantError, match=r"^(beam_idx|indices|repeats|tokens_to_remove): "):
+    with pytest.raises(KVQuantError, match=r"^(beam_idx|indices|repeats|crop): "):
         call(cache)
     after = _snapshot(cache)
     for (t0, p0, b0, s0), (t1, p1, b1, s1) in zip(before, after, strict=True):
