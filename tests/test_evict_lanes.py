@@ -354,9 +354,10 @@ def test_pool_caches_share_an_arena_through_free_lanes(model):
     """Two requests on one pool: lanes freed by the first serve the second; pool blocks stay whole blocks."""
     torch.manual_seed(7)
     pool = PagedKVPool(model, cfg(Peaked(), keep=0.5))
-    a = pool.cache_for(torch.randint(3, 128, (1, 150)))
+    ids = torch.randint(3, 128, (1, 150))
+    a = pool.cache_for(ids)  # (bound to ids: a forward with other ids is refused)
     with torch.no_grad():
-        model(torch.randint(3, 128, (1, 150)), cache=a)
+        model(ids, cache=a)
     used = pool.stats()["blocks_used"]
     lanes = sum(la.store.memory()["lanes"] for la in a.layers)
     assert used * 2 >= lanes and used < lanes  # two lanes per block (2 KV heads), few blocks partly used
