@@ -32,8 +32,8 @@ def test_bound_cache_refuses_other_ids_and_writes_nothing(model):
         model(torch.tensor([[7]]), cache=cache, use_cache=True)  # past the prompt: new tokens are free
     indexed, length = pool.stats()["indexed_blocks"], cache.get_seq_length()
     cache.crop(-(length - 20))
-    with pytest.raises(BoundIdsError, match=r"^input_ids: row 0 has token \d+ at position \d+ .*cache\.reset\(\)") as e, \
-            torch.no_grad():
+    refusal = r"^input_ids: row 0 has token \d+ at position \d+ .*cache\.reset\(\)"
+    with pytest.raises(BoundIdsError, match=refusal) as e, torch.no_grad():
         model(b[:, 20:], cache=cache, use_cache=True)  # another prompt's tokens at positions 20..39
     assert isinstance(e.value, InputError) and "\n" not in str(e.value)
     assert cache.get_seq_length() == 20 and pool.stats()["indexed_blocks"] == indexed
