@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from kvquant.eval.data import load_text, tokenize
-from kvquant.eval.models import load_model
+from kvquant.models import load_model
 from kvquant.outputs import write_text  # atomic: a re-run replaces results whole, never half
 from kvquant.sensitivity import calibration_windows, estimate_fisher, measure_kl, spearman
+from kvquant.text import load_text, tokenize
 
 
 def main(argv: list[str] | None = None) -> int:

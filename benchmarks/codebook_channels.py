@@ -24,9 +24,9 @@ import yaml
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvquant import KVQuantConfig, ModelShape
-from kvquant.eval.data import load_text, tokenize
-from kvquant.eval.models import load_model
+from kvquant.models import load_model
 from kvquant.quantizers import CODEBOOK, TRELLIS, VECTOR, allocate_widths, channel_precision, make_quantizer
+from kvquant.text import load_text, tokenize
 
 WINDOW, SINK, PREFILL = 1024, 4, 960
 

@@ -47,8 +47,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import rotate_half
 
 from kvquant import KVQuantConfig, ModelShape
-from kvquant.eval.data import load_text, tokenize
-from kvquant.eval.models import load_model
+from kvquant.models import load_model
 from kvquant.quantizers import (
     CHANNEL_PREFIX,
     CODEBOOK,
@@ -62,6 +61,7 @@ from kvquant.quantizers import (
     channel_precision,
     make_quantizer,
 )
+from kvquant.text import load_text, tokenize
 
 WINDOW, PREFILL, SINK, SCORE_FROM = 1024, 960, 4, 512
 

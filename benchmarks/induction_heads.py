@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvquant.eval.models import load_model
+from kvquant.models import load_model
 
 
 def induction_scores(model: torch.nn.Module, length: int = 200, batch: int = 4, seed: int = 0,

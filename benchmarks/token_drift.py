@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from kvquant.eval.data import load_text, token_windows, tokenize
 from kvquant.eval.metrics import token_drift
-from kvquant.eval.models import load_model
 from kvquant.eval.protocols import decode_logits
 from kvquant.eval.recipe import RecipeError, load_recipe
 from kvquant.eval.runner import _AttnGuard, _quiet_transformers, build_methods
+from kvquant.models import load_model
+from kvquant.text import load_text, token_windows, tokenize
 
 COPY_BINS = ((1, 16), (16, 256), (256, 1 << 30))  # distances to the bigram's previous occurrence (--by-copy)
 

@@ -204,10 +204,10 @@ def command_line(argv: Sequence[str] | None) -> str:
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     """Run the recipe named by ``args``; prints the table and writes the reports. Returns the exit code."""
     from kvquant.errors import ArgumentError
+    from kvquant.models import NAMED_MODELS, check_device, check_model_path
     from kvquant.outputs import check_output_dir
 
     from .compare import compare_text, load_rows, parse_pair
-    from .models import NAMED_MODELS, check_device, check_model_path
     from .recipe import load_recipe
     from .report import output_files, print_table, write_all
     from .runner import run_recipe

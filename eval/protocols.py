@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from .data import Window
-from .models import model_device
+from kvquant.models import model_device
+from kvquant.text import Window
 
 PROTOCOLS = {
     "simulated": "fake-quantized K/V at every position; static scales from the prefill (or a scales file), "

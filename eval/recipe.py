@@ -137,7 +137,7 @@ DTYPES = ["auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"]
 def expand(value: str) -> str:
     """``${KVQUANT_SHARED}`` (the shared data folder, default ``../shared`` beside the repo), other
     environment variables and ``~`` in path-like fields."""
-    from .data import shared_dir
+    from kvquant.paths import shared_dir
 
     value = value.replace("${KVQUANT_SHARED}", str(shared_dir())).replace("$KVQUANT_SHARED", str(shared_dir()))
     value = os.path.expandvars(value)
@@ -237,7 +237,7 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
         if not isinstance(m, str) or not m.strip():
             raise RecipeError(f"model[{i}]: must be a non-empty string, got {m!r}{_where(source)}")
         if "+" in m:
-            from .stress import split_spec
+            from kvquant.stress import split_spec
 
             try:
                 split_spec(m)

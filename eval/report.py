@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvquant.outputs import check_output_dir, save_figure, write_text
+from kvquant.outputs import check_output_dir, write_text
 
 from .protocols import PROTOCOLS
+from .render import finish_figure, md_table
 
 OUTPUT_FILES = ("results.json", "report.md", "bits_vs_quality.png", "frontier.png")  # what write_all writes
 
@@ -112,14 +113,6 @@ def text_table(head: list[str], body: list[list[str]]) -> str:
         out.append(
             "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(b, widths, strict=True)))
         )
-    return "\n".join(out)
-
-
-def md_table(head: list[str], body: list[list[str]]) -> str:
-    head = [h.replace("|", "\\|") for h in head]
-    body = [[c.replace("|", "\\|") for c in b] for b in body]
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
-    out += ["| " + " | ".join(b) + " |" for b in body]
     return "\n".join(out)
 
 
@@ -232,18 +225,6 @@ def plot(result: Any, path: Path) -> bool:
     data = Path(rc.data).name if "/" in rc.data else rc.data
     fig.suptitle(f"{rc.name}: {model} on {data} (lower is better)", fontsize=10)
     return finish_figure(fig, path)
-
-
-def finish_figure(fig: Any, path: Path) -> bool:
-    """Lay out, save (atomically) and close a matplotlib figure; returns True (it was written)."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    try:
-        save_figure(fig, path, dpi=120)
-    finally:
-        plt.close(fig)
-    return True
 
 
 def markdown(result: Any, plot_name: str | None, heatmaps: list[str] = (), frontier: str | None = None) -> str:

@@ -20,6 +20,7 @@ from kvquant.errors import RecipeError
 
 from .baselines import elements_per_token
 from .longcontext import heatmap, run_retrieval, summary
+from .render import finish_figure, md_table
 
 RETRIEVAL_TASKS = ("passkey", "needle")
 FAMILY_COLORS = {
@@ -268,14 +269,12 @@ def plot_frontier(result: Any, path: Any) -> bool:
         ax.set_ylabel(f"KL(ref ‖ q) mean, ppl task ({ppl[0]['protocol']})")
         ax.grid(True, alpha=0.3)
     fig.suptitle(f"{result.recipe.name}: quality vs bytes held (up and left is better)", fontsize=10)
-    from .report import finish_figure
 
     return finish_figure(fig, path)
 
 
 def retrieval_markdown(result: Any, heatmaps: list[str], frontier: str | None) -> list[str]:
     """The report's retrieval sections (one per task), the heatmaps and the frontier plot."""
-    from .report import md_table
 
     meta = result.meta
     lines: list[str] = []

@@ -411,6 +411,18 @@ class QuantizedKVCache(Cache):
         self._finalizer = weakref.finalize(self, _release, layers) if pool is not None else None
 
     # ------------------------------------------------------------------ pool / prefix reuse
+    @classmethod
+    def from_pool(cls, pool: PagedKVPool, input_ids: torch.Tensor) -> QuantizedKVCache:
+        """A new cache on ``pool`` bound to ``input_ids[B, T]`` (or ``[T]``) that already holds the longest
+        indexed run of whole blocks of every row's ids (:meth:`PagedKVPool.match_prefix`), shared with the
+        index, not copied. The blocks it fills later are indexed under its ids."""
+        cache = cls(pool.model, pool.config, pool=pool)
+        rows, found, tokens = pool.match_prefix(input_ids)
+        cache.bind_ids(rows)
+        if tokens:
+            cache.adopt_prefix(found, tokens)
+        return cache
+
     def bind_ids(self, rows: list[list[int]]) -> None:
         """Index the full blocks this cache writes under ``rows`` (the token ids of each row)."""
         self.token_ids = rows

@@ -84,25 +84,25 @@ The shape comes from --model, else from the config's model_shape field (written 
 """
 
 
-# ------------------------------------------------------------------------------------------ loading (kvquant.eval)
+# ------------------------------------------------------------------------------ loading (kvquant.models, kvquant.text)
 def _tokenize(text: str, tokenizer: Any) -> torch.Tensor:
-    """The whole text as 1-D token ids, no special tokens (``kvquant.eval.data.tokenize``)."""
-    from kvquant.eval.data import tokenize
+    """The whole text as 1-D token ids, no special tokens (``kvquant.text.tokenize``)."""
+    from kvquant.text import tokenize
 
     return tokenize(text, tokenizer)
 
 
 def _model_shape(spec: str) -> ModelShape:
-    """The shape of a model from its config alone (``kvquant.eval.models.read_model_config``); errors name --model."""
-    from kvquant.eval.models import read_model_config
+    """The shape of a model from its config alone (``kvquant.models.read_model_config``); errors name --model."""
+    from kvquant.models import read_model_config
 
     return ModelShape.from_config(read_model_config(spec, what="--model"))
 
 
 def _load_model_and_text(model: str, data: str, dtype: str) -> tuple[Any, Any, str, str, str]:
-    """``(model, tokenizer, text, model label, data label)`` through ``kvquant.eval``'s loaders."""
-    from kvquant.eval.data import load_text
-    from kvquant.eval.models import load_model
+    """``(model, tokenizer, text, model label, data label)`` through :mod:`kvquant.models` and :mod:`kvquant.text`."""
+    from kvquant.models import load_model
+    from kvquant.text import load_text
 
     text = load_text(data)  # before the model: a bad --data fails fast
     loaded = load_model(model, dtype=dtype, attn_implementation="sdpa", progress=True)
@@ -423,7 +423,7 @@ def cmd_show_config(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ calibrate CLI
 def cmd_calibrate(args: argparse.Namespace) -> int:
     # every check first: a bad option or output path must not wait for the model to load
-    from kvquant.eval.models import parse_dtype
+    from kvquant.models import parse_dtype
 
     cands = parse_candidates(args.candidates)
     if args.budget_bits is None:

@@ -94,7 +94,7 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
         given = [n for n, v in dims.items() if v is not None]
         if given:
             raise ArgumentError(f"--{given[0].replace('_', '-')}: give --model or the shape options, not both")
-        from kvquant.eval.models import read_model_config
+        from kvquant.models import read_model_config
 
         return ModelShape.from_config(read_model_config(args.model, what="--model"))
     missing = [n for n, v in dims.items() if v is None]
@@ -197,7 +197,7 @@ def _serving(args: argparse.Namespace, shape: ModelShape, cfg: KVQuantConfig, re
         if not (0 < params < 1e16):
             raise ArgumentError(f"--params: {params!r} must be a parameter count, e.g. 1.35e8")
     elif args.model:
-        from kvquant.eval.models import read_model_config
+        from kvquant.models import read_model_config
 
         mc = read_model_config(args.model, what="--model")
         params = params_from_config(mc)

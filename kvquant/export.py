@@ -205,7 +205,7 @@ def _command_line(argv: list[str] | None) -> str:
 
 def _model_dir(spec: str) -> str:
     """Where a model's files are: the converted cache of a named model (``smollm2-135m``), else ``spec`` itself."""
-    from kvquant.eval.models import NAMED_MODELS, resolve_named
+    from kvquant.models import NAMED_MODELS, resolve_named
 
     return str(resolve_named(spec, progress=False)[0]) if spec in NAMED_MODELS else spec
 

@@ -21,7 +21,7 @@ examples:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     import kvquant
-    from kvquant.eval.models import load_model  # the CLI front end loads models; the library does not
+    from kvquant.models import load_model
 
     cfg = kvquant.KVQuantConfig.load(args.config)  # bad arguments fail before the model loads
     if args.block_size:

