@@ -424,12 +424,12 @@ class ChannelCodebook(SecondRung, Quantizer):
     (A norm over every channel couples them: a token with one large channel then codes all its narrow
     channels coarsely; with this norm more heads beat ``tq4``, median attention KL 0.009 vs 0.014, but
     neither norm wins on every head: outlier tokens, the ones attention picks, are what a per-channel
-    code handles worst. Choose per head: ``benchmarks/codebook_channels.py --select``.) The widths
+    code handles worst. Choose per head: ``research/codebook_channels.py --select``.) The widths
     are part of the precision name (``tqc-`` and one digit 0-8 per channel, summing to a multiple of 8),
     chosen offline per (layer, KV head) by :func:`allocate_widths` from calibration text: after RoPE a few
     channel pairs carry most of
     the query energy, so spending the bits there lowers the score error of keys ~2x against
-    ``tq3``/``tq4`` at the same bits (``benchmarks/codebook_channels.py``). Read in its head space
+    ``tq3``/``tq4`` at the same bits (``research/codebook_channels.py``). Read in its head space
     ``x - mu`` (queries unchanged; the mean shifts every score of a query alike). The Triton kernels read
     the codes in-kernel (``kernels/triton_codebook.py``, ``KIND_TQC``). ``gain``: ``unbiased`` (default) stores
     the :func:`row_gain` over the wide channels of the row norm (narrow channels keep some shrinkage); ``mse``
