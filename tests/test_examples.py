@@ -3,21 +3,15 @@ tokens as generate() on stories260K, and it reports both speeds."""
 
 from __future__ import annotations
 
-import importlib.util
+import runpy
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def test_decode_loop_agrees_with_generate(stories_path, capsys):
-    rc = _example("decode_loop").main(["--model", str(stories_path), "--new-tokens", "12", "--config", "int4"])
+    main = runpy.run_path(str(EXAMPLES / "decode_loop.py"), run_name="decode_loop")["main"]
+    rc = main(["--model", str(stories_path), "--new-tokens", "12", "--config", "int4"])
     out = capsys.readouterr().out
     assert rc == 0 and "tokens agree: True" in out
     assert out.count("tokens/s") == 2
