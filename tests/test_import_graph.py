@@ -4,6 +4,8 @@ The graph is read from the source with :mod:`ast` (nothing is imported): every `
 at module level, inside functions and under ``if TYPE_CHECKING:`` alike (a deferred import hides a cycle, it does
 not remove it). ``kernels/`` and ``eval/`` are named ``kvquant.kernels.*`` / ``kvquant.eval.*``, as installed.
 
+`research/` (the lab) is imported by none of them, nor by the benchmarks, examples or tests.
+
 Layers: the library (``kvquant.*``) never imports ``kvquant.eval`` or the command line ``kvquant.cli``; the eval
 imports the library; ``kvquant.cli`` is the top that sees both (it loads its subcommands by name). The edges that
 still go against this direction are listed below, each with the work that removes it; a new one fails the test,
@@ -176,3 +178,20 @@ def test_layers_point_one_way():
     assert not new, f"new imports against the layers: {new}"
     stale = (KERNEL_TO_LIBRARY | EVAL_TO_TOP) - wrong
     assert not stale, f"gone from the code, take off the allow-list: {sorted(stale)}"
+
+
+def test_research_is_imported_by_nothing():
+    """``research/`` is the lab: no module of the library, the benchmarks, the examples or the tests imports it or
+    loads a file from it by path."""
+    offenders = []
+    for folder in ("kvquant", "kernels", "eval", "benchmarks", "examples", "tests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.relative_to(ROOT).parts[:2] in LINKS or path == Path(__file__).resolve():
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                as_path = isinstance(node, ast.Constant) and node.value in ("research", "research/")
+                if as_path or any(n == "research" or n.startswith("research.") for n in names):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, offenders
