@@ -4,7 +4,7 @@ The graph is read from the source with :mod:`ast` (nothing is imported): every `
 at module level, inside functions and under ``if TYPE_CHECKING:`` alike (a deferred import hides a cycle, it does
 not remove it). ``kernels/`` and ``eval/`` are named ``kvquant.kernels.*`` / ``kvquant.eval.*``, as installed.
 
-`research/` (the lab) is imported by none of them, nor by the benchmarks, examples or tests.
+``research/`` (the lab) is imported by none of them, nor by the benchmarks, examples or tests.
 
 Layers: the library (``kvquant.*``) never imports ``kvquant.eval`` or the command line ``kvquant.cli``; the eval
 imports the library; ``kvquant.cli`` is the top that sees both (it loads its subcommands by name). The edges that
