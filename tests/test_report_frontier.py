@@ -94,7 +94,7 @@ def test_default_recipe_shows_the_product():
     the strongest transformers baselines, and its report opens with what to use."""
     r = load_recipe(str(ROOT / "recipes" / "default.yaml"))
     assert DEFAULT_PRESET in r.recommend and "int4-kchannel-sinks" in r.recommend
-    assert any(Path(c).stem.startswith("tq") for c in r.recommend), "no low-bit tier recommended"
+    assert any(Path(c).stem.startswith("codebook-") for c in r.recommend), "no low-bit tier recommended"
     assert {"hf-hqq-int4", "hf-quanto-int4"} <= set(r.configs)
     assert r.protocol == ["decode"] and r.decode_chunk == 1
     result = _result({DEFAULT_PRESET: "the default"})
