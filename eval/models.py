@@ -165,6 +165,18 @@ def resolve_named(name: str, progress: bool = True) -> tuple[Path, bool]:
     return target, converted
 
 
+def model_input_paths(spec: str | os.PathLike, what: str = "--model") -> list[tuple[str, Path]]:
+    """The local files and folders a model spec reads, for :func:`kvquant.outputs.check_disjoint`: a named
+    model's converted cache folder, a checkpoint folder (and what its links point to), a ``.gguf`` file; none
+    for a hub id. Stress variants (``+kbias``) are ignored; nothing is converted or loaded."""
+    from kvquant.outputs import input_paths
+
+    base = str(spec).split("+", 1)[0]
+    if base in NAMED_MODELS:
+        return input_paths(what, cache_root() / "models" / NAMED_MODELS[base].cache_name)
+    return input_paths(what, base) if looks_like_path(base) else []
+
+
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
     if dtype is None or dtype == "auto":
         return "auto"
@@ -209,7 +221,69 @@ def check_model_path(spec: str, what: str = "model") -> Path | None:
         raise InputError(f"{what}: {spec} is a file; give a checkpoint folder, a .gguf file or a hub id")
     if p.is_dir() and not (p / "config.json").is_file():
         raise InputError(f"{what}: {spec} is a folder without config.json (not a transformers checkpoint)")
+    if p.is_dir():
+        check_model_folder(p, what)
+    elif p.is_file():
+        check_gguf_file(p, what)
     return p
+
+
+def check_model_folder(folder: Path, what: str = "model") -> None:
+    """Refuse a checkpoint folder whose files cannot be read as they are: a link that points nowhere (the model
+    moved), a FIFO, socket or device (reading one blocks or never ends), a ``*.safetensors`` file that is
+    truncated or not safetensors. Raises :class:`InputError` naming the file and what is wrong."""
+    for q in sorted(folder.iterdir()):
+        if q.is_symlink() and not q.exists():
+            raise InputError(f"{what}: {q} is a link to {os.readlink(q)}, which does not exist (moved or deleted?)")
+        if not (q.is_file() or q.is_dir()):
+            raise InputError(f"{what}: {q} is not a regular file (a FIFO, socket or device); remove it from the "
+                             "checkpoint folder")
+        if q.suffix == ".safetensors" and q.is_file():
+            problem = safetensors_problem(q)
+            if problem:
+                raise InputError(f"{what}: {q}: {problem}")
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a ``.safetensors`` file's layout (header and size), or None; reads the header only."""
+    import json
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"truncated ({size} bytes): not a safetensors file"
+            n = int.from_bytes(head, "little")
+            if n <= 1 or 8 + n > size:
+                return f"truncated or not safetensors (header of {n} bytes in a file of {size})"
+            header = json.loads(f.read(n))
+    except OSError as e:
+        return f"cannot read it ({e.strerror or e})"
+    except (ValueError, UnicodeDecodeError):
+        return "damaged: its header is not JSON (not a safetensors file?)"
+    if not isinstance(header, dict):
+        return "damaged: its header is not a JSON object"
+    ends = [v.get("data_offsets", [0, 0])[1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    if not all(isinstance(e, int) for e in ends):
+        return "damaged: its header has offsets that are not integers"
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        return f"truncated: {size} bytes, its header describes {need} (copy it again)"
+    return None
+
+
+def check_gguf_file(path: Path, what: str = "model") -> None:
+    """Refuse a ``.gguf`` file that is not GGUF (its magic bytes) or shorter than a GGUF header."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(24)
+    except OSError as e:
+        raise InputError(f"{what}: cannot read {path} ({e.strerror or e})") from None
+    if head[:4] != b"GGUF":
+        raise InputError(f"{what}: {path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    if len(head) < 24:
+        raise InputError(f"{what}: {path} is truncated ({len(head)} bytes): not a whole GGUF file")
 
 
 def read_model_config(spec: str | os.PathLike, what: str = "model") -> Any:
@@ -269,8 +343,12 @@ def load_model(
     else:
         p = check_model_path(spec_s, "model")
         if p is not None and p.is_file():  # a .gguf file
-            model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, **kwargs)
-            tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, **kwargs)
+                tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+            except (ValueError, KeyError, OSError, EOFError, IndexError) as e:  # the gguf reader's damaged-file errors
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise InputError(f"model: {p}: cannot read this GGUF file ({type(e).__name__}: {first})") from None
         else:
             target = p if p is not None else spec_s
             try:

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from kvquant.errors import InputError
+
 OUTLIER_PAIRS = 2
 OUTLIER_RATIO = 20.0
 BIAS_PAIRS = 4
@@ -64,7 +66,7 @@ def split_spec(spec: str) -> tuple[str, list[str]]:
     base, *variants = str(spec).split("+")
     for v in variants:
         if v not in VARIANTS:
-            raise ValueError(f"model: unknown stress variant {v!r} in {spec!r} (known: {', '.join(VARIANTS)})")
+            raise InputError(f"model: unknown stress variant {v!r} in {spec!r} (known: {', '.join(VARIANTS)})")
     return base, variants
 
 

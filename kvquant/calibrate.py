@@ -29,7 +29,8 @@ import torch
 from .allocate import Allocation, allocate, candidate_bits, check_budget, parse_candidates, plan_to_config
 from .config import CONFIG_SUFFIXES, KVPrecision, KVQuantConfig, check_int
 from .errors import ArgumentError, ConfigError
-from .outputs import check_output, save_figure
+from .inputs import looks_like_path
+from .outputs import check_disjoint, check_output, input_paths, save_figure
 from .sensitivity import (
     METHODS,
     CalibrationTokens,
@@ -414,6 +415,7 @@ def _shape_for(model: str | None, cfg: KVQuantConfig) -> ModelShape:
 def cmd_show_config(args: argparse.Namespace) -> int:
     cfg = KVQuantConfig.load(args.config)
     shape = _shape_for(args.model, cfg)
+    cfg.check_model(shape)  # indices, storage and the scales file, as a cache would check them
     print(f"config: {args.config}" + (f"  ({cfg.description})" if cfg.description else ""))
     print(f"model shape: {shape.num_layers} layers x {shape.num_kv_heads} KV heads x head_dim {shape.head_dim}")
     print(config_table(cfg, shape))
@@ -437,7 +439,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise ArgumentError(f"--group-size: {str(e).split(': ', 1)[-1]}") from None
     force = getattr(args, "force", False)
-    check_outputs(args.output, not args.no_heatmap, args.sens_cache, force)
+    out_path, heat_path, cache_path = check_outputs(args.output, not args.no_heatmap, args.sens_cache, force)
+    from kvquant.eval.models import model_input_paths
+
+    inputs = model_input_paths(args.model) + (input_paths("--data", args.data) if looks_like_path(args.data) else [])
+    check_disjoint([(w, p) for w, p in (("-o", out_path), ("-o (its heatmap)", heat_path),
+                                        ("--sens-cache", cache_path)) if p is not None], inputs)
     shape = _model_shape(args.model)  # the shape errors without waiting for the weights
     check_candidates(cands, template, shape)
     check_budget(args.budget_bits, candidate_bits(cands, template, shape.head_dim))

@@ -545,6 +545,16 @@ class KVQuantConfig:
         if self.rotate != "none" and shape.head_dim & (shape.head_dim - 1):
             raise ConfigError(f"rotate: the Hadamard rotation needs a power-of-two head_dim, not {shape.head_dim}")
 
+    def check_model(self, shape: ModelShape | Any) -> None:
+        """Everything a cache of this config would refuse for the model, before any work: :meth:`validate` and
+        the ``scales_file`` read and checked against the model's shape (:class:`ConfigError` /
+        :class:`kvquant.scales.ScalesError`, naming the field and the file)."""
+        self.validate(shape)
+        if self.scales_file:
+            from .scales import load_scales
+
+            load_scales(self.scales_file, ModelShape.of(shape))
+
     def precisions(self) -> set[str]:
         out = {self.default.key, self.default.value}
         for p in [*self.layers.values(), *self.heads.values()]:
