@@ -58,9 +58,17 @@ def work(tmp_path, stories_path, shared, monkeypatch):
     data = tmp_path / "data.txt"
     data.write_text((shared / "data" / "tinystories-valid-sample.txt").read_text()[:6000])
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("kvquant.calibrate._load_model_and_text",
-                        lambda *a: pytest.fail("the model loaded before the outputs were checked"))
-    return tmp_path
+    import kvquant.calibrate
+
+    real, loads = kvquant.calibrate._load_model_and_text, []
+
+    def load(*a):  # the real loader (so a command that does not refuse runs, and its damage shows), counted
+        loads.append(a)
+        return real(*a)
+
+    monkeypatch.setattr("kvquant.calibrate._load_model_and_text", load)
+    yield tmp_path
+    assert not loads, "the model loaded before the outputs were checked"
 
 
 def export(fmt: str, out: str | Path, *extra: str) -> list[str]:
@@ -106,8 +114,10 @@ def test_export_refuses_outputs_inside_a_linked_source(work, capsys, tmp_path):
     assert tree(work) == before
 
 
-def test_export_force_replaces_its_own_export(work, capsys, monkeypatch):
-    monkeypatch.undo()  # the real work this time
+def test_export_force_replaces_its_own_export(tmp_path, stories_path, shared, capsys, monkeypatch):
+    work = tmp_path
+    shutil.copytree(stories_path, work / "mymodel")
+    (work / "data.txt").write_text((shared / "data" / "tinystories-valid-sample.txt").read_text()[:6000])
     monkeypatch.chdir(work)
     assert run(capsys, *export("vllm", "out"))[0] == 0
     model_before = tree(work / "mymodel")
