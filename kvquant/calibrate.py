@@ -26,7 +26,15 @@ from typing import Any
 
 import torch
 
-from .allocate import Allocation, allocate, candidate_bits, check_budget, parse_candidates, plan_to_config
+from .allocate import (
+    Allocation,
+    allocate,
+    candidate_bits,
+    check_budget,
+    check_sensitivity,
+    parse_candidates,
+    plan_to_config,
+)
 from .config import CONFIG_SUFFIXES, KVPrecision, KVQuantConfig, check_int
 from .errors import ArgumentError, ConfigError
 from .inputs import looks_like_path
@@ -203,6 +211,7 @@ def calibrate(
     key = cache_key({**key_parts, "model": {k: v for k, v in key_parts["model"].items() if k != "name"},
                      "data": {k: v for k, v in key_parts["data"].items() if k != "name"}})
     sens = load_cached(cache_path, key) if (use_cache and cache_path) else None
+    units = (shape.num_layers, shape.num_kv_heads)
     cache_hit = sens is not None
     if sens is None:
         report = _progress_printer(method) if progress else None
@@ -211,8 +220,12 @@ def calibrate(
         else:
             sens = estimate_fisher(model, tokens.ids, cands, base, template, samples=samples, seed=seed,
                                    progress=report)
+        # a NaN or negative measurement (a model that overflows) is refused before it is cached
+        check_sensitivity(sens.values, cands, f"sensitivity ({method}, measured)", units)
         if cache_path is not None:
             save_cached(cache_path, key, sens, key_parts)
+    else:
+        check_sensitivity(sens.values, cands, f"--sens-cache: {cache_path}: entry {key}", units)
     t_sens = time.perf_counter()
     alloc = allocate(sens.values, bits, budget_bits, kv_separate=kv_separate)
     cfg = plan_to_config(alloc.plan, template, shape, name=out_path.stem if out_path else None)

@@ -246,7 +246,8 @@ def test_signal_while_writing_leaves_nothing(tmp_path, sig):
     target = tmp_path / "out"
     target.mkdir()
     (target / "kvquant_export.json").write_text("{}")
-    p = subprocess.Popen([sys.executable, "-c", SIGNAL_SCRIPT, str(target), str(KVQUANT_DIR)], stdout=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-c", SIGNAL_SCRIPT, str(target), str(KVQUANT_DIR)]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready"
     p.send_signal(sig)
     rc = p.wait(timeout=30)
