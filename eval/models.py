@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +111,8 @@ def convert_gguf(gguf_path: Path, target: Path, progress: bool = True) -> bool:
     """Convert a GGUF file to a safetensors directory at ``target`` once; returns True if this call converted.
 
     Holds a lock file beside ``target`` while converting and writes into a temporary sibling directory that is
-    renamed into place at the end, so a crash or a concurrent run never leaves a partial ``target``.
+    renamed into place at the end (:func:`kvquant.outputs.staged_folder`), so a crash or a concurrent run never
+    leaves a partial ``target``; the partial folder of a killed conversion is removed by the next one.
     """
     if _complete(target):
         return False
@@ -125,22 +125,19 @@ def convert_gguf(gguf_path: Path, target: Path, progress: bool = True) -> bool:
             return False
         if progress:
             print(f"[kvquant eval] converting {gguf_path.name} once into {target} ...", flush=True)
-        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-        try:
+        from kvquant.outputs import staged_folder, sweep_stale
+
+        sweep_stale(target.parent)  # a conversion killed earlier (SIGKILL) left its partial folder: removed
+        for legacy in target.parent.glob(f"{target.name}.tmp-*"):  # the same, named as older versions named it
+            shutil.rmtree(legacy, ignore_errors=True)
+        with staged_folder(target, "model cache") as tmp:  # an incomplete leftover target is replaced whole
             kw = {"gguf_file": gguf_path.name}
             model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
             tok = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
-            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
             _drop_gguf_marks(model)
             model.save_pretrained(tmp, safe_serialization=True)
             tok.save_pretrained(tmp)
             (tmp / "SOURCE.txt").write_text(f"converted by kvquant.eval from {gguf_path}\n")
-            if target.exists():  # an incomplete leftover from an older crash
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
     return True
 
 
