@@ -151,6 +151,7 @@ def _stub(mp: pytest.MonkeyPatch) -> None:
     mp.setattr("kvquant.eval.runner.run_recipe", reached)
     mp.setattr("kvquant.eval.parallel.run_parallel", reached)  # --procs N would start N processes
     mp.setattr("kvquant.eval.suite.run_models", reached)  # --jobs N likewise
+    mp.setattr("kvquant.eval.models.load_model", reached)  # inspect loads through it
 
 
 def _base(command: str, f: dict[str, str]) -> list[str]:
@@ -163,6 +164,9 @@ def _base(command: str, f: dict[str, str]) -> list[str]:
                       "-o", f["new_yaml"]],
         "eval": ["eval", f["recipe"], "--quiet", "--out", f["new_dir"]],
         "presets": ["presets"],
+        "export": ["export", "--model", f["model"], "--format", "kvquant", "--data", "tinystories",
+                   "-o", f["new_dir"] + ".safetensors"],
+        "inspect": ["inspect", "--model", f["model"], "--tokens", "8"],
     }.get(command, [command])
 
 
@@ -193,7 +197,7 @@ def test_every_command_line_exits_0_or_2_with_one_line(command, files, tmp_path)
 
 
 def test_base_command_lines_reach_the_work(files):
-    for command in ("calibrate", "estimate", "eval", "presets", "show-config"):
+    for command in ("calibrate", "estimate", "eval", "presets", "show-config", "export", "inspect"):
         with pytest.MonkeyPatch.context() as mp:
             _stub(mp)
             assert _run(_base(command, files))[0] == 0, command
@@ -335,7 +339,6 @@ def test_damaged_inputs_and_hostile_outputs_are_one_line(tmp_path, stories_path,
         tried += 1
         with pytest.MonkeyPatch.context() as mp:
             _stub(mp)
-            mp.setattr("kvquant.eval.models.load_model", lambda *a, **k: (_ for _ in ()).throw(Reached()))
             rc, err = _run(argv)
         lines = err.strip().splitlines()
         if rc != 2 or "Traceback" in err or len(lines) != 1 or ": error: " not in lines[0]:
