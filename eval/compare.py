@@ -67,7 +67,7 @@ class Difference:
 def paired_difference(a: list[float], b: list[float], metric: str, lower_is_better: bool) -> Difference:
     """Mean and standard error of ``a[i] - b[i]``, and which side wins beyond noise (two-sided t test, 95%)."""
     if len(a) != len(b):
-        raise ValueError(f"compare: {len(a)} windows against {len(b)}: not the same run")
+        raise InputError(f"compare: {len(a)} windows against {len(b)}: not the same run")
     d = [x - y for x, y in zip(a, b, strict=True)]
     n = len(d)
     mean = sum(d) / n

@@ -186,3 +186,22 @@ def test_api_misuse_raises_kvquant_errors():
         KVQuantConfig(default="int8")  # not a KVPrecision
     with pytest.raises(KVQuantError, match="heads"):
         KVQuantConfig(heads={"0.0": "int8"})
+
+
+def test_api_misuse_names_the_argument():
+    from kvquant.attention import check_supported
+    from kvquant.rotation import hadamard
+
+    for bad in (object(), torch.nn.Linear(2, 2)):
+        with pytest.raises(KVQuantError, match="^model: ") as e:
+            check_supported(bad)
+        assert isinstance(e.value, TypeError)  # still a TypeError for callers that caught that
+    with pytest.raises(ConfigError, match="^head_dim: 12"):
+        hadamard(12)
+
+
+def test_pool_max_bytes_and_device_are_kvquant_errors(stories):
+    from kvquant import PagedKVPool
+
+    with pytest.raises(KVQuantError, match="^max_bytes: 1 holds no block"):
+        PagedKVPool(stories[0], KVQuantConfig.from_dict({"default": "int8-token"}), max_bytes=1)
