@@ -38,7 +38,7 @@ from .allocate import (
 from .config import CONFIG_SUFFIXES, KVPrecision, KVQuantConfig, check_int
 from .errors import ArgumentError, ConfigError
 from .inputs import looks_like_path
-from .outputs import check_disjoint, check_output, input_paths, save_figure
+from .outputs import check_disjoint, check_output, input_paths, save_figure, staged_files
 from .sensitivity import (
     METHODS,
     CalibrationTokens,
@@ -241,10 +241,15 @@ def calibrate(
     cfg.description = (
         f"calibrated: {sens.method} sensitivity, budget {budget_bits} avg bits, achieved {achieved:.3f}"
     )
-    if out_path is not None:
-        cfg.save(out_path, header=header, force=force)
-        if heat_path is not None:
-            save_heatmap(sens, alloc, heat_path, title=f"{key_parts['model']['name']}: {out_path.name}", force=force)
+    if out_path is not None:  # the config and its heatmap replace an earlier run's together (staged_files)
+        if not force:
+            check_outputs(output, heatmap, None, force)  # again, right before writing: one may have appeared
+        own = [out_path.name] + ([heat_path.name] if heat_path is not None else [])
+        with staged_files(out_path.parent, own, "-o") as stage:
+            cfg.save(stage / out_path.name, header=header)
+            if heat_path is not None:
+                save_heatmap(sens, alloc, stage / heat_path.name,
+                             title=f"{key_parts['model']['name']}: {out_path.name}")
     seconds = {"tokenize": round(t_tok - t_start, 2), "sensitivity": round(t_sens - t_tok, 2),
                "allocate_and_write": round(time.perf_counter() - t_sens, 2)}
     return CalibrationResult(cfg, alloc, sens, tokens, bits, header, cache_hit, cache_path, heat_path, out_path,
