@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -358,6 +359,7 @@ class KVQuantConfig:
             cfg.evict = _parse_evict(data["evict"], "evict")
         cfg._check_options()
         cfg._check_no_ops()
+        cfg._warn_no_ops(set(map(str, data)))
         return cfg
 
     def __post_init__(self) -> None:
@@ -424,6 +426,22 @@ class KVQuantConfig:
                     f"{name}: {getattr(self, name)} does nothing here: no K or V is a codebook precision (tq*, tqv*, "
                     f"tqt*, tqc-*; the config stores {', '.join(sorted(self.precisions()))}); drop it or use one"
                 )
+
+    def _warn_no_ops(self, given: set[str]) -> None:
+        """Warn about options a file or mapping sets that do nothing for the precisions this config names."""
+        precisions = self.precisions()
+        uses = {
+            "codebook_gain": any(_is_codebook(p) for p in precisions),
+            "codebook_search": any(p.startswith(CHANNEL_PREFIX) for p in precisions),
+            "headroom": bool(precisions & STATIC_SCALE),
+            "share_kv_scale": "int8" in precisions,
+            "group_size": bool(precisions & set(GROUPED)),
+            "ladder2_tokens": any(_is_codebook(p) and p not in VECTOR for p in precisions),
+        }
+        idle = sorted(n for n, used in uses.items() if n in given and not used)
+        if idle:
+            warnings.warn(f"{', '.join(idle)}: {'does' if len(idle) == 1 else 'do'} nothing for the precisions this "
+                          f"config stores ({', '.join(sorted(precisions))})", UserWarning, stacklevel=3)
 
     def _check_evict(self) -> None:
         """Eviction options that the storage options exclude (one-line errors naming the field)."""
@@ -619,6 +637,9 @@ class KVQuantConfig:
 
 
 # ---------------------------------------------------------------------- field checks
+STATIC_SCALE = {"int8", "fp8-e4m3", "fp8-e5m2"}  # the precisions whose static scale headroom widens
+
+
 def _is_codebook(precision: str) -> bool:
     return precision in CODEBOOK or precision in VECTOR or precision in TRELLIS or precision.startswith(CHANNEL_PREFIX)
 

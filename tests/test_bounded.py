@@ -205,3 +205,20 @@ def test_pool_max_bytes_and_device_are_kvquant_errors(stories):
 
     with pytest.raises(KVQuantError, match="^max_bytes: 1 holds no block"):
         PagedKVPool(stories[0], KVQuantConfig.from_dict({"default": "int8-token"}), max_bytes=1)
+
+
+@pytest.mark.parametrize("extra, named", [({"default": "int4", "headroom": 2.0}, "headroom"),
+                                          ({"default": "int8", "codebook_gain": "mse"}, "codebook_gain"),
+                                          ({"default": "int8-token", "share_kv_scale": False}, "share_kv_scale"),
+                                          ({"default": "int8", "group_size": 16}, "group_size"),
+                                          ({"default": "tqv3", "ladder_tokens": 8, "ladder2_tokens": 4},
+                                           "ladder2_tokens")])
+def test_options_without_effect_are_reported(extra, named):
+    with pytest.warns(UserWarning, match=f"^{named}: does nothing"):
+        KVQuantConfig.from_dict(extra)
+
+
+def test_used_options_are_not_reported(recwarn):
+    KVQuantConfig.from_dict({"default": "int8", "headroom": 2.0, "share_kv_scale": False})
+    KVQuantConfig.from_dict({"default": "tq3", "codebook_gain": "mse", "ladder_tokens": 8, "ladder2_tokens": 4})
+    assert not [w for w in recwarn if "does nothing" in str(w.message)]
