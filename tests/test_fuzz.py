@@ -339,7 +339,10 @@ def test_damaged_inputs_and_hostile_outputs_are_one_line(tmp_path, stories_path,
         tried += 1
         with pytest.MonkeyPatch.context() as mp:
             _stub(mp)
-            rc, err = _run(argv)
+            try:
+                rc, err = _run(argv)
+            except Exception as e:  # noqa: BLE001 - an exception main() let out is a case not handled
+                rc, err = -1, f"{type(e).__name__}: {e}"
         lines = err.strip().splitlines()
         if rc != 2 or "Traceback" in err or len(lines) != 1 or ": error: " not in lines[0]:
             failures.append(f"{label}: rc {rc}: {err.strip()[-300:]}")
