@@ -53,7 +53,7 @@ Tasks (recipe `tasks:` or --tasks a,b):
   the ppl task's KL against bytes held, for bits-only, eviction-only and combined configs.
 
 Outputs, in --out (default: the recipe's `out`, else results/NAME): results.json (one object per
-config and protocol), report.md (with the command that produced it) and bits_vs_quality.png
+config and protocol), report.md (with the command that produced it) and kv_vs_quality.png
 (delta ppl and KL against average bits). The table is also printed.
 """
 

@@ -3,7 +3,7 @@
 When a :class:`~kvquant.view.LayerView` was published for the key states (they come from a
 :class:`~kvquant.QuantizedKVCache`; the contract is :mod:`kvquant.view`), attention reads the
 quantized history through the layer's block tables (Triton on CUDA, the torch block walk
-elsewhere: :func:`kvquant.kernels.attend`). Otherwise
+elsewhere: :func:`kvquant.kernels.dispatch.attend`). Otherwise
 (no cache, ``DynamicCache``, transformers' own quantized caches) it is plain SDPA, so a wrapped
 model still runs every other cache correctly.
 """
