@@ -263,3 +263,39 @@ def test_staged_folder_swaps_whole(tmp_path):
     with staged_folder(target) as tmp:
         (tmp / "b").write_text("new")
     assert [q.name for q in target.iterdir()] == ["b"] and sorted(q.name for q in tmp_path.iterdir()) == ["out"]
+
+
+EXPORT_SIGTERM_SCRIPT = textwrap.dedent("""
+    import shutil, sys, time
+    real = shutil.copy2
+
+    def slow_copy(src, dst, **kw):  # the first copied file announces itself, then the copy hangs: a SIGTERM lands
+        out = real(src, dst, **kw)
+        print("copying", flush=True)
+        time.sleep(60)
+        return out
+
+    shutil.copy2 = slow_copy
+    from kvquant.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.slow
+def test_sigterm_during_export_weights_copy_leaves_nothing(tmp_path, stories_path, shared):
+    """The issue's case, through the real command in a subprocess: SIGTERM while the weights are copied."""
+    data = tmp_path / "data.txt"
+    data.write_text((shared / "data" / "tinystories-valid-sample.txt").read_text()[:6000])
+    argv = [sys.executable, "-c", EXPORT_SIGTERM_SCRIPT, "export", "--model", str(stories_path), "--data", str(data),
+            "--format", "vllm", "--weights", "copy", *CALIB, "-o", str(tmp_path / "out")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        while (line := p.stdout.readline()) and line.strip() != "copying":
+            pass
+        assert line.strip() == "copying", "the export ended before it copied"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        p.kill()
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["data.txt"]  # no partial copy folder, no out
