@@ -350,3 +350,65 @@ def test_damaged_inputs_and_hostile_outputs_are_one_line(tmp_path, stories_path,
     changed = sorted(k for k in before if before[k] != after.get(k))
     assert not failures, f"{len(failures)} of {tried} not handled:\n" + "\n".join(failures)
     assert not changed, changed
+
+
+# ------------------------------------------------------------------------------------------------ loaders and allocator
+NUMBERS = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32), st.sampled_from([0.0, 1.0, -1e-7]))
+
+
+@FUZZ
+@given(st.integers(1, 2), st.integers(1, 3), st.lists(NUMBERS, min_size=36, max_size=36),
+       st.floats(0, 40), st.booleans())
+def test_allocator_ends_or_refuses(layers, heads, values, budget, kv_separate):
+    """Any table (NaN, Inf, negative, ties, zeros) and budget: a KVQuantError, or a plan within the budget."""
+    import torch
+
+    from kvquant.allocate import allocate
+    from kvquant.errors import KVQuantError
+
+    n = layers * heads * 2
+    sens = {c: torch.tensor(values[i * n:(i + 1) * n], dtype=torch.float64).reshape(layers, heads, 2)
+            for i, c in enumerate(("int2", "int8", "fp16"))}
+    try:
+        a = allocate(sens, {"int2": 6.0, "int8": 8.0, "fp16": 16.0}, budget, kv_separate=kv_separate)
+    except KVQuantError:
+        return
+    assert a.avg_bits <= budget + 1e-9 and len(a.plan) == layers
+
+
+JSONISH = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(), st.text(max_size=3)),
+                       lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                               st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+                       max_leaves=10)
+
+
+@FUZZ
+@given(st.one_of(JSONISH, st.fixed_dictionaries({"entries": st.dictionaries(st.just("k"), JSONISH, max_size=1)}),
+                 st.fixed_dictionaries({"entries": st.just({"k": {"values": {"int2": [[[1.0, float("nan")]]]},
+                                                                  "base": "int2", "candidates": ["int2"],
+                                                                  "method": "kl"}})})))
+def test_sensitivity_cache_entries_load_or_raise_input_error(tmp_path_factory, doc):
+    from kvquant.errors import InputError
+    from kvquant.sensitivity import load_cached
+
+    p = tmp_path_factory.mktemp("sens") / "kvquant-sensitivity.json"
+    p.write_text(json.dumps(doc))
+    with contextlib.suppress(InputError):
+        load_cached(p, "k")
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=120), JSONISH.map(lambda d: json.dumps({"results": d}).encode())),
+       st.sampled_from([".json", ".safetensors"]))
+def test_results_and_scales_files_load_or_raise_input_error(tmp_path_factory, raw, suffix):
+    from kvquant.errors import InputError, KVQuantError
+    from kvquant.eval.compare import compare_text, load_rows
+    from kvquant.scales import load_scales
+
+    p = tmp_path_factory.mktemp("files") / f"f{suffix}"
+    p.write_bytes(raw)
+    with contextlib.suppress(InputError):
+        load_scales(p)
+    if suffix == ".json":
+        with contextlib.suppress(KVQuantError):  # a damaged file: InputError; configs not in it: ArgumentError
+            compare_text(load_rows(p), "a", "b")
