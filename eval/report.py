@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvquant.outputs import check_output_dir, write_text
+from kvquant.outputs import check_output_dir, staged_files, write_text
 
 from .protocols import PROTOCOLS
 from .render import finish_figure, md_table
@@ -333,24 +333,26 @@ def _ref_ppl(rows: list[dict[str, Any]]) -> str:
 
 
 def write_all(result: Any, out_dir: str | Path, force: bool = False) -> dict[str, Path]:
-    """Write ``OUTPUT_FILES`` into ``out_dir``, each atomically; existing ones are refused unless ``force``."""
-    out = check_output_dir(out_dir, OUTPUT_FILES, "out", force=force)
+    """Write a run's files into ``out_dir`` as one set (:func:`kvquant.outputs.staged_files`): all of them
+    replace the earlier run's together, or none does; existing ones are refused unless ``force``."""
     from .retrieval_task import plot_frontier, write_heatmaps
 
-    paths = {"json": out / "results.json", "md": out / "report.md", "png": out / "kv_vs_quality.png",
-             "frontier": out / "frontier.png"}  # fmt: skip
-    write_json(result, paths["json"])
-    has_plot = plot(result, paths["png"])
-    if not has_plot:
-        paths.pop("png").unlink(missing_ok=True)  # (only with force can one be there) not a stale plot of another run
-    heatmaps = write_heatmaps(result, out)
-    has_frontier = plot_frontier(result, paths["frontier"])
-    if not has_frontier:
-        paths.pop("frontier").unlink(missing_ok=True)
+    out = check_output_dir(out_dir, OUTPUT_FILES, "out", force=force)
+    with staged_files(out, OUTPUT_FILES, "out") as stage:
+        write_json(result, stage / "results.json")
+        has_plot = plot(result, stage / "kv_vs_quality.png")
+        heatmaps = write_heatmaps(result, stage)
+        has_frontier = plot_frontier(result, stage / "frontier.png")
+        md = markdown(result, "kv_vs_quality.png" if has_plot else None, heatmaps,
+                      "frontier.png" if has_frontier else None)
+        write_text(stage / "report.md", md)
+    paths = {"json": out / "results.json", "md": out / "report.md"}
+    if has_plot:
+        paths["png"] = out / "kv_vs_quality.png"
+    if has_frontier:
+        paths["frontier"] = out / "frontier.png"
     for h in heatmaps:
         paths[h] = out / h
-    md = markdown(result, paths["png"].name if has_plot else None, heatmaps, "frontier.png" if has_frontier else None)
-    write_text(paths["md"], md)
     return paths
 
 

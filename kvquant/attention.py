@@ -19,6 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import view as handoff
+from .errors import ModelError
 from .view import LayerView
 
 ATTN_NAME = "kvquant"
@@ -113,11 +114,11 @@ def check_supported(model: Any) -> None:
     name = type(model).__name__
     config = getattr(model, "config", None)
     if config is None:
-        raise TypeError(f"model: {name} is not a transformers model (no .config)")
+        raise ModelError(f"model: {name} is not a transformers model (no .config)")
     if getattr(config, "is_encoder_decoder", False):
-        raise TypeError(f"model: {name} is an encoder-decoder; kvquant serves decoder-only models")
+        raise ModelError(f"model: {name} is an encoder-decoder; kvquant serves decoder-only models")
     if not getattr(model, "_supports_attention_backend", False):
-        raise TypeError(
+        raise ModelError(
             f"model: {name} does not use transformers' AttentionInterface, so its attention cannot read "
             "a quantized cache (supported: Llama, Mistral, Qwen2/3, Gemma, Phi3 and other models that do)"
         )

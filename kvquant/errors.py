@@ -39,6 +39,10 @@ class InputNotFoundError(InputError, FileNotFoundError):
     """An input file or folder does not exist (also a ``FileNotFoundError``)."""
 
 
+class ModelError(InputError, TypeError):
+    """A model kvquant cannot serve (not a transformers decoder using its AttentionInterface; also a ``TypeError``)."""
+
+
 class OutputError(KVQuantError):
     """An output path would overwrite a file (without ``--force``), has the wrong kind, or cannot be written."""
 
@@ -54,6 +58,7 @@ __all__ = [
     "InputError",
     "InputNotFoundError",
     "KVQuantError",
+    "ModelError",
     "OutputError",
     "RecipeError",
 ]

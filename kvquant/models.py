@@ -23,7 +23,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,7 +113,8 @@ def convert_gguf(gguf_path: Path, target: Path, progress: bool = True) -> bool:
     """Convert a GGUF file to a safetensors directory at ``target`` once; returns True if this call converted.
 
     Holds a lock file beside ``target`` while converting and writes into a temporary sibling directory that is
-    renamed into place at the end, so a crash or a concurrent run never leaves a partial ``target``.
+    renamed into place at the end (:func:`kvquant.outputs.staged_folder`), so a crash or a concurrent run never
+    leaves a partial ``target``; the partial folder of a killed conversion is removed by the next one.
     """
     if _complete(target):
         return False
@@ -127,22 +127,19 @@ def convert_gguf(gguf_path: Path, target: Path, progress: bool = True) -> bool:
             return False
         if progress:
             print(f"[kvquant] converting {gguf_path.name} once into {target} ...", flush=True)
-        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
-        try:
+        from kvquant.outputs import staged_folder, sweep_stale
+
+        sweep_stale(target.parent)  # a conversion killed earlier (SIGKILL) left its partial folder: removed
+        for legacy in target.parent.glob(f"{target.name}.tmp-*"):  # the same, named as older versions named it
+            shutil.rmtree(legacy, ignore_errors=True)
+        with staged_folder(target, "model cache") as tmp:  # an incomplete leftover target is replaced whole
             kw = {"gguf_file": gguf_path.name}
             model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
             tok = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
-            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
             _drop_gguf_marks(model)
             model.save_pretrained(tmp, safe_serialization=True)
             tok.save_pretrained(tmp)
             (tmp / "SOURCE.txt").write_text(f"converted by kvquant from {gguf_path}\n")
-            if target.exists():  # an incomplete leftover from an older crash
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
     return True
 
 
@@ -165,6 +162,18 @@ def resolve_named(name: str, progress: bool = True) -> tuple[Path, bool]:
     gguf = find_packaged_file(nm.package, nm.filename, nm.pip)
     converted = convert_gguf(gguf, target, progress=progress)
     return target, converted
+
+
+def model_input_paths(spec: str | os.PathLike, what: str = "--model") -> list[tuple[str, Path]]:
+    """The local files and folders a model spec reads, for :func:`kvquant.outputs.check_disjoint`: a named
+    model's converted cache folder, a checkpoint folder (and what its links point to), a ``.gguf`` file; none
+    for a hub id. Stress variants (``+kbias``) are ignored; nothing is converted or loaded."""
+    from kvquant.outputs import input_paths
+
+    base = str(spec).split("+", 1)[0]
+    if base in NAMED_MODELS:
+        return input_paths(what, cache_root() / "models" / NAMED_MODELS[base].cache_name)
+    return input_paths(what, base) if looks_like_path(base) else []
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
@@ -211,7 +220,69 @@ def check_model_path(spec: str, what: str = "model") -> Path | None:
         raise InputError(f"{what}: {spec} is a file; give a checkpoint folder, a .gguf file or a hub id")
     if p.is_dir() and not (p / "config.json").is_file():
         raise InputError(f"{what}: {spec} is a folder without config.json (not a transformers checkpoint)")
+    if p.is_dir():
+        check_model_folder(p, what)
+    elif p.is_file():
+        check_gguf_file(p, what)
     return p
+
+
+def check_model_folder(folder: Path, what: str = "model") -> None:
+    """Refuse a checkpoint folder whose files cannot be read as they are: a link that points nowhere (the model
+    moved), a FIFO, socket or device (reading one blocks or never ends), a ``*.safetensors`` file that is
+    truncated or not safetensors. Raises :class:`InputError` naming the file and what is wrong."""
+    for q in sorted(folder.iterdir()):
+        if q.is_symlink() and not q.exists():
+            raise InputError(f"{what}: {q} is a link to {os.readlink(q)}, which does not exist (moved or deleted?)")
+        if not (q.is_file() or q.is_dir()):
+            raise InputError(f"{what}: {q} is not a regular file (a FIFO, socket or device); remove it from the "
+                             "checkpoint folder")
+        if q.suffix == ".safetensors" and q.is_file():
+            problem = safetensors_problem(q)
+            if problem:
+                raise InputError(f"{what}: {q}: {problem}")
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a ``.safetensors`` file's layout (header and size), or None; reads the header only."""
+    import json
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"truncated ({size} bytes): not a safetensors file"
+            n = int.from_bytes(head, "little")
+            if n <= 1 or 8 + n > size:
+                return f"truncated or not safetensors (header of {n} bytes in a file of {size})"
+            header = json.loads(f.read(n))
+    except OSError as e:
+        return f"cannot read it ({e.strerror or e})"
+    except (ValueError, UnicodeDecodeError):
+        return "damaged: its header is not JSON (not a safetensors file?)"
+    if not isinstance(header, dict):
+        return "damaged: its header is not a JSON object"
+    ends = [v.get("data_offsets", [0, 0])[1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    if not all(isinstance(e, int) for e in ends):
+        return "damaged: its header has offsets that are not integers"
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        return f"truncated: {size} bytes, its header describes {need} (copy it again)"
+    return None
+
+
+def check_gguf_file(path: Path, what: str = "model") -> None:
+    """Refuse a ``.gguf`` file that is not GGUF (its magic bytes) or shorter than a GGUF header."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(24)
+    except OSError as e:
+        raise InputError(f"{what}: cannot read {path} ({e.strerror or e})") from None
+    if head[:4] != b"GGUF":
+        raise InputError(f"{what}: {path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    if len(head) < 24:
+        raise InputError(f"{what}: {path} is truncated ({len(head)} bytes): not a whole GGUF file")
 
 
 def read_model_config(spec: str | os.PathLike, what: str = "model") -> Any:
@@ -271,8 +342,12 @@ def load_model(
     else:
         p = check_model_path(spec_s, "model")
         if p is not None and p.is_file():  # a .gguf file
-            model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, **kwargs)
-            tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, **kwargs)
+                tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+            except (ValueError, KeyError, OSError, EOFError, IndexError) as e:  # the gguf reader's damaged-file errors
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise InputError(f"model: {p}: cannot read this GGUF file ({type(e).__name__}: {first})") from None
         else:
             target = p if p is not None else spec_s
             try:

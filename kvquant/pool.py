@@ -31,6 +31,7 @@ import torch
 
 from .blocks import KVCacheFull, LayerBlocks, block_bytes
 from .config import KVQuantConfig
+from .errors import ArgumentError, DeviceError
 from .shape import ModelShape, sliding_windows
 from .store import LayerStore, block_specs, make_groups
 
@@ -87,7 +88,8 @@ class PagedKVPool:
         if max_bytes is not None:
             self.blocks_per_layer = int(max_bytes) // per_block
             if self.blocks_per_layer < 1:
-                raise ValueError(f"max_bytes: {max_bytes} holds no block (one block of every layer: {per_block} bytes)")
+                raise ArgumentError(f"max_bytes: {max_bytes} holds no block (one block of every layer: "
+                                    f"{per_block} bytes)")
         self.layers: list[LayerBlocks | None] = [None] * self.shape.num_layers
         self.index: dict[bytes, list[int]] = {}  # prefix hash -> block id per layer (-1: not yet written)
         self.prefix_query_tokens = 0
@@ -106,7 +108,7 @@ class PagedKVPool:
                 blocks.on_full = lambda n, i=layer: self.evict(i, n)
             self.layers[layer] = blocks
         elif blocks.device != device:
-            raise ValueError(f"device: layer {layer}'s blocks are on {blocks.device}, the key states on {device}")
+            raise DeviceError(f"device: layer {layer}'s blocks are on {blocks.device}, the key states on {device}")
         return blocks
 
     def admit(self, stores: list[LayerStore | None], tokens: int) -> None:

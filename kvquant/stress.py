@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from kvquant.errors import InputError
+
 OUTLIER_PAIRS = 2
 OUTLIER_RATIO = 20.0
 BIAS_PAIRS = 4
@@ -64,19 +66,19 @@ def split_spec(spec: str) -> tuple[str, list[str]]:
     base, *variants = str(spec).split("+")
     for v in variants:
         if v not in VARIANTS:
-            raise ValueError(f"model: unknown stress variant {v!r} in {spec!r} (known: {', '.join(VARIANTS)})")
+            raise InputError(f"model: unknown stress variant {v!r} in {spec!r} (known: {', '.join(VARIANTS)})")
     return base, variants
 
 
 def _attn_modules(model: Any) -> list[Any]:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
-        raise ValueError(f"model: {type(model).__name__} has no model.layers; stress variants need a Llama-style model")
+        raise InputError(f"model: {type(model).__name__} has no model.layers; stress variants need a Llama-style model")
     attns = [layer.self_attn for layer in layers]
     for a in attns:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             if not isinstance(getattr(a, name, None), torch.nn.Linear):
-                raise ValueError(f"model: attention {type(a).__name__} has no Linear {name}; not a Llama-style model")
+                raise InputError(f"model: attention {type(a).__name__} has no Linear {name}; not a Llama-style model")
     return attns
 
 
@@ -86,7 +88,7 @@ def _shape(model: Any) -> tuple[int, int, int]:
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     if getattr(cfg, "partial_rotary_factor", 1.0) not in (None, 1.0):
-        raise ValueError("model: partial rotary embeddings are not supported by the stress variants")
+        raise InputError("model: partial rotary embeddings are not supported by the stress variants")
     return heads, kv, d
 
 
@@ -174,7 +176,7 @@ def widen_heads(model: Any, tokenizer: Any) -> None:
     heads, kv, d = _shape(model)
     new_d = WIDE_HEAD_DIM
     if new_d % d or new_d <= d or d % 2:
-        raise ValueError(f"model: head_dim {d} cannot be widened to {new_d} (needs an even divisor of {new_d})")
+        raise InputError(f"model: head_dim {d} cannot be widened to {new_d} (needs an even divisor of {new_d})")
     r = new_d // d
     gen = torch.Generator().manual_seed(SEED)
     half, new_half = d // 2, new_d // 2
@@ -219,7 +221,7 @@ def widen_heads(model: Any, tokenizer: Any) -> None:
     model.config.head_dim = new_d
     rotary = getattr(model.model, "rotary_emb", None)
     if rotary is None:
-        raise ValueError("model: no model.rotary_emb; cannot widen heads")
+        raise InputError("model: no model.rotary_emb; cannot widen heads")
     model.model.rotary_emb = type(rotary)(config=model.config).to(rotary.inv_freq.device)
 
 
