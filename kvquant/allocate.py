@@ -18,7 +18,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -168,6 +168,13 @@ def plan_avg_bits(plan: Plan, bits: dict[str, float]) -> float:
     return sum(bits[p.key] + bits[p.value] for row in plan for p in row) / (2 * n)
 
 
+def with_plan(template: KVQuantConfig, default: KVPrecision,
+              heads: dict[tuple[int, int], KVPrecision] | None = None) -> KVQuantConfig:
+    """A copy of ``template``'s storage options with a new default and head overrides (no layer overrides)."""
+    return replace(template, default=default, layers={}, heads=dict(heads or {}), model_shape=None,
+                   name=None, description=None)
+
+
 def predicted_kl(plan: Plan, sens: dict[str, torch.Tensor]) -> float:
     return float(sum(sens[p.key][li, h, 0] + sens[p.value][li, h, 1]
                      for li, row in enumerate(plan) for h, p in enumerate(row)))
@@ -176,8 +183,6 @@ def predicted_kl(plan: Plan, sens: dict[str, torch.Tensor]) -> float:
 def plan_to_config(plan: Plan, template: KVQuantConfig | None = None, shape: ModelShape | None = None,
                    name: str | None = None, description: str | None = None) -> KVQuantConfig:
     """A compact config for ``plan``: the commonest pair as default, whole-layer and per-head overrides."""
-    from .sensitivity import with_plan
-
     counts = Counter(p for row in plan for p in row)
     default = counts.most_common(1)[0][0]
     cfg = with_plan(template or KVQuantConfig(), default)
