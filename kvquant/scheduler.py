@@ -137,7 +137,7 @@ class Scheduler:
         cfg = pool.config
         if cfg.evict is not None:
             raise ConfigError("evict: eviction policies are not supported by kvquant.Scheduler; serve without evict")
-        if cfg.offload:
+        if cfg.offload is not None:
             raise ConfigError("offload: host offload is not supported by kvquant.Scheduler; serve without offload")
         if any(w is not None for w in sliding_windows(model, pool.shape.num_layers)):
             raise InputError("model: sliding-window layers are not supported by kvquant.Scheduler")
