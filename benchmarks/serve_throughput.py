@@ -15,7 +15,8 @@ of requests run through each system in turn:
 * ``kvquant-<config>``: ``kvquant.Scheduler`` with ``--configs`` (``fp16`` passthrough, ``int8-kchannel``,
   ``int4-kchannel-sinks``), block size ``--block-size``. The budget covers the pool's blocks **and** each running
   request's full-precision buffers (the fp16 tail of an unfilled per-channel key block, fp16 sinks): the scheduler
-  holds at most ``M = budget // (pool bytes per token * mean request tokens + dense bytes per request)`` requests
+  holds at most ``M = budget // (pool bytes per token * mean held tokens + dense bytes per request)`` requests
+  (mean held tokens: the mean of prompt + output / 2 over the stream, what a request holds on average while it runs)
   and the pool gets ``budget - M * dense bytes per request`` (configs without dense buffers: the whole budget, no
   limit on M).
 
@@ -26,8 +27,10 @@ waiting and, for kvquant, preemption all happen; time to first token includes th
 
 Reported per system: requests held at once (time-weighted mean and max, a request counted from its admission to
 its last token; the same definition for both), KV bytes per token held (transformers: the FP16 formula; kvquant:
-the bytes its caches hold, blocks, scales and dense buffers, sampled every 4 steps), aggregate output tokens/s
-(all output tokens / wall time of the run), time to first token P50 / P99 (from the burst's start), preemptions
+the bytes its caches hold, blocks, scales and dense buffers, sampled every 4 steps; and the pool's bytes per
+token of a full block, without dense buffers), aggregate output tokens/s
+(all output tokens / wall time of the run; and / the process's CPU time, which other jobs on a shared machine
+disturb less, with one thread), time to first token P50 / P99 (from the burst's start), preemptions
 (kvquant: its count; transformers does not report them: the requests whose token timestamps restarted, which a
 recompute after preemption does, are shown as ``>= N requests``), and the ratios to ``transformers-fp16``.
 """
@@ -90,7 +93,7 @@ def run_transformers(model, prompts, outs, budget: int, block: int, step_tokens:
     # generate_batch's machinery (its manager, public API) with each request's own max_new_tokens
     with model.continuous_batching_context_manager(generation_config=gc, continuous_batching_config=cb,
                                                    block=True, timeout=60) as manager:  # fmt: skip
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         rids = [manager.add_request(p, max_new_tokens=n, streaming=True, record_timestamps=True)
                 for p, n in zip(prompts, outs, strict=True)]  # fmt: skip
         res, first, last = {}, {}, {}
@@ -106,7 +109,7 @@ def run_transformers(model, prompts, outs, budget: int, block: int, step_tokens:
                 last[r.request_id] = now
             if r.is_finished():
                 res[r.request_id] = r
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
     results = [res[rid] for rid in rids]
     errors = [r.error for r in results if r.error]
     if errors:
@@ -119,6 +122,7 @@ def run_transformers(model, prompts, outs, budget: int, block: int, step_tokens:
     firsts = [first[rid] for rid in rids]
     return {"system": "transformers-fp16", "held_mean": mean, "held_max": peak,
             "kv_bytes_per_token": fp16_bytes_per_token(model), "tokens_per_s": n_out / (end - t0),
+            "tokens_per_cpu_s": n_out / (c1 - c0),
             "ttft_p50": percentile(firsts, 50), "ttft_p99": percentile(firsts, 99), "preemptions": None,
             "preempted_requests": preempted, "wall_s": t1 - t0, "output_tokens": n_out, "kv_blocks": num_blocks,
             "outputs": [r.generated_tokens for r in results]}  # fmt: skip
@@ -141,23 +145,25 @@ def run_kvquant(model, name: str, prompts, outs, budget: int, block: int, step_t
     max_running = None
     pool_bytes = budget
     if dense:
-        mean_tokens = statistics.mean(len(p) + n for p, n in zip(prompts, outs, strict=True))
+        # tokens a running request holds on average over its life: its prompt and half its output
+        mean_tokens = statistics.mean(len(p) + n / 2 for p, n in zip(prompts, outs, strict=True))
         per_token = probe.block_bytes / block
         max_running = max(1, int(budget // (per_token * mean_tokens + dense)))
         pool_bytes = budget - max_running * dense
     sched = kvquant.Scheduler(model, cfg, max_bytes=pool_bytes, max_step_tokens=step_tokens, prefill_chunk=chunk,
                               max_running=max_running)  # fmt: skip
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     ids = [sched.submit(p, max_new_tokens=n, stop=[]) for p, n in zip(prompts, outs, strict=True)]
     admitted: dict[int, float] = {}
     first: dict[int, float] = {}
     last: dict[int, float] = {}
     samples = []
     steps = 0
+    aside, aside_cpu = 0.0, 0.0  # time spent sampling the bytes held: taken off every time measured
     while sched.busy:
-        before = time.perf_counter()
+        before = time.perf_counter() - aside
         events = sched.step()
-        now = time.perf_counter()
+        now = time.perf_counter() - aside
         for r in sched.running:
             admitted.setdefault(r.id, before)
         for ev in events:
@@ -166,10 +172,14 @@ def run_kvquant(model, name: str, prompts, outs, budget: int, block: int, step_t
             last[ev.request_id] = now
         steps += 1
         if steps % 4 == 0 and sched.running:
+            s0, sc0 = time.perf_counter(), time.process_time()
             held = [r.cache.memory_report() for r in sched.running if r.cache is not None]
             tokens = sum(m["tokens"] for m in held)
             if tokens:
                 samples.append(sum(m["bytes_total"] for m in held) / tokens)
+            aside += time.perf_counter() - s0
+            aside_cpu += time.process_time() - sc0
+    cpu = time.process_time() - c0 - aside_cpu
     end = max(last.values())
     mean, peak = held_at_once([(admitted[i], last[i]) for i in ids], t0, end)
     st = sched.stats()
@@ -180,24 +190,29 @@ def run_kvquant(model, name: str, prompts, outs, budget: int, block: int, step_t
         raise RuntimeError(f"{name}: {leaked} blocks still in use after the run")
     return {"system": f"kvquant-{name}", "held_mean": mean, "held_max": peak,
             "kv_bytes_per_token": statistics.mean(samples) if samples else float("nan"),
-            "tokens_per_s": n_out / (end - t0), "ttft_p50": percentile(list(first.values()), 50),
+            "tokens_per_s": n_out / (end - t0), "tokens_per_cpu_s": n_out / cpu,
+            "ttft_p50": percentile(list(first.values()), 50),
             "ttft_p99": percentile(list(first.values()), 99), "preemptions": st["preemptions"],
             "wall_s": end - t0, "output_tokens": n_out, "steps": st["steps"], "step_running_mean": st["running_mean"],
-            "max_running": max_running, "pool_bytes": pool_bytes, "dense_bytes_per_request": dense,
+            "max_running": max_running, "pool_bytes_per_token": probe.block_bytes / block, "pool_bytes": pool_bytes,
+            "dense_bytes_per_request": dense,
             "outputs": [sched.output(i) for i in ids]}  # fmt: skip
 
 
 def table(rows: list[dict]) -> list[str]:
     base = next((r for r in rows if r["system"] == "transformers-fp16"), None)
-    out = ["| system | held mean | held max | KV bytes/token | out tok/s | TTFT P50 s | TTFT P99 s | preemptions "
-           "| held mean / FP16 | tok/s / FP16 |",
-           "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = ["| system | held mean | held max | KV bytes/token | pool bytes/token | out tok/s | out tok/CPU-s "
+           "| TTFT P50 s | TTFT P99 s | preemptions | held mean / FP16 | tok/s / FP16 | tok/CPU-s / FP16 |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         rh = f"{r['held_mean'] / base['held_mean']:.2f}x" if base else "-"
         rt = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        rc = f"{r['tokens_per_cpu_s'] / base['tokens_per_cpu_s']:.2f}x" if base else "-"
         pre = f">= {r['preempted_requests']} requests" if r["preemptions"] is None else str(r["preemptions"])
+        pool = r.get("pool_bytes_per_token", r["kv_bytes_per_token"])
         out.append(f"| {r['system']} | {r['held_mean']:.1f} | {r['held_max']} | {r['kv_bytes_per_token']:,.0f} | "
-                   f"{r['tokens_per_s']:.1f} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {pre} | {rh} | {rt} |")
+                   f"{pool:,.0f} | {r['tokens_per_s']:.1f} | {r['tokens_per_cpu_s']:.1f} | "
+                   f"{r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {pre} | {rh} | {rt} | {rc} |")
     return out
 
 
