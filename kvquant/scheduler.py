@@ -8,9 +8,10 @@ most ``max_step_tokens`` tokens. Each request has its own :class:`~kvquant.Quant
 
 Scheduling, per step: decode tokens of running requests first (oldest first), then the next prefill chunk of
 running requests, then new requests from the queue (first come, first served) while the step's token budget and
-the pool allow. A request is admitted when the pool can hold its next step; when the pool is full new requests
-wait, and when the running requests' next tokens do not fit, the newest running request is **preempted**: its
-blocks go back to the pool and it is queued first, to be recomputed later. :class:`~kvquant.KVCacheFull` never
+the pool allow. A request is admitted when the pool can hold its next step and still keep one block per layer
+free for each running request to grow into; when the pool is full new requests wait, and when the running
+requests' next tokens do not fit, the newest running request is **preempted**: its blocks go back to the pool and
+it is queued first, to be recomputed later. :class:`~kvquant.KVCacheFull` never
 reaches the caller; every request finishes.
 
 Outputs do not depend on batch-mates, arrival order or preemption: a prompt is prefilled in chunks of
@@ -349,9 +350,10 @@ class Scheduler:
                 return plan
             self._preempt(self.running[-1])  # nothing runnable fits: free the newest
 
-    def _room(self, req: _Request, tokens: int) -> bool:
+    def _room(self, req: _Request, tokens: int, spare: int = 0) -> bool:
         """Reserve, in the step's plan, the blocks ``tokens`` more tokens of ``req`` may need; False if the pool
-        cannot hold them besides what the plan holds already (index-only prefix blocks are evicted first)."""
+        cannot hold them besides what the plan holds already and ``spare`` more blocks per layer (index-only prefix
+        blocks are evicted first)."""
         assert req.cache is not None
         if self.pool.blocks_per_layer is None:
             return True
@@ -361,7 +363,7 @@ class Scheduler:
         need = [layer.store.blocks_needed(tokens) for layer in req.cache.layers]  # type: ignore[union-attr]
         for i, n in enumerate(need):
             blocks = self.pool.layer_blocks(i, self.device)
-            total = self._need[i] + n
+            total = self._need[i] + n + spare
             if total > len(blocks.free):
                 self.pool.evict(i, total - len(blocks.free))
             if total > len(blocks.free):
@@ -378,7 +380,9 @@ class Scheduler:
         req.cache = QuantizedKVCache.from_pool(self.pool, torch.tensor(req.prompt), align=self.prefill_chunk)
         req.written = req.cache.get_seq_length()
         start, end = req.next_piece(self.prefill_chunk)
-        if end - start <= budget and self._room(req, end - start):
+        # keep one block per layer for each running request to grow into: admitting into the last free blocks
+        # would only preempt someone at the next block boundary
+        if end - start <= budget and self._room(req, end - start, spare=len(self.running)):
             return True
         req.cache.release()
         req.cache = None

@@ -33,15 +33,16 @@ def solo(model, cfg, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow  # 10 solo runs and one staggered run of 20 tokens each: ~6 s on a shared core
 @pytest.mark.parametrize("preset", ["fp32", kvquant.DEFAULT_PRESET])
 def test_staggered_requests_match_solo_runs_with_waiting_and_preemption(stories, preset):
     model, _ = stories
     cfg = config(preset)
-    n_new = 12
+    n_new = 20
     ps = prompts([5, 40, 17, 60, 9, 33, 3, 24, 50, 12])
     want = [solo(model, cfg, p, n_new) for p in ps]
     block = kvquant.PagedKVPool(model, cfg).block_bytes
-    sched = kvquant.Scheduler(model, cfg, max_bytes=12 * block, max_step_tokens=96, prefill_chunk=64)
+    sched = kvquant.Scheduler(model, cfg, max_bytes=10 * block, max_step_tokens=96, prefill_chunk=64)
     ids = [sched.submit(p, max_new_tokens=n_new) for p in ps[:4]]
     waited = False
     events: dict[int, list[int]] = {}
