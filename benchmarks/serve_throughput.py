@@ -3,7 +3,7 @@
     python benchmarks/serve_throughput.py                         # SmolLM2-135M on CPU, defaults below
     python benchmarks/serve_throughput.py --requests 32 --budget-mib 16 --threads 2 --out docs/results/x.json
 
-One process, one model (SmolLM2-135M loaded as ``kvquant.models.load_model`` loads ``smollm2-135m``, float32), one stream
+One process, one model (SmolLM2-135M as ``kvquant.models.load_model`` loads ``smollm2-135m``, float32), one stream
 of requests run through each system in turn:
 
 * ``transformers-fp16``: transformers' continuous batching on the unwrapped model (the manager behind
