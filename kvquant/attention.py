@@ -20,7 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import view as handoff
 from .errors import ModelError
-from .view import LayerView
+from .view import BatchView, LayerView
 
 ATTN_NAME = "kvquant"
 
@@ -36,8 +36,10 @@ def kvquant_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention signature; returns ``(out[B, Tq, Hq, D], None)``."""
-    view: LayerView | None = handoff.take(key)
+    view: LayerView | BatchView | None = handoff.take(key)
     softcap = kwargs.get("softcap")
+    if isinstance(view, BatchView):
+        return _attend_batch(module, query, key, value, view, scaling, softcap), None
     if view is None and softcap is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -57,6 +59,26 @@ def kvquant_attention_forward(
         view.commit(row_start, {"module": module, "queries": query, "scaling": scaling, "mask": mask})
     out = attend(query, key, value, view.store, view.past_len, mask, scaling, softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_batch(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, view: BatchView,
+    scaling: float | None, softcap: float | None,
+) -> torch.Tensor:
+    """Attention of packed sequences (``query[1, Hq, T, D]``): each sequence's slice of the chunk is written into
+    its own store and attends causally over its own history and its own slice; ``out[1, T, Hq, D]``."""
+    from kvquant.kernels.dispatch import attend
+
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    outs = []
+    for s, n, v in zip(view.starts, view.lengths, view.views, strict=True):
+        q, k, val = query[:, :, s:s + n], key[:, :, s:s + n], value[:, :, s:s + n]
+        if v.commit is not None:
+            v.commit(None, {"module": module, "queries": q, "scaling": scaling, "mask": None})
+        outs.append(attend(q, k, val, v.store, v.past_len, None, scaling, softcap))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous()
 
 
 def first_real_token(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:

@@ -412,12 +412,13 @@ class QuantizedKVCache(Cache):
 
     # ------------------------------------------------------------------ pool / prefix reuse
     @classmethod
-    def from_pool(cls, pool: PagedKVPool, input_ids: torch.Tensor) -> QuantizedKVCache:
+    def from_pool(cls, pool: PagedKVPool, input_ids: torch.Tensor, align: int | None = None) -> QuantizedKVCache:
         """A new cache on ``pool`` bound to ``input_ids[B, T]`` (or ``[T]``) that already holds the longest
-        indexed run of whole blocks of every row's ids (:meth:`PagedKVPool.match_prefix`), shared with the
-        index, not copied. The blocks it fills later are indexed under its ids."""
+        indexed run of whole blocks of every row's ids (:meth:`PagedKVPool.match_prefix`, cut to a multiple of
+        ``align`` tokens when given), shared with the index, not copied. The blocks it fills later are indexed
+        under its ids."""
         cache = cls(pool.model, pool.config, pool=pool)
-        rows, found, tokens = pool.match_prefix(input_ids)
+        rows, found, tokens = pool.match_prefix(input_ids, align)
         cache.bind_ids(rows)
         if tokens:
             cache.adopt_prefix(found, tokens)

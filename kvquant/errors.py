@@ -47,6 +47,10 @@ class OutputError(KVQuantError):
     """An output path would overwrite a file (without ``--force``), has the wrong kind, or cannot be written."""
 
 
+class RequestError(KVQuantError):
+    """A request given to :class:`kvquant.Scheduler` is invalid (prompt, sampling or id); the message names it."""
+
+
 class DeviceError(KVQuantError):
     """A device that was asked for is not available (e.g. ``cuda`` without CUDA)."""
 
@@ -61,4 +65,5 @@ __all__ = [
     "ModelError",
     "OutputError",
     "RecipeError",
+    "RequestError",
 ]

@@ -84,6 +84,7 @@ class PagedKVPool:
         self.max_bytes = max_bytes
         self._specs = [block_specs(make_groups(row, cfg, self.shape.head_dim)) for row in self.plan]
         per_block = sum(block_bytes(s, self.block_size) for s in self._specs)
+        self.block_bytes = per_block  # one block of every layer: the unit max_bytes is counted in
         self.blocks_per_layer: int | None = None
         if max_bytes is not None:
             self.blocks_per_layer = int(max_bytes) // per_block
@@ -200,11 +201,18 @@ class PagedKVPool:
             found.append(ids)
         return found
 
-    def match_prefix(self, input_ids: torch.Tensor) -> tuple[list[list[int]], list[list[list[int]]], int]:
+    def match_prefix(
+        self, input_ids: torch.Tensor, align: int | None = None
+    ) -> tuple[list[list[int]], list[list[list[int]]], int]:
         """The rows of ``input_ids[B, T]`` (or ``[T]``) as lists, the block ids (per row, per block, per layer) of
         the longest indexed run of whole blocks of every row's ids (at most ``T - 1`` tokens, so a forward has one
         token to run; the same count for every row), and that run's length in tokens. Counted in :meth:`stats`
-        (queries and hits); the blocks found become the most recently used."""
+        (queries and hits); the blocks found become the most recently used.
+
+        ``align``: a multiple of ``block_size``; the run is cut down to a multiple of it (a scheduler that
+        prefills in chunks of ``align`` tokens then starts at a chunk boundary, as a run without the hit would)."""
+        if align is not None and (align < 1 or align % self.block_size):
+            raise ValueError(f"align: {align} is not a positive multiple of block_size {self.block_size}")
         ids = torch.as_tensor(input_ids)
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
@@ -213,6 +221,8 @@ class PagedKVPool:
         if not self.reusable:
             return rows, [], 0
         limit = (ids.shape[1] - 1) // self.block_size
+        if align is not None:
+            limit = limit * self.block_size // align * align // self.block_size
         found = [self.lookup(self.block_hashes(r)[:limit]) for r in rows]
         n = min(len(f) for f in found)
         self.prefix_hit_tokens += n * self.block_size * len(rows)
