@@ -65,7 +65,8 @@ upgrade-lock:
 	test -x $(LATEST_VENV)/bin/python || { echo "run 'make test-latest' first: it builds and tests $(LATEST_VENV)"; exit 2; }
 	{ echo "# Exact versions CI ran (make test installs with these; make upgrade-lock rewrites this file)."; \
 	  echo "# Python 3.11, Linux x86_64, CPU. torch is the CPU wheel of TORCH_SPEC in the Makefile."; \
-	  $(LATEST_VENV)/bin/python -m pip freeze --exclude-editable | sed -E 's/^(torch==[^+]*)\+.*/\1/'; \
+	  $(LATEST_VENV)/bin/python -m pip freeze --all --exclude-editable | grep -v '^pip==' \
+	    | sed -E 's/^(torch==[^+]*)\+.*/\1/'; \
 	} > $(CONSTRAINTS).tmp && mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
 	@echo "wrote $(CONSTRAINTS); 'make test' now rebuilds $(VENV) from it"
 

@@ -12,7 +12,7 @@ Issue 5's acceptance check. On a model and corpus (default SmolLM2-135M on WikiT
 
 Writes a markdown table (and JSON) and prints it::
 
-    python benchmarks/calibration_compare.py --out docs/results/calibration
+    python benchmarks/calibration_compare.py --out results/calibration
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import torch
 from kvquant import KVQuantConfig, ModelShape, SimulatedQuantCache
 from kvquant.allocate import candidate_bits, layer_upgrade, plan_to_config, random_allocation
 from kvquant.calibrate import calibrate
-from kvquant.eval.data import load_text, token_windows, tokenize
 from kvquant.eval.metrics import DriftAccumulator, token_drift
-from kvquant.eval.models import load_model
 from kvquant.eval.protocols import simulated_logits
+from kvquant.models import load_model
 from kvquant.outputs import write_text  # atomic: a re-run replaces results whole, never half
+from kvquant.text import load_text, token_windows, tokenize
 
 
 def evaluate(model, windows, ref, cfg) -> dict[str, float]:
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-windows", type=int, default=4)
     ap.add_argument("--seeds", type=int, default=3, help="random baselines per budget (0: none)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy 2-core machine)")
-    ap.add_argument("--out", default="docs/results/calibration")
+    ap.add_argument("--out", default="results/calibration")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()

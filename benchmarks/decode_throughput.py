@@ -171,7 +171,7 @@ def sharing(model) -> None:
     with torch.no_grad():
         for i in range(2):
             req = torch.cat([ids, tail[i:i + 1]], 1)
-            cache = pool.cache_for(req)
+            cache = kvquant.QuantizedKVCache.from_pool(pool, req)
             model(req[:, cache.get_seq_length():], cache=cache, use_cache=True)
     st = pool.stats()
     print(f"prefix: 2 requests sharing 512 of 552 tokens, block 128: {st['prefix_hit_tokens']} of "

@@ -86,8 +86,8 @@ def main() -> None:
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from kvquant.eval.data import load_text, tokenize
-    from kvquant.eval.models import load_model
+    from kvquant.models import load_model
+    from kvquant.text import load_text, tokenize
 
     loaded = load_model(args.model, progress=False)
     model, tok = loaded.model, loaded.tokenizer

@@ -20,9 +20,9 @@ import torch
 
 from kvquant import DEFAULT_PRESET, QuantizedKVCache
 from kvquant.attention import install_attention
-from kvquant.eval.data import load_text, tokenize
-from kvquant.eval.models import load_model
+from kvquant.models import load_model
 from kvquant.outliers import key_channel_ratios
+from kvquant.text import load_text, tokenize
 
 
 class _Catch(logging.Handler):

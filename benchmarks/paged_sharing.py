@@ -13,7 +13,7 @@ import torch
 from transformers import LogitsProcessorList
 
 import kvquant
-from kvquant.eval.models import load_model
+from kvquant.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_throughput import PeakBytes  # noqa: E402

@@ -53,7 +53,7 @@ Tasks (recipe `tasks:` or --tasks a,b):
   the ppl task's KL against bytes held, for bits-only, eviction-only and combined configs.
 
 Outputs, in --out (default: the recipe's `out`, else results/NAME): results.json (one object per
-config and protocol), report.md (with the command that produced it) and bits_vs_quality.png
+config and protocol), report.md (with the command that produced it) and kv_vs_quality.png
 (delta ppl and KL against average bits). The table is also printed.
 """
 
@@ -204,10 +204,10 @@ def command_line(argv: Sequence[str] | None) -> str:
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     """Run the recipe named by ``args``; prints the table and writes the reports. Returns the exit code."""
     from kvquant.errors import ArgumentError
+    from kvquant.models import NAMED_MODELS, check_device, check_model_path
     from kvquant.outputs import check_output_dir
 
     from .compare import compare_text, load_rows, parse_pair
-    from .models import NAMED_MODELS, check_device, check_model_path
     from .recipe import load_recipe
     from .report import output_files, print_table, write_all
     from .runner import run_recipe
@@ -229,6 +229,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     if recipe.model not in NAMED_MODELS:
         check_model_path(recipe.model)
     check_output_dir(recipe.out, output_files(recipe), "out", force=force)
+    check_before_work(recipe, args.recipe)
     _check_workers(getattr(args, "procs", 1), "--procs", len(recipe.configs), "configs")
     cmd = command_line(argv if argv is not None else getattr(args, "argv", None))
     if getattr(args, "procs", 1) != 1:
@@ -276,6 +277,63 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def check_before_work(recipe: object, recipe_path: str) -> None:
+    """What a run would refuse late, refused now, before the reference runs (one line, exit status 2):
+
+    * an output file that is, or lies inside, an input (a model folder and what its links point to, the data
+      file, the recipe, a config file or its scales);
+    * each kvquant config resolved against each model's shape (layer / head indices, storage, the scales file
+      read and checked), from the model's config alone.
+    """
+    from kvquant.config import KVQuantConfig
+    from kvquant.errors import RecipeError
+    from kvquant.inputs import looks_like_path
+    from kvquant.models import model_input_paths, read_model_config
+    from kvquant.outputs import check_disjoint, input_paths
+    from kvquant.shape import ModelShape
+
+    from .baselines import ENGINE_PREFIX, REFERENCE
+    from .report import output_files
+
+    configs: list[tuple[int, str, KVQuantConfig]] = []
+    for i, entry in enumerate(recipe.configs):
+        spec = recipe.resolved_configs.get(entry, entry)
+        if entry == REFERENCE or entry.startswith(("hf-", "bnb-")):
+            continue
+        try:
+            if spec.startswith(ENGINE_PREFIX):
+                from kvquant.export import engine_config
+
+                cfg = engine_config(spec[len(ENGINE_PREFIX):])
+            else:
+                cfg = KVQuantConfig.load(spec)
+        except ValueError as e:
+            raise RecipeError(f"configs[{i}]: {entry}: {' '.join(str(e).split())}") from None
+        configs.append((i, entry, cfg))
+    inputs = input_paths("recipe", recipe_path)
+    if looks_like_path(recipe.data):
+        inputs += input_paths("data", recipe.data)
+    for i, entry, cfg in configs:
+        spec = recipe.resolved_configs.get(entry, entry)
+        if Path(spec).is_file():
+            inputs += input_paths(f"configs[{i}]", spec)
+        inputs += input_paths(f"configs[{i}]'s scales_file", cfg.scales_file)
+    models = list(recipe.models) or [recipe.model]
+    for m in models:
+        inputs += model_input_paths(m, "model")
+    out = Path(recipe.out)
+    check_disjoint([("out", out / name) for name in output_files(recipe)], inputs)
+    for m in models:
+        if "wide256" in m.split("+")[1:]:  # this variant changes head_dim: its configs are checked once it is built
+            continue
+        shape = ModelShape.from_config(read_model_config(m.split("+", 1)[0], what="model"))
+        for i, entry, cfg in configs:
+            try:
+                cfg.check_model(shape)
+            except ValueError as e:
+                raise RecipeError(f"configs[{i}]: {entry}: {' '.join(str(e).split())} (model {m})") from None
 
 
 def _check_workers(n: int, option: str, available: int, what: str) -> None:

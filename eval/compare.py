@@ -67,7 +67,7 @@ class Difference:
 def paired_difference(a: list[float], b: list[float], metric: str, lower_is_better: bool) -> Difference:
     """Mean and standard error of ``a[i] - b[i]``, and which side wins beyond noise (two-sided t test, 95%)."""
     if len(a) != len(b):
-        raise ValueError(f"compare: {len(a)} windows against {len(b)}: not the same run")
+        raise InputError(f"compare: {len(a)} windows against {len(b)}: not the same run")
     d = [x - y for x, y in zip(a, b, strict=True)]
     n = len(d)
     mean = sum(d) / n
@@ -132,14 +132,37 @@ def compare_text(rows: list[dict[str, Any]], a: str, b: str) -> str:
 
 
 def load_rows(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a ``results.json`` written by ``kvquant eval``."""
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"compare: {path} not found")
+    """The rows of a ``results.json`` written by ``kvquant eval``, checked for what a comparison reads.
+
+    Raises :class:`InputError` naming the file and the first bad entry (a binary or truncated file, rows that
+    are not objects, windows without numbers).
+    """
+    from kvquant.inputs import read_text
+
+    text = read_text(path, "compare")  # missing, a folder, a FIFO, not UTF-8: one line naming it
+    where = f"compare: {path}"
     try:
-        return json.loads(p.read_text(encoding="utf-8"))["results"]
+        rows = json.loads(text)["results"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise InputError(f"compare: {path} is not a kvquant eval results.json ({e})") from None
+        raise InputError(f"{where} is not a kvquant eval results.json ({e})") from None
+    if not isinstance(rows, list):
+        raise InputError(f"{where}: results is {type(rows).__name__}, expected a list of rows")
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or not isinstance(r.get("config"), str) or not isinstance(r.get("protocol"), str):
+            raise InputError(f"{where}: results[{i}] is not a row with a config and a protocol")
+        windows = r.get("windows")
+        if windows is None or r.get("status") != "ok":  # only rows that ran are compared
+            continue
+        if not isinstance(windows, list):
+            raise InputError(f"{where}: results[{i}].windows is not a list")
+        for j, w in enumerate(windows):
+            if not isinstance(w, dict) or "window" not in w:
+                raise InputError(f"{where}: results[{i}].windows[{j}] is not a window entry")
+            for k, _label, _lower in COMPARED:
+                v = w.get(k)
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise InputError(f"{where}: results[{i}].windows[{j}].{k} is {v!r}, not a number")
+    return rows
 
 
 def parse_pair(text: str) -> tuple[str, str]:

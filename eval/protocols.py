@@ -16,9 +16,9 @@
     returns unquantized K/V on its first call, so they would measure nothing. With ``chunk = 1`` this is exactly
     token-by-token generation; with ``chunk > 1`` tokens inside one chunk see each other unquantized (kvquant) —
     faster, and slightly optimistic. The reference runs the same steps with an unquantized ``DynamicCache``.
-    Windows run one at a time (batch 1): batching them would change numbers (measured on SmolLM2: reference
-    logits move by 2e-5 with the batch size, and int8-token's by up to 0.05 once a rounding flips), and static
-    scales, baselines such as HQQ axis 0 and HQQ's optimizer look at the whole batch.
+    Windows run one at a time (batch 1): batching them would change numbers (reference logits move slightly with
+    the batch size, and a quantized cache's more once a rounding flips), and static scales, baselines such as HQQ
+    axis 0 and HQQ's optimizer look at the whole batch.
 
 ``generation`` (reported, not asserted)
     Greedy continuations of N prompts with each method's real cache against the reference's continuations:
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from .data import Window
-from .models import model_device
+from kvquant.models import model_device
+from kvquant.text import Window
 
 PROTOCOLS = {
     "simulated": "fake-quantized K/V at every position; static scales from the prefill (or a scales file), "

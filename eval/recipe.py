@@ -19,6 +19,8 @@ Example (every field but ``model``, ``data`` and ``configs`` has a default)::
     seed: 0
     threads: null                # torch CPU threads (null: torch's default)
     configs: [fp16, int8, int4, hf-hqq-int4]   # presets, config files, baselines (see kvquant.eval.baselines)
+    recommend:                   # optional: config -> what to use it for; the report opens with these lines
+      int8: the safe default      # (and the measured numbers of each), the plot stars them
     generation:                  # free-generation drift (false to skip)
       prompts: 4
       prompt_tokens: 64
@@ -96,6 +98,7 @@ class Recipe:
     generation: Generation | None = field(default_factory=Generation)
     tasks: list[str] = field(default_factory=lambda: ["ppl"])
     retrieval: Retrieval = field(default_factory=Retrieval)
+    recommend: dict[str, str] = field(default_factory=dict)
     out: str = ""
     source: str = ""  # the file it was read from (not a YAML field)
     resolved_configs: dict[str, str] = field(default_factory=dict)  # entry -> file path for config files
@@ -125,6 +128,7 @@ FIELDS = [
     "seed",
     "threads",
     "configs",
+    "recommend",
     "generation",
     "tasks",
     "retrieval",
@@ -137,7 +141,7 @@ DTYPES = ["auto", "float32", "float16", "bfloat16", "fp32", "fp16", "bf16"]
 def expand(value: str) -> str:
     """``${KVQUANT_SHARED}`` (the shared data folder, default ``../shared`` beside the repo), other
     environment variables and ``~`` in path-like fields."""
-    from .data import shared_dir
+    from kvquant.paths import shared_dir
 
     value = value.replace("${KVQUANT_SHARED}", str(shared_dir())).replace("$KVQUANT_SHARED", str(shared_dir()))
     value = os.path.expandvars(value)
@@ -222,6 +226,22 @@ def validate_config_entry(entry: Any, i: int, base: Path | None, source: str) ->
     return entry, str(path)
 
 
+def parse_recommend(raw: Any, configs: list[str], source: str) -> dict[str, str]:
+    """``recommend:``: a mapping of listed configs to a non-empty line saying what each is for."""
+    if raw in (None, {}):
+        return {}
+    if not isinstance(raw, Mapping):
+        raise RecipeError(f"recommend: must be a mapping of config -> what to use it for, got {raw!r}{_where(source)}")
+    out: dict[str, str] = {}
+    for k, v in raw.items():
+        if k not in configs:
+            raise RecipeError(f"recommend.{k}: not in configs ({', '.join(configs)}){_where(source)}")
+        if not isinstance(v, str) or not v.strip():
+            raise RecipeError(f"recommend.{k}: must be a non-empty line, got {v!r}{_where(source)}")
+        out[k] = " ".join(v.split())
+    return out
+
+
 def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recipe:
     """Validate a recipe mapping (already parsed from YAML, overrides applied)."""
     if not isinstance(data, Mapping):
@@ -237,7 +257,7 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
         if not isinstance(m, str) or not m.strip():
             raise RecipeError(f"model[{i}]: must be a non-empty string, got {m!r}{_where(source)}")
         if "+" in m:
-            from .stress import split_spec
+            from kvquant.stress import split_spec
 
             try:
                 split_spec(m)
@@ -289,6 +309,7 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
     dupes = sorted({c for c in configs if configs.count(c) > 1})
     if dupes:
         raise RecipeError(f"configs: listed twice: {', '.join(dupes)}{_where(source)}")
+    recommend = parse_recommend(data.get("recommend"), configs, source)
     gen_raw = data.get("generation", {})
     generation: Generation | None
     if gen_raw in (None, False):
@@ -322,6 +343,7 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
         models=models,
         data=expand(_str(data, "data", source)),
         configs=list(configs),
+        recommend=recommend,
         name=name,
         description=description.strip(),
         dtype=dtype,

@@ -1,4 +1,4 @@
-"""Reports of a run: the console table, ``results.json``, ``report.md`` and ``bits_vs_quality.png``.
+"""Reports of a run: the console table, ``results.json``, ``report.md`` and ``kv_vs_quality.png`` (the frontier).
 
 Every table row names its protocol; ``simulated`` and ``decode`` numbers are never put in one table.
 """
@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvquant.outputs import check_output_dir, save_figure, write_text
+from kvquant.outputs import check_output_dir, staged_files, write_text
 
 from .protocols import PROTOCOLS
+from .render import finish_figure, md_table
 
-OUTPUT_FILES = ("results.json", "report.md", "bits_vs_quality.png", "frontier.png")  # what write_all writes
+OUTPUT_FILES = ("results.json", "report.md", "kv_vs_quality.png", "frontier.png")  # what write_all writes
 
 
 def output_files(recipe: Any) -> list[str]:
@@ -115,14 +116,6 @@ def text_table(head: list[str], body: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def md_table(head: list[str], body: list[list[str]]) -> str:
-    head = [h.replace("|", "\\|") for h in head]
-    body = [[c.replace("|", "\\|") for c in b] for b in body]
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
-    out += ["| " + " | ".join(b) + " |" for b in body]
-    return "\n".join(out)
-
-
 def _not_run(rows: list[dict[str, Any]], protocol: str) -> list[str]:
     return [
         f"{r['config']}: {r['status']} ({r['reason']})"
@@ -185,71 +178,71 @@ def write_json(result: Any, path: Path) -> None:
     write_text(path, json.dumps(payload, indent=2, default=str) + "\n")
 
 
+def short_name(config: str) -> str:
+    """A config entry as a plot label: a config file by its stem, anything else as written."""
+    return Path(config).stem if config.endswith((".yaml", ".yml")) else config
+
+
 def plot(result: Any, path: Path) -> bool:
-    """Δppl and KL mean against average bits, one marker per protocol; returns False if nothing to plot."""
+    """The frontier: KL mean and Δppl against the KV bytes each config held (measured, / FP16 bytes of the
+    same tokens), one marker per protocol, ± 1 SE bars, the recipe's recommended configs starred; labels
+    never overlap. Returns False if nothing ran to plot."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    rows = [r for r in result.ok_rows() if r["kind"] != "reference"]
+    from .labels import place_labels
+
+    rows = [r for r in result.ok_rows() if r["kind"] != "reference" and r.get("kv_vs_fp16") is not None]
     if not rows:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    recommended = set(result.recipe.recommend)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.4))
     markers = {"decode": "o", "simulated": "s"}
     colors = {"kvquant": "tab:blue", "baseline": "tab:orange"}
-    for ax, key, label in (
-        (axes[0], "delta_ppl", "Δ perplexity vs reference"),
-        (axes[1], "kl_mean", "KL(ref ‖ q) mean"),
-    ):
+    panels = ((axes[0], "kl_mean", "KL(ref ‖ q) mean"), (axes[1], "delta_ppl", "Δ perplexity vs reference"))
+    for ax, key, label in panels:
         for r in rows:
-            y = r[key]
-            if key == "kl_mean":
-                y = max(y, 1e-7)
+            y = max(r[key], 1e-7) if key == "kl_mean" else r[key]
             se = r.get(f"{key}_se")
             # one standard error over windows; on the log axis the lower bar is clipped above zero
             yerr = None if se is None else [[min(se, y * 0.999) if key == "kl_mean" else se], [se]]
-            ax.errorbar(r["avg_bits"], y, yerr=yerr, marker=markers.get(r["protocol"], "x"),
-                        color=colors.get(r["kind"], "gray"), capsize=2, linestyle="")
-            ax.annotate(r["config"], (r["avg_bits"], y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_xlabel("bits per K/V value at long context (overhead included); bars: ± 1 standard error")
+            star = r["config"] in recommended
+            ax.errorbar(r["kv_vs_fp16"], y, yerr=yerr, marker="*" if star else markers.get(r["protocol"], "x"),
+                        markersize=12 if star else 6, color=colors.get(r["kind"], "gray"), capsize=2,
+                        linestyle="")  # fmt: skip
+        ax.set_xlabel("KV bytes held / FP16 bytes of the same tokens (measured); bars: ± 1 SE")
         ax.set_ylabel(label)
-        if key == "kl_mean":
-            ax.set_yscale("log")
-        else:
-            ax.set_yscale("symlog", linthresh=1e-2)
+        ax.set_yscale("log" if key == "kl_mean" else "symlog", **({} if key == "kl_mean" else {"linthresh": 1e-2}))
         ax.grid(True, alpha=0.3)
-    from matplotlib.lines import Line2D
-
+        ax.margins(x=0.12, y=0.12)
     handles = [
         Line2D([], [], marker=markers[p], linestyle="", color="gray", label=f"protocol {p}")
         for p in sorted({r["protocol"] for r in rows})
     ]
     handles += [Line2D([], [], marker="o", linestyle="", color=c, label=k) for k, c in colors.items()]
-    axes[1].legend(handles=handles, fontsize=8, loc="best")
+    if recommended:
+        handles.append(Line2D([], [], marker="*", markersize=10, linestyle="", color="gray", label="recommended"))
+    axes[0].legend(handles=handles, fontsize=8, loc="upper right")
     rc = result.recipe
     model = "/".join(Path(str(rc.model)).parts[-2:]) if "/" in str(rc.model) else str(rc.model)
     data = Path(rc.data).name if "/" in rc.data else rc.data
-    fig.suptitle(f"{rc.name}: {model} on {data} (lower is better)", fontsize=10)
-    return finish_figure(fig, path)
-
-
-def finish_figure(fig: Any, path: Path) -> bool:
-    """Lay out, save (atomically) and close a matplotlib figure; returns True (it was written)."""
-    import matplotlib.pyplot as plt
-
+    fig.suptitle(f"{rc.name}: {model} on {data} — quality vs KV bytes held (down and left is better)", fontsize=10)
     fig.tight_layout()
-    try:
-        save_figure(fig, path, dpi=120)
-    finally:
-        plt.close(fig)
-    return True
+    for ax, key, _ in panels:
+        pts = [(r["kv_vs_fp16"], max(r[key], 1e-7) if key == "kl_mean" else r[key], short_name(r["config"]))
+               for r in rows]  # fmt: skip
+        place_labels(ax, pts, bold={short_name(c) for c in recommended})
+    return finish_figure(fig, path)
 
 
 def markdown(result: Any, plot_name: str | None, heatmaps: list[str] = (), frontier: str | None = None) -> str:
     meta, rows, rc = result.meta, result.rows, result.recipe
     with_gen = "generation" in meta
     lines = [f"# kvquant eval: {rc.name}", ""]
+    lines += recommendation_lines(result)
     if rc.description:
         lines += [rc.description, ""]
     if meta.get("command"):
@@ -304,8 +297,29 @@ def markdown(result: Any, plot_name: str | None, heatmaps: list[str] = (), front
     descs = {r["config"]: r.get("description", "") for r in rows}
     lines += ["", "## Methods", ""] + [f"- `{k}`: {v}" for k, v in descs.items()]
     if plot_name:
-        lines += ["", "## Bits vs quality", "", f"![delta ppl and KL against bits]({plot_name})"]
+        lines += ["", "## Quality vs KV bytes held", "", f"![KL and delta ppl against KV bytes held]({plot_name})"]
     return "\n".join(lines) + "\n"
+
+
+def recommendation_lines(result: Any) -> list[str]:
+    """The report's opening: each recommended config, what it is for, and what it measured in this run."""
+    rc = result.recipe
+    if not rc.recommend:
+        return []
+    protocol = "decode" if "decode" in rc.protocol else (rc.protocol[0] if rc.protocol else None)
+    by_config = {r["config"]: r for r in result.rows if r.get("protocol") == protocol}
+    lines = [f"**Which config to use** (measured below: {protocol} protocol, ± 1 SE over windows):", ""]
+    for config, use in rc.recommend.items():
+        r = by_config.get(config)
+        if r is None or r.get("status") != "ok":
+            why = r.get("reason", "") if r else "no row"
+            lines.append(f"- `{config}`: {use} — not measured in this run ({why})")
+            continue
+        lines.append(
+            f"- `{config}`: {use} — holds {cell(r, 'kv_vs_fp16')} of FP16's KV bytes, "
+            f"KL {cell(r, 'kl_mean')}, Δppl {cell(r, 'delta_ppl')}, top-1 {cell(r, 'top1')}"
+        )
+    return lines + [""]
 
 
 def _held(rows: list[dict[str, Any]]) -> str:
@@ -319,24 +333,26 @@ def _ref_ppl(rows: list[dict[str, Any]]) -> str:
 
 
 def write_all(result: Any, out_dir: str | Path, force: bool = False) -> dict[str, Path]:
-    """Write ``OUTPUT_FILES`` into ``out_dir``, each atomically; existing ones are refused unless ``force``."""
-    out = check_output_dir(out_dir, OUTPUT_FILES, "out", force=force)
+    """Write a run's files into ``out_dir`` as one set (:func:`kvquant.outputs.staged_files`): all of them
+    replace the earlier run's together, or none does; existing ones are refused unless ``force``."""
     from .retrieval_task import plot_frontier, write_heatmaps
 
-    paths = {"json": out / "results.json", "md": out / "report.md", "png": out / "bits_vs_quality.png",
-             "frontier": out / "frontier.png"}  # fmt: skip
-    write_json(result, paths["json"])
-    has_plot = plot(result, paths["png"])
-    if not has_plot:
-        paths.pop("png").unlink(missing_ok=True)  # (only with force can one be there) not a stale plot of another run
-    heatmaps = write_heatmaps(result, out)
-    has_frontier = plot_frontier(result, paths["frontier"])
-    if not has_frontier:
-        paths.pop("frontier").unlink(missing_ok=True)
+    out = check_output_dir(out_dir, OUTPUT_FILES, "out", force=force)
+    with staged_files(out, OUTPUT_FILES, "out") as stage:
+        write_json(result, stage / "results.json")
+        has_plot = plot(result, stage / "kv_vs_quality.png")
+        heatmaps = write_heatmaps(result, stage)
+        has_frontier = plot_frontier(result, stage / "frontier.png")
+        md = markdown(result, "kv_vs_quality.png" if has_plot else None, heatmaps,
+                      "frontier.png" if has_frontier else None)
+        write_text(stage / "report.md", md)
+    paths = {"json": out / "results.json", "md": out / "report.md"}
+    if has_plot:
+        paths["png"] = out / "kv_vs_quality.png"
+    if has_frontier:
+        paths["frontier"] = out / "frontier.png"
     for h in heatmaps:
         paths[h] = out / h
-    md = markdown(result, paths["png"].name if has_plot else None, heatmaps, "frontier.png" if has_frontier else None)
-    write_text(paths["md"], md)
     return paths
 
 
@@ -348,11 +364,12 @@ def rerender(out_dir: str | Path) -> dict[str, Path]:
     payload = json.loads((out / "results.json").read_text(encoding="utf-8"))
     meta, rows = payload["meta"], payload["results"]
     rc = dict(meta["recipe"])
+    rc.setdefault("recommend", {})  # results.json files written before the field existed
     recipe = SimpleNamespace(**rc)
     result = SimpleNamespace(
         recipe=recipe, meta=meta, rows=rows, ok_rows=lambda: [r for r in rows if r["status"] == "ok"]
     )
-    paths = {"md": out / "report.md", "png": out / "bits_vs_quality.png"}
+    paths = {"md": out / "report.md", "png": out / "kv_vs_quality.png"}
     has_plot = plot(result, paths["png"])
     note = (
         f"\n_Re-rendered from results.json on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "

@@ -20,6 +20,7 @@ from kvquant.errors import RecipeError
 
 from .baselines import elements_per_token
 from .longcontext import heatmap, run_retrieval, summary
+from .render import finish_figure, md_table
 
 RETRIEVAL_TASKS = ("passkey", "needle")
 FAMILY_COLORS = {
@@ -238,14 +239,14 @@ def plot_frontier(result: Any, path: Any) -> bool:
     fig, axes = plt.subplots(1, 2 if ppl else 1, figsize=(12 if ppl else 6.5, 4.8), squeeze=False)
     markers = dict(zip(RETRIEVAL_TASKS, ("o", "s"), strict=True))
     ax = axes[0][0]
+    labels: list[list[tuple[float, float, str]]] = [[], []]
     for task in tasks:
         for x in result.meta["retrieval"][task]:
             if x["status"] != "ok" or x.get("kv_vs_fp16") is None:
                 continue
             ax.errorbar(x["kv_vs_fp16"], x["accuracy"], yerr=x["accuracy_se"], marker=markers[task], capsize=2,
                         color=FAMILY_COLORS.get(x["family"], "gray"), linestyle="")  # fmt: skip
-            ax.annotate(x["config"], (x["kv_vs_fp16"], x["accuracy"]), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")  # fmt: skip
+            labels[0].append((x["kv_vs_fp16"], x["accuracy"], x["config"]))
     ax.set_xlabel("KV bytes held / FP16 bytes of the same tokens (measured)")
     ax.set_ylabel("retrieval accuracy (exact match); bars: ± 1 SE")
     ax.set_ylim(-0.05, 1.05)
@@ -262,20 +263,23 @@ def plot_frontier(result: Any, path: Any) -> bool:
             ax.errorbar(r["kv_vs_fp16"], y, yerr=None if se is None else [[min(se, y * 0.999)], [se]], marker="^",
                         color=FAMILY_COLORS.get(families.get(r["config"], "baseline"), "gray"), capsize=2,
                         linestyle="")  # fmt: skip
-            ax.annotate(r["config"], (r["kv_vs_fp16"], y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            labels[1].append((r["kv_vs_fp16"], y, r["config"]))
         ax.set_yscale("log")
         ax.set_xlabel("KV bytes held / FP16 bytes of the same tokens (measured)")
         ax.set_ylabel(f"KL(ref ‖ q) mean, ppl task ({ppl[0]['protocol']})")
         ax.grid(True, alpha=0.3)
     fig.suptitle(f"{result.recipe.name}: quality vs bytes held (up and left is better)", fontsize=10)
-    from .report import finish_figure
+    fig.tight_layout()
+    from .labels import place_labels
+
+    for ax, pts in zip(axes[0], labels, strict=False):
+        place_labels(ax, pts)
 
     return finish_figure(fig, path)
 
 
 def retrieval_markdown(result: Any, heatmaps: list[str], frontier: str | None) -> list[str]:
     """The report's retrieval sections (one per task), the heatmaps and the frontier plot."""
-    from .report import md_table
 
     meta = result.meta
     lines: list[str] = []

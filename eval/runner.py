@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from kvquant.models import load_model
+from kvquant.text import load_text, token_windows, tokenize
+
 from .baselines import REFERENCE, Method, ReferenceMethod, elements_per_token, make_method
-from .data import load_text, token_windows, tokenize
 from .metrics import DriftAccumulator, generation_agreement, token_drift
-from .models import load_model
 from .protocols import PROTOCOLS, decode_logits, greedy_continuation, simulated_logits
 from .recipe import Recipe, RecipeError
 from .retrieval_task import RETRIEVAL_TASKS, check_cases, check_lengths, run_retrieval_task

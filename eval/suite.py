@@ -130,12 +130,12 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def write_summary(summary: dict[str, Any], out: str | Path) -> list[Path]:
     """``results.json`` and ``report.md`` of a multi-model run in ``out``."""
+    from kvquant.outputs import staged_files
+
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "results.json", out / "report.md"]
+    names = ["results.json", "report.md"]
     texts = [json.dumps(summary, indent=2, default=str) + "\n", markdown(summary)]
-    for p, text in zip(paths, texts, strict=True):
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(p)
-    return paths
+    with staged_files(out, names, "out") as stage:  # both replace the earlier run's together
+        for name, text in zip(names, texts, strict=True):
+            (stage / name).write_text(text, encoding="utf-8")
+    return [out / n for n in names]

@@ -9,7 +9,7 @@ Two functions with one signature::
 * ``fresh_k/fresh_v[B, Hkv, Tq, D]`` -- this chunk's K/V in full precision (also written to the
   store; attention uses them unquantized for the chunk itself, the quantized store for the past).
 * ``layer`` -- the store; its first ``past_len`` tokens are the history. Everything here is in the
-  store's *storage space*: with ``rotate`` on, the caller (:func:`kvquant.kernels.attend`) passes
+  store's *storage space*: with ``rotate`` on, the caller (:func:`kvquant.kernels.dispatch.attend`) passes
   Hadamard-rotated queries and fresh K/V, and un-rotates the output.
 * ``mask`` -- ``None`` (causal, the chunk's last query at the last position) or a boolean
   ``[B, 1 or Hq, Tq, past_len + Tq]`` mask, True = attend (transformers' SDPA mask).

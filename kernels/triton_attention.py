@@ -37,7 +37,7 @@ per-head pointer/stride tables and runtime branches over every format; (2) with 
 ``constexpr``, each launch compiles only its own dequantization, which keeps registers and
 instruction cache small; (3) the cost is one extra launch per extra group (a few microseconds;
 typical configs have 1-2 groups per layer), and the decode reduction is shared by all groups. Not
-measured on a GPU yet: no GPU was available when this was written (see docs/results/).
+measured on a GPU yet (docs/kernels.md).
 """
 
 from __future__ import annotations

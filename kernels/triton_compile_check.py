@@ -39,7 +39,7 @@ KINDS = {
     **{p: (p, True) for p in ("tqt4", "tqt3", "tqt2")},  # trellis codes: a window of a circular code stream
 }  # fmt: skip
 #: per-channel key widths of two real SmolLM2-135M key heads (head_dim 64, RoPE halves [0, 32) / [32, 64)):
-#: recipes/configs/tqc4-v72-r15s1.yaml (widths 1..8, 4 bits average) and tqc3-r7s1.yaml (1..6, 3 bits)
+#: research/configs/tqc4-v72-r15s1.yaml (widths 1..8, 4 bits average) and tqc3-r7s1.yaml (1..6, 3 bits)
 TQC_EXAMPLES = {
     "tqc4": "1111223334344444444455465555678611212233333445445555545555556667",
     "tqc3": "6555535325252522252111115323111265555353252525222422111254232122",

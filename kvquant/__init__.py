@@ -18,6 +18,7 @@ from .config import DEFAULT_PRESET, PRESETS, ConfigError, KVPrecision, KVQuantCo
 from .errors import KVQuantError
 from .pool import PagedKVPool
 from .quantizers import PRECISIONS, make_quantizer
+from .scheduler import Scheduler
 from .shape import ModelShape
 from .simulate import SimulatedQuantCache
 from .wrap import unwrap, wrap, wrapped
@@ -37,6 +38,7 @@ __all__ = [
     "PagedKVPool",
     "QuantizedKVCache",
     "QuantizedLayer",
+    "Scheduler",
     "SimulatedQuantCache",
     "make_quantizer",
     "unwrap",

@@ -18,12 +18,12 @@ import math
 import random
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .config import KVPrecision, KVQuantConfig
-from .errors import ArgumentError
+from .errors import ArgumentError, InputError
 from .quantizers import PRECISIONS
 from .shape import ModelShape
 
@@ -68,6 +68,42 @@ def check_budget(budget: float, bits: dict[str, float]) -> None:
         )
 
 
+NEGATIVE_TOLERANCE = 1e-6  # a measured KL rise below -this is not rounding: the table is wrong
+
+
+def check_sensitivity(sens: dict[str, torch.Tensor], candidates: Sequence[str], where: str = "sensitivity",
+                      shape: tuple[int, int] | None = None) -> None:
+    """Refuse a sensitivity table the allocator cannot rank: a candidate missing, tensors not ``[layers,
+    kv_heads, 2]`` (or not the model's ``shape``), NaN / Inf or negative values. Raises :class:`InputError`
+    naming ``where`` and the first bad entry (``values['int4'][2][1][0]``)."""
+    if not isinstance(sens, dict):
+        raise InputError(f"{where}: expected a mapping of precision -> [layers, kv_heads, 2] values")
+    first = None
+    for c in candidates:
+        if c not in sens:
+            raise InputError(f"{where}: no values for candidate {c!r} (it has {', '.join(map(str, sens))})")
+        t = sens[c]
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[2] != 2 or 0 in t.shape:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InputError(f"{where}: values[{c!r}] has shape {got}, expected [layers, kv_heads, 2]")
+        first = first or (c, tuple(t.shape))
+        if tuple(t.shape) != first[1]:
+            raise InputError(f"{where}: values[{c!r}] has shape {list(t.shape)}, values[{first[0]!r}] "
+                             f"{list(first[1])}")
+        if shape is not None and tuple(t.shape[:2]) != tuple(shape):
+            raise InputError(f"{where}: values[{c!r}] covers {t.shape[0]} layers x {t.shape[1]} KV heads; the model "
+                             f"has {shape[0]} x {shape[1]} (measured on another model?)")
+        bad = (~torch.isfinite(t)).nonzero()
+        if len(bad):
+            i = bad[0].tolist()
+            raise InputError(f"{where}: values[{c!r}]{i} is {float(t[tuple(i)])}: sensitivities must be finite "
+                             "(measure again with --no-cache)")
+        neg = (t < -NEGATIVE_TOLERANCE).nonzero()
+        if len(neg):
+            i = neg[0].tolist()
+            raise InputError(f"{where}: values[{c!r}]{i} is {float(t[tuple(i)])}: a KL rise is never negative")
+
+
 def allocate(
     sens: dict[str, torch.Tensor],
     bits: dict[str, float],
@@ -77,6 +113,10 @@ def allocate(
     """Greedy allocation (see module doc). ``sens[c]`` is ``[layers, kv_heads, 2]``; ``budget`` in avg bits."""
     check_budget(budget, bits)
     cands = sorted(bits, key=lambda c: (bits[c], c))
+    check_sensitivity(sens, cands)
+    for c, b in bits.items():
+        if not (isinstance(b, (int, float)) and math.isfinite(b) and b > 0):
+            raise ArgumentError(f"--candidates: {c} has {b!r} bits per element; expected a positive number")
     first = sens[cands[0]]
     L, H = int(first.shape[0]), int(first.shape[1])
     if kv_separate:
@@ -88,7 +128,9 @@ def allocate(
     capacity = budget * 2 * L * H + 1e-9
     choice = [0] * len(units)
     spent = sum(cost[u][0] for u in range(len(units)))
-    while True:
+    # every step lowers one unit's loss strictly (gain > 0, values finite), so a unit changes at most
+    # len(cands) - 1 times: the loop is bounded by that, and a longer one is a bug, never a hang
+    for _step in range(len(units) * (len(cands) - 1) + 1):
         best = None  # (ratio, unit, candidate index)
         for u in range(len(units)):
             cur = choice[u]
@@ -105,6 +147,8 @@ def allocate(
         _, u, ci = best
         spent += cost[u][ci] - cost[u][choice[u]]
         choice[u] = ci
+    else:
+        raise RuntimeError(f"allocate: no convergence after {len(units) * (len(cands) - 1) + 1} steps (a bug)")
     plan: Plan = [[KVPrecision(cands[0], cands[0]) for _ in range(H)] for _ in range(L)]
     for u, (li, h, kinds) in enumerate(units):
         c = cands[choice[u]]
@@ -124,6 +168,13 @@ def plan_avg_bits(plan: Plan, bits: dict[str, float]) -> float:
     return sum(bits[p.key] + bits[p.value] for row in plan for p in row) / (2 * n)
 
 
+def with_plan(template: KVQuantConfig, default: KVPrecision,
+              heads: dict[tuple[int, int], KVPrecision] | None = None) -> KVQuantConfig:
+    """A copy of ``template``'s storage options with a new default and head overrides (no layer overrides)."""
+    return replace(template, default=default, layers={}, heads=dict(heads or {}), model_shape=None,
+                   name=None, description=None)
+
+
 def predicted_kl(plan: Plan, sens: dict[str, torch.Tensor]) -> float:
     return float(sum(sens[p.key][li, h, 0] + sens[p.value][li, h, 1]
                      for li, row in enumerate(plan) for h, p in enumerate(row)))
@@ -132,8 +183,6 @@ def predicted_kl(plan: Plan, sens: dict[str, torch.Tensor]) -> float:
 def plan_to_config(plan: Plan, template: KVQuantConfig | None = None, shape: ModelShape | None = None,
                    name: str | None = None, description: str | None = None) -> KVQuantConfig:
     """A compact config for ``plan``: the commonest pair as default, whole-layer and per-head overrides."""
-    from .sensitivity import with_plan
-
     counts = Counter(p for row in plan for p in row)
     default = counts.most_common(1)[0][0]
     cfg = with_plan(template or KVQuantConfig(), default)

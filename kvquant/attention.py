@@ -3,7 +3,7 @@
 When a :class:`~kvquant.view.LayerView` was published for the key states (they come from a
 :class:`~kvquant.QuantizedKVCache`; the contract is :mod:`kvquant.view`), attention reads the
 quantized history through the layer's block tables (Triton on CUDA, the torch block walk
-elsewhere: :func:`kvquant.kernels.attend`). Otherwise
+elsewhere: :func:`kvquant.kernels.dispatch.attend`). Otherwise
 (no cache, ``DynamicCache``, transformers' own quantized caches) it is plain SDPA, so a wrapped
 model still runs every other cache correctly.
 """
@@ -19,7 +19,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import view as handoff
-from .view import LayerView
+from .errors import ModelError
+from .view import BatchView, LayerView
 
 ATTN_NAME = "kvquant"
 
@@ -35,8 +36,10 @@ def kvquant_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention signature; returns ``(out[B, Tq, Hq, D], None)``."""
-    view: LayerView | None = handoff.take(key)
+    view: LayerView | BatchView | None = handoff.take(key)
     softcap = kwargs.get("softcap")
+    if isinstance(view, BatchView):
+        return _attend_batch(module, query, key, value, view, scaling, softcap), None
     if view is None and softcap is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -56,6 +59,26 @@ def kvquant_attention_forward(
         view.commit(row_start, {"module": module, "queries": query, "scaling": scaling, "mask": mask})
     out = attend(query, key, value, view.store, view.past_len, mask, scaling, softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_batch(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, view: BatchView,
+    scaling: float | None, softcap: float | None,
+) -> torch.Tensor:
+    """Attention of packed sequences (``query[1, Hq, T, D]``): each sequence's slice of the chunk is written into
+    its own store and attends causally over its own history and its own slice; ``out[1, T, Hq, D]``."""
+    from kvquant.kernels.dispatch import attend
+
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    outs = []
+    for s, n, v in zip(view.starts, view.lengths, view.views, strict=True):
+        q, k, val = query[:, :, s:s + n], key[:, :, s:s + n], value[:, :, s:s + n]
+        if v.commit is not None:
+            v.commit(None, {"module": module, "queries": q, "scaling": scaling, "mask": None})
+        outs.append(attend(q, k, val, v.store, v.past_len, None, scaling, softcap))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous()
 
 
 def first_real_token(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
@@ -113,11 +136,11 @@ def check_supported(model: Any) -> None:
     name = type(model).__name__
     config = getattr(model, "config", None)
     if config is None:
-        raise TypeError(f"model: {name} is not a transformers model (no .config)")
+        raise ModelError(f"model: {name} is not a transformers model (no .config)")
     if getattr(config, "is_encoder_decoder", False):
-        raise TypeError(f"model: {name} is an encoder-decoder; kvquant serves decoder-only models")
+        raise ModelError(f"model: {name} is an encoder-decoder; kvquant serves decoder-only models")
     if not getattr(model, "_supports_attention_backend", False):
-        raise TypeError(
+        raise ModelError(
             f"model: {name} does not use transformers' AttentionInterface, so its attention cannot read "
             "a quantized cache (supported: Llama, Mistral, Qwen2/3, Gemma, Phi3 and other models that do)"
         )
@@ -137,7 +160,7 @@ def install_attention(model: Any) -> str | None:
 
 def check_bound_ids(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Forward pre-hook of the decoder: a :class:`~kvquant.QuantizedKVCache` bound to token ids (prefix reuse,
-    :meth:`~kvquant.PagedKVPool.cache_for`) refuses input ids that do not extend its own, before anything is
+    :meth:`~kvquant.QuantizedKVCache.from_pool`) refuses input ids that do not extend its own, before anything is
     written (:meth:`~kvquant.QuantizedKVCache.check_ids`)."""
     from .cache import QuantizedKVCache
 

@@ -429,13 +429,26 @@ class QuantizedKVCache(Cache):
         self._finalizer = weakref.finalize(self, _release, layers) if pool is not None else None
 
     # ------------------------------------------------------------------ pool / prefix reuse
+    @classmethod
+    def from_pool(cls, pool: PagedKVPool, input_ids: torch.Tensor, align: int | None = None) -> QuantizedKVCache:
+        """A new cache on ``pool`` bound to ``input_ids[B, T]`` (or ``[T]``) that already holds the longest
+        indexed run of whole blocks of every row's ids (:meth:`PagedKVPool.match_prefix`, cut to a multiple of
+        ``align`` tokens when given), shared with the index, not copied. The blocks it fills later are indexed
+        under its ids."""
+        cache = cls(pool.model, pool.config, pool=pool)
+        rows, found, tokens = pool.match_prefix(input_ids, align)
+        cache.bind_ids(rows)
+        if tokens:
+            cache.adopt_prefix(found, tokens)
+        return cache
+
     def bind_ids(self, rows: list[list[int]]) -> None:
         """Index the full blocks this cache writes under ``rows`` (the token ids of each row).
 
         A bound cache only extends its own prompt: a forward whose ``input_ids`` differ from the bound ids at
         the positions they cover raises :class:`BoundIdsError` (:meth:`check_ids`). To use the cache for a
         new prompt call :meth:`reset` (every token forgotten, the binding dropped, a fresh session id), or take a
-        new cache from :meth:`PagedKVPool.cache_for`."""
+        new cache from :meth:`from_pool`."""
         self.token_ids = [list(r) for r in rows]
         reusable = self.pool is not None and self.pool.reusable
         self._hashes = [self.pool.block_hashes(r) for r in rows] if reusable else []
@@ -456,7 +469,7 @@ class QuantizedKVCache(Cache):
             raise BoundIdsError(
                 f"input_ids: {ids.shape[0]} rows, but cache {self.session_id} is bound to the token ids of "
                 f"{len(self.token_ids)}; call cache.reset() to reuse it for a new prompt (or take one from "
-                "pool.cache_for(ids))")
+                "QuantizedKVCache.from_pool(pool, ids))")
         rows = ids.tolist()
         for b, (new, bound) in enumerate(zip(rows, self.token_ids, strict=True)):
             cover = bound[past:past + len(new)]
@@ -465,7 +478,7 @@ class QuantizedKVCache(Cache):
                 raise BoundIdsError(
                     f"input_ids: row {b} has token {new[at - past]} at position {at} where cache {self.session_id} "
                     f"is bound to {bound[at]} (a prefix-reuse cache only extends its own prompt); call cache.reset() "
-                    "to reuse it for a new prompt (or take one from pool.cache_for(ids))")
+                    "to reuse it for a new prompt (or take one from QuantizedKVCache.from_pool(pool, ids))")
 
     def _rows_follow(self, idx: torch.Tensor) -> None:
         """After a reorder / select / repeat of the rows: the bound ids (and block hashes) follow their rows."""
@@ -523,7 +536,7 @@ class QuantizedKVCache(Cache):
 
     def reset(self) -> None:
         """Forget every token (blocks back to the pool) and static scales, drop the binding to token ids (a
-        cache from :meth:`PagedKVPool.cache_for`), and start a new session id: the way to reuse this cache
+        cache from :meth:`from_pool`), and start a new session id: the way to reuse this cache
         for a new prompt."""
         super().reset()
         self.token_ids = None

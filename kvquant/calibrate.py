@@ -26,10 +26,19 @@ from typing import Any
 
 import torch
 
-from .allocate import Allocation, allocate, candidate_bits, check_budget, parse_candidates, plan_to_config
+from .allocate import (
+    Allocation,
+    allocate,
+    candidate_bits,
+    check_budget,
+    check_sensitivity,
+    parse_candidates,
+    plan_to_config,
+)
 from .config import CONFIG_SUFFIXES, KVPrecision, KVQuantConfig, check_int
 from .errors import ArgumentError, ConfigError
-from .outputs import check_output, save_figure
+from .inputs import looks_like_path
+from .outputs import check_disjoint, check_output, input_paths, save_figure, staged_files
 from .sensitivity import (
     METHODS,
     CalibrationTokens,
@@ -84,25 +93,25 @@ The shape comes from --model, else from the config's model_shape field (written 
 """
 
 
-# ------------------------------------------------------------------------------------------ loading (kvquant.eval)
+# ------------------------------------------------------------------------------ loading (kvquant.models, kvquant.text)
 def _tokenize(text: str, tokenizer: Any) -> torch.Tensor:
-    """The whole text as 1-D token ids, no special tokens (``kvquant.eval.data.tokenize``)."""
-    from kvquant.eval.data import tokenize
+    """The whole text as 1-D token ids, no special tokens (``kvquant.text.tokenize``)."""
+    from kvquant.text import tokenize
 
     return tokenize(text, tokenizer)
 
 
 def _model_shape(spec: str) -> ModelShape:
-    """The shape of a model from its config alone (``kvquant.eval.models.read_model_config``); errors name --model."""
-    from kvquant.eval.models import read_model_config
+    """The shape of a model from its config alone (``kvquant.models.read_model_config``); errors name --model."""
+    from kvquant.models import read_model_config
 
     return ModelShape.from_config(read_model_config(spec, what="--model"))
 
 
 def _load_model_and_text(model: str, data: str, dtype: str) -> tuple[Any, Any, str, str, str]:
-    """``(model, tokenizer, text, model label, data label)`` through ``kvquant.eval``'s loaders."""
-    from kvquant.eval.data import load_text
-    from kvquant.eval.models import load_model
+    """``(model, tokenizer, text, model label, data label)`` through :mod:`kvquant.models` and :mod:`kvquant.text`."""
+    from kvquant.models import load_model
+    from kvquant.text import load_text
 
     text = load_text(data)  # before the model: a bad --data fails fast
     loaded = load_model(model, dtype=dtype, attn_implementation="sdpa", progress=True)
@@ -202,6 +211,7 @@ def calibrate(
     key = cache_key({**key_parts, "model": {k: v for k, v in key_parts["model"].items() if k != "name"},
                      "data": {k: v for k, v in key_parts["data"].items() if k != "name"}})
     sens = load_cached(cache_path, key) if (use_cache and cache_path) else None
+    units = (shape.num_layers, shape.num_kv_heads)
     cache_hit = sens is not None
     if sens is None:
         report = _progress_printer(method) if progress else None
@@ -210,8 +220,12 @@ def calibrate(
         else:
             sens = estimate_fisher(model, tokens.ids, cands, base, template, samples=samples, seed=seed,
                                    progress=report)
+        # a NaN or negative measurement (a model that overflows) is refused before it is cached
+        check_sensitivity(sens.values, cands, f"sensitivity ({method}, measured)", units)
         if cache_path is not None:
             save_cached(cache_path, key, sens, key_parts)
+    else:
+        check_sensitivity(sens.values, cands, f"--sens-cache: {cache_path}: entry {key}", units)
     t_sens = time.perf_counter()
     alloc = allocate(sens.values, bits, budget_bits, kv_separate=kv_separate)
     cfg = plan_to_config(alloc.plan, template, shape, name=out_path.stem if out_path else None)
@@ -227,10 +241,15 @@ def calibrate(
     cfg.description = (
         f"calibrated: {sens.method} sensitivity, budget {budget_bits} avg bits, achieved {achieved:.3f}"
     )
-    if out_path is not None:
-        cfg.save(out_path, header=header, force=force)
-        if heat_path is not None:
-            save_heatmap(sens, alloc, heat_path, title=f"{key_parts['model']['name']}: {out_path.name}", force=force)
+    if out_path is not None:  # the config and its heatmap replace an earlier run's together (staged_files)
+        if not force:
+            check_outputs(output, heatmap, None, force)  # again, right before writing: one may have appeared
+        own = [out_path.name] + ([heat_path.name] if heat_path is not None else [])
+        with staged_files(out_path.parent, own, "-o") as stage:
+            cfg.save(stage / out_path.name, header=header)
+            if heat_path is not None:
+                save_heatmap(sens, alloc, stage / heat_path.name,
+                             title=f"{key_parts['model']['name']}: {out_path.name}")
     seconds = {"tokenize": round(t_tok - t_start, 2), "sensitivity": round(t_sens - t_tok, 2),
                "allocate_and_write": round(time.perf_counter() - t_sens, 2)}
     return CalibrationResult(cfg, alloc, sens, tokens, bits, header, cache_hit, cache_path, heat_path, out_path,
@@ -414,6 +433,7 @@ def _shape_for(model: str | None, cfg: KVQuantConfig) -> ModelShape:
 def cmd_show_config(args: argparse.Namespace) -> int:
     cfg = KVQuantConfig.load(args.config)
     shape = _shape_for(args.model, cfg)
+    cfg.check_model(shape)  # indices, storage and the scales file, as a cache would check them
     print(f"config: {args.config}" + (f"  ({cfg.description})" if cfg.description else ""))
     print(f"model shape: {shape.num_layers} layers x {shape.num_kv_heads} KV heads x head_dim {shape.head_dim}")
     print(config_table(cfg, shape))
@@ -423,7 +443,7 @@ def cmd_show_config(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ calibrate CLI
 def cmd_calibrate(args: argparse.Namespace) -> int:
     # every check first: a bad option or output path must not wait for the model to load
-    from kvquant.eval.models import parse_dtype
+    from kvquant.models import parse_dtype
 
     cands = parse_candidates(args.candidates)
     if args.budget_bits is None:
@@ -437,7 +457,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise ArgumentError(f"--group-size: {str(e).split(': ', 1)[-1]}") from None
     force = getattr(args, "force", False)
-    check_outputs(args.output, not args.no_heatmap, args.sens_cache, force)
+    out_path, heat_path, cache_path = check_outputs(args.output, not args.no_heatmap, args.sens_cache, force)
+    from kvquant.models import model_input_paths
+
+    inputs = model_input_paths(args.model) + (input_paths("--data", args.data) if looks_like_path(args.data) else [])
+    check_disjoint([(w, p) for w, p in (("-o", out_path), ("-o (its heatmap)", heat_path),
+                                        ("--sens-cache", cache_path)) if p is not None], inputs)
     shape = _model_shape(args.model)  # the shape errors without waiting for the weights
     check_candidates(cands, template, shape)
     check_budget(args.budget_bits, candidate_bits(cands, template, shape.head_dim))

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
 from importlib import import_module
+from pathlib import Path
 from typing import NoReturn
 
 from . import __version__
 from .config import DEFAULT_PRESET, PRESETS, KVQuantConfig, check_int
 from .errors import ArgumentError, KVQuantError
 from .memory import estimate, human, parse_bytes, plot_lengths_cdf, read_lengths
-from .outputs import check_output
+from .outputs import check_disjoint, check_output, input_paths, terminate_as_exit
 from .quantizers import PRECISION_FAMILIES, PRECISIONS, make_quantizer
 from .shape import ModelShape
 
@@ -94,7 +96,7 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
         given = [n for n, v in dims.items() if v is not None]
         if given:
             raise ArgumentError(f"--{given[0].replace('_', '-')}: give --model or the shape options, not both")
-        from kvquant.eval.models import read_model_config
+        from kvquant.models import read_model_config
 
         return ModelShape.from_config(read_model_config(args.model, what="--model"))
     missing = [n for n, v in dims.items() if v is None]
@@ -111,11 +113,17 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     check_int(args.batch, "--batch", 1, MAX_DIM, ArgumentError)
     if args.plot and not args.lengths:
         raise ArgumentError("--plot: needs --lengths (it plots the distribution of the request lengths)")
-    if args.plot:
-        check_output(args.plot, (".png",), "--plot", force=args.force)
     shape = _shape_from_args(args)
     cfg = KVQuantConfig.load(args.config)
-    cfg.validate(shape)  # the same checks as a cache would run
+    if args.plot:
+        from kvquant.models import model_input_paths
+
+        plot = check_output(args.plot, (".png",), "--plot", force=args.force)
+        inputs = input_paths("--lengths", args.lengths) + input_paths("--config", cfg.scales_file)
+        if Path(args.config).is_file():
+            inputs += input_paths("--config", args.config)
+        check_disjoint([("--plot", plot)], inputs + (model_input_paths(args.model) if args.model else []))
+    cfg.check_model(shape)  # the same checks as a cache would run, the scales file read too
     budget = parse_bytes(args.budget) if args.budget else None
     lengths = read_lengths(args.lengths) if args.lengths else None
     res = estimate(shape, cfg, args.context, args.batch, budget, lengths)
@@ -197,7 +205,7 @@ def _serving(args: argparse.Namespace, shape: ModelShape, cfg: KVQuantConfig, re
         if not (0 < params < 1e16):
             raise ArgumentError(f"--params: {params!r} must be a parameter count, e.g. 1.35e8")
     elif args.model:
-        from kvquant.eval.models import read_model_config
+        from kvquant.models import read_model_config
 
         mc = read_model_config(args.model, what="--model")
         params = params_from_config(mc)
@@ -323,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in argv  # known before parsing, so that a parse error honours it too
     parser = build_parser()
     prog = "kvquant"
+    previous = terminate_as_exit()  # SIGTERM runs the cleanups (no temporary left behind), like Ctrl-C
     try:
         args = parser.parse_args(argv)
         if not getattr(args, "func", None):
@@ -351,6 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog}: internal error (a bug in kvquant, please report it with the traceback above): "
               f"{type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -39,6 +40,8 @@ from .quantizers import (
     GAINS,
     GROUPED,
     PRECISIONS,
+    TRELLIS,
+    VECTOR,
     is_precision,
     make_quantizer,
 )
@@ -319,6 +322,7 @@ class KVQuantConfig:
         if not isinstance(layers, Mapping):
             raise ConfigError(f"layers: expected a mapping like {{0: int8, 5: {{key: int8}}}}, got {layers!r}")
         for k, v in layers.items():
+            _refuse_float_key(k, f"layers.{k}")
             layer = _parse_index(k, f"layers.{k}")
             cfg.layers[layer] = _parse_pair(v, f"layers.{k}", partial=True)
         heads = data.get("heads") or {}
@@ -331,9 +335,11 @@ class KVQuantConfig:
                 if not v:
                     raise ConfigError(f"heads.{k}: empty; expected {{head: precision}}")
                 for hk, hv in v.items():
+                    _refuse_float_key(hk, f"heads.{k}.{hk}")
                     head = _parse_index(hk, f"heads.{k}.{hk}")
                     cfg.heads[(layer, head)] = _parse_pair(hv, f"heads.{k}.{hk}", partial=True)
                 continue
+            _refuse_float_key(k, f"heads.{k}")
             parts = str(k).split(".")
             if len(parts) != 2:
                 raise ConfigError(f'heads."{k}": expected "layer.head", e.g. "3.1"')
@@ -352,57 +358,90 @@ class KVQuantConfig:
         if data.get("evict") is not None:
             cfg.evict = _parse_evict(data["evict"], "evict")
         cfg._check_options()
+        cfg._check_no_ops()
+        cfg._warn_no_ops(set(map(str, data)))
         return cfg
 
+    def __post_init__(self) -> None:
+        """Every bound is enforced however a config is built (``KVQuantConfig(...)``, ``from_dict``, ``replace``)."""
+        self._check_plan()
+        self._check_options()
+        object.__setattr__(self, "_built", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An assignment after construction is checked against the field's own bounds (a refused value is not
+        set); constraints between fields are checked again by :meth:`validate`, before any cache uses it."""
+        if name in _FIELD_CHECKS and self.__dict__.get("_built"):
+            _FIELD_CHECKS[name](value)
+        object.__setattr__(self, name, value)
+
+    def _check_plan(self) -> None:
+        if not isinstance(self.default, KVPrecision):
+            raise ConfigError(f"default: {self.default!r} must be a KVPrecision (or use KVQuantConfig.from_dict)")
+        if not isinstance(self.layers, dict) or not all(
+            isinstance(k, int) and not isinstance(k, bool) and k >= 0 and isinstance(v, KVPrecision)
+            for k, v in self.layers.items()
+        ):
+            raise ConfigError("layers: must map layer indices (int >= 0) to KVPrecision")
+        if not isinstance(self.heads, dict) or not all(
+            isinstance(k, tuple) and len(k) == 2 and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                         for i in k) and isinstance(v, KVPrecision)
+            for k, v in self.heads.items()
+        ):
+            raise ConfigError("heads: must map (layer, kv_head) index pairs to KVPrecision")
+        for p in (self.default, *self.layers.values(), *self.heads.values()):
+            for name in (p.key, p.value):
+                if name is not None and not is_precision(name):
+                    raise ConfigError(f"default: unknown precision {name!r} (known: {', '.join(PRECISIONS)})")
+
     def _check_options(self) -> None:
-        gs = self.group_size
-        if gs is not None and (
-            not isinstance(gs, int) or isinstance(gs, bool) or not 0 < gs <= MAX_GROUP_SIZE or gs & (gs - 1)
-        ):
-            raise ConfigError(f"group_size: {gs!r} must be a power of two from 1 to {MAX_GROUP_SIZE}")
-        hr = self.headroom
-        if (
-            not isinstance(hr, (int, float)) or isinstance(hr, bool) or not math.isfinite(hr)
-            or not 1.0 <= hr <= MAX_HEADROOM
-        ):
-            raise ConfigError(f"headroom: {hr!r} must be a number from 1.0 to {MAX_HEADROOM:g}")
+        for name, check in _FIELD_CHECKS.items():
+            check(getattr(self, name))
         bs = self.block_size
-        if not isinstance(bs, int) or isinstance(bs, bool) or bs < 16 or bs > 4096 or bs & (bs - 1):
-            raise ConfigError(f"block_size: {bs!r} must be a power of two between 16 and 4096")
-        if self.rotate not in ("none", "keys", "kv"):
-            raise ConfigError(f"rotate: {self.rotate!r} must be none, keys or kv")
-        check_int(self.sink_tokens, "sink_tokens", 0, MAX_SINK_TOKENS)
-        check_int(self.residual_tokens, "residual_tokens", 0, MAX_RESIDUAL_TOKENS)
         if self.residual_step is not None:
             check_int(self.residual_step, "residual_step", 1, bs)
-        check_int(self.ladder_tokens, "ladder_tokens", 0, MAX_RESIDUAL_TOKENS)
         if self.ladder_tokens and self.offload is not None:
             raise ConfigError("ladder_tokens: not supported together with offload (use one of them)")
-        check_int(self.ladder2_tokens, "ladder2_tokens", 0, MAX_RESIDUAL_TOKENS)
         if self.ladder2_tokens > self.ladder_tokens:
             raise ConfigError(
                 f"ladder2_tokens: {self.ladder2_tokens} exceeds ladder_tokens ({self.ladder_tokens}); the second "
                 "rung's rows are the ladder's youngest"
             )
-        check_int(self.heavy_tokens, "heavy_tokens", 0, MAX_RESIDUAL_TOKENS)
         if self.heavy_tokens and self.offload is not None:
             raise ConfigError("heavy_tokens: not supported together with offload (use one of them)")
-        for name in ("share_kv_scale", "check_finite", "codebook_search"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}: {getattr(self, name)!r} must be true or false")
         self.offload = _check_offload(self.offload)
-        if self.codebook_gain not in GAINS:
-            raise ConfigError(f"codebook_gain: {self.codebook_gain!r} is not one of {', '.join(GAINS)}")
-        if self.center_keys is not None and not isinstance(self.center_keys, bool):
-            raise ConfigError(f"center_keys: {self.center_keys!r} must be true, false or null")
-        if self.scales_file is not None and (not isinstance(self.scales_file, str) or not self.scales_file.strip()):
-            raise ConfigError(f"scales_file: {self.scales_file!r} must be a path")
         if self.model_shape is not None:
             if not isinstance(self.model_shape, Mapping) or set(self.model_shape) - {"layers", "kv_heads", "head_dim"}:
                 raise ConfigError("model_shape: expected {layers: N, kv_heads: N, head_dim: N}")
             for key, v in self.model_shape.items():
                 check_int(v, f"model_shape.{key}", 1, MAX_MODEL_DIM)
         self._check_evict()
+
+    def _check_no_ops(self) -> None:
+        """An option that would silently do nothing for the precisions a config file or mapping names is refused
+        (a config built directly may be given its rows elsewhere, e.g. by a LayerStore, and is not checked here)."""
+        for name in ("ladder_tokens", "heavy_tokens"):
+            if getattr(self, name) and not any(_is_codebook(p) for p in self.precisions()):
+                raise ConfigError(
+                    f"{name}: {getattr(self, name)} does nothing here: no K or V is a codebook precision (tq*, tqv*, "
+                    f"tqt*, tqc-*; the config stores {', '.join(sorted(self.precisions()))}); drop it or use one"
+                )
+
+    def _warn_no_ops(self, given: set[str]) -> None:
+        """Warn about options a file or mapping sets that do nothing for the precisions this config names."""
+        precisions = self.precisions()
+        uses = {
+            "codebook_gain": any(_is_codebook(p) for p in precisions),
+            "codebook_search": any(p.startswith(CHANNEL_PREFIX) for p in precisions),
+            "headroom": bool(precisions & STATIC_SCALE),
+            "share_kv_scale": "int8" in precisions,
+            "group_size": bool(precisions & set(GROUPED)),
+            "ladder2_tokens": any(_is_codebook(p) and p not in VECTOR for p in precisions),
+        }
+        idle = sorted(n for n, used in uses.items() if n in given and not used)
+        if idle:
+            warnings.warn(f"{', '.join(idle)}: {'does' if len(idle) == 1 else 'do'} nothing for the precisions this "
+                          f"config stores ({', '.join(sorted(precisions))})", UserWarning, stacklevel=3)
 
     def _check_evict(self) -> None:
         """Eviction options that the storage options exclude (one-line errors naming the field)."""
@@ -501,6 +540,8 @@ class KVQuantConfig:
 
     def validate(self, shape: ModelShape | Any) -> None:
         """Raise :class:`ConfigError` (naming the field) if this config cannot serve the model."""
+        self._check_plan()  # fields changed after construction: their combinations are checked here
+        self._check_options()
         shape = ModelShape.of(shape)
         if self.model_shape:
             for key, actual in shape.as_dict().items():
@@ -545,6 +586,16 @@ class KVQuantConfig:
         if self.rotate != "none" and shape.head_dim & (shape.head_dim - 1):
             raise ConfigError(f"rotate: the Hadamard rotation needs a power-of-two head_dim, not {shape.head_dim}")
 
+    def check_model(self, shape: ModelShape | Any) -> None:
+        """Everything a cache of this config would refuse for the model, before any work: :meth:`validate` and
+        the ``scales_file`` read and checked against the model's shape (:class:`ConfigError` /
+        :class:`kvquant.scales.ScalesError`, naming the field and the file)."""
+        self.validate(shape)
+        if self.scales_file:
+            from .scales import load_scales
+
+            load_scales(self.scales_file, ModelShape.of(shape))
+
     def precisions(self) -> set[str]:
         out = {self.default.key, self.default.value}
         for p in [*self.layers.values(), *self.heads.values()]:
@@ -585,6 +636,86 @@ class KVQuantConfig:
         return self.name or self.to_yaml()
 
 
+# ---------------------------------------------------------------------- field checks
+STATIC_SCALE = {"int8", "fp8-e4m3", "fp8-e5m2"}  # the precisions whose static scale headroom widens
+
+
+def _is_codebook(precision: str) -> bool:
+    return precision in CODEBOOK or precision in VECTOR or precision in TRELLIS or precision.startswith(CHANNEL_PREFIX)
+
+
+def _check_group_size(gs: Any) -> None:
+    if gs is not None and (
+        not isinstance(gs, int) or isinstance(gs, bool) or not 0 < gs <= MAX_GROUP_SIZE or gs & (gs - 1)
+    ):
+        raise ConfigError(f"group_size: {gs!r} must be a power of two from 1 to {MAX_GROUP_SIZE}")
+
+
+def _check_headroom(hr: Any) -> None:
+    if (
+        not isinstance(hr, (int, float)) or isinstance(hr, bool) or not math.isfinite(hr)
+        or not 1.0 <= hr <= MAX_HEADROOM
+    ):
+        raise ConfigError(f"headroom: {hr!r} must be a number from 1.0 to {MAX_HEADROOM:g}")
+
+
+def _check_block_size(bs: Any) -> None:
+    if not isinstance(bs, int) or isinstance(bs, bool) or bs < 16 or bs > 4096 or bs & (bs - 1):
+        raise ConfigError(f"block_size: {bs!r} must be a power of two between 16 and 4096")
+
+
+def _check_choice(name: str, choices: tuple[str, ...]) -> Any:
+    def check(value: Any) -> None:
+        if value not in choices:
+            raise ConfigError(f"{name}: {value!r} must be one of {', '.join(choices)}")
+
+    return check
+
+
+def _check_bool(name: str, optional: bool = False) -> Any:
+    def check(value: Any) -> None:
+        if not isinstance(value, bool) and not (optional and value is None):
+            raise ConfigError(f"{name}: {value!r} must be true{', false or null' if optional else ' or false'}")
+
+    return check
+
+
+def _check_tokens(name: str, hi: int) -> Any:
+    return lambda value: check_int(value, name, 0, hi)
+
+
+def _check_residual_step(value: Any) -> None:
+    if value is not None:
+        check_int(value, "residual_step", 1, 4096)
+
+
+def _check_scales_file(value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ConfigError(f"scales_file: {value!r} must be a path")
+
+
+#: each field's own bounds, checked on construction and on every assignment (constraints between fields are
+#: checked by ``_check_options``)
+_FIELD_CHECKS: dict[str, Any] = {
+    "group_size": _check_group_size,
+    "headroom": _check_headroom,
+    "block_size": _check_block_size,
+    "rotate": _check_choice("rotate", ("none", "keys", "kv")),
+    "sink_tokens": _check_tokens("sink_tokens", MAX_SINK_TOKENS),
+    "residual_tokens": _check_tokens("residual_tokens", MAX_RESIDUAL_TOKENS),
+    "residual_step": _check_residual_step,
+    "ladder_tokens": _check_tokens("ladder_tokens", MAX_RESIDUAL_TOKENS),
+    "ladder2_tokens": _check_tokens("ladder2_tokens", MAX_RESIDUAL_TOKENS),
+    "heavy_tokens": _check_tokens("heavy_tokens", MAX_RESIDUAL_TOKENS),
+    "share_kv_scale": _check_bool("share_kv_scale"),
+    "check_finite": _check_bool("check_finite"),
+    "codebook_search": _check_bool("codebook_search"),
+    "center_keys": _check_bool("center_keys", optional=True),
+    "codebook_gain": _check_choice("codebook_gain", tuple(GAINS)),
+    "scales_file": _check_scales_file,
+}
+
+
 # ---------------------------------------------------------------------- parsing helpers
 def _check_offload(value: Any) -> dict[str, Any] | None:
     """``offload``: ``None``/``false`` or ``{device: cpu, keep_recent_blocks: N}`` (N >= 0, default 2), normalised."""
@@ -619,6 +750,15 @@ def _parse_text(text: str, path: Path) -> Any:
             f"config file {path}: neither a YAML nor a JSON mapping of fields (got {type(data).__name__})"
         )
     return data
+
+
+def _refuse_float_key(key: Any, where: str) -> None:
+    """A key YAML read as a number with a fraction (``2.10`` -> ``2.1``) lost what was written: refuse it."""
+    if isinstance(key, float):
+        raise ConfigError(
+            f"{where}: YAML reads this key as the number {key!r}, so \"2.10\" and \"2.1\" look alike; quote it "
+            f"(heads: {{\"2.10\": int2}} for layer 2, head 10)"
+        )
 
 
 def _parse_index(value: Any, where: str) -> int:

@@ -39,8 +39,16 @@ class InputNotFoundError(InputError, FileNotFoundError):
     """An input file or folder does not exist (also a ``FileNotFoundError``)."""
 
 
+class ModelError(InputError, TypeError):
+    """A model kvquant cannot serve (not a transformers decoder using its AttentionInterface; also a ``TypeError``)."""
+
+
 class OutputError(KVQuantError):
     """An output path would overwrite a file (without ``--force``), has the wrong kind, or cannot be written."""
+
+
+class RequestError(KVQuantError):
+    """A request given to :class:`kvquant.Scheduler` is invalid (prompt, sampling or id); the message names it."""
 
 
 class DeviceError(KVQuantError):
@@ -54,6 +62,8 @@ __all__ = [
     "InputError",
     "InputNotFoundError",
     "KVQuantError",
+    "ModelError",
     "OutputError",
     "RecipeError",
+    "RequestError",
 ]

@@ -18,7 +18,9 @@
 * ``kvquant_export.json``: what was measured (statistic, calibration tokens, model, data, command).
 
 The directory is built beside the target and renamed into place; an existing target is refused without
-``--force``. :func:`engine_config` turns such a directory back into a kvquant config that reproduces the
+``--force``, and with it unless it is an export (it holds ``kvquant_export.json``); an output that is, holds or
+lies inside an input (the model folder, the files its links point to, the data, the config's scales) is refused
+before anything loads. :func:`engine_config` turns such a directory back into a kvquant config that reproduces the
 engine's FP8 cache (per-tensor scale, saturating cast), for ``kvquant eval --configs vllm:DIR``.
 """
 
@@ -37,10 +39,13 @@ import torch
 
 from .config import KVQuantConfig
 from .errors import ArgumentError, InputError, OutputError
+from .inputs import looks_like_path, user_path
+from .outputs import atomic_path, check_disjoint, check_output, check_output_folder, input_paths, staged_folder
 from .quantizers import Fp8
 from .scales import (
     EXPORT_INFO,
     FP8_E4M3_MAX,
+    SCALES_FORMAT,
     KVScales,
     collect_amax,
     engine_scale_name,
@@ -88,11 +93,55 @@ def engine_config(directory: str | Path) -> KVQuantConfig:
 
 
 # ------------------------------------------------------------------------------------------ writers
-def _check_target(out: Path, force: bool) -> None:
-    if out.exists() and not force:
-        raise OutputError(f"-o: {out} exists; pass --force to replace it")
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"-o: the folder {out.parent} does not exist")
+def _is_scales_file(p: Path) -> bool:
+    """True when ``p`` is a kvquant scales file (its recorded format; the values are not checked here)."""
+    try:
+        if p.suffix == ".json":
+            doc = json.loads(p.read_text(encoding="utf-8"))
+            return isinstance(doc, dict) and doc.get("format") == SCALES_FORMAT
+        with open(p, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= 1 << 24:
+                return False
+            header = json.loads(f.read(n))
+        return isinstance(header, dict) and (header.get("__metadata__") or {}).get("format") == SCALES_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_export_output(out: str | Path, fmt: str, force: bool) -> Path:
+    """Check ``-o`` before any work: ``--force`` replaces only what ``kvquant export`` wrote.
+
+    ``--format vllm``: a new folder, an empty one, or (with ``force``) an export folder (it holds
+    ``kvquant_export.json``); ``--format kvquant``: a new ``.safetensors`` / ``.json`` file or (with ``force``)
+    a kvquant scales file. Anything else raises :class:`OutputError`; its parent folder must exist.
+    """
+    if fmt == "vllm":
+        return check_output_folder(out, EXPORT_INFO, "-o", force=force)
+    p = user_path(out, "-o", OutputError)
+    if not p.parent.is_dir():
+        raise OutputError(f"-o: the folder {p.parent} does not exist (create it first)")
+    p = check_output(p, (".safetensors", ".json"), "-o", force=force)
+    if p.exists() and not _is_scales_file(p):
+        raise OutputError(f"-o: {p} exists and is not a kvquant scales file; it is never replaced: remove it "
+                          "yourself or choose another name")
+    return p
+
+
+def export_inputs(model_dir: str | Path | None, data: str | None, config: str | None,
+                  cfg: KVQuantConfig | None) -> list[tuple[str, Path]]:
+    """What an export reads, for :func:`kvquant.outputs.check_disjoint`: the model folder (and the files its
+    links point to), a local data file, a config file and its ``scales_file``."""
+    from kvquant.models import model_input_paths
+
+    found = model_input_paths(model_dir) if model_dir is not None else []
+    if data is not None and looks_like_path(data):
+        found += input_paths("--data", data)
+    if config is not None and Path(config).is_file():
+        found += input_paths("--config", config)
+    if cfg is not None and cfg.scales_file:
+        found += input_paths("--config's scales_file", cfg.scales_file)
+    return found
 
 
 def fp8_scales(amax: torch.Tensor, headroom: float = 1.0) -> torch.Tensor:
@@ -118,7 +167,8 @@ def write_vllm_export(model_dir: str | Path, scales: KVScales, out: str | Path, 
     src, out = Path(model_dir), Path(out)
     if weights not in ("link", "copy"):
         raise ArgumentError(f"--weights: {weights!r} must be link or copy")
-    _check_target(out, force)
+    check_disjoint([("-o", out)], export_inputs(src, None, None, None))
+    check_export_output(out, "vllm", force)
     config = json.loads((src / "config.json").read_text())
     if config.get("quantization_config"):
         raise InputError(f"--model: {src} is already quantized ({config['quantization_config'].get('quant_method')}); "
@@ -153,11 +203,7 @@ def write_vllm_export(model_dir: str | Path, scales: KVScales, out: str | Path, 
     record = {"format": "vllm", "statistic": scales.statistic, "granularity": scales.granularity,
               "headroom": headroom, "fp8_max": FP8_E4M3_MAX, "scale": "statistic * headroom / fp8_max",
               "scales_meta": scales.meta, **(info or {})}
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
+    with staged_folder(out, "-o") as tmp:
         for p in sorted(src.iterdir()):
             if p.name in ("config.json", INDEX_NAME) or p.is_dir():
                 continue
@@ -170,17 +216,7 @@ def write_vllm_export(model_dir: str | Path, scales: KVScales, out: str | Path, 
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / SCALES_NAME).write_bytes(save(tensors, metadata={"format": "compressed-tensors kv scales",
                                                                 "statistic": scales.statistic}))
-        (tmp / EXPORT_INFO).write_text(json.dumps(record, indent=2) + "\n")
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / EXPORT_INFO).write_text(json.dumps(record, indent=2) + "\n")  # last: marks the folder as ours
     return out
 
 
@@ -205,9 +241,11 @@ def _command_line(argv: list[str] | None) -> str:
 
 def _model_dir(spec: str) -> str:
     """Where a model's files are: the converted cache of a named model (``smollm2-135m``), else ``spec`` itself."""
-    from kvquant.eval.models import NAMED_MODELS, resolve_named
+    from kvquant.models import NAMED_MODELS, resolve_named
+    from kvquant.stress import split_spec
 
-    return str(resolve_named(spec, progress=False)[0]) if spec in NAMED_MODELS else spec
+    base = split_spec(spec)[0]
+    return str(resolve_named(base, progress=False)[0]) if base in NAMED_MODELS else base
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -217,15 +255,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     parse_statistic(args.statistic)  # cheap checks before the model loads
     if not (1.0 <= args.headroom < float("inf")):
         raise ArgumentError(f"--headroom: {args.headroom} must be a number >= 1.0")
-    out = Path(args.output)
-    _check_target(out, args.force)
     cfg = KVQuantConfig.load(args.config)
+    model_dir = _model_dir(args.model)
+    # first: an output that is an input is refused as such, whatever else is wrong with it
+    check_disjoint([("-o", args.output)], export_inputs(model_dir, args.data, args.config, cfg))
+    out = check_export_output(args.output, args.format, args.force)
     granularity = args.granularity or ("tensor" if args.format == "vllm" else "head")
-    model, tok, text, model_label, data_label = _load_model_and_text(args.model, args.data, args.dtype)
-    shape = ModelShape.of(model)
-    cfg.validate(shape)
+    from .calibrate import _model_shape
+
+    shape = _model_shape(args.model)  # from the config alone: the checks below run before the weights load
+    cfg.check_model(shape)
     if args.format == "vllm":
         _check_vllm_config(cfg, shape)
+    model, tok, text, model_label, data_label = _load_model_and_text(args.model, args.data, args.dtype)
     tokens = calibration_windows(_tokenize(text, tok), args.calib_window, args.calib_windows)
     scales = collect_amax(model, tokens.ids, args.statistic, granularity,
                           rotate="none" if args.format == "vllm" else cfg.rotate,
@@ -234,10 +276,11 @@ def cmd_export(args: argparse.Namespace) -> int:
             "config": cfg.name or str(args.config), "command": _command_line(getattr(args, "argv", None))}
     if args.format == "kvquant":
         scales.meta.update({k: str(v) for k, v in info.items()})
-        save_scales(scales, out)
+        with atomic_path(out, what="-o") as tmp:
+            save_scales(scales, tmp)
         print(f"wrote {out}  ({scales.granularity} amax, {scales.statistic}, {tokens.describe()})")
     else:
-        write_vllm_export(_model_dir(args.model), scales, out, weights=args.weights, force=args.force,
+        write_vllm_export(model_dir, scales, out, weights=args.weights, force=args.force,
                           headroom=args.headroom, info=info)
         print(f"wrote {out}/  (compressed-tensors kv_cache_scheme FP8 e4m3, {scales.granularity} scales, "
               f"{scales.statistic}; weights {'linked' if args.weights == 'link' else 'copied'})")

@@ -19,17 +19,57 @@ examples:
 """
 
 
+MAX_BEAMS = 64
+
+
+def context_of(model_config: Any) -> int | None:
+    """The longest sequence a model takes (``max_position_embeddings`` of its text config), or None if unknown."""
+    text = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
+    n = getattr(text, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def check_inspect_args(args: argparse.Namespace, model_config: Any) -> None:
+    """Every number option, checked before the model loads: ``--tokens`` and ``--new-tokens`` from 1 and together
+    within the model's context, ``--beams`` from 1 to 64 (errors name the option)."""
+    from kvquant.config import check_int
+    from kvquant.errors import ArgumentError
+
+    context = context_of(model_config) or (1 << 20)
+    if args.text is not None and not args.text.strip():
+        raise ArgumentError("--text: empty; give a prompt, or leave --text out for --tokens random ids")
+    check_int(args.tokens, "--tokens", 1, context, ArgumentError)
+    check_int(args.new_tokens, "--new-tokens", 1, context, ArgumentError)
+    check_int(args.beams, "--beams", 1, MAX_BEAMS, ArgumentError)
+    if args.text is None and args.tokens + args.new_tokens > context:
+        raise ArgumentError(f"--tokens: {args.tokens} + --new-tokens {args.new_tokens} exceed the model's context of "
+                            f"{context} positions")
+    if args.text is None and getattr(model_config, "vocab_size", 0) <= 200:
+        raise ArgumentError("--tokens: random ids need a vocabulary of more than 200 tokens; give --text instead")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     import kvquant
-    from kvquant.eval.models import load_model  # the CLI front end loads models; the library does not
+    from kvquant.errors import ArgumentError
+    from kvquant.models import load_model, read_model_config
 
     cfg = kvquant.KVQuantConfig.load(args.config)  # bad arguments fail before the model loads
-    if args.block_size:
-        cfg = kvquant.KVQuantConfig.load({**cfg.to_dict(), "block_size": args.block_size})
+    if args.block_size is not None:
+        try:
+            cfg = kvquant.KVQuantConfig.load({**cfg.to_dict(), "block_size": args.block_size})
+        except kvquant.ConfigError as e:
+            raise ArgumentError(f"--block-size: {str(e).split(': ', 1)[-1]}") from None
+    model_config = read_model_config(args.model, what="--model")
+    check_inspect_args(args, model_config)
+    cfg.check_model(kvquant.ModelShape.from_config(model_config))
     loaded = load_model(args.model, progress=False)
     model, tok = loaded.model, loaded.tokenizer
     if args.text is not None:
         ids = tok(args.text, return_tensors="pt").input_ids
+        context = context_of(model_config) or (1 << 20)
+        if ids.shape[1] + args.new_tokens > context:
+            raise ArgumentError(f"--text: {ids.shape[1]} tokens + --new-tokens {args.new_tokens} exceed the model's "
+                                f"context of {context} positions")
     else:
         ids = torch.randint(100, model.config.vocab_size - 100, (1, args.tokens),
                             generator=torch.Generator().manual_seed(0))  # fmt: skip

@@ -234,7 +234,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (the length that ``q`` percent of requests fit in)."""
     s = sorted(values)
     if not s:
-        raise ValueError("lengths: the file holds no lengths")
+        raise InputError("--lengths: the file holds no lengths")
     return float(s[max(0, math.ceil(q / 100 * len(s)) - 1)])
 
 

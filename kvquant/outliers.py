@@ -11,10 +11,8 @@ an attention sink, left out), with ``mean_c``, ``std_c``, ``rms_c`` of key chann
 * offset ratio  ``max_c |mean_c| / median_c std_c``  (a bias-like per-channel offset)
 * outlier ratio ``max_c rms_c / median_c rms_c``       (a few channels of large magnitude)
 
-Thresholds are set from measurement (docs/results/stress-outliers.md, ``benchmarks/outlier_warning.py``;
-128 WikiText-2 tokens): the largest values over every layer and head were 18.3 (offset) and 14.6
-(outlier) on SmolLM2-135M, 17.2 / 10.3 on its wide-head variant, 56.2 / 43.5 and 55.0 / 43.1 on its
-outlier-channel and key-bias variants. The warning quotes the preset's line of the stress run
+Thresholds sit between the ratios of SmolLM2-135M and those of its outlier stress variants (docs/measurements.md,
+``python benchmarks/outlier_warning.py``). The warning quotes the preset's line of the stress run
 (:mod:`kvquant.measured`).
 """
 

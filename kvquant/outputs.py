@@ -15,7 +15,11 @@ Failures raise :class:`kvquant.errors.OutputError` with a one-line message namin
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
+import shutil
+import signal
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -122,7 +126,8 @@ def atomic_path(path: str | os.PathLike, force: bool = True, what: str = "output
     if not force and (p.exists() or p.is_symlink()):
         raise OutputError(f"{what}: {p} exists; {FORCE_HINT} it")
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp" + p.suffix, dir=p.parent)
+    sweep_stale(p.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{p.name}.kvq-{os.getpid()}-", suffix=".tmp" + p.suffix, dir=p.parent)
     os.close(fd)
     tmp = Path(name)
     try:
@@ -148,3 +153,268 @@ def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120, force: bool =
     with atomic_path(p, force=force, what=what) as tmp:
         fig.savefig(tmp, dpi=dpi, format=p.suffix.lstrip(".").lower() or "png")
     return p
+
+
+# ------------------------------------------------------------------------------------------ outputs vs inputs
+def _resolved(p: Path) -> Path:
+    return Path(os.path.realpath(p))
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    return child == parent or parent in child.parents
+
+
+def input_paths(what: str, path: str | os.PathLike | None) -> list[tuple[str, Path]]:
+    """``[(what, path)]`` for a local input and, for a folder, every file in it that is a link (to where it points).
+
+    A model folder whose weights are links to another folder (an export's ``--weights link``) has both folders
+    as inputs; hub ids and names that are not local paths give nothing.
+    """
+    if path is None:
+        return []
+    p = user_path(path, what)
+    if not (p.exists() or p.is_symlink()):
+        return []
+    out = [(what, p)]
+    if p.is_dir():
+        with contextlib.suppress(OSError):
+            out += [(what, q) for q in p.iterdir() if q.is_symlink()]
+    return out
+
+
+def check_disjoint(outputs: Sequence[tuple[str, str | os.PathLike]], inputs: Sequence[tuple[str, Path]]) -> None:
+    """Refuse an output that is, holds or lies inside an input (both resolved, links followed).
+
+    ``outputs``: ``(option, path)`` of every file or folder a command creates or replaces; ``inputs``:
+    ``(option, path)`` of what it reads (:func:`input_paths`). Checked before anything is loaded, so that no
+    ``--force`` can replace a model's weights, its data or the scales it reads.
+
+    Raises:
+        OutputError: naming the output option, the input option and both paths.
+    """
+    resolved_inputs = []
+    for i_what, i_path in inputs:
+        resolved_inputs.append((i_what, _resolved(i_path)))
+        if i_path.is_symlink():  # the link itself is an input too (replacing it loses where it points)
+            resolved_inputs.append((i_what, _resolved(i_path.parent) / i_path.name))
+    for o_what, o_path in outputs:
+        o = user_path(o_path, o_what, OutputError)
+        ro = _resolved(o)
+        for i_what, ri in resolved_inputs:
+            if ro == ri:
+                raise OutputError(f"{o_what}: {o} is {i_what}'s {ri}; choose an output that is not an input")
+        for i_what, ri in resolved_inputs:
+            if _inside(ri, ro):
+                raise OutputError(f"{o_what}: {o} holds {i_what}'s {ri}; choose an output outside the inputs")
+        for i_what, ri in resolved_inputs:
+            if _inside(ro, ri):
+                raise OutputError(f"{o_what}: {o} lies inside {i_what}'s {ri}; write outputs outside the inputs")
+
+
+# ------------------------------------------------------------------------------------------ temporaries
+# Every temporary file or folder this module makes is named ``.{target}.kvq-{pid}-{kind}``: a later run finds the
+# ones a killed process (SIGKILL: no cleanup ran) left behind and finishes or removes them (:func:`sweep_stale`).
+_TMP_RE = re.compile(r"^\.(?P<target>.+)\.kvq-(?P<pid>\d+)-(?P<kind>stage|old|set|setold|[0-9a-z_]+\.tmp.*)$")
+_SET_MANIFEST = ".kvq-set.json"
+
+
+def _tmp_name(target: str, kind: str) -> str:
+    return f".{target}.kvq-{os.getpid()}-{kind}"
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def _remove(p: Path) -> None:
+    with contextlib.suppress(OSError):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink()
+
+
+def sweep_stale(folder: str | os.PathLike) -> list[Path]:
+    """Finish or remove the temporaries a killed kvquant process left in ``folder``; returns what it removed.
+
+    A folder swap cut between its two renames is finished (the complete new folder moved into place, else the
+    old one moved back); a file set whose staging folder was complete is committed; anything else (a partial
+    file, a partial staging folder) is removed. Temporaries of running processes are left alone.
+    """
+    d = Path(folder)
+    removed: list[Path] = []
+    try:
+        entries = sorted(d.iterdir())
+    except OSError:
+        return removed
+    stale: dict[tuple[str, int], dict[str, Path]] = {}
+    for p in entries:
+        m = _TMP_RE.match(p.name)
+        if m and not _alive(int(m["pid"])):
+            kind = m["kind"] if m["kind"] in ("stage", "old", "set", "setold") else "tmp"
+            stale.setdefault((m["target"], int(m["pid"])), {})[kind] = p
+    for (target, _pid), parts in stale.items():
+        dest = d / target
+        if "old" in parts and not (dest.exists() or dest.is_symlink()):  # killed between the two renames
+            os.replace(parts.pop("stage") if "stage" in parts else parts.pop("old"), dest)
+        if "set" in parts and (parts["set"] / _SET_MANIFEST).is_file():
+            _commit_set(d, parts.pop("set"), parts.get("setold") or d / _tmp_name(target, "setold"))
+        for p in parts.values():
+            _remove(p)
+            removed.append(p)
+    return removed
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT / SIGTERM wait until the block ends (a few renames), so a swap is never cut by them."""
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    except (AttributeError, ValueError, OSError):  # no pthread_sigmask here
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def terminate_as_exit() -> Any:
+    """Make SIGTERM raise ``SystemExit(143)`` in the main thread, so ``finally`` blocks remove temporaries.
+
+    Returns the previous handler (for ``signal.signal(signal.SIGTERM, previous)``), or None where none can be
+    set (not the main thread).
+    """
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except (ValueError, OSError):  # not the main thread
+        return None
+
+
+# ------------------------------------------------------------------------------------------ folders and file sets
+def is_own_folder(folder: Path, manifest: str) -> bool:
+    """True when ``folder`` is empty or holds ``manifest`` (a JSON object this tool wrote there)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    if not names:
+        return True
+    try:
+        return isinstance(json.loads((folder / manifest).read_text(encoding="utf-8")), dict)
+    except (OSError, ValueError):
+        return False
+
+
+def check_output_folder(folder: str | os.PathLike, manifest: str, what: str, force: bool = False) -> Path:
+    """Check a folder an output replaces whole: a new one, or (with ``force``) one this tool wrote.
+
+    Stale temporaries beside it are cleaned first (:func:`sweep_stale`). Raises :class:`OutputError` for a
+    file in the way, an existing folder without ``force``, one without ``manifest`` (not written by this tool:
+    never replaced), or a parent folder that does not exist or cannot be written.
+    """
+    p = user_path(folder, what, OutputError)
+    parent = p.parent
+    if not parent.is_dir():
+        raise OutputError(f"{what}: the folder {parent} does not exist (create it first)")
+    sweep_stale(parent)
+    if p.is_symlink() or (p.exists() and not p.is_dir()):
+        raise OutputError(f"{what}: {p} exists and is not a folder")
+    if p.exists():
+        if not force:
+            raise OutputError(f"{what}: {p} exists; pass --force to replace it")
+        if not is_own_folder(p, manifest):
+            raise OutputError(f"{what}: {p} exists and was not written by kvquant (no {manifest}); it is never "
+                              "replaced: remove it yourself or choose another folder")
+    check_writable_dir(parent, what)
+    return p
+
+
+@contextlib.contextmanager
+def staged_folder(folder: str | os.PathLike, what: str = "output") -> Iterator[Path]:
+    """Yield an empty staging folder beside ``folder``; on success it replaces ``folder`` whole, on error it goes.
+
+    The swap is two renames with SIGINT / SIGTERM held; a SIGKILL between them is finished by the next
+    :func:`sweep_stale` of the parent. The old folder is removed after the swap (links in it are not followed).
+    """
+    p = user_path(folder, what, OutputError)
+    stage, old = p.parent / _tmp_name(p.name, "stage"), p.parent / _tmp_name(p.name, "old")
+    for leftover in (stage, old):
+        _remove(leftover)
+    stage.mkdir()
+    try:
+        yield stage
+        os.chmod(stage, 0o777 & ~_umask())
+        with _signals_held():
+            had_old = p.exists() or p.is_symlink()
+            if had_old:
+                os.replace(p, old)
+            os.replace(stage, p)
+        if had_old:
+            _remove(old)
+    except BaseException:
+        _remove(stage)
+        raise
+
+
+def _commit_set(folder: Path, stage: Path, old: Path) -> None:
+    """Move the staged files into ``folder`` (the replaced ones and the listed stale ones into ``old``, removed)."""
+    manifest = json.loads((stage / _SET_MANIFEST).read_text(encoding="utf-8"))
+    old.mkdir(exist_ok=True)
+    with _signals_held():
+        for name in manifest["remove"]:
+            if (folder / name).exists() or (folder / name).is_symlink():
+                os.replace(folder / name, old / name)
+        for name in manifest["names"]:
+            if (stage / name).exists():
+                if (folder / name).exists() or (folder / name).is_symlink():
+                    os.replace(folder / name, old / name)
+                os.replace(stage / name, folder / name)
+    _remove(old)
+    _remove(stage)
+
+
+@contextlib.contextmanager
+def staged_files(folder: str | os.PathLike, own: Sequence[str], what: str = "out") -> Iterator[Path]:
+    """Yield a staging folder inside ``folder`` for one run's set of files; on success they replace it together.
+
+    Every file written into the staging folder replaces its namesake in ``folder``; the other names in ``own``
+    (this command's files of an earlier run that this run does not write) are removed, so a folder never holds
+    one run's ``results.json`` beside another run's ``report.md``. Other files in ``folder`` are never touched.
+    On error (or SIGINT / SIGTERM) the staging folder is removed and ``folder`` is as it was; after a SIGKILL the
+    next :func:`sweep_stale` commits a complete set or removes a partial one.
+    """
+    d = user_path(folder, what, OutputError)
+    d.mkdir(parents=True, exist_ok=True)
+    sweep_stale(d)
+    stage, old = d / _tmp_name(d.name, "set"), d / _tmp_name(d.name, "setold")
+    for leftover in (stage, old):
+        _remove(leftover)
+    stage.mkdir()
+    try:
+        yield stage
+        names = sorted(n for n in os.listdir(stage) if n != _SET_MANIFEST)
+        for n in names:
+            os.chmod(stage / n, 0o666 & ~_umask())
+        remove = sorted(set(own) - set(names))
+        tmp_manifest = stage / (_SET_MANIFEST + ".part")
+        tmp_manifest.write_text(json.dumps({"names": names, "remove": remove}), encoding="utf-8")
+        os.replace(tmp_manifest, stage / _SET_MANIFEST)  # from here on the set is complete: it is committed
+        _commit_set(d, stage, old)
+    except BaseException:
+        if not (stage / _SET_MANIFEST).is_file():
+            _remove(stage)
+        raise

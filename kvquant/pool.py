@@ -2,11 +2,11 @@
 
 One :class:`~kvquant.blocks.LayerBlocks` per layer (block tensors for every head group and part,
 a free list, reference counts). Caches built on the pool (:class:`~kvquant.QuantizedKVCache` with
-``pool=``, or :meth:`PagedKVPool.cache_for`) are views: one block table per row and layer.
+``pool=``, or :meth:`QuantizedKVCache.from_pool`) are views: one block table per row and layer.
 
 Prefix reuse (vLLM's automatic prefix caching, SGLang's radix cache, for quantized blocks): a cache
 bound to token ids indexes each full block it writes under a hash of (every token id up to the
-block's end, the config, the model). :meth:`PagedKVPool.cache_for` starts a new cache from the
+block's end, the config, the model). :meth:`QuantizedKVCache.from_pool` starts a new cache from the
 longest run of indexed whole blocks of its ids, shared (referenced, not copied), so the model's
 forward runs only over the remaining tokens. The index holds one reference per block; a bounded
 pool evicts index-only blocks (least recently used first) before it reports :class:`KVCacheFull`.
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from .blocks import KVCacheFull, LayerBlocks, block_bytes
-from .cache import QuantizedKVCache
 from .config import KVQuantConfig
+from .errors import ArgumentError, DeviceError
 from .shape import ModelShape, sliding_windows
 from .store import LayerStore, block_specs, make_groups
 
@@ -60,7 +60,7 @@ class PagedKVPool:
     Example::
 
         pool = kvquant.PagedKVPool(model, "int8-token", max_bytes=2**30)
-        cache = pool.cache_for(input_ids)          # holds the longest cached prefix already
+        cache = kvquant.QuantizedKVCache.from_pool(pool, input_ids)   # holds the longest cached prefix already
         out = model.generate(input_ids, cache=cache, max_new_tokens=64)
         print(pool.stats())
     """
@@ -84,11 +84,13 @@ class PagedKVPool:
         self.max_bytes = max_bytes
         self._specs = [block_specs(make_groups(row, cfg, self.shape.head_dim)) for row in self.plan]
         per_block = sum(block_bytes(s, self.block_size) for s in self._specs)
+        self.block_bytes = per_block  # one block of every layer: the unit max_bytes is counted in
         self.blocks_per_layer: int | None = None
         if max_bytes is not None:
             self.blocks_per_layer = int(max_bytes) // per_block
             if self.blocks_per_layer < 1:
-                raise ValueError(f"max_bytes: {max_bytes} holds no block (one block of every layer: {per_block} bytes)")
+                raise ArgumentError(f"max_bytes: {max_bytes} holds no block (one block of every layer: "
+                                    f"{per_block} bytes)")
         self.layers: list[LayerBlocks | None] = [None] * self.shape.num_layers
         self.index: dict[bytes, list[int]] = {}  # prefix hash -> block id per layer (-1: not yet written)
         self.prefix_query_tokens = 0
@@ -107,7 +109,7 @@ class PagedKVPool:
                 blocks.on_full = lambda n, i=layer: self.evict(i, n)
             self.layers[layer] = blocks
         elif blocks.device != device:
-            raise ValueError(f"device: layer {layer}'s blocks are on {blocks.device}, the key states on {device}")
+            raise DeviceError(f"device: layer {layer}'s blocks are on {blocks.device}, the key states on {device}")
         return blocks
 
     def admit(self, stores: list[LayerStore | None], tokens: int) -> None:
@@ -199,28 +201,32 @@ class PagedKVPool:
             found.append(ids)
         return found
 
-    def cache_for(self, input_ids: torch.Tensor) -> Any:
-        """A new cache bound to ``input_ids[B, T]`` (or ``[T]``) that already holds the longest indexed run
-        of whole blocks of every row's ids (at most ``T - 1`` tokens, so the forward has one token to
-        run; the same count for every row), shared with the index, not copied. The blocks it fills
-        later are indexed under its ids. Hits and queries are counted in :meth:`stats`."""
+    def match_prefix(
+        self, input_ids: torch.Tensor, align: int | None = None
+    ) -> tuple[list[list[int]], list[list[list[int]]], int]:
+        """The rows of ``input_ids[B, T]`` (or ``[T]``) as lists, the block ids (per row, per block, per layer) of
+        the longest indexed run of whole blocks of every row's ids (at most ``T - 1`` tokens, so a forward has one
+        token to run; the same count for every row), and that run's length in tokens. Counted in :meth:`stats`
+        (queries and hits); the blocks found become the most recently used.
+
+        ``align``: a multiple of ``block_size``; the run is cut down to a multiple of it (a scheduler that
+        prefills in chunks of ``align`` tokens then starts at a chunk boundary, as a run without the hit would)."""
+        if align is not None and (align < 1 or align % self.block_size):
+            raise ValueError(f"align: {align} is not a positive multiple of block_size {self.block_size}")
         ids = torch.as_tensor(input_ids)
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
         rows = [r.tolist() for r in ids]
-        cache = QuantizedKVCache(self.model, self.config, pool=self)
-        cache.bind_ids(rows)
+        self.prefix_query_tokens += sum(len(r) for r in rows)
         if not self.reusable:
-            self.prefix_query_tokens += sum(len(r) for r in rows)
-            return cache
+            return rows, [], 0
         limit = (ids.shape[1] - 1) // self.block_size
+        if align is not None:
+            limit = limit * self.block_size // align * align // self.block_size
         found = [self.lookup(self.block_hashes(r)[:limit]) for r in rows]
         n = min(len(f) for f in found)
-        self.prefix_query_tokens += sum(len(r) for r in rows)
         self.prefix_hit_tokens += n * self.block_size * len(rows)
-        if n:
-            cache.adopt_prefix([[f[j] for j in range(n)] for f in found], n * self.block_size)
-        return cache
+        return rows, [[f[j] for j in range(n)] for f in found], n * self.block_size
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, int]:

@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from .errors import ConfigError
+
 MATMUL_MAX_DIM = 512  # up to this head_dim the transform is one product with a cached matrix
 
 
@@ -23,7 +25,7 @@ MATMUL_MAX_DIM = 512  # up to this head_dim the transform is one product with a 
 def hadamard(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
     """The normalised ``d x d`` Walsh-Hadamard matrix (``d`` a power of two), Sylvester's construction."""
     if d < 1 or d & (d - 1):
-        raise ValueError(f"head_dim: {d} is not a power of two; the Hadamard rotation needs one")
+        raise ConfigError(f"head_dim: {d} is not a power of two; the Hadamard rotation needs one")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -37,7 +39,7 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     rows per layer, where the butterfly's many small ops cost ~6x more on CPU), the butterfly beyond."""
     d = x.shape[-1]
     if d & (d - 1):
-        raise ValueError(f"head_dim: {d} is not a power of two; the Hadamard rotation needs one")
+        raise ConfigError(f"head_dim: {d} is not a power of two; the Hadamard rotation needs one")
     if d <= MATMUL_MAX_DIM:
         return x @ hadamard(d, x.dtype, x.device)
     lead = x.shape[:-1]

@@ -41,6 +41,7 @@ from .shape import ModelShape
 SCALES_FORMAT = "kvquant-scales"
 SCALES_VERSION = "1"
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448: compressed-tensors' and vLLM's range
+MAX_AMAX = float(torch.finfo(torch.float16).max)  # the range K/V caches are served in; a larger amax is no statistic
 EXPORT_INFO = "kvquant_export.json"  # what kvquant export records beside the engine files
 ENGINE_SCALE_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.([kv])_scale$")
 
@@ -106,6 +107,10 @@ class KVScales:
                 bad = (t <= 0).nonzero()[0].tolist()
                 raise ScalesError(f"scales_file: {where}: {name}[{bad[0]}][{bad[1]}] = {float(t[bad[0], bad[1]])} "
                                   "is not positive")
+            if bool((t > MAX_AMAX).any()):  # every value would round to zero: logits silently wrong
+                bad = (t > MAX_AMAX).nonzero()[0].tolist()
+                raise ScalesError(f"scales_file: {where}: {name}[{bad[0]}][{bad[1]}] = {float(t[bad[0], bad[1]]):g} "
+                                  f"is beyond fp16's range ({MAX_AMAX:g}), which no cached K/V reaches")
         if shape is not None:
             layers, heads = self.key_amax.shape
             if layers != shape.num_layers or heads not in (1, shape.num_kv_heads):
@@ -271,12 +276,18 @@ def read_engine_scales(directory: str | Path, shape: ModelShape | None = None) -
         raise ScalesError(f"scales_file: {where}: kv_cache_scheme must be static, symmetric, strategy tensor or "
                           f"attn_head: {scheme}")
     found: dict[tuple[int, str], torch.Tensor] = {}
+    from safetensors import SafetensorError
+
     for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                m = ENGINE_SCALE_RE.search(name)
-                if m:
-                    found[(int(m.group(1)), m.group(2))] = sf.get_tensor(name).float().reshape(-1)
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                    m = ENGINE_SCALE_RE.search(name)
+                    if m:
+                        found[(int(m.group(1)), m.group(2))] = sf.get_tensor(name).float().reshape(-1)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            why = " ".join(str(e).split())
+            raise ScalesError(f"scales_file: {where}: {f.name} is damaged or missing ({why})") from None
     if not found:
         raise ScalesError(f"scales_file: {where}: no self_attn.k_scale / v_scale tensors in its *.safetensors")
     layers = max(i for i, _ in found) + 1

@@ -29,7 +29,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,9 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .allocate import check_sensitivity, with_plan
 from .config import KVPrecision, KVQuantConfig
-from .errors import ArgumentError, OutputError
+from .errors import ArgumentError, InputError, OutputError
 from .outputs import FORCE_HINT, check_output, write_text
 from .shape import ModelShape
 from .simulate import SimulatedQuantCache
@@ -129,13 +130,6 @@ def unit_config(template: KVQuantConfig, base: str, layer: int | None = None, he
         pair = KVPrecision(precision, base) if kind == 0 else KVPrecision(base, precision)
         heads[(layer, head)] = pair
     return with_plan(template, KVPrecision(base, base), heads)
-
-
-def with_plan(template: KVQuantConfig, default: KVPrecision,
-              heads: dict[tuple[int, int], KVPrecision] | None = None) -> KVQuantConfig:
-    """A copy of ``template``'s storage options with a new default and head overrides (no layer overrides)."""
-    return replace(template, default=default, layers={}, heads=dict(heads or {}), model_shape=None,
-                   name=None, description=None)
 
 
 def _decoder_layers(model: Any) -> nn.ModuleList | None:
@@ -377,10 +371,26 @@ def check_cache_file(path: str | Path, force: bool = False, what: str = "--sens-
 
 
 def load_cached(path: Path, key: str) -> Sensitivity | None:
-    """The sensitivities stored under ``key`` in the JSON file ``path``, if any."""
+    """The sensitivities stored under ``key`` in the JSON file ``path``, if any.
+
+    Raises :class:`InputError` naming the file and the entry when the entry is malformed or its values are not
+    a finite, non-negative ``[layers, kv_heads, 2]`` table per candidate (:func:`kvquant.allocate.check_sensitivity`).
+    """
     data = _read_cache(path) if path.is_file() else None
     entry = data["entries"].get(key) if data else None
-    return Sensitivity.from_json(entry) if entry else None
+    if not entry:
+        return None
+    where = f"--sens-cache: {path}: entry {key}"
+    try:
+        if not isinstance(entry, dict) or not isinstance(entry.get("values"), dict):
+            raise TypeError("no values mapping")
+        sens = Sensitivity.from_json(entry)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise InputError(f"{where}: malformed ({type(e).__name__}: {e}); remove it or pass --no-cache") from None
+    if not isinstance(sens.candidates, list) or not sens.candidates:
+        raise InputError(f"{where}: malformed (no candidates); remove it or pass --no-cache")
+    check_sensitivity(sens.values, sens.candidates, where)
+    return sens
 
 
 def save_cached(path: Path, key: str, sens: Sensitivity, description: dict[str, Any]) -> None:

@@ -359,6 +359,10 @@ class LayerStore(LaneLayer, OffloadedStore):
         else:
             start, end = self.cache_pos, self.cache_pos + tokens
         j0, j1 = start // self.block_size, -(-end // self.block_size)
+        if self.batch == 1 and start % self.block_size and not self.residual_mode:
+            t = self.tables[0]
+            if j0 < len(t) and t[j0] >= 0 and self.blocks.refs[t[j0]] == 1:
+                return j1 - j0 - 1  # the partial block is this row's own: written in place (see _place)
         return self.batch * (j1 - j0)  # new blocks, or a copy of a shared partial block
 
     # ---------------------------------------------------------------- writing

@@ -44,10 +44,24 @@ class LayerView:
     commit: Callable[[torch.Tensor | None, dict[str, Any] | None], None] | None = None
 
 
+@dataclass(frozen=True)
+class BatchView:
+    """What one attention call over the packed tokens of many sequences reads (a continuous-batching step,
+    :class:`kvquant.scheduler.Scheduler`): the chunk is ``[1, H, sum(lengths), D]``, sequence ``i`` owns
+    tokens ``[starts[i], starts[i] + lengths[i])`` of it and reads only its own ``views[i]`` (its store and
+    history length), causally, with its own positions (the attention ignores the model's mask)."""
+
+    layer_idx: int
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+    views: tuple[LayerView, ...]
+    strict: bool = True
+
+
 _slot = threading.local()
 
 
-def publish(key: torch.Tensor, view: LayerView) -> None:
+def publish(key: torch.Tensor, view: LayerView | BatchView) -> None:
     """Hand ``view`` to the attention call that receives ``key``.
 
     Raises RuntimeError when the previous view of a model-bound cache was never taken: the model's
@@ -63,7 +77,7 @@ def publish(key: torch.Tensor, view: LayerView) -> None:
         )
 
 
-def take(key: torch.Tensor) -> LayerView | None:
+def take(key: torch.Tensor) -> LayerView | BatchView | None:
     """The view published for ``key`` (and clear it), or None (``key`` is not from a quantized cache)."""
     item = getattr(_slot, "item", None)
     if item is None or item[0]() is not key:

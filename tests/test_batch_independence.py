@@ -195,9 +195,9 @@ def test_three_very_different_lengths_every_config(stories, story_rows, fp32_flo
     floor or with the same greedy token at every position.
 
     Per-channel key blocks (``int*-channel``) are cut at the same absolute positions in every row, so a padded
-    row's blocks hold other tokens than alone (docs/batch-independence.md): for them only the row that is not padded (440
-    tokens) is checked; its blocks are those it has alone. The trellis precisions (``tqt*``: a Viterbi search per
-    row, ~10x the time of the others on CPU) run the 60 vs 3 tokens rows only."""
+    row's blocks hold other tokens than alone (docs/batch-independence.md): for them only the row that is not
+    padded (440 tokens) is checked; its blocks are those it has alone. The trellis precisions (``tqt*``: a Viterbi
+    search per row, ~10x the time of the others on CPU) run the 60 vs 3 tokens rows only."""
     model, _ = stories
     prompts, follow = story_rows
     if config.default.key.startswith("tqt"):

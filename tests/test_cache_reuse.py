@@ -1,4 +1,4 @@
-"""A cache bound to token ids (prefix reuse, ``PagedKVPool.cache_for``) only extends its own prompt; ``reset()``
+"""A cache bound to token ids (prefix reuse, ``QuantizedKVCache.from_pool``) only extends its own prompt; ``reset()``
 (a fresh session, unbound) is how a cache is reused for a new prompt."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _ids(seed: int, n: int = 40, rows: int = 1) -> torch.Tensor:
 def test_bound_cache_refuses_other_ids_and_writes_nothing(model):
     pool = PagedKVPool(model, {"default": "int8-token", "block_size": 16})
     a, b = _ids(1), _ids(2)
-    cache = pool.cache_for(a)
+    cache = QuantizedKVCache.from_pool(pool, a)
     with torch.no_grad():
         model(a[:, :30], cache=cache, use_cache=True)
         model(a[:, 30:], cache=cache, use_cache=True)  # extends its own prompt
@@ -46,7 +46,7 @@ def test_reset_unbinds_and_starts_a_new_session(model):
     blocks are not indexed under the old prompt's hashes (which would serve them to the next request for it)."""
     pool = PagedKVPool(model, {"default": "int8-token", "block_size": 16})
     a, b = _ids(3), _ids(4)
-    cache = pool.cache_for(a)
+    cache = QuantizedKVCache.from_pool(pool, a)
     old = cache.session_id
     cache.reset()
     assert cache.token_ids is None and cache.session_id != old and cache.get_seq_length() == 0
@@ -55,14 +55,15 @@ def test_reset_unbinds_and_starts_a_new_session(model):
         ref = model(b, cache=QuantizedKVCache(model, pool.config), use_cache=True).logits
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     assert pool.stats()["indexed_blocks"] == 0
-    assert pool.cache_for(a).get_seq_length() == 0  # nothing indexed for a: b's blocks were not filed under it
+    # nothing indexed for a: b's blocks were not filed under a's hashes
+    assert QuantizedKVCache.from_pool(pool, a).get_seq_length() == 0
 
 
 def test_bound_ids_follow_a_reorder(model):
     """Beam reorders move the bound ids with their rows: a row keeps extending its own prompt."""
     pool = PagedKVPool(model, {"default": "int8-token", "block_size": 16})
     ids = torch.cat([_ids(5), _ids(6)])
-    cache = pool.cache_for(ids)
+    cache = QuantizedKVCache.from_pool(pool, ids)
     with torch.no_grad():
         model(ids[:, :24], cache=cache, use_cache=True)
         cache.reorder_cache(torch.tensor([1, 0]))

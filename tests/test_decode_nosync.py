@@ -2,7 +2,7 @@
 
 A ``TorchDispatchMode`` rejects every op that needs a tensor's value on the host
 (``aten._local_scalar_dense``: ``.item()``, ``bool(t)``, ``if t:``; ``nonzero``/``masked_select``
-and other data-dependent shapes; ``equal``). The decode step (``kvquant.kernels.attend`` with
+and other data-dependent shapes; ``equal``). The decode step (``kvquant.kernels.dispatch.attend`` with
 ``Tq == 1``) runs under it with the torch path, and with the Triton dispatch with the kernel
 launches mocked (on CPU the interpreter would read tensors through numpy, outside the dispatcher):
 the launches are recorded and their grids checked to depend on the pool's capacity only. Through the

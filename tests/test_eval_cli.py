@@ -76,7 +76,7 @@ def test_eval_end_to_end(shared, tmp_path, capsys):
     md = (out / "report.md").read_text()
     assert "kvquant eval" in md and "--configs fp16,int8,int4" in md
     assert "## simulated" in md and "## decode" in md and "hf-quanto-int8: skipped" in md
-    assert (out / "bits_vs_quality.png").stat().st_size > 1000
+    assert (out / "kv_vs_quality.png").stat().st_size > 1000
     header = next(line for line in md.splitlines() if line.startswith("| config"))
     assert header.count(" | ") == 12  # 13 columns: the "|" of "mean |Δp|" is escaped
     assert " ± " in md and "KV held vs FP16" in md and "long ctx" in md

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvquant.eval.baselines import ReferenceMethod, make_method
-from kvquant.eval.data import token_windows, tokenize
 from kvquant.eval.metrics import summarize
 from kvquant.eval.protocols import decode_logits, simulated_logits
+from kvquant.text import token_windows, tokenize
 
 WINDOW, PREFILL, CHUNK = 96, 32, 8
 
@@ -122,7 +122,7 @@ def test_storage_is_measured(stories, windows):
 
 def test_simulated_static_scales_never_see_the_future(stories, windows):
     """Static int8 scales come from the prefill: the logits up to a position do not depend on later tokens."""
-    from kvquant.eval.data import Window
+    from kvquant.text import Window
 
     model, _ = stories
     w = windows["simulated"][0]

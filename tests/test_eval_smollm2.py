@@ -22,13 +22,13 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from kvquant.eval.models import load_model
+    from kvquant.models import load_model
 
     return load_model("smollm2-135m", progress=False)
 
 
 def test_named_model_is_cached_safetensors(smollm2):
-    from kvquant.eval.models import NAMED_MODELS, cache_root
+    from kvquant.models import NAMED_MODELS, cache_root
 
     d = cache_root() / "models" / NAMED_MODELS["smollm2-135m"].cache_name
     assert (d / "config.json").is_file() and any(d.glob("*.safetensors"))
@@ -39,9 +39,9 @@ def test_named_model_is_cached_safetensors(smollm2):
 
 def test_decode_drift_on_smollm2(smollm2):
     from kvquant.eval.baselines import ReferenceMethod, make_method
-    from kvquant.eval.data import load_text, token_windows, tokenize
     from kvquant.eval.metrics import summarize
     from kvquant.eval.protocols import decode_logits
+    from kvquant.text import load_text, token_windows, tokenize
 
     model, tok = smollm2.model, smollm2.tokenizer
     text = "The history of the city begins with a small settlement on the river. " * 20
@@ -63,7 +63,7 @@ def test_decode_drift_on_smollm2(smollm2):
 
 def test_cached_conversion_matches_direct_gguf_load(smollm2):
     """The cached safetensors copy gives the same logits as transformers' GGUF loader on the wheel's file."""
-    from kvquant.eval.models import NAMED_MODELS, find_packaged_file, load_model
+    from kvquant.models import NAMED_MODELS, find_packaged_file, load_model
 
     nm = NAMED_MODELS["smollm2-135m"]
     direct = load_model(str(find_packaged_file(nm.package, nm.filename)), progress=False)

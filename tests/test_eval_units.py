@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvquant.eval.baselines import BASELINES, make_method, nbytes
-from kvquant.eval.data import load_text, token_windows
 from kvquant.eval.metrics import generation_agreement, summarize, token_drift
-from kvquant.eval.models import NAMED_MODELS, find_packaged_file
+from kvquant.models import NAMED_MODELS, find_packaged_file
+from kvquant.text import load_text, token_windows
 
 
 def test_identical_logits_give_exact_zeros():

@@ -355,7 +355,7 @@ def test_pool_caches_share_an_arena_through_free_lanes(model):
     torch.manual_seed(7)
     pool = PagedKVPool(model, cfg(Peaked(), keep=0.5))
     ids = torch.randint(3, 128, (1, 150))
-    a = pool.cache_for(ids)  # (bound to ids: a forward with other ids is refused)
+    a = QuantizedKVCache.from_pool(pool, ids)  # (bound to ids: a forward with other ids is refused)
     with torch.no_grad():
         model(ids, cache=a)
     used = pool.stats()["blocks_used"]
@@ -426,7 +426,7 @@ def test_bounded_pool_refuses_a_step_before_any_layer_writes_and_reset_reuses(mo
                                 torch.device("cpu")).bytes_per_block for _ in range(2))  # fmt: skip
     pool = PagedKVPool(model, config, max_bytes=per_block * 8)  # 8 blocks = 16 lanes per layer
     ids = torch.randint(3, 128, (1, 120))
-    cache = pool.cache_for(ids)
+    cache = QuantizedKVCache.from_pool(pool, ids)
     before, after = decode_until_full(model, ids, cache, lambda: [snapshot(la.store) for la in cache.layers], 200)
     assert after == before
     for la in cache.layers:

@@ -357,7 +357,7 @@ def test_bounded_pool_refuses_a_step_before_any_layer_writes(model):
                                 torch.device("cpu")).bytes_per_block for _ in range(2))  # fmt: skip
     pool = PagedKVPool(model, config, max_bytes=per_block * 10)  # 10 blocks = 20 lanes per layer
     ids = torch.randint(3, 128, (1, 120))
-    cache = pool.cache_for(ids)
+    cache = QuantizedKVCache.from_pool(pool, ids)
 
     def state():
         return [(snapshot(la.store), la.store.res_k.clone(), [list(r) for r in la.store.qfill]) for la in cache.layers]

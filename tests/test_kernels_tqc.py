@@ -34,7 +34,7 @@ TOL = 1e-5  # fp32 queries, against the fp32 reference on the same stored rows
 W4 = [0, 1, 2, 3, 4, 5, 6, 7, 8, 3, 2, 1] + [4] * 26 + [3] * 26
 # 3 bits on average: 3-bit runs (a code crosses a byte every third channel), 5 / 1 and 2 / 4 pairs
 W3 = [3] * 32 + [5, 1] * 8 + [2, 4] * 8
-# a real SmolLM2-135M key head (recipes/configs/tqc4-v72-r15s1.yaml): 4 bits on average, widths 1..8
+# a real SmolLM2-135M key head (research/configs/tqc4-v72-r15s1.yaml): 4 bits on average, widths 1..8
 WREAL = [int(c) for c in "1111223334344444444455465555678611212233333445445555545555556667"]
 T4, T3, TR = channel_precision(W4), channel_precision(W3), channel_precision(WREAL)
 assert sum(W4) % 8 == 0 and sum(W3) == 192 and sum(WREAL) == 256

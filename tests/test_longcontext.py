@@ -7,7 +7,6 @@ import torch
 from transformers import DynamicCache
 
 import kvquant
-from kvquant.eval.data import tokenize
 from kvquant.eval.longcontext import (
     accuracy_table,
     build_case,
@@ -16,6 +15,7 @@ from kvquant.eval.longcontext import (
     run_retrieval,
     summary,
 )
+from kvquant.text import tokenize
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kvquant import KVQuantConfig, ModelShape, QuantizedKVCache
+from kvquant import KVPrecision, KVQuantConfig, ModelShape, QuantizedKVCache
 from kvquant.cli import main
 from kvquant.memory import estimate, kv_bytes, parse_bytes, percentile, sequence_bytes
 
@@ -155,8 +155,9 @@ def test_sequence_bytes_parts():
 @pytest.mark.parametrize("precision", ["tq2", "tq3", "tq4", "tqv3", "tqt3", "tqc-" + "3" * 64, "int4"])
 def test_rung_parts_are_what_the_store_keeps(precision):
     """Quantizer.rung_parts (what sizing counts) against the ladder's ring tensors a store actually holds."""
-    cfg = KVQuantConfig.from_dict({"default": precision, "ladder_tokens": 8, "ladder2_tokens": 4,
-                                   "residual_tokens": 1, "residual_step": 1, "block_size": 16})  # fmt: skip
+    # built directly: from a file or mapping, ladder_tokens with int4 alone is refused as an option that does nothing
+    cfg = KVQuantConfig(default=KVPrecision(precision, precision), ladder_tokens=8, ladder2_tokens=4,
+                        residual_tokens=1, residual_step=1, block_size=16)
     cache = QuantizedKVCache(SHAPE, cfg)
     k = torch.randn(1, SHAPE.num_kv_heads, 40, SHAPE.head_dim, generator=torch.Generator().manual_seed(2))
     cache.update(k, torch.randn_like(k), 0)

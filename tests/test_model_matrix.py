@@ -1,4 +1,4 @@
-"""The model support matrix (README): random tiny configs of the dense decoder families transformers ships here
+"""The model support matrix (docs/guide.md): random tiny configs of the dense decoder families transformers ships here
 that use its AttentionInterface. For each: passthrough (fp32) equals ``DynamicCache`` token for token under
 generate(); every kvquant precision runs prefill + one-token decode steps (what generate() does with the cache)
 on the reference's tokens with finite logits that track the FP32 run, and generate() runs with an int4 cache."""
@@ -13,7 +13,7 @@ from transformers import DynamicCache
 from kvquant import PRECISIONS, KVQuantConfig, QuantizedKVCache
 from kvquant.attention import install_attention
 
-# family -> (config class, model class, extra config fields). The README's support matrix lists these names.
+# family -> (config class, model class, extra config fields). The support matrix in docs/guide.md lists these names.
 FAMILIES: dict[str, tuple[str, str, dict]] = {
     "Llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "Mistral": ("MistralConfig", "MistralForCausalLM", {}),
@@ -86,10 +86,10 @@ def test_family(family):
         assert kl < bound, (family, precision, kl)
 
 
-def test_readme_matrix_lists_what_is_tested():
+def test_guide_matrix_lists_what_is_tested():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Model support", 1)[1].split("\n## ", 1)[0]
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guide.md").read_text(encoding="utf-8")
+    section = guide.split("## Model support", 1)[1].split("\n## ", 1)[0]
     listed = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| ")][1:]
     assert listed == list(FAMILIES)

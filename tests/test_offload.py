@@ -171,7 +171,7 @@ def test_pool_caches_offload_and_give_every_block_back():
     model = tiny_model("llama", heads=4, kv_heads=2, head_dim=32, layers=2, vocab=96)
     pool = kvquant.PagedKVPool(model, cfg("int8-token", {"keep_recent_blocks": 1}))
     ids = torch.randint(3, 96, (2, 100), generator=torch.Generator().manual_seed(3))
-    caches = [pool.cache_for(ids[i:i + 1]) for i in range(2)]
+    caches = [QuantizedKVCache.from_pool(pool, ids[i:i + 1]) for i in range(2)]
     with torch.no_grad():
         for i, c in enumerate(caches):
             model(ids[i:i + 1], past_key_values=c, use_cache=True)

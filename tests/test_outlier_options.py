@@ -7,8 +7,8 @@ import torch
 
 import kvquant.kernels.attention_torch as at
 from kvquant import KVPrecision, KVQuantConfig, QuantizedKVCache
-from kvquant.kernels.dispatch import attend
 from kvquant.kernels.attention_torch import attend_naive, attend_torch, dequantize_history
+from kvquant.kernels.dispatch import attend
 from kvquant.store import LayerStore
 
 from conftest import tiny_model

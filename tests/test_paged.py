@@ -91,11 +91,11 @@ def test_prefix_reuse_tiny():
     shared = torch.randint(3, 128, (1, 64), generator=g)
     a = torch.cat([shared, torch.randint(3, 128, (1, 5), generator=g)], 1)
     b = torch.cat([shared, torch.randint(3, 128, (1, 9), generator=g)], 1)
-    ca = pool.cache_for(a)
+    ca = QuantizedKVCache.from_pool(pool, a)
     assert ca.get_seq_length() == 0
     with torch.no_grad():
         model(a, cache=ca, use_cache=True)
-    cb = pool.cache_for(b)
+    cb = QuantizedKVCache.from_pool(pool, b)
     assert cb.get_seq_length() == 64
     assert pool.stats()["prefix_hit_tokens"] == 64
     seen = []
@@ -112,7 +112,8 @@ def test_prefix_reuse_tiny():
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
     # the shared blocks are counted once by the pool and held by both caches
     assert pool.stats()["blocks_shared"] >= 4 * 2
-    out = model.generate(b, cache=pool.cache_for(b), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    cache = QuantizedKVCache.from_pool(pool, b)
+    out = model.generate(b, cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 77)
 
 
@@ -121,8 +122,9 @@ def test_prefix_not_reused_for_static_scales_without_file():
     pool = PagedKVPool(model, {"default": "int8", "block_size": 16})
     ids = torch.randint(3, 128, (1, 40))
     with torch.no_grad():
-        model(ids, cache=pool.cache_for(ids), use_cache=True)
-    assert not pool.reusable and pool.cache_for(ids).get_seq_length() == 0 and pool.stats()["indexed_blocks"] == 0
+        model(ids, cache=QuantizedKVCache.from_pool(pool, ids), use_cache=True)
+    fresh = QuantizedKVCache.from_pool(pool, ids)
+    assert not pool.reusable and fresh.get_seq_length() == 0 and pool.stats()["indexed_blocks"] == 0
 
 
 # ------------------------------------------------------------------------------------------ sliding windows
@@ -171,11 +173,11 @@ def test_bounded_pool_full_then_recovers():
     g = torch.Generator().manual_seed(9)
     first = torch.randint(3, 128, (1, 100), generator=g)  # 7 blocks per layer
     second = torch.randint(3, 128, (1, 60), generator=g)  # 4 blocks per layer: does not fit beside the first
-    c1 = pool.cache_for(first)
+    c1 = QuantizedKVCache.from_pool(pool, first)
     with torch.no_grad():
         ref = model(first, cache=c1, use_cache=True).logits
     held = [list(t) for t in c1.layers[0].store.tables]
-    c2 = pool.cache_for(second)
+    c2 = QuantizedKVCache.from_pool(pool, second)
     with pytest.raises(KVCacheFull) as e, torch.no_grad():
         model(second, cache=c2, use_cache=True)
     assert e.value.needed == 4 and e.value.free == 3 and "needs 4 blocks" in str(e.value)
@@ -189,12 +191,12 @@ def test_bounded_pool_full_then_recovers():
         torch.testing.assert_close(cont, model(nxt, cache=alone, use_cache=True).logits, atol=1e-5, rtol=0)
     assert ref.shape[1] == 100
     c1.release()  # its 6 full blocks stay in the prefix index; the partial one is free again
-    c2 = pool.cache_for(second)
+    c2 = QuantizedKVCache.from_pool(pool, second)
     with torch.no_grad():
         model(second, cache=c2, use_cache=True)
     assert c2.get_seq_length() == 60 and pool.stats()["blocks_free"] == 0
     c2.release()
-    c3 = pool.cache_for(first)  # the index-only blocks are evicted when a new request needs room
+    c3 = QuantizedKVCache.from_pool(pool, first)  # the index-only blocks are evicted when a new request needs room
     assert c3.get_seq_length() == 96  # ... but first the first request's prefix is found again
     with torch.no_grad():
         fresh = QuantizedKVCache(model, pool.config)

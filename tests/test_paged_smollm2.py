@@ -20,7 +20,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from kvquant.eval.models import load_model
+    from kvquant.models import load_model
 
     model = load_model("smollm2-135m", progress=False).model
     kvquant.wrap(model, "int8-token")
@@ -69,8 +69,8 @@ def test_prefix_of_512_tokens_is_reused(smollm2):
     b = torch.cat([shared, prompt(40, 4, vocab)], 1)
     pool = PagedKVPool(smollm2, "int8-token")  # block_size 128
     with torch.no_grad():
-        smollm2(a, cache=pool.cache_for(a), use_cache=True)
-        cb = pool.cache_for(b)
+        smollm2(a, cache=QuantizedKVCache.from_pool(pool, a), use_cache=True)
+        cb = QuantizedKVCache.from_pool(pool, b)
         reused = cb.get_seq_length()
         seen = []
         hook = smollm2.model.register_forward_pre_hook(

@@ -11,12 +11,12 @@ import torch
 import kvquant
 from kvquant import KVPrecision, KVQuantConfig, QuantizedKVCache
 from kvquant.attention import install_attention
-from kvquant.eval.models import load_model
 from kvquant.eval.recipe import RecipeError, parse_recipe
-from kvquant.eval.stress import split_spec
+from kvquant.models import load_model
 from kvquant.outliers import OFFSET_RATIO, OUTLIER_RATIO, key_channel_ratios, short_list
 from kvquant.quantizers import make_quantizer
 from kvquant.store import LayerStore
+from kvquant.stress import split_spec
 
 TEXT = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "

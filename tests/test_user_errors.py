@@ -227,6 +227,7 @@ def test_capacity_is_bounded(capacity):
 def test_readme_states_the_contract_with_a_real_message(tmp_path, capsys):
     readme = (REPO / "README.md").read_text()
     assert "exit status 2" in readme and "Nothing is overwritten without `--force`" in readme
+    readme += (REPO / "docs" / "guide.md").read_text()  # the contract in full, with its example
     cfg = tmp_path / "c.yaml"
     cfg.write_text("default: int8\nsink_tokens: 100000\n")
     rc, err = run(capsys, "estimate", "--config", cfg, "--layers", "2", "--kv-heads", "1", "--head-dim", "8")

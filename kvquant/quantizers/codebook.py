@@ -17,9 +17,7 @@ row error) keeps that shrinkage, and it is not noise: every score ``q . k_hat`` 
 ``q . k`` (a hotter softmax) and every attention output ~``1 - D`` of its value mix, in every layer.
 ``gain: unbiased`` (the default) stores ``|y|^2 / <y, c>`` instead: ``<x_hat - mu, x - mu> = |x - mu|^2``,
 the row's own direction exact and the error orthogonal to it, at ``1 / cos^2`` the MSE (+3.5% at 3
-bits). Teacher-forced lab (SmolLM2-135M, tq3, 4 windows; docs/results/lowbit-smollm2.md): value-only
-KL 0.0220 -> 0.0194 and Δppl +3.3% -> +2.0%; key-only KL 0.071 -> 0.054, Δppl +10.7% -> +5.9%; exact
-decode at 0.21x (8 windows, runs W1-W3): -0.3 to -0.5 ppl on every config, paired.
+bits). What each gain costs in perplexity and KL: docs/guide.md (`codebook_gain`).
 
 The coordinates of a randomly rotated vector are close to i.i.d. with the density of one
 coordinate of a uniform unit vector in ``D`` dims (~N(0, 1/D)), so one data-oblivious codebook of
@@ -424,14 +422,13 @@ class ChannelCodebook(SecondRung, Quantizer):
     whose width is at least the average width (8-bit log code), and channel ``j`` is coded on the
     ``2^{width_j}``-level Lloyd-Max grid of a unit Gaussian (width 0: the channel is stored as its mean).
     (A norm over every channel couples them: a token with one large channel then codes all its narrow
-    channels coarsely; with this norm more heads beat ``tq4``, median attention KL 0.009 vs 0.014, but
-    neither norm wins on every head: outlier tokens, the ones attention picks, are what a per-channel
-    code handles worst. Choose per head: ``benchmarks/codebook_channels.py --select``.) The widths
+    channels coarsely; neither norm wins on every head: outlier tokens, the ones attention picks, are what a
+    per-channel code handles worst.) The widths
     are part of the precision name (``tqc-`` and one digit 0-8 per channel, summing to a multiple of 8),
     chosen offline per (layer, KV head) by :func:`allocate_widths` from calibration text: after RoPE a few
     channel pairs carry most of
-    the query energy, so spending the bits there lowers the score error of keys ~2x against
-    ``tq3``/``tq4`` at the same bits (``benchmarks/codebook_channels.py``). Read in its head space
+    the query energy, so spending the bits there lowers the score error of keys against ``tq3``/``tq4`` at
+    the same bits. Read in its head space
     ``x - mu`` (queries unchanged; the mean shifts every score of a query alike). The Triton kernels read
     the codes in-kernel (``kernels/triton_codebook.py``, ``KIND_TQC``). ``gain``: ``unbiased`` (default) stores
     the :func:`row_gain` over the wide channels of the row norm (narrow channels keep some shrinkage); ``mse``
@@ -443,8 +440,7 @@ class ChannelCodebook(SecondRung, Quantizer):
     of :data:`SEARCH_SCALES` and keeps the codes with the least *score-weighted* error
     ``sum_j 4^{width_j} (w_j - g c_j)^2`` (``g``: the row's stored gain for those codes). ``4^{width_j}`` is the
     channel's weight ``E[q_j^2] var(k_j)`` up to a constant: what :func:`allocate_widths` equalises. Encoder
-    only: the stored format, the decoders and the kernels are unchanged. False: the RMS scale alone (what
-    configs recorded before 2026-12-02 06:00 UTC used).
+    only: the stored format, the decoders and the kernels are unchanged. False: the RMS scale alone.
     """
 
     static = True
@@ -930,8 +926,7 @@ def rscale_code(y: torch.Tensor, c: torch.Tensor, n: torch.Tensor, gain: str) ->
 
     A refinement row is ``D`` bits plus this byte. Without it the refined row would reuse the norm fitted to the
     base code: the same mean, but a per-row scale error of ~2.6% (sd, Gaussian rows), which moves a young key's
-    largest scores far more than its ~1% error in the other directions (lab: KL 0.0321 against 0.0273 for tq4
-    rows with their own norm)."""
+    largest scores far more than its ~1% error in the other directions."""
     s = torch.where(n > 0, row_gain(y, n * c, gain), torch.ones_like(n))
     return (torch.round((s - 1) / RSCALE_STEP) + 128).clamp(0, 255).to(torch.uint8)
 
