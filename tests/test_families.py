@@ -100,3 +100,32 @@ def test_int8_kchannel_teacher_forced_against_fp32(family, text):
     # the quantized cache really quantizes (not a copy of the reference) and stays close to it
     assert 0 < s["kl_mean"] < 5e-3, (name, s)
     assert s["top1"] > 0.95, (name, s)
+
+
+def test_fp16_store_with_sinks_matches_reference_past_the_sliding_window(family, text):
+    """kvquant's own fp16 store, fp16 sinks and residual included, on both sides of Gemma's 512-token window."""
+    from kvquant import KVQuantConfig, QuantizedKVCache
+    from kvquant.attention import install_attention
+    from kvquant.eval.baselines import ReferenceMethod
+    from kvquant.eval.metrics import token_drift
+    from kvquant.eval.protocols import decode_logits
+
+    name, loaded = family
+    if FAMILIES[name][3] != "sliding":
+        pytest.skip("no sliding-window layers")
+    model, tok = loaded.model, loaded.tokenizer
+    window, prefill = WINDOWS[name]
+    w = _window(tok, text, window, prefill)
+    cfg = KVQuantConfig.from_dict({"default": {"key": "fp16", "value": "fp16"}, "sink_tokens": 4,
+                                   "residual_tokens": 32})
+    with torch.no_grad():
+        ref = decode_logits(model, w, ReferenceMethod().decode_cache(model), prefill, CHUNK)
+        install_attention(model)
+        q = decode_logits(model, w, QuantizedKVCache(model, cfg), prefill, CHUNK)
+    model.set_attn_implementation("sdpa")
+    kl = token_drift(ref.logits, q.logits, ref.targets)["kl"]
+    query_pos = torch.arange(w.score_from, window) - 1  # the position each scored prediction is made at
+    past = query_pos >= model.config.sliding_window
+    assert past.sum() > 30 and (~past).sum() > 30
+    # fp16 rounding of K/V only: a sink or released block attended outside a layer's window would be far larger
+    assert kl[past].mean() < 1e-5 and kl[~past].mean() < 1e-5, (kl[past].mean(), kl[~past].mean())
