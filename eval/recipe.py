@@ -15,7 +15,8 @@ Example (every field but ``model``, ``data`` and ``configs`` has a default)::
     first_window: 0              # windows skipped before those (e.g. 8: score windows 9.. as held-out text)
     prefill: 256                 # tokens before scoring (decode: prefilled; simulated: static scales taken there)
     decode_chunk: 1              # decode: tokens per forward step (1 = exact token-by-token generation)
-    bos: false                   # prepend the tokenizer's BOS token to every window
+    bos: false                   # prepend the tokenizer's BOS token to every window (true | false | auto:
+                                 # when the tokenizer puts it before text by default, as Gemma's does)
     seed: 0
     threads: null                # torch CPU threads (null: torch's default)
     configs: [fp16, int8, int4, hf-hqq-int4]   # presets, config files, baselines (see kvquant.eval.baselines)
@@ -92,7 +93,7 @@ class Recipe:
     first_window: int = 0
     prefill: int = 256
     decode_chunk: int = 1
-    bos: bool = False
+    bos: bool | str = False  # True, False or "auto" (see :func:`kvquant.text.window_bos`)
     seed: int = 0
     threads: int | None = None
     generation: Generation | None = field(default_factory=Generation)
@@ -292,8 +293,8 @@ def parse_recipe(data: Any, source: str = "", base: Path | None = None) -> Recip
         raise RecipeError(f"prefill: {prefill} must be smaller than window - 1 ({window - 1}){_where(source)}")
     decode_chunk = _int(data, "decode_chunk", 1, source, 1)
     bos = data.get("bos", False)
-    if not isinstance(bos, bool):
-        raise RecipeError(f"bos: must be true or false, got {bos!r}{_where(source)}")
+    if not isinstance(bos, bool) and bos != "auto":
+        raise RecipeError(f"bos: must be true, false or auto, got {bos!r}{_where(source)}")
     seed = _int(data, "seed", 0, source, 0, hi=2**32 - 1)
     threads = _int(data, "threads", 1, source, None, nullable=True, hi=1024)
     configs = data["configs"]

@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from kvquant.errors import RecipeError
+from kvquant.text import window_bos
 
 from .baselines import elements_per_token
 from .longcontext import heatmap, run_retrieval, summary
@@ -105,7 +106,7 @@ def run_retrieval_task(
             yield x
             bar.update(1)
 
-    bos_id = tok.bos_token_id if recipe.bos else None
+    bos_id = window_bos(tok, recipe.bos)
     try:
         rows = run_retrieval(
             model, tok, ids, {m.name: (lambda m=m: m.decode_cache(model)) for m in methods}, task=task,

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvquant.models import load_model
-from kvquant.text import load_text, token_windows, tokenize
+from kvquant.text import load_text, token_windows, tokenize, window_bos
 
 from .baselines import REFERENCE, Method, ReferenceMethod, elements_per_token, make_method
 from .metrics import DriftAccumulator, generation_agreement, token_drift
@@ -122,9 +122,7 @@ def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult
     # the whole corpus is tokenized (not only the windows' prefix): generation prompts are drawn from all of it,
     # so a run's prompts do not depend on how many windows it scores
     ids = tokenize(text.text, tok)
-    bos_id = tok.bos_token_id if recipe.bos else None
-    if recipe.bos and bos_id is None:
-        raise RecipeError("bos: the tokenizer has no BOS token; set bos: false")
+    bos_id = window_bos(tok, recipe.bos)
     methods, skipped = build_methods(recipe)
     if any(t in RETRIEVAL_TASKS for t in recipe.tasks):
         check_lengths(model, recipe.retrieval.lengths)  # before any long work

