@@ -47,7 +47,7 @@ def place_labels(
     bold = set(bold)
     frame = ax.get_window_extent(renderer)
     px = fig.dpi / 72.0
-    marker_pad = 4 * px
+    marker_pad = 10 * px  # clears the largest marker drawn (a 12-point star)
     taken = []
     for x, y, _ in points:
         mx, my = ax.transData.transform((x, y))

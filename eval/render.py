@@ -18,11 +18,13 @@ def md_table(head: list[str], body: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def finish_figure(fig: Any, path: Path) -> bool:
-    """Lay out, save (atomically) and close a matplotlib figure; returns True (it was written)."""
+def finish_figure(fig: Any, path: Path, layout: bool = True) -> bool:
+    """Lay out (unless ``layout`` is False: the caller laid it out and placed labels in that layout), save
+    (atomically) and close a matplotlib figure; returns True (it was written)."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    if layout:
+        fig.tight_layout()
     try:
         save_figure(fig, path, dpi=120)
     finally:

@@ -225,17 +225,17 @@ def plot(result: Any, path: Path) -> bool:
     handles += [Line2D([], [], marker="o", linestyle="", color=c, label=k) for k, c in colors.items()]
     if recommended:
         handles.append(Line2D([], [], marker="*", markersize=10, linestyle="", color="gray", label="recommended"))
-    axes[0].legend(handles=handles, fontsize=8, loc="upper right")
+    fig.legend(handles=handles, fontsize=8, loc="lower center", ncol=len(handles), frameon=False)
     rc = result.recipe
     model = "/".join(Path(str(rc.model)).parts[-2:]) if "/" in str(rc.model) else str(rc.model)
     data = Path(rc.data).name if "/" in rc.data else rc.data
     fig.suptitle(f"{rc.name}: {model} on {data} — quality vs KV bytes held (down and left is better)", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))  # the legend sits below the panels, clear of every point
     for ax, key, _ in panels:
         pts = [(r["kv_vs_fp16"], max(r[key], 1e-7) if key == "kl_mean" else r[key], short_name(r["config"]))
                for r in rows]  # fmt: skip
         place_labels(ax, pts, bold={short_name(c) for c in recommended})
-    return finish_figure(fig, path)
+    return finish_figure(fig, path, layout=False)
 
 
 def markdown(result: Any, plot_name: str | None, heatmaps: list[str] = (), frontier: str | None = None) -> str:
@@ -316,7 +316,8 @@ def recommendation_lines(result: Any) -> list[str]:
             lines.append(f"- `{config}`: {use} — not measured in this run ({why})")
             continue
         lines.append(
-            f"- `{config}`: {use} — holds {cell(r, 'kv_vs_fp16')} of FP16's KV bytes, "
+            f"- `{config}`: {use} — holds {cell(r, 'kv_vs_fp16')} of FP16's KV bytes here "
+            f"({cell(r, 'asymptotic_vs_fp16')} per token at long context), "
             f"KL {cell(r, 'kl_mean')}, Δppl {cell(r, 'delta_ppl')}, top-1 {cell(r, 'top1')}"
         )
     return lines + [""]

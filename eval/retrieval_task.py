@@ -276,7 +276,7 @@ def plot_frontier(result: Any, path: Any) -> bool:
     for ax, pts in zip(axes[0], labels, strict=False):
         place_labels(ax, pts)
 
-    return finish_figure(fig, path)
+    return finish_figure(fig, path, layout=False)
 
 
 def retrieval_markdown(result: Any, heatmaps: list[str], frontier: str | None) -> list[str]:
