@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from kvquant import KVQuantConfig, QuantizedKVCache, wrap
 from kvquant.paths import shared_dir
 from kvquant.quantizers import PRECISIONS
+from kvquant.transformers_compat import cache_kw
 
 A = "Once upon a time, there was a little girl named Lily. She"
 LONGER = A + " loved to play outside in the park with her"
@@ -29,7 +30,7 @@ def main() -> None:
     def logits(prompts: list[str], cfg: KVQuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
         enc = tok(prompts, return_tensors="pt", padding=True)
         with torch.no_grad():
-            out = model.generate(**enc, cache=QuantizedKVCache(model, cfg), max_new_tokens=8, do_sample=False,
+            out = model.generate(**enc, **cache_kw(QuantizedKVCache(model, cfg)), max_new_tokens=8, do_sample=False,
                                  pad_token_id=tok.pad_token_id, output_logits=True, return_dict_in_generate=True)
         return out.sequences[:, enc["input_ids"].shape[1]:], torch.stack(out.logits, 1)
 

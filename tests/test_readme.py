@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvquant.transformers_compat import CACHE_ARG
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -20,6 +22,8 @@ def run_snippet(code: str, model_path: Path, capsys) -> str:
     assert re.search(r'^path = "[^"]+"', code, flags=re.M), "the snippet should set `path` to a model"
     code = re.sub(r'^path = "[^"]+"', f"path = {str(model_path)!r}", code, flags=re.M)
     code = re.sub(r"max_new_tokens=\d+", "max_new_tokens=12", code)
+    # the README writes transformers >= 5.24's keyword; earlier releases take the same cache as past_key_values=
+    code = re.sub(r"\bcache=", f"{CACHE_ARG}=", code)
     namespace: dict = {}
     exec(compile(code, str(README), "exec"), namespace)  # noqa: S102 - our own README
     return capsys.readouterr().out
