@@ -93,11 +93,14 @@ $(GPU_STAMP): $(GPU_CONSTRAINTS)
 	touch $(GPU_STAMP)
 
 # The venv holds exactly the pinned set; kvquant is imported from the checkout (PYTHONPATH), as on the image.
+# All three steps run; the target fails if any did.
 gpu-image-check: $(GPU_STAMP)
-	PYTHONPATH=$(CURDIR) $(GPU_VENV)/bin/python benchmarks/gpu_image_imports.py
-	KVQUANT_PYTHON=$(GPU_VENV)/bin/python bash benchmarks/gpu_check.sh --dry-run
+	@rc=0; \
+	PYTHONPATH=$(CURDIR) $(GPU_VENV)/bin/python benchmarks/gpu_image_imports.py || rc=1; \
+	KVQUANT_PYTHON=$(GPU_VENV)/bin/python bash benchmarks/gpu_check.sh --dry-run || rc=1; \
 	HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR) $(GPU_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-	  -W ignore::DeprecationWarning -m "not slow" $(PYTEST_ARGS) $(GPU_IMAGE_TESTS)
+	  -W ignore::DeprecationWarning -m "not slow" $(PYTEST_ARGS) $(GPU_IMAGE_TESTS) || rc=1; \
+	echo "gpu-image-check: $$( [ $$rc = 0 ] && echo ok || echo FAILED )"; exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
