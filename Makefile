@@ -11,6 +11,11 @@
 #                        (torch stays at TORCH_SPEC: a newer torch on PyPI is a CUDA build), then the suite
 #   make upgrade-lock -> rewrite constraints.txt from .venv-latest (run make test-latest first: it tested it)
 #   make lint         -> ruff
+#   make gpu-image-check -> .venv-gpuimage with the GPU machine's image (constraints-gpu-image.txt: python 3.12,
+#                        torch 2.11, triton 3.6, transformers 5.17 = the lowest transformers supported, only packages
+#                        the image has; kvquant NOT installed, as there), then: the GPU run imports nothing the image
+#                        lacks, benchmarks/gpu_check.sh --dry-run, and the tests that exercise transformers' Cache /
+#                        attention / generate APIs
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -22,6 +27,15 @@ RECIPE      ?= recipes/default.yaml
 OUT         ?= results/default
 PYTEST_ARGS ?=
 EVAL_ARGS   ?=
+GPU_VENV    ?= .venv-gpuimage
+GPU_CONSTRAINTS ?= constraints-gpu-image.txt
+# the GPU image's Python is 3.12: python3.12, else a pyenv-installed 3.12
+GPU_IMAGE_PYTHON ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python; do \
+                      $$p -c '' 2>/dev/null && { echo $$p; break; }; done)
+# transformers' Cache / AttentionInterface / generate() and torch.compile, with no package the image lacks
+GPU_IMAGE_TESTS ?= tests/test_cache_generate.py tests/test_model_matrix.py tests/test_crop.py tests/test_readme.py \
+                   tests/test_kernels_e2e.py tests/test_softcap.py::test_gemma2_passthrough_equals_dynamic_cache \
+                   tests/test_custom_ops.py::test_torch_compile_decode_loop tests/test_custom_ops.py::test_aot_eager_decode_step
 
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvquant-installed
@@ -30,7 +44,7 @@ QUIET  := -q --disable-pip-version-check
 CHECK  := import torch, transformers, kvquant, kvquant.kernels.dispatch, kvquant.eval.runner; \
           print('kvquant', kvquant.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)
 
-.PHONY: setup eval test test-latest upgrade-lock lint clean
+.PHONY: setup eval test test-latest upgrade-lock lint clean gpu-image-check
 
 setup: $(STAMP)
 
@@ -70,8 +84,27 @@ upgrade-lock:
 	} > $(CONSTRAINTS).tmp && mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
 	@echo "wrote $(CONSTRAINTS); 'make test' now rebuilds $(VENV) from it"
 
+GPU_STAMP := $(GPU_VENV)/.gpu-image-installed
+
+$(GPU_STAMP): $(GPU_CONSTRAINTS)
+	@test -n "$(GPU_IMAGE_PYTHON)" || { echo "gpu-image-check: no Python 3.12 found; set GPU_IMAGE_PYTHON=PATH"; exit 2; }
+	$(GPU_IMAGE_PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install $(QUIET) --upgrade pip
+	$(GPU_VENV)/bin/python -m pip install $(QUIET) $(PIP_EXTRA) -r $(GPU_CONSTRAINTS)
+	touch $(GPU_STAMP)
+
+# The venv holds exactly the pinned set; kvquant is imported from the checkout (PYTHONPATH), as on the image.
+# All three steps run; the target fails if any did.
+gpu-image-check: $(GPU_STAMP)
+	@rc=0; \
+	PYTHONPATH=$(CURDIR) $(GPU_VENV)/bin/python benchmarks/gpu_image_imports.py || rc=1; \
+	KVQUANT_PYTHON=$(GPU_VENV)/bin/python bash benchmarks/gpu_check.sh --dry-run || rc=1; \
+	HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR) $(GPU_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+	  -W ignore::DeprecationWarning -m "not slow" $(PYTEST_ARGS) $(GPU_IMAGE_TESTS) || rc=1; \
+	echo "gpu-image-check: $$( [ $$rc = 0 ] && echo ok || echo FAILED )"; exit $$rc
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) $(LATEST_VENV) results .pytest_cache
+	rm -rf $(VENV) $(LATEST_VENV) $(GPU_VENV) results .pytest_cache

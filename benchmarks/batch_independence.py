@@ -27,6 +27,7 @@ from kvquant.config import PRESETS
 from kvquant.errors import ConfigError
 from kvquant.paths import shared_dir
 from kvquant.quantizers import PRECISIONS
+from kvquant.transformers_compat import cache_kw
 
 A = "Once upon a time, there was a little girl named Lily. She"
 LONGER = A + " loved to play outside in the park with her"
@@ -48,13 +49,13 @@ def teacher_forced(
     out = []
     with torch.no_grad():
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kw(cache), use_cache=True).logits
         out.append(logits[:, -1:].float())
         for t in range(0, len(follow[0]), chunk):
             step = torch.tensor([f[t:t + chunk] for f in follow])
             mask = torch.cat([mask, torch.ones_like(step)], dim=1)
             pos = pos[:, -1:] + 1 + torch.arange(step.shape[1])
-            out.append(model(input_ids=step, attention_mask=mask, position_ids=pos, cache=cache,
+            out.append(model(input_ids=step, attention_mask=mask, position_ids=pos, **cache_kw(cache),
                              use_cache=True).logits.float())
     return torch.cat(out, dim=1)
 
@@ -106,7 +107,7 @@ def similar(model: Any, tok: Any) -> None:
     def logits(prompts: list[str], cfg: KVQuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
         enc = tok(prompts, return_tensors="pt", padding=True)
         with torch.no_grad():
-            out = model.generate(**enc, cache=QuantizedKVCache(model, cfg), max_new_tokens=8, do_sample=False,
+            out = model.generate(**enc, **cache_kw(QuantizedKVCache(model, cfg)), max_new_tokens=8, do_sample=False,
                                  pad_token_id=tok.pad_token_id, output_logits=True, return_dict_in_generate=True)
         return out.sequences[:, enc["input_ids"].shape[1]:], torch.stack(out.logits, 1)
 

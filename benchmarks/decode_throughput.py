@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 import kvquant
+from kvquant.transformers_compat import cache_kw
 
 
 def build(layers: int, head_dim: int, heads: int, kv_heads: int, vocab: int) -> LlamaForCausalLM:
@@ -44,14 +45,14 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 def decode_tps(model, cache, context: int, tokens: int, batch: int, clock: str = "wall") -> float:
     ids = torch.randint(0, model.config.vocab_size, (batch, context))
     with torch.no_grad():
-        out = model(ids, cache=cache, use_cache=True)
+        out = model(ids, **cache_kw(cache), use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
-        out = model(nxt, cache=cache, use_cache=True)  # warm-up step
+        out = model(nxt, **cache_kw(cache), use_cache=True)  # warm-up step
         nxt = out.logits[:, -1:].argmax(-1)
         now = CLOCKS[clock]
         t0 = now()
         for _ in range(tokens):
-            out = model(nxt, cache=cache, use_cache=True)
+            out = model(nxt, **cache_kw(cache), use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
         dt = now() - t0
     return batch * tokens / dt
@@ -114,13 +115,13 @@ def interleaved(model, makers: dict, context: int, steps: int, batch: int, clock
     with torch.no_grad():
         for name, make in makers.items():
             caches[name] = make()
-            out = model(ids, cache=caches[name], use_cache=True)
+            out = model(ids, **cache_kw(caches[name]), use_cache=True)
             nxt[name] = out.logits[:, -1:].argmax(-1)
         times: dict[str, list[float]] = {name: [] for name in makers}
         for i in range(steps + 1):  # the first step of each cache is a warm-up
             for name, cache in caches.items():
                 t0 = now()
-                out = model(nxt[name], cache=cache, use_cache=True)
+                out = model(nxt[name], **cache_kw(cache), use_cache=True)
                 nxt[name] = out.logits[:, -1:].argmax(-1)
                 if i:
                     times[name].append(now() - t0)
@@ -158,7 +159,7 @@ def sharing(model) -> None:
                 cache = kvquant.QuantizedKVCache(model, cfg)
                 watch = PeakBytes(cache)
                 with torch.no_grad():
-                    model.generate(ids, cache=cache, max_new_tokens=8, num_beams=beams, do_sample=False,
+                    model.generate(ids, **cache_kw(cache), max_new_tokens=8, num_beams=beams, do_sample=False,
                                    pad_token_id=0, logits_processor=LogitsProcessorList([watch]))  # fmt: skip
                 rep[beams], peak[beams] = cache.memory_report(), watch.peak
             ratio = peak[4] / peak[1]
@@ -172,7 +173,7 @@ def sharing(model) -> None:
         for i in range(2):
             req = torch.cat([ids, tail[i:i + 1]], 1)
             cache = kvquant.QuantizedKVCache.from_pool(pool, req)
-            model(req[:, cache.get_seq_length():], cache=cache, use_cache=True)
+            model(req[:, cache.get_seq_length():], **cache_kw(cache), use_cache=True)
     st = pool.stats()
     print(f"prefix: 2 requests sharing 512 of 552 tokens, block 128: {st['prefix_hit_tokens']} of "
           f"{st['prefix_query_tokens']} tokens reused ({st['prefix_hit_tokens'] / st['prefix_query_tokens']:.1%}; "

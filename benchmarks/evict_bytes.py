@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import kvquant
+from kvquant.transformers_compat import cache_kw
 
 # the presets' precisions (keys per channel over blocks, values per token)
 INT8_KCHANNEL = kvquant.config.PRESETS["int8-kchannel"][0]
@@ -52,10 +53,10 @@ CONFIGS = {
 @torch.no_grad()
 def held(model, config: dict, ids: torch.Tensor, prefill: int) -> tuple[dict, dict]:
     cache = kvquant.QuantizedKVCache(model, kvquant.KVQuantConfig.from_dict(config))
-    model(ids[:, :prefill], cache=cache, use_cache=True, logits_to_keep=1)
+    model(ids[:, :prefill], **cache_kw(cache), use_cache=True, logits_to_keep=1)
     after_prefill = cache.memory_report()
     for i in range(prefill, ids.shape[1]):
-        model(ids[:, i:i + 1], cache=cache, use_cache=True, logits_to_keep=1)
+        model(ids[:, i:i + 1], **cache_kw(cache), use_cache=True, logits_to_keep=1)
     st = cache.layers[0].store
     tokens = int(st.slots.counts()[0, 0]) if st.slots is not None else st.cache_pos
     end = cache.memory_report()

@@ -35,6 +35,8 @@ import kvquant
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_throughput import CLOCKS, build  # noqa: E402
 
+from kvquant.transformers_compat import cache_kw
+
 VARIANTS = ("untracked", "mass only", "tracked")
 
 
@@ -61,12 +63,12 @@ def step_times(model, config, variant: str, args) -> tuple[list[float], int]:
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.context))
     times = []
     with torch.no_grad():
-        out = model(ids, cache=cache, use_cache=True)
+        out = model(ids, **cache_kw(cache), use_cache=True)
         after_prefill(cache, variant)
         nxt = out.logits[:, -1:].argmax(-1)
         for i in range(args.tokens + 1):
             t0 = now()
-            out = model(nxt, cache=cache, use_cache=True)
+            out = model(nxt, **cache_kw(cache), use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
             if i:  # the first step is a warm-up
                 times.append(now() - t0)

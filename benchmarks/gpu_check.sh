@@ -8,33 +8,52 @@
 #
 #   bash benchmarks/gpu_check.sh             # on a GPU
 #   bash benchmarks/gpu_check.sh --dry-run   # anywhere (CPU): shapes, plan, 32-bit offset check, sm_90a compile only
+#   bash benchmarks/gpu_check.sh [--dry-run] --python PATH   # or KVQUANT_PYTHON=PATH: the interpreter to use
+#
+# Which Python: --python, else $KVQUANT_PYTHON (or $PYTHON), else .venv/bin/python if any, else python3. On the GPU
+# image (python3 with torch 2.11, triton 3.6, transformers 5.17, no network) run it as copied, nothing to
+# install: kvquant is imported from this checkout. `make gpu-image-check` runs the dry run in a venv holding
+# those versions (constraints-gpu-image.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
-[ "${1:-}" = "--dry-run" ] && DRY=1
+PY="${KVQUANT_PYTHON:-${PYTHON:-}}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --python) PY="${2:?--python needs a path}"; shift ;;
+    *) echo "gpu_check.sh: unknown argument $1 (use --dry-run, --python PATH)" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+command -v "$PY" >/dev/null || { echo "gpu_check.sh: no Python at $PY" >&2; exit 2; }
 OUT="${OUT:-docs/results}"
 [ $DRY = 1 ] && OUT="${OUT_DRY:-$(mktemp -d)}"
 mkdir -p "$OUT"
 unset TRITON_INTERPRET KVQUANT_ATTENTION
 export TRITON_DEFAULT_FP_FUSION=1
-[ -f .venv/bin/activate ] && . .venv/bin/activate
-PY="${PYTHON:-python}"
 PRECISIONS=fp16,int8,int8-token,fp8-e4m3,int4,int4-channel,int2
 # shellcheck disable=SC2054
 POINTS=(--contexts 4096,32768,131072 --batches 1,8 --precisions "$PRECISIONS")
 
-# the package maps kvquant.kernels -> kernels/ (pyproject); without an install, link it in place
-if ! $PY -c "import kvquant.kernels" 2>/dev/null; then
-  [ -e kvquant/kernels ] || ln -s ../kernels kvquant/kernels
-  [ -e kvquant/eval ] || ln -s ../eval kvquant/eval
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
+# kvquant from this checkout, installed or not (the GPU image has no install): the root goes on PYTHONPATH, so
+# scripts run by path (benchmarks/*.py, whose sys.path[0] is benchmarks/) import it too. Safe: kernels/ and eval/
+# are namespace portions, they shadow no installed package. kvquant/kernels and kvquant/eval are the package's
+# links to them (tracked; re-made here if a copy lost them).
+[ -e kvquant/kernels ] || ln -s ../kernels kvquant/kernels
+[ -e kvquant/eval ] || ln -s ../eval kvquant/eval
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', \
-triton.__version__, 'gpu', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
+  echo "python: $PY"
+  $PY -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, \
+'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, \
+'gpu', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
 } 2>&1 | tee "$OUT/gpu_check_env.txt"
 
 if [ $DRY = 1 ]; then

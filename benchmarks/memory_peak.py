@@ -22,6 +22,8 @@ import sys
 
 import torch
 
+from kvquant.transformers_compat import cache_kw
+
 
 def rss_kib(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -66,14 +68,14 @@ def child(args: argparse.Namespace) -> dict:
     baseline = rss_kib("VmRSS") * 1024
     with torch.no_grad():
         for s in range(0, args.context, args.chunk):
-            out = model(ids[:, s:s + args.chunk], cache=cache, use_cache=True)
+            out = model(ids[:, s:s + args.chunk], **cache_kw(cache), use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
         del out
         trim()  # hand the prefill's freed scratch back to the OS before measuring the decode peak
         after_fill = rss_kib("VmRSS") * 1024
         reset_peak()
         for _ in range(args.tokens):
-            nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            nxt = model(nxt, **cache_kw(cache), use_cache=True).logits[:, -1:].argmax(-1)
     peak = rss_kib("VmHWM") * 1024
     if args.cache == "dynamic":
         cache_bytes = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)

@@ -23,6 +23,7 @@ from kvquant.attention import install_attention
 from kvquant.models import load_model
 from kvquant.outliers import key_channel_ratios
 from kvquant.text import load_text, tokenize
+from kvquant.transformers_compat import cache_kw, output_cache
 
 
 class _Catch(logging.Handler):
@@ -53,15 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         install_attention(model)
         ids = tokenize(text.text, lm.tokenizer)[: args.tokens].unsqueeze(0)
         with torch.no_grad():
-            keys = model(ids, use_cache=True).past_key_values
+            keys = output_cache(model(ids, use_cache=True))
             ratios = [key_channel_ratios(layer.keys) for layer in keys.layers]
         offset, outlier = max(r[0] for r in ratios), max(r[1] for r in ratios)
         for preset in args.presets.split(","):
             catch.messages.clear()
             cache = QuantizedKVCache(model, preset)
             with torch.no_grad():
-                model(ids, cache=cache, use_cache=True)
-                model(ids[:, -1:], cache=cache, use_cache=True)
+                model(ids, **cache_kw(cache), use_cache=True)
+                model(ids[:, -1:], **cache_kw(cache), use_cache=True)
             found = [m for m in catch.messages if "channels" in m]
             said = f"**fires** ({len(found)}x): {found[0]}" if found else "silent"
             print(f"| {spec} | {offset:.1f} | {outlier:.1f} | {preset} | {said} |", flush=True)

@@ -18,6 +18,8 @@ from kvquant.models import load_model
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_throughput import PeakBytes  # noqa: E402
 
+from kvquant.transformers_compat import cache_kw
+
 
 def main() -> None:
     model = load_model("smollm2-135m", progress=False).model
@@ -32,7 +34,7 @@ def main() -> None:
                 cache = kvquant.QuantizedKVCache(model, cfg)
                 watch = PeakBytes(cache)
                 with torch.no_grad():
-                    model.generate(ids, cache=cache, max_new_tokens=3, num_beams=beams, do_sample=False,
+                    model.generate(ids, **cache_kw(cache), max_new_tokens=3, num_beams=beams, do_sample=False,
                                    logits_processor=LogitsProcessorList([watch]))  # fmt: skip
                 peak[beams], rep[beams] = watch.peak, cache.memory_report()
             bound = 3 * 4 * rep[4]["bytes_per_block_all_layers"]

@@ -31,7 +31,12 @@ preset / file       a kvquant config (``fp16``, ``int8``, ``int8-token``, ``int4
 In the ``simulated`` protocol a transformers backend cannot be used as shipped: its first ``update`` returns the
 unquantized K/V, so a single forward would see no quantization at all. There the baseline is run as a
 quantize-then-dequantize round trip of its own ``_quantize`` / ``_dequantize`` on the whole window, so all
-methods are compared under the same protocol. An unavailable backend is skipped with the reason.
+methods are compared under the same protocol.
+
+A method that cannot run is not run, with the reason: :meth:`Method.unavailable` when this installation lacks
+it (a backend not installed, a backend this transformers does not have, bits it does not support), and
+:meth:`Method.unsupported_on` when the model is the obstacle (transformers' ``QuantizedCache`` refuses models
+with sliding-window layers, for example). Neither is an error of the run.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from kvquant.export import ENGINE_PREFIX, engine_config
+from kvquant.transformers_compat import HF_QUANTIZED_BACKENDS
 
 BASELINES: dict[str, str] = {
     "hf-hqq-int2": "transformers QuantizedCache, HQQ backend, 2 bits",
@@ -150,7 +156,11 @@ class Method:
     uses_kvquant_attention = False
 
     def unavailable(self) -> str | None:
-        """None when the method can run here, else the reason it is skipped."""
+        """None when the method can run in this installation, else the reason it is not run."""
+        return None
+
+    def unsupported_on(self, model: Any) -> str | None:
+        """None when the method can run on ``model``, else the reason it is not run on it (one line)."""
         return None
 
     def decode_cache(self, model: Any) -> Cache:
@@ -307,9 +317,25 @@ class HFQuantizedMethod(Method):
             if not found:
                 pip = {"hqq": "hqq", "optimum.quanto": "optimum-quanto"}[pkg]
                 return f"{pip} is not installed (pip install {pip}, or pip install 'kvquant[baselines]')"
+        if self.backend not in HF_QUANTIZED_BACKENDS:
+            import transformers
+
+            return (f"transformers {transformers.__version__} has no {self.backend!r} backend for QuantizedCache "
+                    f"(it has {', '.join(sorted(HF_QUANTIZED_BACKENDS))})")
         ok = HF_SUPPORTED_BITS.get(self.backend)
         if ok is not None and self.nbits not in ok:
             return f"the {self.backend} backend of transformers supports nbits {ok}, not {self.nbits}"
+        return None
+
+    def unsupported_on(self, model: Any) -> str | None:
+        """transformers' own verdict: ``QuantizedCache`` checks the model's layers when it is built (it refuses
+        sliding-window and other non-full-attention layers); its one-line message is the reason."""
+        from transformers import QuantizedCache
+
+        try:
+            QuantizedCache(self.backend, model.config, **self._kwargs())
+        except ValueError as e:
+            return f"transformers' QuantizedCache refuses this model: {' '.join(str(e).split())}"
         return None
 
     def _kwargs(self) -> dict[str, Any]:

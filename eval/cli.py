@@ -34,7 +34,8 @@ Configs (recipe `configs:` or --configs a,b,c):
   files        a kvquant YAML/JSON config, e.g. recipes/configs/mixed-int4-int8.yaml
   engines      vllm:DIR: a serving engine's FP8 cache with the scales of `kvquant export --format vllm -o DIR`
   baselines    hf-hqq-int2 hf-hqq-int4 hf-hqq-int8 hf-quanto-int2 hf-quanto-int4 hf-fp8
-               bnb-int8 bnb-nf4 bnb-fp4   (skipped, with the reason, when not installed)
+               bnb-int8 bnb-nf4 bnb-fp4   (not run, with the reason, when not installed or when the model
+               has layers the baseline refuses, e.g. sliding-window layers for transformers' QuantizedCache)
                transformers' caches run at their strongest documented setting (HQQ: axis 1; quanto: axis 0;
                group 64, fp16 residual of 128 tokens); override with :option=value suffixes, e.g.
                hf-hqq-int4:axis=0 (transformers' default), hf-quanto-int4:group=32:residual=64
@@ -55,6 +56,10 @@ Tasks (recipe `tasks:` or --tasks a,b):
 Outputs, in --out (default: the recipe's `out`, else results/NAME): results.json (one object per
 config and protocol), report.md (with the command that produced it) and kv_vs_quality.png
 (delta ppl and KL against average bits). The table is also printed.
+
+Exit status: 0 when the run finished (configs that could not run are listed under "not run" with the
+reason), 2 for a user error (one line naming the bad field, option or file), 1 when a config failed while
+running (a bug; its message is in the table and report).
 """
 
 EPILOG = """\

@@ -35,6 +35,7 @@ import torch
 
 from kvquant.models import model_device
 from kvquant.text import Window
+from kvquant.transformers_compat import cache_kw
 
 PROTOCOLS = {
     "simulated": "fake-quantized K/V at every position; static scales from the prefill (or a scales file), "
@@ -66,7 +67,7 @@ def simulated_logits(model: Any, window: Window, cache: Any, calibrate: int = 0)
     cuts = [0, calibrate, n] if 0 < calibrate < n else [0, n]
     t0 = time.perf_counter()
     pieces = [
-        model(ids[:, a:b], cache=cache, use_cache=True).logits[0].float().cpu()
+        model(ids[:, a:b], **cache_kw(cache), use_cache=True).logits[0].float().cpu()
         for a, b in zip(cuts, cuts[1:], strict=False)
     ]
     logits = torch.cat(pieces)[window.score_from - 1 : -1]
@@ -85,11 +86,11 @@ def decode_logits(model: Any, window: Window, cache: Any, prefill: int, chunk: i
     dev = model_device(model)
     ids = window.ids.unsqueeze(0).to(dev)
     t0 = time.perf_counter()
-    model(ids[:, :prefill], cache=cache, use_cache=True, logits_to_keep=1)
+    model(ids[:, :prefill], **cache_kw(cache), use_cache=True, logits_to_keep=1)
     pieces = []
     for s in range(prefill, n - 1, chunk):
         e = min(s + chunk, n - 1)
-        out = model(ids[:, s:e], cache=cache, use_cache=True)
+        out = model(ids[:, s:e], **cache_kw(cache), use_cache=True)
         pieces.append(out.logits[0].float().cpu())
         if progress is not None:
             progress.update(e - s)
@@ -110,7 +111,7 @@ def greedy_continuation(model: Any, prompt: torch.Tensor, new_tokens: int, cache
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,
-        cache=cache,
+        **cache_kw(cache),
         pad_token_id=getattr(model.generation_config, "pad_token_id", None)
         or getattr(model.generation_config, "eos_token_id", None)
         or 0,

@@ -2,8 +2,9 @@
 
 Order of work: for each protocol, for each window, the reference is run once, then every method on the same
 tokens, and its logits are compared at once (so memory holds one window's logits at a time). A method that
-cannot run here (a backend not installed, bits it does not support) is ``skipped`` with the reason; one that
-raises is ``error`` with the message, and the run goes on.
+cannot run here (a backend not installed, bits it does not support) or on this model (transformers' quantized
+cache refuses sliding-window layers) is ``skipped`` with the reason: not run, which is no error. One that
+raises is ``error`` with the message (a bug: the CLI then exits 1), and the run goes on.
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ def _versions() -> dict[str, str]:
     return v
 
 
-def build_methods(recipe: Recipe) -> tuple[list[Method], list[dict[str, Any]]]:
-    """The reference plus one method per config entry; unavailable ones become skipped rows."""
+def build_methods(recipe: Recipe, model: Any = None) -> tuple[list[Method], list[dict[str, Any]]]:
+    """The reference plus one method per config entry; those unavailable here, or (given ``model``) unsupported
+    on the model, become skipped rows with the reason."""
     methods: list[Method] = [ReferenceMethod()]
     skipped: list[dict[str, Any]] = []
     for entry in recipe.configs:
@@ -92,7 +94,7 @@ def build_methods(recipe: Recipe) -> tuple[list[Method], list[dict[str, Any]]]:
             continue
         m = make_method(recipe.resolved_configs.get(entry, entry))
         m.name = entry
-        reason = m.unavailable()
+        reason = m.unavailable() or (m.unsupported_on(model) if model is not None else None)
         if reason:
             skipped.append({"config": entry, "kind": m.kind, "description": m.description, "reason": reason})
         else:
@@ -123,7 +125,7 @@ def _run(recipe: Recipe, command: str, quiet: bool, progress: bool) -> RunResult
     # so a run's prompts do not depend on how many windows it scores
     ids = tokenize(text.text, tok)
     bos_id = window_bos(tok, recipe.bos)
-    methods, skipped = build_methods(recipe)
+    methods, skipped = build_methods(recipe, model)
     if any(t in RETRIEVAL_TASKS for t in recipe.tasks):
         check_lengths(model, recipe.retrieval.lengths)  # before any long work
         check_cases(recipe.tasks, tok, ids, recipe.retrieval.lengths, recipe.seed)

@@ -23,6 +23,7 @@ import torch
 import kvquant
 from kvquant.models import load_model
 from kvquant.paths import shared_dir
+from kvquant.transformers_compat import cache_kw
 
 
 def hand_loop(model, config: kvquant.KVQuantConfig, input_ids: torch.Tensor, new_tokens: int, eos: int | None):
@@ -31,7 +32,7 @@ def hand_loop(model, config: kvquant.KVQuantConfig, input_ids: torch.Tensor, new
     out: list[int] = []
     with torch.no_grad():
         positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
-        logits = model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True).logits
+        logits = model(input_ids=input_ids, position_ids=positions, **cache_kw(cache), use_cache=True).logits
         for _ in range(new_tokens):
             token = int(logits[0, -1].argmax())
             out.append(token)
@@ -39,7 +40,7 @@ def hand_loop(model, config: kvquant.KVQuantConfig, input_ids: torch.Tensor, new
                 break
             position = torch.tensor([[cache.cache_pos]])  # the cursor: tokens written so far
             step = torch.tensor([[token]])
-            logits = model(input_ids=step, position_ids=position, cache=cache, use_cache=True).logits
+            logits = model(input_ids=step, position_ids=position, **cache_kw(cache), use_cache=True).logits
     return out, cache
 
 
@@ -47,7 +48,7 @@ def generate_loop(model, config: kvquant.KVQuantConfig, input_ids: torch.Tensor,
     """The same greedy decode through ``generate()`` and a quantized cache of the same config."""
     cache = kvquant.QuantizedKVCache(model, config)
     with torch.no_grad():
-        out = model.generate(input_ids, cache=cache, max_new_tokens=new_tokens, do_sample=False)
+        out = model.generate(input_ids, **cache_kw(cache), max_new_tokens=new_tokens, do_sample=False)
     return out[0, input_ids.shape[1]:].tolist()
 
 

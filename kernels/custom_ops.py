@@ -162,13 +162,19 @@ def op_arguments(launch) -> tuple:
         raise TypeError(f"{name}: {len(launch.args)} positional arguments, the kernel takes {len(params)}")
     outs = WRITES.get(name)
     bound = {**dict(zip(params, launch.args, strict=False)), **launch.meta}
-    tensors: dict[int, tuple[torch.Tensor, list[str]]] = {}  # one entry per tensor object, its parameters
+    # one entry per tensor object and its parameters, matched by identity (`is`: torch.compile before 2.13
+    # cannot trace id() of a tensor made inside the compiled region)
+    tensors: list[tuple[torch.Tensor, list[str]]] = []
     scalars: dict[type, tuple[list, list[str]]] = {int: ([], []), float: ([], []), bool: ([], [])}
     for param, value in bound.items():
         if param not in params and param not in OPTIONS:
             raise TypeError(f"{name}: unknown parameter {param!r}")
         if isinstance(value, torch.Tensor):
-            tensors.setdefault(id(value), (value, []))[1].append(param)
+            same = [ps for t, ps in tensors if t is value]
+            if same:
+                same[0].append(param)
+            else:
+                tensors.append((value, [param]))
         elif type(value) in scalars:
             values, names = scalars[type(value)]
             values.append(value)
@@ -178,7 +184,7 @@ def op_arguments(launch) -> tuple:
                             "tensors, int, float, bool)")  # fmt: skip
     written: tuple[list, list[str]] = ([], [])
     read: tuple[list, list[str]] = ([], [])
-    for t, ps in tensors.values():
+    for t, ps in tensors:
         side = written if outs is None or any(p in outs for p in ps) else read
         side[0].append(t)
         side[1].append(",".join(ps))

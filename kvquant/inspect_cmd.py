@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .transformers_compat import cache_kw
+
 INSPECT_EPILOG = """\
 examples:
   kvquant inspect --model smollm2-135m --config int8 --text "Once upon a time" --new-tokens 8
@@ -75,7 +77,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                             generator=torch.Generator().manual_seed(0))  # fmt: skip
     with kvquant.wrapped(model, cfg), torch.no_grad():
         cache = kvquant.QuantizedKVCache(model, cfg)
-        model.generate(ids, cache=cache, max_new_tokens=args.new_tokens, num_beams=args.beams, do_sample=False)
+        model.generate(ids, **cache_kw(cache), max_new_tokens=args.new_tokens, num_beams=args.beams, do_sample=False)
     dump: dict[str, Any] = cache.dump()
     if args.summary:
         for layer in dump["layers"]:

@@ -37,6 +37,7 @@ import torch
 
 from .errors import ArgumentError, InputError
 from .shape import ModelShape
+from .transformers_compat import cache_kw
 
 SCALES_FORMAT = "kvquant-scales"
 SCALES_VERSION = "1"
@@ -155,7 +156,7 @@ def collect_amax(
         for ids in windows:
             ids = torch.as_tensor(ids).reshape(1, -1).to(dev)
             cache = DynamicCache(config=model.config)
-            model(input_ids=ids, cache=cache, use_cache=True)
+            model(input_ids=ids, **cache_kw(cache), use_cache=True)
             for i, layer in enumerate(cache.layers):
                 k, v = layer.keys, layer.values  # [1, H, T, D]
                 k = fwht(k) if rotate in ("keys", "kv") else k

@@ -47,6 +47,7 @@ from .errors import InputError, RequestError
 from .packed import PackedCache, Segment
 from .pool import PagedKVPool
 from .shape import sliding_windows
+from .transformers_compat import cache_kw
 
 __all__ = ["Event", "Scheduler"]
 
@@ -423,7 +424,7 @@ class Scheduler:
         position_ids = torch.tensor([pos], device=self.device)
         cache = PackedCache(self.pool.shape.num_layers, segments)
         with torch.no_grad():
-            out = self.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True,
+            out = self.model(input_ids=input_ids, position_ids=position_ids, **cache_kw(cache), use_cache=True,
                              logits_to_keep=torch.tensor(keep or [0], device=self.device))  # fmt: skip
         return out.logits[0].float()
 

@@ -44,6 +44,7 @@ from .outputs import FORCE_HINT, check_output, write_text
 from .shape import ModelShape
 from .simulate import SimulatedQuantCache
 from .store import LayerStore
+from .transformers_compat import cache_kw
 
 KINDS = ("key", "value")
 METHODS = {
@@ -164,7 +165,7 @@ def _kl_mean(ref_logp: torch.Tensor, logits: torch.Tensor, chunk: int = 256) -> 
 
 def _call(model: Any, cache: Cache, input_ids: torch.Tensor | None = None,
           inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-    out = model(input_ids=input_ids, inputs_embeds=inputs_embeds, cache=cache, use_cache=True)
+    out = model(input_ids=input_ids, inputs_embeds=inputs_embeds, **cache_kw(cache), use_cache=True)
     return out.logits
 
 
@@ -301,7 +302,7 @@ def estimate_fisher(
         with torch.enable_grad(), _frozen(model):
             # gradients flow from the embeddings through K/V, never into the weights
             embeds = model.get_input_embeddings()(x).detach().requires_grad_(True)
-            logits = model(inputs_embeds=embeds, cache=cache, use_cache=True).logits[0].float()
+            logits = model(inputs_embeds=embeds, **cache_kw(cache), use_cache=True).logits[0].float()
             logp = torch.log_softmax(logits, dim=-1)
             probs = logp.detach().exp().cpu()
             # quantization errors of every candidate, per layer: [1, H, T, D] each

@@ -11,6 +11,7 @@ from typing import Any
 from .attention import install_attention
 from .cache import QuantizedKVCache
 from .config import DEFAULT_PRESET, MAX_CAPACITY, KVQuantConfig, check_int
+from .transformers_compat import CACHE_ARG
 
 
 def wrap(model: Any, config: KVQuantConfig | str | Path = DEFAULT_PRESET, capacity: int | None = None) -> Any:
@@ -23,7 +24,8 @@ def wrap(model: Any, config: KVQuantConfig | str | Path = DEFAULT_PRESET, capaci
             per token), chosen because it holds on models with outlier and offset key channels.
         capacity: tokens to preallocate per sequence in each new cache (optional).
 
-    ``generate()`` builds a fresh cache per call unless ``cache=`` is passed. Forward calls with
+    ``generate()`` builds a fresh cache per call unless one is passed (``cache=``, or ``past_key_values=``
+    on transformers before 5.24: :data:`~kvquant.transformers_compat.CACHE_ARG`). Forward calls with
     other caches (``DynamicCache``, transformers' ``QuantizedCache``) or none use plain SDPA.
     :func:`unwrap` restores the model's attention implementation and ``generate``.
     """
@@ -43,7 +45,7 @@ def wrap(model: Any, config: KVQuantConfig | str | Path = DEFAULT_PRESET, capaci
         def generate(*args: Any, **kwargs: Any) -> Any:
             wants_cache = kwargs.get("use_cache", True) is not False
             if wants_cache and kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
-                kwargs["cache"] = QuantizedKVCache(model, model.kvquant_config, model.kvquant_capacity)
+                kwargs[CACHE_ARG] = QuantizedKVCache(model, model.kvquant_config, model.kvquant_capacity)
             return original(*args, **kwargs)
 
         model._kvquant_original_generate = original

@@ -13,6 +13,7 @@ from kvquant import KVPrecision, KVQuantConfig, QuantizedKVCache
 from kvquant.errors import ConfigError
 from kvquant.quantizers import PRECISIONS, make_quantizer
 from kvquant.store import LayerStore
+from kvquant.transformers_compat import cache_kw
 
 A = "Once upon a time, there was a little girl named Lily. She"
 
@@ -28,7 +29,7 @@ def _generate(model, tok, prompts, cfg, n=8):
     enc = tok(prompts, return_tensors="pt", padding=True)
     cache = QuantizedKVCache(model, cfg)
     with torch.no_grad():
-        out = model.generate(**enc, cache=cache, max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id,
+        out = model.generate(**enc, **cache_kw(cache), max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id,
                              output_logits=True, return_dict_in_generate=True)
     return out.sequences[:, enc["input_ids"].shape[1]:], torch.stack(out.logits, 1), cache, enc
 

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 import kvquant
 from kvquant import QuantizedKVCache
+from kvquant.transformers_compat import cache_kw
 
 from conftest import tiny_model
 
@@ -23,7 +24,7 @@ ARCHS = [
 def greedy(model, ids, cache=None, n=24, **kw):
     kwargs = dict(max_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
     if cache is not None:
-        kwargs["cache"] = cache
+        kwargs |= cache_kw(cache)
     with torch.no_grad():
         return model.generate(ids, **kwargs)
 
@@ -55,9 +56,9 @@ def test_stories260k_passthrough_and_documented_text(stories):
 def teacher_forced_logits(model, seq, prompt_len, cache):
     """Logits [T, vocab] predicting ``seq[prompt_len:]`` (1 x T), fed one token at a time after the prompt."""
     with torch.no_grad():
-        out = [model(seq[:, :prompt_len], cache=cache, use_cache=True).logits[:, -1]]
+        out = [model(seq[:, :prompt_len], **cache_kw(cache), use_cache=True).logits[:, -1]]
         for t in range(prompt_len, seq.shape[1] - 1):
-            out.append(model(seq[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
+            out.append(model(seq[:, t:t + 1], **cache_kw(cache), use_cache=True).logits[:, -1])
     return torch.cat(out).float()
 
 
@@ -91,7 +92,7 @@ def test_beam_search_through_int4_equals_teacher_forcing():
     model = tiny_model("llama", heads=4, kv_heads=2, head_dim=64)
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        g = model.generate(ids, cache=QuantizedKVCache(model, "int4"), max_new_tokens=12, num_beams=4,
+        g = model.generate(ids, **cache_kw(QuantizedKVCache(model, "int4")), max_new_tokens=12, num_beams=4,
                            num_return_sequences=4, do_sample=False, pad_token_id=0, output_scores=True,
                            return_dict_in_generate=True)
     steps = model.compute_transition_scores(g.sequences, g.scores, g.beam_indices, normalize_logits=False)
@@ -104,8 +105,8 @@ def test_sampling_through_int4_equals_teacher_forcing():
     ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(4))
     torch.manual_seed(0)
     with torch.no_grad():
-        g = model.generate(ids, cache=QuantizedKVCache(model, "int4"), do_sample=True, top_k=20, max_new_tokens=10,
-                           pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        g = model.generate(ids, **cache_kw(QuantizedKVCache(model, "int4")), do_sample=True, top_k=20,
+                           max_new_tokens=10, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     raw = torch.stack(g.logits, 1).float().log_softmax(-1)  # [batch, new tokens, vocab], before top-k
     steps = raw.gather(2, g.sequences[:, ids.shape[1]:, None])[..., 0]
     kl, top1 = check_against_teacher_forcing(model, g.sequences, ids.shape[1], steps, "int4")
@@ -135,18 +136,18 @@ def test_crop_reset_and_repr():
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(5))
     cache = QuantizedKVCache(model, "int8-token")
     with torch.no_grad():
-        model(ids[:, :15], cache=cache, use_cache=True)
-        first = model(ids[:, 15:], cache=cache, use_cache=True).logits
+        model(ids[:, :15], **cache_kw(cache), use_cache=True)
+        first = model(ids[:, 15:], **cache_kw(cache), use_cache=True).logits
     assert cache.cache_pos == 20 and "cache_pos=20" in repr(cache) and "session_id=" in repr(cache)
     cache.crop(-5)
     assert cache.get_seq_length() == 15
     with torch.no_grad():  # re-feeding the cropped tokens gives the same logits as the first time
-        again = model(ids[:, 15:], cache=cache, use_cache=True).logits
+        again = model(ids[:, 15:], **cache_kw(cache), use_cache=True).logits
     torch.testing.assert_close(again, first, atol=1e-5, rtol=0)
     cache.reset()
     assert cache.get_seq_length() == 0
     with torch.no_grad():  # after reset the cache serves a new prompt from scratch
-        fresh = model(ids[:, :15], cache=cache, use_cache=True).logits
+        fresh = model(ids[:, :15], **cache_kw(cache), use_cache=True).logits
         ref = model(ids[:, :15]).logits
     torch.testing.assert_close(fresh, ref, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="negative"):
@@ -159,7 +160,7 @@ def test_attention_must_read_the_store():
     model.set_attn_implementation("sdpa")  # a user switching attention back behind kvquant's back
     ids = torch.randint(3, 128, (1, 4))
     with torch.no_grad(), pytest.raises(RuntimeError, match="kvquant.wrap"):
-        model(ids, cache=cache, use_cache=True)  # caught within the first forward (layer 1's update)
+        model(ids, **cache_kw(cache), use_cache=True)  # caught within the first forward (layer 1's update)
     with pytest.raises(ValueError, match="kvquant.wrap"):  # building a cache changes nothing on the model
         QuantizedKVCache(model, "int8")
 

@@ -22,6 +22,7 @@ from kvquant.sensitivity import (
     spearman,
     unit_config,
 )
+from kvquant.transformers_compat import cache_kw
 
 CANDS = "int2,int8,fp16"
 KW = dict(calib_window=64, calib_windows=2, samples=2, method="fisher")
@@ -140,7 +141,7 @@ def test_yaml_round_trip_and_header(first_run, stories):
     assert yaml.safe_load(text)["model_shape"] == {"layers": 5, "kv_heads": 4, "head_dim": 8}
     # the simulated cache reads it as is
     ids = first_run.tokens.ids[:1, :16]
-    model(ids, cache=SimulatedQuantCache(model, path), use_cache=True)
+    model(ids, **cache_kw(SimulatedQuantCache(model, path)), use_cache=True)
 
 
 def test_calibration_tokens_come_from_the_end(first_run):

@@ -16,6 +16,7 @@ from kvquant.config import ConfigError, KVPrecision, KVQuantConfig  # noqa: E402
 from kvquant.kernels import dispatch  # noqa: E402
 from kvquant.quantizers import GAINS, Codebook, IntNGrouped, make_quantizer, uniform_levels  # noqa: E402
 from kvquant.store import LayerStore, make_groups  # noqa: E402
+from kvquant.transformers_compat import cache_kw
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -235,7 +236,7 @@ def test_calibrate_chooses_among_codebook_candidates(stories, tinystories_text, 
     assert cfg.avg_bits(ModelShape.of(model)) <= 5.0
     assert cfg.precisions() & {"tq2", "tq4"}
     ids = tok("Once upon a time", return_tensors="pt").input_ids
-    out = model.generate(ids, cache=QuantizedKVCache(model, cfg), max_new_tokens=8, do_sample=False)
+    out = model.generate(ids, **cache_kw(QuantizedKVCache(model, cfg)), max_new_tokens=8, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 8
 
 

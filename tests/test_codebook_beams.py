@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from kvquant import QuantizedKVCache
 from kvquant.quantizers.codebook import ChannelCodebook, Codebook, VectorCodebook
+from kvquant.transformers_compat import cache_kw
 
 from conftest import tiny_model
 
@@ -34,13 +35,13 @@ def decode_logits(model, seq, prompt, config, reorder=None, at=2):
     cache = QuantizedKVCache(model, config)
     out = []
     with torch.no_grad():
-        out.append(model(seq[:, :prompt], cache=cache, use_cache=True).logits[:, -1])
+        out.append(model(seq[:, :prompt], **cache_kw(cache), use_cache=True).logits[:, -1])
         for t in range(prompt, seq.shape[1] - 1):
             if reorder is not None and t == prompt + at:
                 cache.reorder_cache(reorder)
                 seq = seq[reorder]
                 out = [o[reorder] for o in out]
-            out.append(model(seq[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
+            out.append(model(seq[:, t:t + 1], **cache_kw(cache), use_cache=True).logits[:, -1])
     return torch.stack(out, 1)
 
 
@@ -81,10 +82,10 @@ def test_beam_search_through_codebook_heads(name):
     model = tiny_model("llama", heads=4, kv_heads=2, head_dim=64)
     ids = torch.randint(3, 128, (2, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        g = model.generate(ids, cache=QuantizedKVCache(model, CONFIGS[name]), max_new_tokens=10, num_beams=3,
+        g = model.generate(ids, **cache_kw(QuantizedKVCache(model, CONFIGS[name])), max_new_tokens=10, num_beams=3,
                            num_return_sequences=3, do_sample=False, pad_token_id=0)
         seqs = g
-        ref = model(seqs, cache=DynamicCache(config=model.config), use_cache=True).logits[:, ids.shape[1] - 1:-1]
+        ref = model(seqs, **cache_kw(DynamicCache(config=model.config)), use_cache=True).logits[:, ids.shape[1] - 1:-1]
         q = decode_logits(model, seqs, ids.shape[1], CONFIGS[name])[:, :]
     lr, lq = ref.float().log_softmax(-1), q.float().log_softmax(-1)
     kl = (lr.exp() * (lr - lq)).sum(-1).mean().item()

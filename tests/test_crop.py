@@ -9,6 +9,7 @@ import torch
 from kvquant import KVPrecision, KVQuantConfig, QuantizedKVCache
 from kvquant.kernels.attention_torch import attend_naive, attend_torch, dequantize_history
 from kvquant.store import LayerStore
+from kvquant.transformers_compat import cache_kw
 
 from conftest import tiny_model
 
@@ -75,6 +76,6 @@ def test_assisted_generation_with_residual_window():
     cache = QuantizedKVCache(model, cfg)
     assert all(layer.is_croppable for layer in cache.layers)
     with torch.no_grad():
-        out = model.generate(ids, assistant_model=assistant, cache=cache, max_new_tokens=20, do_sample=False,
+        out = model.generate(ids, assistant_model=assistant, **cache_kw(cache), max_new_tokens=20, do_sample=False,
                              pad_token_id=0)
     assert out.shape == (1, 60) and cache.get_seq_length() >= 59

@@ -100,3 +100,50 @@ def test_runs_are_deterministic(shared, tmp_path):
     assert a.meta["generation"]["prompt_offsets"] == b.meta["generation"]["prompt_offsets"]
     keys = ("ppl", "kl_mean", "kl_p99", "top1", "mean_abs_dp", "gen")
     assert [{k: r.get(k) for k in keys} for r in a.rows] == [{k: r.get(k) for k in keys} for r in b.rows]
+
+
+def _sliding_window_checkpoint(path: Path, text: str) -> Path:
+    """A random tiny Qwen2 whose second layer is a sliding-window layer, with a byte-level BPE tokenizer trained
+    on ``text``, saved to ``path`` (transformers loads any Qwen2 checkpoint's tokenizer as Qwen2Tokenizer)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet, show_progress=False))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    cfg = transformers.Qwen2Config(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, use_sliding_window=True, sliding_window=16,
+        max_window_layers=1, layer_types=["full_attention", "sliding_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def test_baseline_refused_by_the_model_is_not_run_and_exit_0(tmp_path, capsys):
+    """transformers' QuantizedCache refuses sliding-window layers: the baseline is listed under "not run" with
+    transformers' reason, the kvquant config runs, and the eval exits 0 (1 is reserved for bugs)."""
+    pytest.importorskip("hqq")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{(i * 7) % 60}" for i in range(400)) + "\n")
+    model = _sliding_window_checkpoint(tmp_path / "model", text.read_text())
+    out = tmp_path / "out"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"name: sliding\nmodel: {model}\ndtype: float32\ndata: {text}\nprotocol: [decode]\nwindow: 48\n"
+        "max_windows: 1\nprefill: 16\ndecode_chunk: 16\nbos: false\nconfigs: [int8, hf-hqq-int4]\n"
+    )
+    assert cli.main([str(recipe), "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    rows = json.loads((out / "results.json").read_text())["results"]
+    status = {r["config"]: r["status"] for r in rows}
+    assert status == {"reference": "ok", "int8": "ok", "hf-hqq-int4": "skipped"}
+    reason = next(r["reason"] for r in rows if r["config"] == "hf-hqq-int4")
+    assert "only full attention layers" in reason and "\n" not in reason
+    assert "not run: hf-hqq-int4: skipped (transformers' QuantizedCache refuses this model" in printed
+    assert "hf-hqq-int4: skipped" in (out / "report.md").read_text()

@@ -18,6 +18,7 @@ from kvquant import QuantizedKVCache
 from kvquant.eval.parallel import merge_rows, shard_configs
 from kvquant.eval.recipe import RecipeError, parse_recipe
 from kvquant.eval.runner import run_recipe
+from kvquant.transformers_compat import cache_kw
 
 TIMING = ("seconds", "tok_per_s")
 
@@ -99,12 +100,12 @@ def test_cache_layers_follow_the_dtype_of_their_first_kv(stories):
     m = _mixed(model, 1, torch.bfloat16)
     ids = torch.randint(3, 500, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ref = m(input_ids=ids, cache=DynamicCache(config=m.config)).logits
+        ref = m(input_ids=ids, **cache_kw(DynamicCache(config=m.config))).logits
         for preset in ("fp32", "int8-token"):
             cache = QuantizedKVCache(m, preset)
-            logits = m(input_ids=ids[:, :16], cache=cache).logits
+            logits = m(input_ids=ids[:, :16], **cache_kw(cache)).logits
             for t in range(16, 24):  # one-token decode through the mixed-dtype cache
-                logits = torch.cat([logits, m(input_ids=ids[:, t:t + 1], cache=cache).logits], dim=1)
+                logits = torch.cat([logits, m(input_ids=ids[:, t:t + 1], **cache_kw(cache)).logits], dim=1)
             assert [layer.dtype for layer in cache.layers[:3]] == [torch.float32, torch.bfloat16, torch.float32]
             assert all(layer.store.device == layer.device == torch.device("cpu") for layer in cache.layers)
             assert cache.layers[1].store.dense_dtype is None or cache.layers[1].store.dense_dtype == torch.bfloat16

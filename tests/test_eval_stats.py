@@ -18,6 +18,7 @@ from kvquant.eval.compare import compare_text, paired_difference, t_quantile
 from kvquant.eval.metrics import DriftAccumulator, token_drift
 from kvquant.eval.recipe import load_recipe
 from kvquant.eval.report import _protocol_line, cell
+from kvquant.transformers_compat import cache_kw
 
 RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*.yaml"))
 
@@ -129,7 +130,7 @@ def test_int8_separate_scales_differ_from_shared(stories):
     for name in ("int8-shared", "int8-separate"):
         with kvquant.wrapped(model, name), torch.no_grad():
             cache = QuantizedKVCache(model, name)
-            model(ids, cache=cache, use_cache=True)
+            model(ids, **cache_kw(cache), use_cache=True)
         g = cache.layers[0].store.groups[0]
         states[name] = (next(iter(g.key.state.values())), next(iter(g.value.state.values())))
     k, v = states["int8-shared"]

@@ -14,6 +14,7 @@ from kvquant.blocks import LayerBlocks
 from kvquant.errors import ConfigError
 from kvquant.kernels.attention_torch import dequantize_history
 from kvquant.store import LayerStore, block_specs, make_groups
+from kvquant.transformers_compat import cache_kw
 
 from conftest import tiny_model
 
@@ -63,12 +64,13 @@ def run(model, config, ids, cont, mask=None):
     logits = []
     with torch.no_grad():
         pos = None if mask is None else (mask.cumsum(-1) - 1).clamp_min(0)
-        logits.append(model(ids, attention_mask=mask, position_ids=pos, cache=cache).logits[:, -1])
+        logits.append(model(ids, attention_mask=mask, position_ids=pos, **cache_kw(cache)).logits[:, -1])
         for i in range(cont.shape[1]):
             if mask is not None:
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
                 pos = (mask.cumsum(-1) - 1)[:, -1:]
-            logits.append(model(cont[:, i:i + 1], attention_mask=mask, position_ids=pos, cache=cache).logits[:, -1])
+            out = model(cont[:, i:i + 1], attention_mask=mask, position_ids=pos, **cache_kw(cache))
+            logits.append(out.logits[:, -1])
     return cache, torch.stack(logits, dim=1)
 
 
@@ -219,7 +221,7 @@ def test_beams_share_lanes_and_copy_on_write(model, policy):
     logits = []
     with torch.no_grad():
         for i in range(cont.shape[1]):
-            logits.append(model(cont[:, i:i + 1], cache=cache).logits[:, -1])
+            logits.append(model(cont[:, i:i + 1], **cache_kw(cache)).logits[:, -1])
     got = torch.stack(logits, dim=1)
     for row in range(2):
         _, ref = run(model, config, ids, cont[row:row + 1])
@@ -247,9 +249,9 @@ def test_generate_greedy_beam_and_left_padded_equal_per_row_blocks(model, monkey
         with monkeypatch.context() as m:
             if not lanes:
                 no_lanes(m)
-            greedy = model.generate(ids, attention_mask=mask, cache=QuantizedKVCache(model, config),
+            greedy = model.generate(ids, attention_mask=mask, **cache_kw(QuantizedKVCache(model, config)),
                                     max_new_tokens=8, do_sample=False)  # fmt: skip
-            beams = model.generate(ids, attention_mask=mask, cache=QuantizedKVCache(model, config),
+            beams = model.generate(ids, attention_mask=mask, **cache_kw(QuantizedKVCache(model, config)),
                                    max_new_tokens=8, num_beams=3, do_sample=False)  # fmt: skip
             outs.append((greedy, beams))
     assert outs[0][0].shape == (2, 88) and outs[0][1].shape == (2, 88)
@@ -276,11 +278,11 @@ def decode_until_full(model, ids: torch.Tensor, cache, state, steps: int) -> tup
     """Prefill ``ids``, then decode random tokens until the bounded pool refuses a step: ``state()`` before the
     refused step and after it (they must be equal: a refused step changes nothing)."""
     with torch.no_grad():
-        model(ids, cache=cache)
+        model(ids, **cache_kw(cache))
         for _ in range(steps):
             before = state()
             try:
-                model(torch.randint(3, 128, (1, 1)), cache=cache)
+                model(torch.randint(3, 128, (1, 1)), **cache_kw(cache))
             except KVCacheFull:
                 return before, state()
     raise AssertionError("the pool never filled")
@@ -357,7 +359,7 @@ def test_pool_caches_share_an_arena_through_free_lanes(model):
     ids = torch.randint(3, 128, (1, 150))
     a = QuantizedKVCache.from_pool(pool, ids)  # (bound to ids: a forward with other ids is refused)
     with torch.no_grad():
-        model(ids, cache=a)
+        model(ids, **cache_kw(a))
     used = pool.stats()["blocks_used"]
     lanes = sum(la.store.memory()["lanes"] for la in a.layers)
     assert used * 2 >= lanes and used < lanes  # two lanes per block (2 KV heads), few blocks partly used
@@ -436,8 +438,8 @@ def test_bounded_pool_refuses_a_step_before_any_layer_writes_and_reset_reuses(mo
     assert pool.stats()["blocks_used"] == 0
     new = torch.randint(3, 128, (1, 90))
     with torch.no_grad():
-        got = model(new, cache=cache).logits
-        ref = model(new, cache=QuantizedKVCache(model, config)).logits
+        got = model(new, **cache_kw(cache)).logits
+        ref = model(new, **cache_kw(QuantizedKVCache(model, config))).logits
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -15,6 +15,7 @@ from kvquant.blocks import LayerBlocks
 from kvquant.cache import QuantizedLayer
 from kvquant.kernels.attention_torch import attend_torch, dequantize_history
 from kvquant.store import LayerStore, block_specs, make_groups
+from kvquant.transformers_compat import cache_kw
 
 from conftest import tiny_model
 
@@ -284,7 +285,8 @@ def test_beams_share_lanes_and_each_row_equals_its_own_run(model, name):
     for la, b in zip(cache.layers, before, strict=True):
         assert held(la.store) == b == la.store.memory()["shared"]
     with torch.no_grad():
-        got = torch.stack([model(cont[:, i:i + 1], cache=cache).logits[:, -1] for i in range(cont.shape[1])], dim=1)
+        got = torch.stack([model(cont[:, i:i + 1], **cache_kw(cache)).logits[:, -1] for i in range(cont.shape[1])],
+                          dim=1)
     # (tracked: the batched step's scores differ from a single row's by float noise, which can move a K value of
     # the fp16 tail by one ulp: ~3e-5 on these logits; a head reading another row's lane moves them by far more)
     tol = 1e-4 if tracked else 1e-5
@@ -317,15 +319,15 @@ def test_generate_greedy_beam_and_left_padded(model, name):
     mask = torch.ones_like(ids)
     mask[0, :10] = 0
     config = cfg(name)
-    greedy = model.generate(ids, attention_mask=mask, cache=QuantizedKVCache(model, config), max_new_tokens=20,
+    greedy = model.generate(ids, attention_mask=mask, **cache_kw(QuantizedKVCache(model, config)), max_new_tokens=20,
                             do_sample=False)  # fmt: skip
-    beams = model.generate(ids, attention_mask=mask, cache=QuantizedKVCache(model, config), max_new_tokens=20,
+    beams = model.generate(ids, attention_mask=mask, **cache_kw(QuantizedKVCache(model, config)), max_new_tokens=20,
                            num_beams=3, do_sample=False)  # fmt: skip
     assert greedy.shape == beams.shape == (2, 100)
-    alone = model.generate(ids[1:], cache=QuantizedKVCache(model, config), max_new_tokens=20, do_sample=False)
+    alone = model.generate(ids[1:], **cache_kw(QuantizedKVCache(model, config)), max_new_tokens=20, do_sample=False)
     assert torch.equal(greedy[1:, 80:], alone[:, 80:])
     cache = QuantizedKVCache(model, config)
-    model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=20, do_sample=False)
+    model.generate(ids, attention_mask=mask, **cache_kw(cache), max_new_tokens=20, do_sample=False)
     assert all(la.store.tail_lanes for la in cache.layers)
 
 
@@ -343,8 +345,8 @@ def test_reset_and_crop(model):
         assert la.store.qfill == [[0, 0]]
     new = torch.randint(3, 128, (1, 70))
     with torch.no_grad():
-        got = model(new, cache=cache).logits
-        ref = model(new, cache=QuantizedKVCache(model, config)).logits
+        got = model(new, **cache_kw(cache)).logits
+        ref = model(new, **cache_kw(QuantizedKVCache(model, config))).logits
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from kvquant.evict import Budget, KeyNormScorer, SnapKVScorer, StreamingScorer, make_scorer
+from kvquant.transformers_compat import cache_kw
 
 from conftest import tiny_model
 
@@ -76,7 +77,7 @@ def test_snapkv_scores_equal_eager_attention_of_the_observation_window():
     ids = torch.randint(3, 128, (2, 40))
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        out = model(ids, cache=cache, output_attentions=True)
+        out = model(ids, **cache_kw(cache), output_attentions=True)
     handle.remove()
     keys = cache.layers[0].keys
     w, kernel = 8, 5
@@ -151,7 +152,7 @@ def test_per_layer_overrides_and_sliding_window_layers(tmp_path):
     cfg = KVQuantConfig.from_dict({"default": "int8-token", "evict": {"policy": "knorm", "layers": {1: None}}})
     cache = QuantizedKVCache(model, cfg)
     with torch.no_grad():
-        model(torch.randint(3, 128, (1, 100)), cache=cache)
+        model(torch.randint(3, 128, (1, 100)), **cache_kw(cache))
     assert cache.layers[0].store.slots is not None and cache.layers[0].store.cache_pos == 50
     assert cache.layers[1].store.slots is None and cache.layers[1].store.cache_pos == 100
     mistral = tiny_model("mistral", kv_heads=2, heads=4, head_dim=16, layers=2, sliding_window=32)

@@ -13,6 +13,7 @@ from kvquant import KVQuantConfig, QuantizedKVCache
 from kvquant.evict import Budget
 from kvquant.kernels.attention_torch import attend_naive, attend_torch
 from kvquant.slots import SlotMap
+from kvquant.transformers_compat import cache_kw
 
 from conftest import tiny_model
 
@@ -32,7 +33,7 @@ def prefill(model, config, ids, mask=None):
     cache = QuantizedKVCache(model, config)
     pos = None if mask is None else (mask.cumsum(-1) - 1).clamp_min(0)  # as generate() numbers left-padded rows
     with torch.no_grad():
-        out = model(ids, attention_mask=mask, position_ids=pos, cache=cache)
+        out = model(ids, attention_mask=mask, position_ids=pos, **cache_kw(cache))
     return cache, out.logits
 
 
@@ -46,7 +47,7 @@ def teacher_forced(model, cache, cont, mask=None):
                 pos = (mask.cumsum(-1) - 1)[:, -1:]
             else:
                 pos = None
-            out = model(cont[:, i:i + 1], attention_mask=mask, position_ids=pos, cache=cache)
+            out = model(cont[:, i:i + 1], attention_mask=mask, position_ids=pos, **cache_kw(cache))
             logits.append(out.logits[:, -1])
     return torch.stack(logits, dim=1)
 
@@ -129,13 +130,13 @@ def test_positions_keep_counting_original_positions_after_eviction(model):
     kept[T - (n - sinks):] = True
     dyn = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, cache=dyn)
+        model(ids, **cache_kw(dyn))
         ref = []
         mask = kept.view(1, -1).long()
         for i in range(cont.shape[1]):
             mask = torch.cat([mask, torch.ones(1, 1, dtype=torch.long)], dim=1)
             pos = torch.tensor([[T + i]])
-            out = model(cont[:, i:i + 1], attention_mask=mask, position_ids=pos, cache=dyn,
+            out = model(cont[:, i:i + 1], attention_mask=mask, position_ids=pos, **cache_kw(dyn),
                         cache_position=pos[0])
             ref.append(out.logits[:, -1])
     ref = torch.stack(ref, dim=1)
@@ -143,8 +144,8 @@ def test_positions_keep_counting_original_positions_after_eviction(model):
     # the same check with the positions shifted to the count of kept tokens fails
     shifted = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids[:, kept], cache=shifted)
-        out = model(cont[:, :1], cache=shifted)
+        model(ids[:, kept], **cache_kw(shifted))
+        out = model(cont[:, :1], **cache_kw(shifted))
     assert (out.logits[:, -1] - ref[:, 0]).abs().max() > 1e-2
 
 
@@ -197,16 +198,16 @@ def test_generate_greedy_and_beam_search(model, policy):
     mask = torch.ones_like(ids)
     mask[0, :10] = 0
     config = cfg(policy, 0.5, default="int8-token", window=8)
-    out = model.generate(ids, attention_mask=mask, cache=QuantizedKVCache(model, config), max_new_tokens=6,
+    out = model.generate(ids, attention_mask=mask, **cache_kw(QuantizedKVCache(model, config)), max_new_tokens=6,
                          do_sample=False)
     assert out.shape == (2, 86)
-    beams = model.generate(ids, attention_mask=mask, cache=QuantizedKVCache(model, config), max_new_tokens=6,
+    beams = model.generate(ids, attention_mask=mask, **cache_kw(QuantizedKVCache(model, config)), max_new_tokens=6,
                            num_beams=3, do_sample=False)
     assert beams.shape == (2, 86)
     # keep 1.0: beam search equals the policy-free cache's
-    full = model.generate(ids, attention_mask=mask, cache=QuantizedKVCache(model, "int8-token"), max_new_tokens=6,
+    full = model.generate(ids, attention_mask=mask, **cache_kw(QuantizedKVCache(model, "int8-token")), max_new_tokens=6,
                           num_beams=3, do_sample=False)
-    kept = model.generate(ids, attention_mask=mask, cache=QuantizedKVCache(model, cfg(policy, 1.0, "int8-token")),
+    kept = model.generate(ids, attention_mask=mask, **cache_kw(QuantizedKVCache(model, cfg(policy, 1.0, "int8-token"))),
                           max_new_tokens=6, num_beams=3, do_sample=False)
     assert torch.equal(full, kept)
 
@@ -224,7 +225,7 @@ def test_a_kvpress_style_scorer_object_is_a_policy(model):
     cache, _ = prefill(model, config, ids)
     dyn = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, cache=dyn)
+        model(ids, **cache_kw(dyn))
     n = Budget(keep=keep, sinks=sinks, window=window).tokens(T)
     for i, layer in enumerate(cache.layers):
         keys = dyn.layers[i].keys  # post-rotary keys, as the cache saw them
@@ -316,8 +317,8 @@ def test_decode_time_replacement_stores_each_slot_the_key_of_its_position(model,
     teacher_forced(model, cache, cont)
     dyn = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(torch.cat([ids, cont[:, :-1]], dim=1), cache=dyn)
-        model(cont[:, -1:], cache=dyn)
+        model(torch.cat([ids, cont[:, :-1]], dim=1), **cache_kw(dyn))
+        model(cont[:, -1:], **cache_kw(dyn))
     st = cache.layers[0].store
     k, v = at.dequantize_history(st, st.cache_pos)
     pos = st.slots.pos.long()

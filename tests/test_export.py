@@ -25,6 +25,7 @@ from kvquant.scales import (
     save_scales,
 )
 from kvquant.shape import ModelShape
+from kvquant.transformers_compat import cache_kw
 
 CALIB = ["--calib-window", "96", "--calib-windows", "2"]
 
@@ -99,7 +100,7 @@ def test_collect_amax_is_the_stores_own_prefill_statistic(stories):
     s = collect_amax(model, ids, "max", "head")
     cache = QuantizedKVCache(model, KVQuantConfig.from_dict({"default": "fp8-e4m3", "headroom": 1.0}))
     with torch.no_grad():
-        model(input_ids=ids, cache=cache)
+        model(input_ids=ids, **cache_kw(cache))
     g = cache.layers[0].store.groups[0]  # deeper layers see FP8-quantized attention there: other K/V
     assert torch.equal(g.key.state["scale"].reshape(-1), fp8_scales(s.key_amax[0]))
     assert torch.equal(g.value.state["scale"].reshape(-1), fp8_scales(s.value_amax[0]))
@@ -202,7 +203,7 @@ def test_engine_config_reproduces_in_process_fp8(exports, stories):
     for cfg in (engine_config(out), in_process):
         caches.append(QuantizedKVCache(model, cfg))
         with torch.no_grad():
-            logits.append(model(input_ids=ids, cache=caches[-1]).logits)
+            logits.append(model(input_ids=ids, **cache_kw(caches[-1])).logits)
     assert torch.equal(logits[0], logits[1])
 
     def codes(cache, layer, part):
@@ -214,7 +215,7 @@ def test_engine_config_reproduces_in_process_fp8(exports, stories):
     # layer 0 sees the unquantized model's K: compressed-tensors' own FP8 quantize op gives the same codes
     dense = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=ids, cache=dense)
+        model(input_ids=ids, **cache_kw(dense))
     args = QuantizationConfig.model_validate(
         json.loads((out / "config.json").read_text())["quantization_config"]).kv_cache_scheme
     with safe_open(str(out / "kv_scales.safetensors"), framework="pt") as f:

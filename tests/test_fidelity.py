@@ -11,14 +11,15 @@ import torch
 from transformers import DynamicCache
 
 import kvquant
+from kvquant.transformers_compat import cache_kw
 
 
 def teacher_forced_logprobs(model, tokens, prompt_len, cache):
     outs = []
     with torch.no_grad():
-        outs.append(model(tokens[:, :prompt_len], cache=cache, use_cache=True).logits[:, -1])
+        outs.append(model(tokens[:, :prompt_len], **cache_kw(cache), use_cache=True).logits[:, -1])
         for t in range(prompt_len, tokens.shape[1] - 1):
-            outs.append(model(tokens[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
+            outs.append(model(tokens[:, t:t + 1], **cache_kw(cache), use_cache=True).logits[:, -1])
     return torch.cat(outs).float().log_softmax(-1)
 
 
@@ -26,7 +27,8 @@ def test_int8_tracks_fp16_and_beats_int4(stories):
     model, tok = stories
     prompt = tok("Once upon a time", return_tensors="pt").input_ids
     with torch.no_grad():
-        full = model.generate(prompt, max_new_tokens=200, do_sample=False, cache=DynamicCache(config=model.config))
+        full = model.generate(prompt, max_new_tokens=200, do_sample=False,
+                              **cache_kw(DynamicCache(config=model.config)))
     P = prompt.shape[1]
     ref = teacher_forced_logprobs(model, full, P, DynamicCache(config=model.config))
     kvquant.wrap(model, "fp16")
@@ -35,7 +37,8 @@ def test_int8_tracks_fp16_and_beats_int4(stories):
         lp = teacher_forced_logprobs(model, full, P, kvquant.QuantizedKVCache(model, name))
         top1 = (lp.argmax(-1) == ref.argmax(-1)).float().mean().item()
         kl = (ref.exp() * (ref - lp)).sum(-1).mean().item()
-        free = model.generate(prompt, max_new_tokens=200, do_sample=False, cache=kvquant.QuantizedKVCache(model, name))
+        free = model.generate(prompt, max_new_tokens=200, do_sample=False,
+                              **cache_kw(kvquant.QuantizedKVCache(model, name)))
         agree = (free[0, P:] == full[0, P:]).float().mean().item()
         results[name] = (top1, kl)
         print(f"{name:11s} teacher-forced top1={top1:.3f} KL={kl:.5f} | free-running agreement {agree:.3f}")

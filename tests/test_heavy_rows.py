@@ -14,6 +14,7 @@ from kvquant.heavy import gather_parts, pick_rows, position_dtype, put_rows
 from kvquant.kernels import attention_torch, dispatch
 from kvquant.memory import sequence_bytes
 from kvquant.store import LayerStore
+from kvquant.transformers_compat import cache_kw
 from tests.test_codebook import DEV, model_space_reference, triton_matches_torch
 from tests.test_codebook_ladder import ROWS, _sdpa, ladder_history
 
@@ -201,7 +202,7 @@ def test_cache_picks_by_the_prompt_and_sizes_them(model, batch, monkeypatch):
         mask[1:, :7] = 0  # the second row is left-padded by 7
         cache = QuantizedKVCache(model, cfg)
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=5, do_sample=False)
+            model.generate(ids, attention_mask=mask, **cache_kw(cache), max_new_tokens=5, do_sample=False)
         for layer in cache.layers:
             store = layer.store
             first = store.row_start.view(-1, 1, 1) + 4
@@ -300,7 +301,7 @@ def test_picks_do_not_depend_on_the_score_tile(model, monkeypatch):
             monkeypatch.setattr(cache_module, "HEAVY_SCORE_ELEMENTS", elements)
             cache = QuantizedKVCache(model, cfg)
             with torch.no_grad():
-                model(ids, cache=cache)
+                model(ids, **cache_kw(cache))
             picks.append([h[0] for layer in cache.layers for h in layer.store.heavy])
         assert all(torch.equal(a, b) for a, b in zip(*picks, strict=True))
     finally:

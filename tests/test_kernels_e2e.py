@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import kvquant  # noqa: E402
+from kvquant.transformers_compat import cache_kw
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 E2E_TOL = 5e-5  # max |logit difference| triton vs torch, fp32 model, |logits| <= 8.6 (measured 2.1e-5 for int8,
@@ -70,7 +71,7 @@ def generate(model, ids, mask, backend, monkeypatch, new_tokens=6):
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-            cache=cache,
+            **cache_kw(cache),
         )  # fmt: skip
     monkeypatch.setattr(triton_attention, "attend_triton", real)
     return out.sequences, torch.stack(out.logits, 1), calls, cache

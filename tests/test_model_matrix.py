@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from kvquant import PRECISIONS, KVQuantConfig, QuantizedKVCache
 from kvquant.attention import install_attention
+from kvquant.transformers_compat import cache_kw
 
 # family -> (config class, model class, extra config fields). The support matrix in docs/guide.md lists these names.
 FAMILIES: dict[str, tuple[str, str, dict]] = {
@@ -52,9 +53,9 @@ def family_model(name: str):
 
 def teacher_forced(model, seq, cache):
     with torch.no_grad():
-        out = [model(seq[:, :PROMPT], cache=cache, use_cache=True).logits[0, -1]]
+        out = [model(seq[:, :PROMPT], **cache_kw(cache), use_cache=True).logits[0, -1]]
         for t in range(PROMPT, seq.shape[1] - 1):
-            out.append(model(seq[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1])
+            out.append(model(seq[:, t:t + 1], **cache_kw(cache), use_cache=True).logits[0, -1])
     return torch.stack(out).float().log_softmax(-1)
 
 
@@ -65,12 +66,12 @@ def test_family(family):
     ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1))
     kw = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        ref = model.generate(ids, cache=DynamicCache(config=model.config), **kw)
-        out = model.generate(ids, cache=QuantizedKVCache(model, "fp32"), **kw)
+        ref = model.generate(ids, **cache_kw(DynamicCache(config=model.config)), **kw)
+        out = model.generate(ids, **cache_kw(QuantizedKVCache(model, "fp32")), **kw)
     assert torch.equal(out, ref)  # passthrough == DynamicCache
     lp_ref = teacher_forced(model, ref, DynamicCache(config=model.config))
     with torch.no_grad():
-        assert model.generate(ids, cache=QuantizedKVCache(model, "int4"), **kw).shape == ref.shape
+        assert model.generate(ids, **cache_kw(QuantizedKVCache(model, "int4")), **kw).shape == ref.shape
     softcap = getattr(model.config, "attn_logit_softcapping", None) is not None
     for precision in PRECISIONS:
         if softcap and precision.startswith("tq"):  # codebook keys drop a key mean: not exact under tanh capping

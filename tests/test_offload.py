@@ -13,6 +13,7 @@ from kvquant.blocks import GROWTH
 from kvquant.errors import ConfigError
 from kvquant.kernels.attention_torch import attend_torch
 from kvquant.store import LayerStore
+from kvquant.transformers_compat import cache_kw
 
 from conftest import tiny_model
 
@@ -89,16 +90,16 @@ def test_model_logits_match_and_device_bytes_stay_bounded_to_4k():
     chunk = 512
     with torch.no_grad():
         for s in range(0, 4096, chunk):
-            a = model(ids[:, s:s + chunk], past_key_values=plain, use_cache=True).logits
-            b = model(ids[:, s:s + chunk], past_key_values=off, use_cache=True).logits
+            a = model(ids[:, s:s + chunk], **cache_kw(plain), use_cache=True).logits
+            b = model(ids[:, s:s + chunk], **cache_kw(off), use_cache=True).logits
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
             r, rp = off.memory_report(), plain.memory_report()
             assert r["bytes_device"] + r["bytes_host"] == r["bytes_total"] == rp["bytes_total"]
             device_bytes.append(r["bytes_device"])
             host_bytes.append(r["bytes_host"])
             reserved.append(r["bytes_reserved"])
-        step = model(ids[:, -1:], past_key_values=off, use_cache=True).logits
-        ref = model(ids[:, -1:], past_key_values=plain, use_cache=True).logits
+        step = model(ids[:, -1:], **cache_kw(off), use_cache=True).logits
+        ref = model(ids[:, -1:], **cache_kw(plain), use_cache=True).logits
         torch.testing.assert_close(step, ref, atol=1e-5, rtol=1e-5)
     per_block = sum(layer.store.blocks.bytes_per_block for layer in off.layers)
     assert max(device_bytes) <= 3 * per_block  # 2 recent blocks + the partial one, every layer
@@ -116,7 +117,7 @@ def test_generate_beams_and_release_over_both_tiers():
     for name, off in (("plain", None), ("offload", {"keep_recent_blocks": 1})):
         caches[name] = QuantizedKVCache(model, cfg("int8-token", off))
         with torch.no_grad():
-            outs[name] = model.generate(ids, cache=caches[name], max_new_tokens=20, do_sample=False, num_beams=3,
+            outs[name] = model.generate(ids, **cache_kw(caches[name]), max_new_tokens=20, do_sample=False, num_beams=3,
                                         pad_token_id=0)  # fmt: skip
     assert torch.equal(outs["offload"], outs["plain"])
     store = caches["offload"].layers[0].store
@@ -132,16 +133,16 @@ def test_crop_and_wrap_generate_with_offload():
     c = cfg("int4", {"keep_recent_blocks": 1})
     cache = QuantizedKVCache(model, c)
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_kw(cache), use_cache=True)
     store = cache.layers[0].store
     host_before = store.blocks.host.used
     cache.crop(-70)  # back to 50 tokens: host blocks past them are freed
     assert cache.get_seq_length() == 50 and store.blocks.host.used < host_before
     plain = QuantizedKVCache(model, cfg("int4"))
     with torch.no_grad():
-        model(ids[:, :50], past_key_values=plain, use_cache=True)
-        a = model(ids[:, 50:60], past_key_values=plain, use_cache=True).logits
-        b = model(ids[:, 50:60], past_key_values=cache, use_cache=True).logits
+        model(ids[:, :50], **cache_kw(plain), use_cache=True)
+        a = model(ids[:, 50:60], **cache_kw(plain), use_cache=True).logits
+        b = model(ids[:, 50:60], **cache_kw(cache), use_cache=True).logits
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     with kvquant.wrapped(model, c), torch.no_grad():
         out = model.generate(ids[:, :40], max_new_tokens=5, do_sample=False, pad_token_id=0)
@@ -174,7 +175,7 @@ def test_pool_caches_offload_and_give_every_block_back():
     caches = [QuantizedKVCache.from_pool(pool, ids[i:i + 1]) for i in range(2)]
     with torch.no_grad():
         for i, c in enumerate(caches):
-            model(ids[i:i + 1], past_key_values=c, use_cache=True)
+            model(ids[i:i + 1], **cache_kw(c), use_cache=True)
     st = pool.stats()
     per_layer = 2 * (100 // 16 - 1)  # two caches, every full block but the newest
     assert st["blocks_host"] == 2 * per_layer and st["bytes_host"] > 0

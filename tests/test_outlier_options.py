@@ -10,6 +10,7 @@ from kvquant import KVPrecision, KVQuantConfig, QuantizedKVCache
 from kvquant.kernels.attention_torch import attend_naive, attend_torch, dequantize_history
 from kvquant.kernels.dispatch import attend
 from kvquant.store import LayerStore
+from kvquant.transformers_compat import cache_kw
 
 from conftest import tiny_model
 
@@ -107,8 +108,8 @@ def test_rotation_is_exact_end_to_end():
         cfg = KVQuantConfig.from_dict({"default": "fp32", "rotate": rotate})
         cache = QuantizedKVCache(model, cfg)
         with torch.no_grad():
-            model(ids[:, :8], cache=cache, use_cache=True)
-            outs[rotate] = model(ids[:, 8:], cache=cache, use_cache=True).logits
+            model(ids[:, :8], **cache_kw(cache), use_cache=True)
+            outs[rotate] = model(ids[:, 8:], **cache_kw(cache), use_cache=True).logits
     torch.testing.assert_close(outs["keys"], outs["none"], atol=1e-4, rtol=0)
     torch.testing.assert_close(outs["kv"], outs["none"], atol=1e-4, rtol=0)
 
@@ -137,11 +138,11 @@ def test_generate_with_all_options():
     cfg = KVQuantConfig.from_dict({"default": {"key": "int4-channel", "value": "int4"}, "block_size": 16,
                                    "sink_tokens": 4, "residual_tokens": 16, "rotate": "keys"})
     cache = QuantizedKVCache(model, cfg)
-    out = model.generate(ids, cache=cache, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, **cache_kw(cache), max_new_tokens=40, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 70) and cache.get_seq_length() == 69
     rep = cache.memory_report()
     assert rep["bytes_dense"] > 0 and any("residual" in k for k in rep["per_precision"])
-    beams = model.generate(ids, cache=QuantizedKVCache(model, cfg), max_new_tokens=8, num_beams=3,
+    beams = model.generate(ids, **cache_kw(QuantizedKVCache(model, cfg)), max_new_tokens=8, num_beams=3,
                            do_sample=False, pad_token_id=0)
     assert beams.shape == (2, 38)
 

@@ -12,6 +12,7 @@ from kvquant.kernels.attention_torch import attend_naive, attend_torch, dequanti
 from kvquant.quantizers import PRECISIONS
 from kvquant.store import LayerStore
 from kvquant.tensor_store import StoredOverflow
+from kvquant.transformers_compat import cache_kw
 
 from conftest import tiny_model
 
@@ -152,7 +153,8 @@ def test_bf16_model_key_channel_at_6e5(precision):
         model.model.layers[0].self_attn.k_proj.bias[5] = BIG
     cache = kvquant.QuantizedKVCache(model, KVQuantConfig.from_dict({"default": precision, "block_size": 16}))
     try:
-        model.generate(torch.tensor([[1, 5, 9, 17, 33, 4, 70, 12]]), max_new_tokens=4, do_sample=False, cache=cache)
+        model.generate(torch.tensor([[1, 5, 9, 17, 33, 4, 70, 12]]), max_new_tokens=4, do_sample=False,
+                       **cache_kw(cache))
     except StoredOverflow as e:
         assert precision == "fp16", e
         return

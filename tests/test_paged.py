@@ -15,13 +15,14 @@ import kvquant
 from kvquant import KVCacheFull, ModelShape, PagedKVPool, QuantizedKVCache
 from kvquant.blocks import LayerBlocks
 from kvquant.quantizers.base import PartSpec
+from kvquant.transformers_compat import cache_kw
 
 from conftest import tiny_model
 
 
 def greedy(model, ids, cache, n=12, **kw):
     with torch.no_grad():
-        return model.generate(ids, cache=cache, max_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+        return model.generate(ids, **cache_kw(cache), max_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
 
 
 # ------------------------------------------------------------------------------------------ blocks
@@ -94,7 +95,7 @@ def test_prefix_reuse_tiny():
     ca = QuantizedKVCache.from_pool(pool, a)
     assert ca.get_seq_length() == 0
     with torch.no_grad():
-        model(a, cache=ca, use_cache=True)
+        model(a, **cache_kw(ca), use_cache=True)
     cb = QuantizedKVCache.from_pool(pool, b)
     assert cb.get_seq_length() == 64
     assert pool.stats()["prefix_hit_tokens"] == 64
@@ -102,18 +103,18 @@ def test_prefix_reuse_tiny():
     hook = model.model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape[1]),
                                                  with_kwargs=True)
     with torch.no_grad():
-        logits = model(b[:, 64:], cache=cb, use_cache=True).logits
+        logits = model(b[:, 64:], **cache_kw(cb), use_cache=True).logits
     hook.remove()
     assert seen == [9]
     fresh = QuantizedKVCache(model, pool.config)  # same config, private blocks
     with torch.no_grad():
-        model(b[:, :64], cache=fresh, use_cache=True)
-        ref = model(b[:, 64:], cache=fresh, use_cache=True).logits
+        model(b[:, :64], **cache_kw(fresh), use_cache=True)
+        ref = model(b[:, 64:], **cache_kw(fresh), use_cache=True).logits
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
     # the shared blocks are counted once by the pool and held by both caches
     assert pool.stats()["blocks_shared"] >= 4 * 2
     cache = QuantizedKVCache.from_pool(pool, b)
-    out = model.generate(b, cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    out = model.generate(b, **cache_kw(cache), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 77)
 
 
@@ -122,7 +123,7 @@ def test_prefix_not_reused_for_static_scales_without_file():
     pool = PagedKVPool(model, {"default": "int8", "block_size": 16})
     ids = torch.randint(3, 128, (1, 40))
     with torch.no_grad():
-        model(ids, cache=QuantizedKVCache.from_pool(pool, ids), use_cache=True)
+        model(ids, **cache_kw(QuantizedKVCache.from_pool(pool, ids)), use_cache=True)
     fresh = QuantizedKVCache.from_pool(pool, ids)
     assert not pool.reusable and fresh.get_seq_length() == 0 and pool.stats()["indexed_blocks"] == 0
 
@@ -175,34 +176,34 @@ def test_bounded_pool_full_then_recovers():
     second = torch.randint(3, 128, (1, 60), generator=g)  # 4 blocks per layer: does not fit beside the first
     c1 = QuantizedKVCache.from_pool(pool, first)
     with torch.no_grad():
-        ref = model(first, cache=c1, use_cache=True).logits
+        ref = model(first, **cache_kw(c1), use_cache=True).logits
     held = [list(t) for t in c1.layers[0].store.tables]
     c2 = QuantizedKVCache.from_pool(pool, second)
     with pytest.raises(KVCacheFull) as e, torch.no_grad():
-        model(second, cache=c2, use_cache=True)
+        model(second, **cache_kw(c2), use_cache=True)
     assert e.value.needed == 4 and e.value.free == 3 and "needs 4 blocks" in str(e.value)
     # nothing stored was damaged: the first sequence continues exactly as a fresh one would
     assert c1.layers[0].store.tables == held and c2.get_seq_length() == 0
     nxt = torch.randint(3, 128, (1, 1), generator=g)
     with torch.no_grad():
-        cont = model(nxt, cache=c1, use_cache=True).logits
+        cont = model(nxt, **cache_kw(c1), use_cache=True).logits
         alone = QuantizedKVCache(model, pool.config)
-        model(first, cache=alone, use_cache=True)
-        torch.testing.assert_close(cont, model(nxt, cache=alone, use_cache=True).logits, atol=1e-5, rtol=0)
+        model(first, **cache_kw(alone), use_cache=True)
+        torch.testing.assert_close(cont, model(nxt, **cache_kw(alone), use_cache=True).logits, atol=1e-5, rtol=0)
     assert ref.shape[1] == 100
     c1.release()  # its 6 full blocks stay in the prefix index; the partial one is free again
     c2 = QuantizedKVCache.from_pool(pool, second)
     with torch.no_grad():
-        model(second, cache=c2, use_cache=True)
+        model(second, **cache_kw(c2), use_cache=True)
     assert c2.get_seq_length() == 60 and pool.stats()["blocks_free"] == 0
     c2.release()
     c3 = QuantizedKVCache.from_pool(pool, first)  # the index-only blocks are evicted when a new request needs room
     assert c3.get_seq_length() == 96  # ... but first the first request's prefix is found again
     with torch.no_grad():
         fresh = QuantizedKVCache(model, pool.config)
-        model(first[:, :96], cache=fresh, use_cache=True)
-        torch.testing.assert_close(model(first[:, 96:], cache=c3, use_cache=True).logits,
-                                   model(first[:, 96:], cache=fresh, use_cache=True).logits, atol=1e-5, rtol=0)
+        model(first[:, :96], **cache_kw(fresh), use_cache=True)
+        torch.testing.assert_close(model(first[:, 96:], **cache_kw(c3), use_cache=True).logits,
+                                   model(first[:, 96:], **cache_kw(fresh), use_cache=True).logits, atol=1e-5, rtol=0)
 
 
 def _bytes_per_block_all_layers(model, cfg) -> int:
@@ -266,7 +267,7 @@ def test_session_ids_deepcopy_and_dump():
     cache = QuantizedKVCache(model, None, pool=pool)
     ids = torch.randint(3, 128, (1, 40))
     with torch.no_grad():
-        model(ids, cache=cache, use_cache=True)
+        model(ids, **cache_kw(cache), use_cache=True)
     sid = cache.session_id
     assert sid != QuantizedKVCache(model, None, pool=pool).session_id
     twin = copy.deepcopy(cache)
@@ -274,8 +275,8 @@ def test_session_ids_deepcopy_and_dump():
     assert pool.stats()["blocks_shared"] == 3 * 2  # the copy shares every block (2 layers x 3 blocks)
     nxt = torch.randint(3, 128, (1, 2))
     with torch.no_grad():
-        a = model(nxt, cache=cache, use_cache=True).logits
-        b = model(nxt, cache=twin, use_cache=True).logits
+        a = model(nxt, **cache_kw(cache), use_cache=True).logits
+        b = model(nxt, **cache_kw(twin), use_cache=True).logits
     torch.testing.assert_close(a, b, atol=0, rtol=0)
     d = json.loads(json.dumps(cache.dump()))
     assert d["session_id"] == sid and d["layers"][0]["cache_pos"] == 42 and d["pool"]["blocks_used"] > 0

@@ -11,6 +11,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import kvquant
 from kvquant import KVQuantConfig, PagedKVPool, QuantizedKVCache
+from kvquant.transformers_compat import cache_kw
 
 pytestmark = [
     pytest.mark.smollm2,
@@ -52,7 +53,7 @@ def test_four_beams_hold_little_more_than_one(smollm2, preset):
         cache = QuantizedKVCache(smollm2, cfg)
         watch = PeakBytes(cache)
         with torch.no_grad():
-            smollm2.generate(ids, cache=cache, max_new_tokens=3, num_beams=beams, do_sample=False,
+            smollm2.generate(ids, **cache_kw(cache), max_new_tokens=3, num_beams=beams, do_sample=False,
                              logits_processor=LogitsProcessorList([watch]))
         reports[beams], peak[beams] = cache.memory_report(), watch.peak
     ratio = peak[4] / peak[1]  # the most bytes held at any step
@@ -69,7 +70,7 @@ def test_prefix_of_512_tokens_is_reused(smollm2):
     b = torch.cat([shared, prompt(40, 4, vocab)], 1)
     pool = PagedKVPool(smollm2, "int8-token")  # block_size 128
     with torch.no_grad():
-        smollm2(a, cache=QuantizedKVCache.from_pool(pool, a), use_cache=True)
+        smollm2(a, **cache_kw(QuantizedKVCache.from_pool(pool, a)), use_cache=True)
         cb = QuantizedKVCache.from_pool(pool, b)
         reused = cb.get_seq_length()
         seen = []
@@ -77,12 +78,12 @@ def test_prefix_of_512_tokens_is_reused(smollm2):
             lambda m, args, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True
         )
         try:
-            logits = smollm2(b[:, reused:], cache=cb, use_cache=True).logits
+            logits = smollm2(b[:, reused:], **cache_kw(cb), use_cache=True).logits
         finally:
             hook.remove()
         assert reused >= 448 and seen == [b.shape[1] - reused]
         assert pool.stats()["prefix_hit_tokens"] == reused
         fresh = QuantizedKVCache(smollm2, pool.config)  # same per-token config, no pool sharing
-        smollm2(b[:, :reused], cache=fresh, use_cache=True)
-        ref = smollm2(b[:, reused:], cache=fresh, use_cache=True).logits
+        smollm2(b[:, :reused], **cache_kw(fresh), use_cache=True)
+        ref = smollm2(b[:, reused:], **cache_kw(fresh), use_cache=True).logits
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)

@@ -17,6 +17,7 @@ from kvquant.outliers import OFFSET_RATIO, OUTLIER_RATIO, key_channel_ratios, sh
 from kvquant.quantizers import make_quantizer
 from kvquant.store import LayerStore
 from kvquant.stress import split_spec
+from kvquant.transformers_compat import cache_kw, output_cache
 
 TEXT = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
@@ -43,7 +44,7 @@ def _ids(tok, n=64):
 
 def _prefill_keys(model, ids):
     with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
+        cache = output_cache(model(ids, use_cache=True))
     return [layer.keys for layer in cache.layers]
 
 
@@ -96,9 +97,9 @@ def _logits(model, cfg, ids, prefill=24):
     """Teacher-forced logits through a kvquant cache: prefill, then exact one-token decode."""
     cache = QuantizedKVCache(model, cfg)
     with torch.no_grad():
-        out = [model(ids[:, :prefill], cache=cache, use_cache=True).logits]
+        out = [model(ids[:, :prefill], **cache_kw(cache), use_cache=True).logits]
         for t in range(prefill, ids.shape[1]):
-            out.append(model(ids[:, t:t + 1], cache=cache, use_cache=True).logits)
+            out.append(model(ids[:, t:t + 1], **cache_kw(cache), use_cache=True).logits)
     return torch.cat(out, dim=1)
 
 
@@ -161,8 +162,8 @@ def _warnings(caplog, model, cfg, ids):
     with caplog.at_level(logging.WARNING, logger="kvquant"):
         cache = QuantizedKVCache(model, cfg)
         with torch.no_grad():
-            model(ids, cache=cache, use_cache=True)
-            model(ids[:, -1:], cache=cache, use_cache=True)
+            model(ids, **cache_kw(cache), use_cache=True)
+            model(ids[:, -1:], **cache_kw(cache), use_cache=True)
     return [r.getMessage() for r in caplog.records if "outlier" in r.getMessage() or "offset" in r.getMessage()]
 
 
