@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvquant.errors import InputError, InputNotFoundError
-from kvquant.eval import models
+from kvquant import models
 from kvquant.models import NAMED_MODELS, NamedModel, convert_gguf, named_model_files
 
 
