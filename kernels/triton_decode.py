@@ -1399,6 +1399,12 @@ def code_rows_kernel(kop: Operand, vop: Operand, dot: int, head_dim: int) -> boo
     return dot == DOT_FP16 and keys and vop.code_rows(head_dim)
 
 
+#: Whether per-channel int4 keys with fp16 queries may take :func:`_decode_partial_rows_t`: triton releases before
+#: 3.7 fail to compile that specialisation for sm_90a (``TritonGPUOptimizeDotOperands``: "Illegal shared layout");
+#: with them those groups take :func:`_decode_partial_rows` (mma.sync), which every release compiles.
+CHANNEL_KEYS_TRANSPOSED = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7)
+
+
 def transposed_kernel(kop: Operand, vop: Operand, dot: int) -> bool:
     """True when a group may run on :func:`_decode_partial_t`: fp16 queries, int8 K and V (per head or per
     token; read by :func:`int8_words_fp16`)."""
@@ -1618,7 +1624,7 @@ def decode_launches(
                 # (int4: 32 B, int4-channel: 176 B), 32-token tiles spill and issue more
                 kernel = _decode_partial_rows
                 meta["BLOCK_H"] = rows_h
-                if dot_kind == DOT_FP16:
+                if dot_kind == DOT_FP16 and (kop.folds4(D) or CHANNEL_KEYS_TRANSPOSED):
                     # fp16 queries (grouped or per-channel int4 K): transposed, on warpgroup MMAs (4 warps, also at
                     # head_dim 64: int4 1.15 -> 1.11 issue/HBM, int4-channel 2.20 -> 1.35 vs the kernel above at 2
                     # warps). Register caps (sm_90a SASS, benchmarks/kernel_static.py): grouped keys 168 (ptxas' own

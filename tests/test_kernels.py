@@ -380,11 +380,16 @@ def test_channel_keys_triton(pair, triton_calls):
     assert max(errs) <= TOL, f"max abs error vs fp32 reference {max(errs):.2e}"
 
 
+@pytest.mark.parametrize("transposed", [True, False], ids=["rows_t", "rows_mma_sync"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_channel_keys_folded_decode(dtype):
+def test_channel_keys_folded_decode(dtype, transposed, monkeypatch):
     """Per-channel int4 keys in blocks of 64 tokens: the decode kernel folds each block's scale into the
     query and its zero into one term per head (``qk_channel4``); same result as the fp32 reference
-    (fp16 queries: within the torch path's own error + 1e-4)."""
+    (fp16 queries: within the torch path's own error + 1e-4). ``transposed=False`` is the launch triton < 3.7
+    gets (:data:`~kvquant.kernels.triton_decode.CHANNEL_KEYS_TRANSPOSED`)."""
+    from kvquant.kernels import triton_decode
+
+    monkeypatch.setattr(triton_decode, "CHANNEL_KEYS_TRANSPOSED", transposed)
     row = [KVPrecision("int4-channel", "int4"), KVPrecision("int4-channel", "int8-token")]
     layer, fk, fv = make_layer(row, B=2, past=300, block=64, steps=(130, 131, 200), dtype=dtype)
     assert layer.q_end >= 192 and layer.groups[0].key.quantizer.token_group == 64
@@ -400,6 +405,18 @@ def test_channel_keys_folded_decode(dtype):
         ref = attend_naive(q.float(), fk, fv, layer, 300, mask, 0.125)
         walk = attend_torch(q, fk, fv, layer, 300, mask, 0.125)
         assert (out.float() - ref).abs().max() <= (walk.float() - ref).abs().max() + 1e-4
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_channel_keys_launch_follows_the_triton_gate(transposed, monkeypatch):
+    """Per-channel int4 keys with fp16 queries launch the transposed rows kernel only where triton compiles it."""
+    from kvquant.kernels import triton_decode
+    from kvquant.kernels.triton_compile_check import meta_launches
+
+    monkeypatch.setattr(triton_decode, "CHANNEL_KEYS_TRANSPOSED", transposed)
+    (launch,) = meta_launches("decode", [("int4-channel", "int4", 2)], 1, 128, 4, True)
+    want = triton_decode._decode_partial_rows_t if transposed else triton_decode._decode_partial_rows
+    assert launch.kernel is want
 
 
 def test_channel_operand():

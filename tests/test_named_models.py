@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvquant.errors import InputError, InputNotFoundError
 from kvquant import models
+from kvquant.errors import InputError, InputNotFoundError
 from kvquant.models import NAMED_MODELS, NamedModel, convert_gguf, named_model_files
 
 
