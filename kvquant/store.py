@@ -371,17 +371,22 @@ class LayerStore(LaneLayer, OffloadedStore):
         """True when K or V are stored transformed (rotated and/or centered): fresh K/V must be mapped too."""
         return self.rotate_keys or self.rotate_values or self.center_keys
 
-    def _set_key_mean(self, keys: torch.Tensor, past: int) -> None:
-        """Fix the per-channel key mean of each sequence and head from its first chunk: over the row's own real
-        tokens (never its left padding), its sink tokens left out when it has others (a row without a real
-        token in the chunk: over the whole chunk)."""
-        T = keys.shape[2]
+    def fit_tokens(self, past: int, T: int) -> torch.Tensor:
+        """``[B, T]`` bool: the tokens of positions ``past .. past + T`` a row's fitted state is taken from: its
+        own real tokens (never its left padding), its sink tokens left out when the chunk holds others."""
         use = self.real_tokens(past, past + T)
         sel = self.sink_slots(past, past + T)
         if sel is not None:
             not_sink = torch.ones_like(use)
             not_sink[sel[0], sel[1]] = False
             use = torch.where((use & not_sink).any(dim=1, keepdim=True), use & not_sink, use)
+        return use
+
+    def _set_key_mean(self, keys: torch.Tensor, past: int) -> None:
+        """Fix the per-channel key mean of each sequence and head from its first chunk: over the row's own real
+        tokens (never its left padding), its sink tokens left out when it has others (a row without a real
+        token in the chunk: over the whole chunk)."""
+        use = self.fit_tokens(past, keys.shape[2])
         use = torch.where(use.any(dim=1, keepdim=True), use, torch.ones_like(use))
         w = use[:, None, :, None].float()
         self.key_mean = (keys.detach().float() * w).sum(dim=2, keepdim=True) / w.sum(dim=2, keepdim=True)
@@ -1108,14 +1113,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             k_amax = self._static_amax["key"].to(self.device).expand(self.batch, -1)
             v_amax = self._static_amax["value"].to(self.device).expand(self.batch, -1)
         else:
-            T = keys.shape[2]
-            use = self.real_tokens(past, past + T)
-            sel = self.sink_slots(past, past + T)
-            if sel is not None:
-                not_sink = torch.ones_like(use)
-                not_sink[sel[0], sel[1]] = False
-                # sinks are left out of a row's max when the chunk holds other real tokens of that row
-                use = torch.where((use & not_sink).any(dim=1, keepdim=True), use & not_sink, use)
+            use = self.fit_tokens(past, keys.shape[2])
             k_amax = safe_amax(row_amax(keys, use))
             v_amax = safe_amax(row_amax(values, use))
         fitted_states = []  # every group's K and V state, checked before any store changes
