@@ -104,11 +104,13 @@ def test_fp32_model_dense_buffers_widen_for_the_rotated_magnitudes(rotate):
 def test_headroom_overflow_is_refused():
     with pytest.raises(ValueError, match="^headroom: "):  # refused at load (bounded) ...
         KVQuantConfig.from_dict({"default": "int8", "block_size": 16, "headroom": 1e40})
-    # ... and by the store, for a config built around the checks
-    cfg = KVQuantConfig(default=KVPrecision("int8", "int8"), block_size=16, headroom=1e40)
-    store = LayerStore([KVPrecision("int8", "int8")], cfg, 64, 1, torch.device("cpu"))
+    # ... and when built directly or changed after construction: no config that holds it reaches a store
     with pytest.raises(ValueError, match="^headroom: "):
-        store.append(torch.randn(1, 1, 20, 64), torch.randn(1, 1, 20, 64))
+        KVQuantConfig(default=KVPrecision("int8", "int8"), block_size=16, headroom=1e40)
+    cfg = KVQuantConfig(default=KVPrecision("int8", "int8"), block_size=16)
+    with pytest.raises(ValueError, match="^headroom: "):
+        cfg.headroom = 1e40
+    assert cfg.headroom != 1e40
 
 
 @pytest.mark.parametrize("past,tq", [(30, 1), (30, 5), (300, 1)])
