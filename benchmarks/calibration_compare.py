@@ -26,13 +26,14 @@ from pathlib import Path
 
 import torch
 
-from kvquant import KVQuantConfig, ModelShape, SimulatedQuantCache
+from kvquant import KVQuantConfig, ModelShape
 from kvquant.allocate import candidate_bits, layer_upgrade, plan_to_config, random_allocation
 from kvquant.calibrate import calibrate
 from kvquant.eval.metrics import DriftAccumulator, token_drift
 from kvquant.eval.protocols import simulated_logits
 from kvquant.models import load_model
 from kvquant.outputs import write_text  # atomic: a re-run replaces results whole, never half
+from kvquant.simulate import SimulatedQuantCache
 from kvquant.text import load_text, token_windows, tokenize
 
 

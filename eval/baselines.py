@@ -8,7 +8,7 @@ Every entry of a recipe's ``configs`` becomes a :class:`Method`:
 ``vllm:DIR``        a serving engine's FP8 e4m3 KV cache as exported by ``kvquant export --format vllm -o DIR``
                     (the engine's per-tensor or per-head scales, saturating cast), run through kvquant's store
 preset / file       a kvquant config (``fp16``, ``int8``, ``int8-token``, ``int4``, ``fp8-e4m3``, a YAML path ...)
-                    through ``kvquant.QuantizedKVCache`` (``decode``) or ``kvquant.SimulatedQuantCache``
+                    through ``kvquant.QuantizedKVCache`` (``decode``) or ``kvquant.simulate.SimulatedQuantCache``
                     (``simulated``)
 ``hf-hqq-int{1,2,3,4,8}``  transformers ``QuantizedCache(backend="hqq", nbits=N)`` at its strongest documented
                     setting: ``axis_key=1, axis_value=1`` (what transformers' docs recommend for HQQ; groups of
@@ -219,7 +219,7 @@ class KVQuantMethod(Method):
         return QuantizedKVCache(model, self.config)
 
     def simulated_cache(self, model: Any) -> Cache:
-        from kvquant import SimulatedQuantCache
+        from kvquant.simulate import SimulatedQuantCache
 
         return SimulatedQuantCache(model, self.config)
 

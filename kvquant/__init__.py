@@ -13,14 +13,13 @@ Quick start::
 """
 
 from .blocks import KVCacheFull
-from .cache import QuantizedKVCache, QuantizedLayer
+from .cache import QuantizedKVCache
 from .config import DEFAULT_PRESET, PRESETS, ConfigError, KVPrecision, KVQuantConfig
 from .errors import KVQuantError
 from .pool import PagedKVPool
-from .quantizers import PRECISIONS, make_quantizer
+from .quantizers import PRECISIONS
 from .scheduler import Scheduler
 from .shape import ModelShape
-from .simulate import SimulatedQuantCache
 from .wrap import unwrap, wrap, wrapped
 
 __version__ = "0.1.0"
@@ -37,10 +36,7 @@ __all__ = [
     "ModelShape",
     "PagedKVPool",
     "QuantizedKVCache",
-    "QuantizedLayer",
     "Scheduler",
-    "SimulatedQuantCache",
-    "make_quantizer",
     "unwrap",
     "wrap",
     "wrapped",

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from kvquant import KVQuantConfig, ModelShape, SimulatedQuantCache
+from kvquant import KVQuantConfig, ModelShape
 from kvquant.allocate import allocate, layer_upgrade, parse_candidates, plan_avg_bits, random_allocation
 from kvquant.calibrate import CACHE_NAME, calibrate, cmd_show_config, config_table, register
 from kvquant.sensitivity import (
@@ -22,6 +22,7 @@ from kvquant.sensitivity import (
     spearman,
     unit_config,
 )
+from kvquant.simulate import SimulatedQuantCache
 from kvquant.transformers_compat import cache_kw
 
 CANDS = "int2,int8,fp16"
