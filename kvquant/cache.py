@@ -26,6 +26,8 @@ from .config import DEFAULT_PRESET, MAX_CAPACITY, KVPrecision, KVQuantConfig, ch
 from .errors import ArgumentError, InputError
 from .evict import Policy, choose_slots, window_attention
 from .outliers import OutlierWatch
+from .plan import LayerPlan
+from .plan import resolve as resolve_plan
 from .scales import load_static_amax
 from .shape import ModelShape, sliding_windows
 from .store import LayerStore, row_index
@@ -120,8 +122,11 @@ class QuantizedLayer(CacheLayerMixin):
         window: int | None = None,
         watch: OutlierWatch | None = None,
         policy: Policy | None = None,
+        plan: LayerPlan | None = None,
     ) -> None:
         super().__init__()
+        #: what this layer gets (None: planned from ``row``, ``config`` and ``window`` when the store is made)
+        self.layer_plan = plan
         self.watch = watch
         # eviction (kvquant.evict): which tokens this layer keeps; sliding-window layers keep their window
         self.policy = policy if window is None else None
@@ -151,7 +156,8 @@ class QuantizedLayer(CacheLayerMixin):
         self.store = LayerStore(
             self.row, self.config, self.head_dim, batch=batch, device=device, static_amax=self.static_amax,
             capacity=self.capacity, blocks=blocks, window=self.window,
-            lanes=self.policy is not None and self.policy.budget.per_head,
+            lanes=self.layer_plan is None and self.policy is not None and self.policy.budget.per_head,
+            plan=self.layer_plan,
         )  # fmt: skip
         self.is_initialized = True
         return self.store
@@ -398,7 +404,9 @@ class QuantizedKVCache(Cache):
             cfg = KVQuantConfig.load(DEFAULT_PRESET if config is None else config)
         self.kv_config = cfg
         self.shape = ModelShape.of(model)
-        self.plan = self.kv_config.resolve(self.shape)
+        #: what each layer really gets (precisions per KV head, options; see :mod:`kvquant.plan`)
+        self.plan = resolve_plan(self.kv_config, model if model is not None else self.shape)
+        self.plan.report()
         bound = model is not None and hasattr(model, "config") and not isinstance(model, ModelShape)
         if bound and hasattr(model, "set_attn_implementation"):
             impl = getattr(model.config, "_attn_implementation", None)
@@ -411,12 +419,13 @@ class QuantizedKVCache(Cache):
         windows = sliding_windows(model, self.shape.num_layers)
         static = load_static_amax(self.kv_config.scales_file, self.shape)
         #: checks the prefill's keys for outlier / offset channels; logs one warning if the config cannot hold them
-        self.outlier_watch = OutlierWatch(self.kv_config, self.plan)
+        self.outlier_watch = OutlierWatch(self.kv_config, self.plan.rows)
         evict = self.kv_config.evict
         layers = [
-            QuantizedLayer(i, row, self.kv_config, self.shape.head_dim, static[i] if static else None, capacity,
-                           pool, windows[i], self.outlier_watch, evict.for_layer(i) if evict else None)
-            for i, row in enumerate(self.plan)
+            QuantizedLayer(i, list(lp.row), self.kv_config, self.shape.head_dim, static[i] if static else None,
+                           capacity, pool, windows[i], self.outlier_watch,
+                           evict.for_layer(i) if evict and lp.evict else None, lp)
+            for i, lp in enumerate(self.plan.layers)
         ]  # fmt: skip
         self.clip_monitor = ClipMonitor(layers, self.session_id)
         for layer in layers:

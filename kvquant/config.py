@@ -31,6 +31,8 @@ import yaml
 
 from .errors import ConfigError, InputError
 from .evict import BUDGETS, DECODE_POLICIES, POLICIES, EvictConfig
+from .exclusions import ConfigFacts
+from .exclusions import check as check_exclusions
 from .inputs import read_text
 from .outputs import check_output, write_text
 from .quantizers import (
@@ -400,15 +402,14 @@ class KVQuantConfig:
         bs = self.block_size
         if self.residual_step is not None:
             check_int(self.residual_step, "residual_step", 1, bs)
-        if self.ladder_tokens and self.offload is not None:
-            raise ConfigError("ladder_tokens: not supported together with offload (use one of them)")
         if self.ladder2_tokens > self.ladder_tokens:
             raise ConfigError(
                 f"ladder2_tokens: {self.ladder2_tokens} exceeds ladder_tokens ({self.ladder_tokens}); the second "
                 "rung's rows are the ladder's youngest"
             )
-        if self.heavy_tokens and self.offload is not None:
-            raise ConfigError("heavy_tokens: not supported together with offload (use one of them)")
+        if self.evict is not None and not isinstance(self.evict, EvictConfig):
+            raise ConfigError(f"evict: expected a mapping like {{policy: snapkv, keep: 0.5}}, got {self.evict!r}")
+        check_exclusions(self.facts(), "config")
         self.offload = _check_offload(self.offload)
         if self.model_shape is not None:
             if not isinstance(self.model_shape, Mapping) or set(self.model_shape) - {"layers", "kv_heads", "head_dim"}:
@@ -417,11 +418,23 @@ class KVQuantConfig:
                 check_int(v, f"model_shape.{key}", 1, MAX_MODEL_DIM)
         self._check_evict()
 
+    def facts(self) -> ConfigFacts:
+        """What the config-wide exclusion rules (:data:`kvquant.exclusions.RULES`) read of this config."""
+        ev = self.evict
+        specs = () if ev is None else (ev, *(c for c in ev.layers.values() if c is not None))
+        return ConfigFacts(
+            ladder_tokens=self.ladder_tokens, ladder2_tokens=self.ladder2_tokens, heavy_tokens=self.heavy_tokens,
+            offload=self.offload not in (None, False), evict=ev is not None,
+            adakv=any(c.budget == "adakv" for c in specs),
+            decode_time_evict=ev is not None and ev.decode_time, residual_step=self.residual_step,
+            block_size=self.block_size, per_channel=tuple(sorted(self.precisions() & set(CHANNEL))),
+        )
+
     def _check_no_ops(self) -> None:
         """An option that would silently do nothing for the precisions a config file or mapping names is refused
         (a config built directly may be given its rows elsewhere, e.g. by a LayerStore, and is not checked here)."""
         for name in ("ladder_tokens", "heavy_tokens"):
-            if getattr(self, name) and not any(_is_codebook(p) for p in self.precisions()):
+            if getattr(self, name) and not any(is_codebook(p) for p in self.precisions()):
                 raise ConfigError(
                     f"{name}: {getattr(self, name)} does nothing here: no K or V is a codebook precision (tq*, tqv*, "
                     f"tqt*, tqc-*; the config stores {', '.join(sorted(self.precisions()))}); drop it or use one"
@@ -431,12 +444,12 @@ class KVQuantConfig:
         """Warn about options a file or mapping sets that do nothing for the precisions this config names."""
         precisions = self.precisions()
         uses = {
-            "codebook_gain": any(_is_codebook(p) for p in precisions),
+            "codebook_gain": any(is_codebook(p) for p in precisions),
             "codebook_search": any(p.startswith(CHANNEL_PREFIX) for p in precisions),
             "headroom": bool(precisions & STATIC_SCALE),
             "share_kv_scale": "int8" in precisions,
             "group_size": bool(precisions & set(GROUPED)),
-            "ladder2_tokens": any(_is_codebook(p) and p not in VECTOR for p in precisions),
+            "ladder2_tokens": any(is_codebook(p) and p not in VECTOR for p in precisions),
         }
         idle = sorted(n for n, used in uses.items() if n in given and not used)
         if idle:
@@ -444,32 +457,10 @@ class KVQuantConfig:
                           f"config stores ({', '.join(sorted(precisions))})", UserWarning, stacklevel=3)
 
     def _check_evict(self) -> None:
-        """Eviction options that the storage options exclude (one-line errors naming the field)."""
+        """The ``evict`` field's bound against ``sink_tokens`` (its exclusions: :data:`kvquant.exclusions.RULES`)."""
         ev = self.evict
-        if ev is None:
+        if ev is None or not ev.decode_time:
             return
-        if not isinstance(ev, EvictConfig):
-            raise ConfigError(f"evict: expected a mapping like {{policy: snapkv, keep: 0.5}}, got {ev!r}")
-        if self.ladder_tokens:
-            raise ConfigError("ladder_tokens: not supported together with evict (kept tokens are not a suffix)")
-        if self.heavy_tokens:
-            raise ConfigError("heavy_tokens: not supported together with evict (kept tokens are not the prompt's rows)")
-        if self.offload is not None:  # evicting layers rewrite slots in place; host blocks are not written
-            raise ConfigError("offload: not supported together with evict yet (use one of them)")
-        adakv = any(c is not None and c.budget == "adakv" for c in (ev, *ev.layers.values()))
-        if adakv and self.residual_step not in (None, self.block_size):
-            raise ConfigError(
-                f"residual_step: {self.residual_step} with evict.budget adakv (per-head lanes move whole blocks of "
-                f"a head from its tail); use the default (block_size {self.block_size})"
-            )
-        if not ev.decode_time:
-            return
-        per_channel = sorted(self.precisions() & set(CHANNEL))
-        if per_channel:
-            raise ConfigError(
-                f"evict.policy: h2o / tova replace single tokens in place, which {per_channel[0]} (keys quantized "
-                "a whole block at a time) cannot do; use a per-token key precision (int8-token, int4, ...)"
-            )
         sinks = min([ev.sinks, *(c.sinks for c in ev.layers.values() if c is not None)])
         if sinks < self.sink_tokens:
             raise ConfigError(
@@ -640,7 +631,7 @@ class KVQuantConfig:
 STATIC_SCALE = {"int8", "fp8-e4m3", "fp8-e5m2"}  # the precisions whose static scale headroom widens
 
 
-def _is_codebook(precision: str) -> bool:
+def is_codebook(precision: str) -> bool:
     return precision in CODEBOOK or precision in VECTOR or precision in TRELLIS or precision.startswith(CHANNEL_PREFIX)
 
 

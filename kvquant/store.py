@@ -44,17 +44,18 @@ from __future__ import annotations
 import copy as _copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from .blocks import LayerBlocks
 from .config import KVPrecision, KVQuantConfig
-from .errors import ArgumentError, ConfigError
+from .errors import ArgumentError
 from .heavy import gather_parts, pick_rows, position_dtype, put_rows, take_rows
 from .lanes import LaneLayer
 from .offload import OffloadedStore, Prefetcher, host_id, is_host
+from .plan import LayerPlan, Plan, layer_plan
 from .quantizers import Quantizer, make_quantizer
 from .quantizers.base import Factored, PartSpec, require_finite
 from .rotation import fwht
@@ -204,7 +205,15 @@ class LayerStore(LaneLayer, OffloadedStore):
         blocks: LayerBlocks | None = None,
         window: int | None = None,
         lanes: bool = False,
+        plan: LayerPlan | None = None,
     ) -> None:
+        if plan is not None and lanes:
+            raise ArgumentError("lanes: the plan decides (LayerPlan.lanes); pass lanes only without a plan")
+        if plan is None:  # a store made on its own (tests, calibration): planned here, its drops reported
+            plan = layer_plan(config, row, window=window)
+            plan = replace(plan, lanes=lanes and plan.window is None and not plan.offload)
+            Plan((plan,)).report()
+        self.plan = plan
         self.config = config
         self.block_size = config.block_size
         self.head_dim = head_dim
@@ -221,12 +230,12 @@ class LayerStore(LaneLayer, OffloadedStore):
         # per row: its static scales are fitted (on its own first real tokens) while a batch-mate still waits
         self.calibrated_rows = [False] * batch
         self._static_amax = static_amax
-        self.rotate_keys = config.rotate in ("keys", "kv")
-        self.rotate_values = config.rotate == "kv"
-        self.center_keys = config.centers_keys
+        self.rotate_keys = plan.rotate_keys
+        self.rotate_values = plan.rotate_values
+        self.center_keys = plan.center_keys
         self.key_mean: torch.Tensor | None = None  # [B, H, 1, D] float32, set by the first write
-        self.sink_tokens = config.sink_tokens
-        self.window = window
+        self.sink_tokens = plan.sink_tokens
+        self.window = plan.window
         made = make_groups(row, config, head_dim)
         if blocks is None:
             blocks = LayerBlocks(block_specs(made), self.block_size, device)
@@ -265,13 +274,10 @@ class LayerStore(LaneLayer, OffloadedStore):
                                    for spec in s.specs.values())  # fmt: skip
         self.per_block = per_block
         # residual mode: newest tokens in full precision, quantized a whole block at a time
-        self.residual_tokens = config.residual_tokens
-        self.residual_mode = config.residual_tokens > 0 or per_block
+        self.residual_tokens = plan.residual_tokens
+        self.residual_mode = plan.residual_tokens > 0 or per_block
         # tokens quantized at a time past the window (block_size: KIVI's whole blocks; 1: the window holds exactly R)
-        self.residual_step = config.residual_step or self.block_size
-        if per_block and self.residual_step != self.block_size:
-            raise ConfigError(f"residual_step: {self.residual_step} must be block_size ({self.block_size}) with a "
-                              "per-block precision (int*-channel: one scale per block of tokens)")
+        self.residual_step = plan.residual_step
         self.dense_dtype: torch.dtype | None = None
         self.sink_k = self.sink_v = self.res_k = self.res_v = None
         # while static scales wait for some rows: what the rows fitted already will be quantized from (held_rows)
@@ -280,7 +286,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         # per-head block lanes (AdaKV): ``tables[b * H + h]`` holds the lane ids of (row b, KV head h)
         self._lane_step = False  # append_kept / grow_lanes set the fills of this append
         self._lane_overwrite = False  # grow_lanes: overwrite() writes this step's token (append need not)
-        self.lanes = bool(lanes and window is None and not config.offload)
+        self.lanes = plan.lanes
         self.fill: list[list[int]] = [[0] * self.num_heads for _ in range(batch)]  # lanes: slots per (row, head)
         # lanes in residual mode: of which in lanes (the rest in the head's tail, see kvquant.lanes)
         self.qfill: list[list[int]] = [[0] * self.num_heads for _ in range(batch)]
@@ -293,21 +299,16 @@ class LayerStore(LaneLayer, OffloadedStore):
             self.tables = [[] for _ in range(batch * self.num_heads)]
         # the age ladder's ring (see the module doc): per group, K and V refinement parts [B, Hg, n, ...] of the
         # n newest pool tokens (None: that side's quantizer has no embedded refinement)
-        self.ladder_tokens = config.ladder_tokens if window is None and not self.lanes else 0
+        self.ladder_tokens = plan.ladder_tokens
         self.ladder: list[tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]] = []
         self.ladder_n = 0
-        if not any(s.quantizer.rung_parts(1) for g in self.groups for s in (g.key, g.value)):
-            self.ladder_tokens = 0  # no codebook K or V in this layer: nothing to refine
         # the second rung's ring: the same layout, the ladder2_n newest pool tokens (None: no second rung there)
-        self.ladder2_tokens = config.ladder2_tokens if self.ladder_tokens else 0
+        self.ladder2_tokens = plan.ladder2_tokens
         self.ladder2: list[tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]] = []
         self.ladder2_n = 0
         # heavy rows (``heavy_tokens``, kvquant.heavy): per group, (positions [B, Hg, n] (-1: none), K and V
         # first-rung parts [B, Hg, n, ...]) of the prompt rows its attention weighs most; empty until picked
-        refinable = [s.quantizer for g in self.groups for s in (g.key, g.value) if s.quantizer.rung_parts(1)]
-        self.heavy_tokens = config.heavy_tokens if window is None and not self.lanes and refinable else 0
-        if any(spec.per_block for q in refinable for spec in q.parts().values()):
-            self.heavy_tokens = 0  # (no codebook precision has per-block parts; the rows are read one by one)
+        self.heavy_tokens = plan.heavy_tokens
         self.heavy: list[tuple[torch.Tensor | None, dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]]
         self.heavy = []
         if capacity:

@@ -4,6 +4,7 @@ bounded pools, release, offload and generate() stay right (kvquant.blocks lanes,
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ def cfg(policy="snapkv", keep=0.4, default="int4", budget="adakv", **extra):
 def no_lanes(monkeypatch):
     """Build every store with per-row blocks (the layout before lanes): the reference."""
     real = kc.LayerStore
-    monkeypatch.setattr(kc, "LayerStore", lambda *a, **k: real(*a, **{**k, "lanes": False}))
+    monkeypatch.setattr(kc, "LayerStore", lambda *a, **k: real(*a, **{**k, "plan": replace(k["plan"], lanes=False)}))
 
 
 def run(model, config, ids, cont, mask=None):
