@@ -298,6 +298,7 @@ def check_before_work(recipe: object, recipe_path: str) -> None:
     from kvquant.inputs import looks_like_path
     from kvquant.models import model_input_paths, read_model_config
     from kvquant.outputs import check_disjoint, input_paths
+    from kvquant.plan import resolve as resolve_plan
     from kvquant.shape import ModelShape
 
     from .baselines import ENGINE_PREFIX, REFERENCE
@@ -334,10 +335,12 @@ def check_before_work(recipe: object, recipe_path: str) -> None:
     for m in models:
         if "wide256" in m.split("+")[1:]:  # this variant changes head_dim: its configs are checked once it is built
             continue
-        shape = ModelShape.from_config(read_model_config(m.split("+", 1)[0], what="model"))
+        model_config = read_model_config(m.split("+", 1)[0], what="model")
+        shape = ModelShape.from_config(model_config)
         for i, entry, cfg in configs:
             try:
                 cfg.check_model(shape)
+                resolve_plan(cfg, model_config)  # the layer rules too (sliding windows, the logit softcap)
             except ValueError as e:
                 raise RecipeError(f"configs[{i}]: {entry}: {' '.join(str(e).split())} (model {m})") from None
 
