@@ -223,11 +223,11 @@ class KVQuantConfig:
         codebook_gain: how a codebook precision (``tq*``, ``tqv*``, ``tqt*``, ``tqc-*``) picks each row's stored
             norm: ``unbiased`` (default) makes the row's projection on itself exact, so scores and attention
             outputs are not shrunk by the code's MSE; ``mse`` is the least-squares norm (the least row error,
-            shrunk by ~the code's relative MSE; what configs recorded before 2026-12-02 used). See
+            shrunk by ~the code's relative MSE). See
             :func:`kvquant.quantizers.codebook.row_gain`.
         codebook_search: ``tqc-*`` keys search each row's code scale for the least score-weighted error (default
             true; encoder only, same bytes and decoders): rows with a value far out on a narrow channel are no
-            longer clipped there. ``false``: the RMS scale alone (configs recorded before 2026-12-02 06:00 UTC).
+            longer clipped there. ``false``: the RMS scale alone.
             See :class:`kvquant.quantizers.codebook.ChannelCodebook`.
         evict: keep only some tokens (:class:`~kvquant.evict.EvictConfig`: ``{policy, keep, window, sinks,
             budget, layers}``); ``None`` keeps every token. The kept tokens are stored in this config's
