@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import traceback
@@ -345,6 +346,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"{getattr(e, 'prog', None) or prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (``kvquant presets | head``): stop quietly, as cat does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again
+        return 141
     except OSError as e:
         if debug or not e.filename:  # a file the user named could not be read or written
             raise

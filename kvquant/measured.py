@@ -1,27 +1,21 @@
 """What each preset measured on SmolLM2-135M and its outlier stress variants (issue 10).
 
 The run is ``kvquant eval recipes/stress-outliers.yaml`` (:data:`STRESS_RUN` says its size and protocol);
-each entry of :data:`STRESS` is a preset's worst model there, copied from the run's ``results.json``
-files in ``docs/results/`` (``tests/test_measured.py`` checks that they agree). ``kvquant presets``,
+each entry of :data:`STRESS` is a preset's worst model there, read from the data file
+``kvquant/data/stress_presets.json`` that :func:`worst_by_config` fills from the run's ``results.json`` files in
+``docs/results/`` (``tests/test_measured.py`` checks that they agree). ``kvquant presets``,
 the README and the outlier warning quote them; a preset whose worst model loses more than
 :data:`LIMIT_PCT` perplexity is marked as failing on outlier models.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from importlib.resources import files
 from typing import Any
 
-#: The run the numbers come from (size stated: windows x tokens, scored tokens, protocol).
-STRESS_RUN = (
-    "recipes/stress-outliers.yaml: SmolLM2-135M and its +koutlier, +kbias, +wide256 stress variants, "
-    "WikiText-2, exact one-token decode; default and int4-kchannel-*sinks presets and int8: 2 windows x 448 "
-    "tokens (400 prefilled, 94 targets scored per model); the other presets: a sweep of 2 windows x 208 tokens "
-    "(192 prefilled, 30 targets)"
-)
-#: Where the run's reports are (the summary of each part of the run, one folder per model inside).
-STRESS_RESULTS = ("docs/results/stress-outliers", "docs/results/stress-outliers-b")
 #: A preset holds when every model of the run stays within this perplexity increase (%) ...
 LIMIT_PCT = 1.0
 #: ... and no stress model's KL exceeds this multiple of the real model's (and :data:`KL_FLOOR`): a preset that
@@ -99,24 +93,15 @@ def _sig(x: float) -> float:
     return float(f"{x:.2g}")
 
 
-#: preset -> its worst model in the stress run (filled from the run's results.json; see the module doc).
-STRESS: dict[str, StressResult] = {
-    "fp16": StressResult(0.03, 0.15, "smollm2-135m+kbias", 4.6e-06, "smollm2-135m+kbias", 2.8e-07),
-    "bf16": StressResult(0.05, 0.0, "smollm2-135m+koutlier", 0.0003, "smollm2-135m+kbias", 1.4e-05),
-    "fp32": StressResult(0.0, 0.0, "smollm2-135m+wide256", 5.9e-12, "smollm2-135m+kbias", 3.3e-12),
-    "int8": StressResult(23.1, 8.18, "smollm2-135m+koutlier", 0.23, "smollm2-135m+koutlier", 0.015),
-    "int8-separate": StressResult(4.68, 15.21, "smollm2-135m+koutlier", 0.05, "smollm2-135m+koutlier", 0.0074),
-    "int8-token": StressResult(-0.91, 2.12, "smollm2-135m+kbias", 0.031, "smollm2-135m+koutlier", 0.00048),
-    "int4": StressResult(173.21, 722.14, "smollm2-135m+kbias", 1.3, "smollm2-135m+kbias", 0.047),
-    "int2": StressResult(70519.97, 243312.29, "smollm2-135m+kbias", 6.8, "smollm2-135m+koutlier", 1.4),
-    "fp8-e4m3": StressResult(11.86, 50.7, "smollm2-135m+kbias", 0.091, "smollm2-135m+kbias", 0.0046),
-    "fp8-e5m2": StressResult(25.97, 60.57, "smollm2-135m+kbias", 0.45, "smollm2-135m+kbias", 0.019),
-    "int8-kchannel": StressResult(-0.01, 0.07, "smollm2-135m+wide256", 5.5e-05, "smollm2-135m+kbias", 4.5e-05),
-    "int4-kchannel": StressResult(-1.33, 3.8, "smollm2-135m", 0.0066, "smollm2-135m+koutlier", 0.0062),
-    "int4-kchannel-sinks": StressResult(-0.08, 1.53, "smollm2-135m", 0.0063, "smollm2-135m+kbias", 0.0062),
-    "int4-kchannel-g16-sinks": StressResult(-0.09, 0.19, "smollm2-135m+kbias", 0.0052, "smollm2-135m+kbias", 0.0044),
-    "mixed-int4-int8": StressResult(-0.51, 3.39, "smollm2-135m+wide256", 0.035, "smollm2-135m+koutlier", 0.0088),
-}
+def _recorded() -> tuple[str, tuple[str, ...], dict[str, StressResult]]:
+    data = json.loads(files("kvquant").joinpath("data/stress_presets.json").read_text())
+    return data["run"], tuple(data["results"]), {k: StressResult(**v) for k, v in data["presets"].items()}
+
+
+#: The run the numbers come from (size stated: windows x tokens, scored tokens, protocol), where its reports are
+#: (the summary of each part of the run, one folder per model inside), and each preset's worst model there: all
+#: read from ``kvquant/data/stress_presets.json``, which is filled from the run's ``results.json`` files.
+STRESS_RUN, STRESS_RESULTS, STRESS = _recorded()
 
 #: Presets that are another preset under a second name (measured once, under the first name).
 ALIASES = {"int8-shared": "int8"}
