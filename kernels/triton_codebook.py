@@ -120,9 +120,9 @@ def cached_head_rows(
     store: PartSnapshot, names: tuple[str, ...], device: torch.device, build: Callable[[], torch.Tensor]
 ) -> torch.Tensor:
     """``build()``'s rows for ``store`` (kept in its :class:`~kvquant.snapshot.RowsMemo`, which stays with the K or V
-    store across snapshots), built again only when its state or the state entries ``names`` (compared by identity:
-    state tensors are replaced, never modified in place), its batch or ``device`` change."""
-    return store.memo.get((store.state, *(store.state.get(n) for n in names)), (store.batch, device), build)
+    store across snapshots), built again only when its state entries ``names`` (compared by identity: state tensors
+    are replaced, never modified in place), its batch or ``device`` change."""
+    return store.memo.get(tuple(store.state.get(n) for n in names), (store.batch, device), build)
 
 
 @triton.jit

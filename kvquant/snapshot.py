@@ -47,7 +47,8 @@ HeavyRows = tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Ten
 
 class RowsMemo:
     """A one-entry memo of rows a kernel builds from one part's static state (codebook level tables), owned by
-    the part's store and handed to every snapshot of it: built again only when its key changes."""
+    the part's K or V store (its copies share it) and handed to every snapshot of it: built again only when the
+    state tensors it was built from or the shape change."""
 
     def __init__(self) -> None:
         self._same: tuple[object, ...] = ()

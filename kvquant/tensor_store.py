@@ -14,6 +14,7 @@ import torch
 from .blocks import LayerBlocks, part_rows
 from .quantizers import Quantizer
 from .quantizers.base import Factored, Parts
+from .snapshot import RowsMemo
 
 
 class ClipCounts:
@@ -75,6 +76,7 @@ class QuantizedTensorStore:
         self.device = blocks.device
         self.counts = ClipCounts(blocks.device)  # static-scale clipping (see LayerStore.clipped)
         self._pair: tuple[dict, dict, dict[str, torch.Tensor] | None] | None = None  # paired_state's cache
+        self.memo = RowsMemo()  # the kernels' rows built from the state (copies share it: keyed on its tensors)
 
     @property
     def parts(self) -> dict[str, torch.Tensor]:

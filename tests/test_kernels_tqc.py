@@ -102,7 +102,7 @@ def test_operand_and_cached_rows():
     assert op.kind == KIND_TQC and op.data is store.parts["q"] and op.scale is store.parts["norm"]
     assert op.head_scale.shape == (2, 1, 2 + 2 * 64 + 512)
     assert operand(layer.snapshot().groups[0].key, 64, False).head_scale is op.head_scale  # cached (across snapshots)
-    store.state = dict(store.state)  # a new state (e.g. a batch reorder) rebuilds them
+    store.state = {**store.state, "params": store.state["params"].clone()}  # new state tensors (a reorder) rebuild
     assert operand(layer.snapshot().groups[0].key, 64, False).head_scale is not op.head_scale
 
 
