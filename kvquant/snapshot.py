@@ -1,4 +1,4 @@
-"""The contract between a layer's store and the attention: what one attention call reads, as a frozen snapshot.
+"""The contract between a layer's store and the attention: what one attention call reads, as an immutable snapshot.
 
 :class:`KVSnapshot` is built by the store (:meth:`kvquant.store.LayerStore.snapshot`) at the start of an
 attention call, after the chunk was written, and read by the attention only
@@ -6,8 +6,8 @@ attention call, after the chunk was written, and read by the attention only
 :mod:`kvquant.kernels.triton_attention`): the kernels import this module and the quantizer interface
 (:mod:`kvquant.quantizers`), never the store, the cache or the pool.
 
-What it holds, by reference (building one copies no tensor and allocates no history; the records are named tuples:
-immutable, and built in well under a microsecond each, which matters once per layer and step):
+What it holds, by reference (building one copies no tensor and allocates no history; the records are named tuples,
+immutable and cheap to build, since one is built per layer and step):
 
 * the layout: batch rows, KV heads, head_dim, tokens per block, device; the pool end ``q_end`` (tokens
   ``[0, q_end)`` are quantized), the block tables and the tokens they can cover (``capacity``);
