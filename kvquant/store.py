@@ -62,7 +62,6 @@ from .quantizers.base import Factored, PartSpec, require_finite
 from .rotation import fwht
 from .slots import SlotMap
 from .snapshot import GroupSnapshot, KVSnapshot, ResidualRows, SinkRows, StorageSpace
-from .snapshot_build import part_snapshot
 from .tensor_store import (
     ClipCounts,
     QuantizedTensorStore,
@@ -1601,7 +1600,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         """What one attention call reads of this store, as it is now (:mod:`kvquant.snapshot`): tensors and
         tables by reference, the store's own decode as bound callables; nothing is copied."""
         groups = tuple(
-            GroupSnapshot(g.heads, g.head_index, g.all_heads, part_snapshot(g.key), part_snapshot(g.value),
+            GroupSnapshot(g.heads, g.head_index, g.all_heads, g.key.snapshot(), g.value.snapshot(),
                           functools.partial(self.read, g), functools.partial(self.read_factored, g),
                           functools.partial(self.heavy_rows, g, True))
             for g in self.groups)  # fmt: skip

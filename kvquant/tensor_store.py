@@ -14,7 +14,7 @@ import torch
 from .blocks import LayerBlocks, part_rows
 from .quantizers import Quantizer
 from .quantizers.base import Factored, Parts
-from .snapshot import RowsMemo
+from .snapshot import PartSnapshot, RowsMemo
 
 
 class ClipCounts:
@@ -82,6 +82,12 @@ class QuantizedTensorStore:
     def parts(self) -> dict[str, torch.Tensor]:
         """The block tensors of every part (looked up each time: the arena may have grown)."""
         return self.blocks.parts[self.group][self.kind]
+
+    def snapshot(self) -> PartSnapshot:
+        """The quantizer, static state and part tensors as they are now, for the attention (references, nothing
+        copied), with the rows memo that stays with this store across snapshots."""
+        return PartSnapshot(self.quantizer, self.parts, self.state, self.batch, self.heads, self.block_size,
+                            self.device, self.memo)  # fmt: skip
 
     def write(
         self, x: torch.Tensor, plan: WritePlan | LanePlan, check: bool = True, real: torch.Tensor | None = None
