@@ -1,4 +1,4 @@
-"""Pure-torch attention over a quantized :class:`~kvquant.store.LayerStore`.
+"""Pure-torch attention over a layer's quantized history, read through its :class:`~kvquant.snapshot.KVSnapshot`.
 
 Two functions with one signature::
 
@@ -8,7 +8,8 @@ Two functions with one signature::
 * ``query[B, Hq, Tq, D]`` -- queries of the current chunk (``Tq == 1`` when decoding).
 * ``fresh_k/fresh_v[B, Hkv, Tq, D]`` -- this chunk's K/V in full precision (also written to the
   store; attention uses them unquantized for the chunk itself, the quantized store for the past).
-* ``layer`` -- the store; its first ``past_len`` tokens are the history. Everything here is in the
+* ``layer`` -- the layer's snapshot (or its store, which publishes one); its first ``past_len`` tokens are the
+  history. Everything here is in the
   store's *storage space*: with ``rotate`` on, the caller (:func:`kvquant.kernels.dispatch.attend`) passes
   Hadamard-rotated queries and fresh K/V, and un-rotates the output.
 * ``mask`` -- ``None`` (causal, the chunk's last query at the last position) or a boolean
@@ -27,7 +28,7 @@ import math
 import torch
 
 from kvquant.quantizers.base import Factored
-from kvquant.store import HeadGroup, LayerStore
+from kvquant.snapshot import GroupSnapshot, KVSnapshot, SnapshotSource, as_snapshot
 
 WORKSPACE_BYTES = 8 * 2**20  # fp32 scratch per tile: scores and a dequantized K or V tile
 QUERY_TILE = 128  # queries per tile when a chunk (prefill) is long
@@ -58,7 +59,7 @@ class _OnlineSoftmax:
 
 def _mask_tile(
     mask: torch.Tensor | None,
-    group: HeadGroup,
+    group: GroupSnapshot,
     num_kv: int,
     rep: int,
     q_range: tuple[int, int],
@@ -146,22 +147,22 @@ def _tiles(total: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(total, s + size)) for s in range(0, total, size)]
 
 
-def _fits_at_once(layer: LayerStore, batch: int, rows: int, tokens: int) -> bool:
+def _fits_at_once(layer: KVSnapshot, batch: int, rows: int, tokens: int) -> bool:
     """True when ``tokens`` history keys of every head group fit the workspace in one tile pair (see
     :func:`attend_torch`'s tile sizes): then one softmax covers them, with no online rescaling."""
     return tokens + 1 <= 2 * _key_tile(layer, batch, layer.num_heads, rows)
 
 
-def _key_tile(layer: LayerStore, batch: int, heads: int, rows: int) -> int:
+def _key_tile(layer: KVSnapshot, batch: int, heads: int, rows: int) -> int:
     """Keys per tile (whole blocks) such that the scores ``[batch, heads, rows, tile]`` and a K/V tile
     ``[batch, heads, tile, head_dim]`` stay within ``WORKSPACE_BYTES`` each."""
     row_bytes = 4 * batch * heads * max(rows, layer.head_dim)
     return max(layer.block_size, (WORKSPACE_BYTES // row_bytes) // layer.block_size * layer.block_size)
 
 
-def _decode_one(query, fresh_k, fresh_v, layer: LayerStore, past_len: int, mask, scaling: float, softcap, key_mass):
+def _decode_one(query, fresh_k, fresh_v, layer: KVSnapshot, past_len: int, mask, scaling: float, softcap, key_mass):
     """One query per row (a decode step) over a history that fits the workspace: per head group, one score
-    row over the history's pieces (:meth:`~kvquant.store.LayerStore.read_factored`) and the fresh key, one
+    row over the history's pieces (:attr:`~kvquant.snapshot.GroupSnapshot.read_factored`) and the fresh key, one
     softmax. Scales that factor out of the codes are applied to the query / scores (keys) and to the
     probabilities / output (values), never to the history's elements. Same result as the tiled walk with
     a fraction of its passes over the history and of its tensor operations."""
@@ -179,7 +180,7 @@ def _decode_one(query, fresh_k, fresh_v, layer: LayerStore, past_len: int, mask,
     for g in layer.groups:
         sel = (lambda t: t) if g.all_heads else (lambda t, i=g.head_index: t.index_select(1, i))
         qg, fk, fv = sel(q), sel(fresh_k).float(), sel(fresh_v).float()
-        pieces = layer.read_factored(g, first, past_len) if first < past_len else []
+        pieces = g.read_factored(first, past_len) if first < past_len else []
         scores = torch.cat([*(_key_scores(qg, k) for _, _, k, _ in pieces), qg @ fk.transpose(-1, -2)], dim=-1)
         scores = cap_scores(scores, softcap)
         kg = None
@@ -245,7 +246,7 @@ def attend_torch(
     query: torch.Tensor,
     fresh_k: torch.Tensor,
     fresh_v: torch.Tensor,
-    layer: LayerStore,
+    layer: KVSnapshot | SnapshotSource,
     past_len: int,
     mask: torch.Tensor | None,
     scaling: float,
@@ -259,6 +260,7 @@ def attend_torch(
     (summed over the query heads of its KV head and over the chunk's queries) is added -- the per-key score
     mass H2O / TOVA evict by. It costs one exp per (query, key) more, and keeps the scores of the tiles of
     one query tile until its softmax is final."""
+    layer = as_snapshot(layer)
     B, Hq, Tq, D = query.shape
     Hkv = layer.num_heads
     if Hq % Hkv:
@@ -284,7 +286,7 @@ def attend_torch(
             # then the fresh chunk in full precision, up to the last chunk key that a query of the tile sees
             f_end = _fresh_extent(mask, (q0, q1), past_len, Tq)
             tiles = [
-                (lambda a=k0, b=k1, grp=g: layer.read(grp, a, b), (k0, k1)) for k0, k1 in layer.tiles(past_len, tk)
+                (lambda a=k0, b=k1, grp=g: grp.read(a, b), (k0, k1)) for k0, k1 in layer.tiles(past_len, tk)
             ] + [
                 (lambda a=f0, b=f1, k=fk, v=fv: (k[:, :, a:b].float(), v[:, :, a:b].float()),
                  (past_len + f0, past_len + f1))
@@ -322,18 +324,19 @@ def attend_torch(
 
 
 def dequantize_history(
-    layer: LayerStore, past_len: int, head_space: bool = False
+    layer: KVSnapshot | SnapshotSource, past_len: int, head_space: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole history as float32 ``[B, Hkv, past_len, D]`` K and V, in storage space (rotated if
     the config rotates), sinks and residual included (tests and debugging only). ``head_space``: codebook
     heads stay in their rotated head space (what the attention functions read)."""
+    layer = as_snapshot(layer)
     B, D = layer.batch, layer.head_dim
     k = torch.empty((B, layer.num_heads, past_len, D), device=layer.device)
     v = torch.empty_like(k)
     for g in layer.groups:
-        k[:, g.head_index], v[:, g.head_index] = layer.read(g, 0, past_len)
-    if not head_space and layer.has_head_space:
-        k, v = layer.kv_from_head_space(k, v)
+        k[:, g.head_index], v[:, g.head_index] = g.read(0, past_len)
+    if not head_space and layer.space.head_space:
+        k, v = layer.space.kv_from_head(k, v)
     return k, v
 
 
@@ -341,13 +344,14 @@ def attend_naive(
     query: torch.Tensor,
     fresh_k: torch.Tensor,
     fresh_v: torch.Tensor,
-    layer: LayerStore,
+    layer: KVSnapshot | SnapshotSource,
     past_len: int,
     mask: torch.Tensor | None,
     scaling: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Reference: dequantize the whole history, concatenate the fresh chunk, softmax attention in fp32."""
+    layer = as_snapshot(layer)
     B, Hq, Tq, D = query.shape
     rep = Hq // layer.num_heads
     hk, hv = dequantize_history(layer, past_len, head_space=True)  # same space as the query it is given

@@ -46,7 +46,7 @@ import weakref
 
 import torch
 
-from kvquant.store import LayerStore
+from kvquant.snapshot import KVSnapshot, SnapshotSource, as_snapshot
 
 from .attention_torch import cap_scores
 from .triton_chunk import BLOCK_M, _chunk_attn, chunk_launches
@@ -63,7 +63,7 @@ def interpreted() -> bool:
     return type(_chunk_attn).__name__ == "InterpretedFunction"
 
 
-def check_shapes(query: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tensor, layer: LayerStore) -> None:
+def check_shapes(query: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tensor, layer: KVSnapshot) -> None:
     """Raise :class:`Unsupported` (with the reason) for inputs the kernels do not serve."""
     B, Hq, Tq, D = query.shape
     if query.device.type == "cpu" and not interpreted():
@@ -176,26 +176,27 @@ def split_ranges(
     return lo, hi
 
 
-def dense_segments(layer: LayerStore, past_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def dense_segments(layer: KVSnapshot, past_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The full-precision history of ``layer``: (K, V ``[B, Hkv, n, D]``, positions ``[B, n]``), or None.
 
-    Each row's sink tokens (its first real tokens, ``row_start[b] + [0, sink_tokens)``) from
-    ``sink_k/sink_v``, below ``q_end`` only (tokens still in the residual are read from there; a slot
-    at or beyond ``q_end`` gets position -1, never visible), and the residual ``[q_end, past_len)``.
+    Each row's sink tokens (its first real tokens, ``row_start[b] + [0, sinks.tokens)``) from
+    :attr:`~kvquant.snapshot.KVSnapshot.sinks`, below ``q_end`` only (tokens still in the residual are read from
+    there; a slot at or beyond ``q_end`` gets position -1, never visible), and the residual ``[q_end, past_len)``.
     """
     q_end = min(layer.q_end, past_len)
     ks, vs, pos = [], [], []
     device = layer.device
     B = layer.batch
-    if layer.sink_k is not None and q_end > 0:
-        p = layer.row_start.view(-1, 1) + torch.arange(layer.sink_tokens, device=device)
-        ks.append(layer.sink_k)
-        vs.append(layer.sink_v)
+    sinks, residual = layer.sinks, layer.residual
+    if sinks is not None and q_end > 0:
+        p = layer.row_start.view(-1, 1) + torch.arange(sinks.tokens, device=device)
+        ks.append(sinks.k)
+        vs.append(sinks.v)
         pos.append(torch.where(p < q_end, p, -1))
     if past_len > q_end:
-        if layer.res_k is None or layer.res_k.shape[2] < past_len - q_end:
+        if residual is None or residual.held < past_len - q_end:
             raise Unsupported(f"the residual buffer does not hold tokens [{q_end}, {past_len})")
-        rk, rv = layer.residual_rows(past_len)  # (rows fitted while a batch-mate waits: as their pool reads)
+        rk, rv = residual.rows(past_len)  # (rows fitted while a batch-mate waits: as their pool reads)
         ks.append(rk)
         vs.append(rv)
         pos.append(torch.arange(q_end, past_len, device=device).expand(B, -1))
@@ -204,11 +205,11 @@ def dense_segments(layer: LayerStore, past_len: int) -> tuple[torch.Tensor, torc
     return torch.cat(ks, dim=2).float(), torch.cat(vs, dim=2).float(), torch.cat(pos, dim=1).to(ks[0].device)
 
 
-def ladder_segment(layer: LayerStore, hist: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def ladder_segment(layer: KVSnapshot, hist: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The age ladder's young pool rows ``[q_end - ladder_n, hist)`` decoded with their refinement bits, in each
     head's space (K, V ``[B, Hkv, n, D]`` float32, positions ``[B, n]``), or None without a ladder.
 
-    At most ``ladder_tokens`` rows, decoded by the store (:meth:`~kvquant.store.LayerStore.read`, the torch
+    At most ``ladder_tokens`` rows, decoded by the store (:attr:`~kvquant.snapshot.GroupSnapshot.read`, the torch
     path's own decode) and attended as a dense segment: the kernels read the pool below them at its base width.
     A row's sink slots get position -1 (the sink segment holds them).
     """
@@ -219,27 +220,27 @@ def ladder_segment(layer: LayerStore, hist: int) -> tuple[torch.Tensor, torch.Te
     k = torch.empty((B, H, n, D), dtype=torch.float32, device=layer.device)
     v = torch.empty_like(k)
     for g in layer.groups:
-        gk, gv = layer.read(g, lo, hist)
+        gk, gv = g.read(lo, hist)
         k[:, g.head_index], v[:, g.head_index] = gk, gv
     p = torch.arange(lo, hist, device=layer.device).expand(B, n)
-    if layer.sink_k is not None:
+    if layer.sinks is not None:
         slot = p - layer.row_start.view(-1, 1)
-        p = torch.where((slot >= 0) & (slot < layer.sink_tokens), -1, p)
+        p = torch.where((slot >= 0) & (slot < layer.sinks.tokens), -1, p)
     return k, v, p
 
 
 def heavy_segment(
-    layer: LayerStore, hist: int
+    layer: KVSnapshot, hist: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The heavy rows the kernels read (pool positions below ``hist``), decoded by the store in each head's space:
     K and V at their base width, then refined (``[B, Hkv, n, D]`` float32; a side without refinement: its base), and
     their positions ``[B, Hkv, n]`` (-1: none there, or not in the kernels' pool)."""
     B, H, D = layer.batch, layer.num_heads, layer.head_dim
-    n = max(h[0].shape[-1] for h in layer.heavy if h[0] is not None)
+    n = layer.heavy_rows
     out = [torch.zeros((B, H, n, D), dtype=torch.float32, device=layer.device) for _ in range(4)]
     pos = torch.full((B, H, n), -1, dtype=torch.long, device=layer.device)
     for g in layer.groups:
-        at, refined, base = layer.heavy_rows(g, base=True)
+        at, refined, base = g.heavy_rows()
         if at is None:
             continue
         for i, (r, b) in enumerate(zip(refined, base, strict=True)):
@@ -290,10 +291,10 @@ def swap_rows(
     return res.reshape(B, Hq, Tq, D)
 
 
-def block_table(layer: LayerStore, hist: int, batch: int, device: torch.device) -> torch.Tensor:
+def block_table(layer: KVSnapshot, hist: int, batch: int, device: torch.device) -> torch.Tensor:
     """The rows' block tables as int32 ``[B, max(1, blocks)]`` on ``device``; raises :class:`Unsupported`
     when they do not cover ``hist`` tokens."""
-    table = layer.table()
+    table = layer.table
     if table.shape[1] * layer.block_size < hist:
         raise Unsupported(f"the block tables cover {table.shape[1] * layer.block_size} tokens, the history {hist}")
     # padded (block 0, never visible) to the layer's capacity: the decode grid then depends on the
@@ -357,7 +358,7 @@ def attend_triton(
     query: torch.Tensor,
     fresh_k: torch.Tensor,
     fresh_v: torch.Tensor,
-    layer: LayerStore,
+    layer: KVSnapshot | SnapshotSource,
     past_len: int,
     mask: torch.Tensor | None,
     scaling: float,
@@ -368,7 +369,8 @@ def attend_triton(
 ) -> torch.Tensor:
     """Attention of ``query[B, Hq, Tq, D]`` over ``layer``'s first ``past_len`` tokens plus the fresh chunk.
 
-    Same arguments and result as :func:`~kvquant.kernels.attention_torch.attend_torch`. ``splits``
+    Same arguments and result as :func:`~kvquant.kernels.attention_torch.attend_torch`; ``layer``'s snapshot must
+    have its blocks on the device (:meth:`~kvquant.snapshot.KVSnapshot.staged`). ``splits``
     (decode partitions) and ``block_m`` (chunk query rows per program) are for tests and tuning.
 
     Stores with dense segments (sink tokens, residual window): the kernels attend over the quantized
@@ -377,6 +379,7 @@ def attend_triton(
     (:func:`attend_dense`) and the two merged by log-sum-exp (:func:`merge_lse`). An age ladder's young
     rows join the dense side, refined (:func:`ladder_segment`); the kernels' pool then ends below them.
     """
+    layer = as_snapshot(layer)
     B, Hq, Tq, D = query.shape
     check_shapes(query, fresh_k, fresh_v, layer)
     dk = dot_kind(query.dtype, interpreted())
@@ -385,8 +388,8 @@ def attend_triton(
     groups = [
         (g.head_index, operand(g.key, D, fp8_native), operand(g.value, D, fp8_native)) for g in layer.groups
     ]
-    ladder_n = getattr(layer, "ladder_n", 0)
-    dense = getattr(layer, "has_dense_segments", False) or ladder_n > 0
+    ladder_n = layer.ladder_n
+    dense = layer.has_dense_segments or ladder_n > 0
     if dense:
         hist = min(layer.q_end, past_len)
         young = ladder_segment(layer, hist) if ladder_n else None
@@ -394,10 +397,10 @@ def attend_triton(
             hist = layer.q_end - ladder_n
         # hist: the history length the kernels see (the quantized pool they read); per row, pool rows below its
         # sinks' end are the dense side's sinks (or its pads)
-        sinks = (layer.row_start + layer.sink_tokens).clamp_max(hist) if layer.sink_k is not None else 0
+        sinks = (layer.row_start + layer.sinks.tokens).clamp_max(hist) if layer.sinks is not None else 0
         segments = dense_segments(layer, past_len)
-        if segments is not None and getattr(layer, "has_head_space", False):  # codebook heads: their space
-            segments = (*layer.kv_to_head_space(segments[0], segments[1]), segments[2])
+        if segments is not None and layer.space.head_space:  # codebook heads: their space
+            segments = (*layer.space.kv_to_head(segments[0], segments[1]), segments[2])
         if young is not None and segments is not None:  # (the ladder's rows are in head space already)
             segments = (torch.cat([segments[0], young[0]], dim=2), torch.cat([segments[1], young[1]], dim=2),
                         torch.cat([segments[2], young[2]], dim=1))  # fmt: skip
@@ -405,14 +408,14 @@ def attend_triton(
             segments = young
         kernel_ranges = split_ranges(ranges, B, Tq, past_len, hist, sinks, query.device)
     else:
-        if getattr(layer, "q_end", past_len) < past_len:
+        if layer.q_end < past_len:
             raise Unsupported(f"the quantized pool holds {layer.q_end} tokens, the history {past_len}")
         hist, segments, kernel_ranges = past_len, None, ranges
     for _, k, v in groups:
         for op in (k, v):
             if op.data.device != query.device:
                 raise Unsupported("store parts on another device")
-    heavy = heavy_segment(layer, hist) if getattr(layer, "heavy", None) else None
+    heavy = heavy_segment(layer, hist) if layer.heavy_rows else None
     table = block_table(layer, hist, B, query.device)
     if segments is not None and segments[0].device != query.device:
         raise Unsupported("dense segments on another device")

@@ -51,12 +51,13 @@ What the kernels read per (sequence, head), from the quantizer's ``params`` row
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
+
+from kvquant.snapshot import PartSnapshot
 
 from .unsupported import Unsupported
 
@@ -90,7 +91,7 @@ def codebook_norms(n_ptr, n_rows, mask_n, row):
     return tl.where(c > 0, tl.exp2(lo + step * (c - 1.0)), 0.0)
 
 
-def codebook_operand(store, main: torch.Tensor, operand_cls: type):
+def codebook_operand(store: PartSnapshot, main: torch.Tensor, operand_cls: type):
     """``operand_cls`` (:class:`~kernels.triton_dequant.Operand`) for a codebook store: the codes, the
     norm codes as the per-token part, and the fp32 ``params`` rows ``[B, Hg, 2 + 2^b]`` as the head part."""
     qz = store.quantizer
@@ -107,7 +108,7 @@ def codebook_operand(store, main: torch.Tensor, operand_cls: type):
     return operand_cls(main, norm, main, params, KIND_CODEBOOK, bits=qz.bits)
 
 
-def norm_part(store, main: torch.Tensor) -> torch.Tensor:
+def norm_part(store: PartSnapshot, main: torch.Tensor) -> torch.Tensor:
     """A codebook store's 8-bit log norm codes ``[blocks, H, block_size, 1]``, checked against the codes ``main``."""
     norm = store.parts["norm"]
     if norm.dim() != 4 or norm.shape[:3] != main.shape[:3]:
@@ -115,22 +116,13 @@ def norm_part(store, main: torch.Tensor) -> torch.Tensor:
     return norm
 
 
-# head rows built from a store's static state, per store (weak: they go with the store)
-_head_rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def cached_head_rows(
-    store, names: tuple[str, ...], device: torch.device, build: Callable[[], torch.Tensor]
+    store: PartSnapshot, names: tuple[str, ...], device: torch.device, build: Callable[[], torch.Tensor]
 ) -> torch.Tensor:
-    """``build()``'s rows for ``store``, built again only when its state entries ``names`` (compared by identity:
-    state tensors are replaced, never modified in place), its batch or ``device`` change."""
-    same = (store.state, *(store.state.get(n) for n in names))
-    shape = (store.batch, device)
-    hit = _head_rows.get(store)
-    if hit is None or hit[1] != shape or any(a is not b for a, b in zip(hit[0], same, strict=True)):
-        hit = (same, shape, build())
-        _head_rows[store] = hit
-    return hit[2]
+    """``build()``'s rows for ``store`` (kept in its :class:`~kvquant.snapshot.RowsMemo`, which stays with the K or V
+    store across snapshots), built again only when its state entries ``names`` (compared by identity: state tensors
+    are replaced, never modified in place), its batch or ``device`` change."""
+    return store.memo.get(tuple(store.state.get(n) for n in names), (store.batch, device), build)
 
 
 @triton.jit
@@ -195,7 +187,7 @@ def tqc_rows(qz, state: dict[str, torch.Tensor], batch: int, heads: int, device:
     return rows
 
 
-def tqc_operand(store, main: torch.Tensor, operand_cls: type):
+def tqc_operand(store: PartSnapshot, main: torch.Tensor, operand_cls: type):
     """``operand_cls`` (:class:`~kvquant.kernels.triton_dequant.Operand`) for a ``tqc`` store: the codes, the norm
     codes as the per-token part, and the :func:`tqc_rows` rows as the head part. The rows are built once per
     state (the state is static: fitted on the first chunk): :func:`cached_head_rows`."""
@@ -251,7 +243,9 @@ def tqv_rows(qz, state: dict[str, torch.Tensor], batch: int, heads: int, device:
     return table_rows(qz, state, batch, heads, device, cw)
 
 
-def table_operand(store, main: torch.Tensor, operand_cls: type, kind: int, build: Callable[[], torch.Tensor]):
+def table_operand(
+    store: PartSnapshot, main: torch.Tensor, operand_cls: type, kind: int, build: Callable[[], torch.Tensor]
+):
     """``operand_cls`` (:class:`~kvquant.kernels.triton_dequant.Operand`) for a ``tqv`` / ``tqt`` store: the codes, the
     norm codes as the per-token part, and ``build()``'s rows as the head part (built once per state:
     :func:`cached_head_rows`, as for ``tqc``)."""
@@ -263,7 +257,7 @@ def table_operand(store, main: torch.Tensor, operand_cls: type, kind: int, build
     return operand_cls(main, norm, main, rows, kind, bits=qz.bits)
 
 
-def tqv_operand(store, main: torch.Tensor, operand_cls: type):
+def tqv_operand(store: PartSnapshot, main: torch.Tensor, operand_cls: type):
     """:func:`table_operand` for a ``tqv`` store (:func:`tqv_rows`)."""
     qz = store.quantizer
     if qz.dim != 2:
@@ -288,7 +282,7 @@ def tqv_tile(ptr, row, rows, m2, offs_d, BITS: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------- tqt: bit-shift trellis codes
-def tqt_operand(store, main: torch.Tensor, operand_cls: type):
+def tqt_operand(store: PartSnapshot, main: torch.Tensor, operand_cls: type):
     """:func:`table_operand` for a ``tqt`` store: rows ``[lo, step, table (2^L values)]``."""
     qz = store.quantizer
     if qz.state_bits != qz.bits + TQT_CARRIED or qz.state_bits > 16:

@@ -22,7 +22,7 @@ import torch
 
 from kvquant.blocks import LayerBlocks
 from kvquant.quantizers import channel_precision, make_quantizer
-from kvquant.tensor_store import QuantizedTensorStore
+from kvquant.snapshot import PartSnapshot, RowsMemo
 
 from .triton_dequant import operand
 from .triton_launch import compile_launch, resource_usage
@@ -61,16 +61,14 @@ def kind_precision(name: str, head_dim: int) -> str:
     return channel_precision([w64[(j // half) * 32 + (j % half) // f] for j in range(head_dim)])
 
 
-def meta_store(precision: str, batch: int, heads: int, head_dim: int, capacity: int) -> QuantizedTensorStore:
-    """A store of ``precision`` on the ``meta`` device: the runtime's part shapes, dtypes and strides, no data."""
+def meta_store(precision: str, batch: int, heads: int, head_dim: int, capacity: int) -> PartSnapshot:
+    """A K or V of ``precision`` on the ``meta`` device, as the attention's snapshot holds it: the runtime's part
+    shapes, dtypes and strides (the layer's block arena), no data."""
     quantizer = make_quantizer(kind_precision(precision, head_dim), head_dim, block_size=BLOCK_SIZE)
     blocks = LayerBlocks([(heads, quantizer.parts(), quantizer.parts())], BLOCK_SIZE, META,
                          num_blocks=batch * -(-capacity // BLOCK_SIZE))  # fmt: skip
-    store = QuantizedTensorStore(quantizer, blocks, 0, "key")
-    store.batch = batch
-    if store.quantizer.static:
-        store.state["scale"] = torch.empty(heads, device=META)
-    return store
+    state = {"scale": torch.empty(heads, device=META)} if quantizer.static else {}
+    return PartSnapshot(quantizer, blocks.parts[0]["key"], state, batch, heads, BLOCK_SIZE, META, RowsMemo())
 
 
 def meta_groups(pairs: list[tuple[str, str, int]], batch: int, head_dim: int, capacity: int):

@@ -67,6 +67,7 @@ from kvquant.quantizers import (
     TrellisCodebook,
     VectorCodebook,
 )
+from kvquant.snapshot import PartSnapshot
 
 from .triton_codebook import (
     codebook_levels,
@@ -745,8 +746,9 @@ def native_fp8(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def operand(store, head_dim: int, fp8_native: bool) -> Operand:
-    """Describe one :class:`~kvquant.tensor_store.QuantizedTensorStore` for the kernels (Unsupported if unknown)."""
+def operand(store: PartSnapshot, head_dim: int, fp8_native: bool) -> Operand:
+    """Describe one K or V of a head group (:class:`~kvquant.snapshot.PartSnapshot`) for the kernels (Unsupported
+    if unknown)."""
     qz = store.quantizer
     parts = store.parts
     main = parts.get("q", parts.get("x"))
@@ -797,7 +799,7 @@ def operand(store, head_dim: int, fp8_native: bool) -> Operand:
     raise Unsupported(f"{type(qz).__name__}: no Triton path for this quantizer")
 
 
-def _head_scale(store) -> torch.Tensor:
+def _head_scale(store: PartSnapshot) -> torch.Tensor:
     """The static scales as fp32 ``[B, Hg]`` contiguous (per sequence; a per-head ``[Hg]`` is broadcast)."""
     s = store.state.get("scale")
     if s is None:  # not calibrated yet: nothing is in the pool (tokens are held in full precision)

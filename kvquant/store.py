@@ -41,9 +41,11 @@ Outlier options (all in the config, composable with per-head precision):
 
 from __future__ import annotations
 
+import contextlib
 import copy as _copy
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -60,6 +62,7 @@ from .quantizers import Quantizer, make_quantizer
 from .quantizers.base import Factored, PartSpec, require_finite
 from .rotation import fwht
 from .slots import SlotMap
+from .snapshot import GroupSnapshot, KVSnapshot, ResidualRows, SinkRows, StorageSpace
 from .tensor_store import (
     ClipCounts,
     QuantizedTensorStore,
@@ -1592,3 +1595,31 @@ class LayerStore(LaneLayer, OffloadedStore):
     def static_values(self) -> int:
         """Real (non-pad) values written through static scales so far (what :meth:`clipped` counts against)."""
         return sum(s.counts.totals()[1] for g in self.groups for s in (g.key, g.value))
+
+    # ---------------------------------------------------------------- the attention's snapshot
+    def snapshot(self) -> KVSnapshot:
+        """What one attention call reads of this store, as it is now (:mod:`kvquant.snapshot`): tensors and
+        tables by reference, the store's own decode as bound callables; nothing is copied."""
+        groups = tuple(
+            GroupSnapshot(g.heads, g.head_index, g.all_heads, g.key.snapshot(), g.value.snapshot(),
+                          functools.partial(self.read, g), functools.partial(self.read_factored, g),
+                          functools.partial(self.heavy_rows, g, True))
+            for g in self.groups)  # fmt: skip
+        space = StorageSpace(self.rotate_keys, self.rotate_values, self.key_mean, self.has_head_space,
+                             self.centered_keys, self.to_storage_space, self.kv_to_head_space, self.kv_from_head_space,
+                             self.query_to_head_space, self.output_from_head_space)  # fmt: skip
+        sinks = None if self.sink_k is None or self.sink_v is None else SinkRows(self.sink_k, self.sink_v,
+                                                                                 self.sink_tokens)  # fmt: skip
+        residual = None if self.res_k is None else ResidualRows(self.res_k.shape[2], self.residual_rows)
+        heavy = max([0, *(at.shape[-1] for at, _, _ in self.heavy if at is not None)])
+        return KVSnapshot(
+            self.batch, self.num_heads, self.head_dim, self.block_size, self.device, self.q_end, self.row_start,
+            self.table(), self.capacity, groups, space, self.has_dense_segments, sinks, residual, self.ladder_n, heavy,
+            self.lanes, self.slots, self.tiles, self._staged_snapshot if self.has_host_blocks() else None,
+        )
+
+    @contextlib.contextmanager
+    def _staged_snapshot(self) -> Iterator[KVSnapshot]:
+        """The snapshot with every host block staged into a device block (:meth:`staged`), for the block."""
+        with self.staged():
+            yield self.snapshot()

@@ -14,6 +14,7 @@ import torch
 from .blocks import LayerBlocks, part_rows
 from .quantizers import Quantizer
 from .quantizers.base import Factored, Parts
+from .snapshot import PartSnapshot, RowsMemo
 
 
 class ClipCounts:
@@ -75,11 +76,18 @@ class QuantizedTensorStore:
         self.device = blocks.device
         self.counts = ClipCounts(blocks.device)  # static-scale clipping (see LayerStore.clipped)
         self._pair: tuple[dict, dict, dict[str, torch.Tensor] | None] | None = None  # paired_state's cache
+        self.memo = RowsMemo()  # the kernels' rows built from the state (copies share it: keyed on its tensors)
 
     @property
     def parts(self) -> dict[str, torch.Tensor]:
         """The block tensors of every part (looked up each time: the arena may have grown)."""
         return self.blocks.parts[self.group][self.kind]
+
+    def snapshot(self) -> PartSnapshot:
+        """The quantizer, static state and part tensors as they are now, for the attention (references, nothing
+        copied), with the rows memo that stays with this store across snapshots."""
+        return PartSnapshot(self.quantizer, self.parts, self.state, self.batch, self.heads, self.block_size,
+                            self.device, self.memo)  # fmt: skip
 
     def write(
         self, x: torch.Tensor, plan: WritePlan | LanePlan, check: bool = True, real: torch.Tensor | None = None

@@ -2,15 +2,17 @@
 
 A :class:`~kvquant.QuantizedKVCache` layer's ``update`` quantizes the new tokens into its store and
 *publishes* a :class:`LayerView` for the key tensor it returns; the attention of that layer *takes*
-the view for the key tensor it is given. Neither side imports the other: both import this module.
+the view for the key tensor it is given. Neither side imports the other: both import this module (and the
+snapshot contract, :mod:`kvquant.snapshot`).
 Nothing is attached to the tensors (the hand-off is one slot per thread, matched by the key
 tensor's identity), and a view published by a cache whose model does not run the ``kvquant``
 attention is detected at the next update instead of being silently ignored.
 
 The chunk itself is written when the attention commits the view (it knows each row's padding from
-the mask). The view names what the attention reads: the layer's store (head groups with their quantizer
-layout and block tensors, one block table per row, the dense sink / residual segments) and the
-history length ``past_len`` (the tokens before this chunk).
+the mask). The view names what the attention reads: the layer's store, which publishes its
+:class:`~kvquant.snapshot.KVSnapshot` once the chunk is written (head groups with their quantizer layout and
+block tensors, the block tables, the dense sink / residual segments...), and the history length ``past_len``
+(the tokens before this chunk).
 """
 
 from __future__ import annotations
@@ -23,22 +25,24 @@ from typing import Any
 
 import torch
 
+from .snapshot import SnapshotSource
+
 
 @dataclass(frozen=True)
 class LayerView:
-    """What one attention call reads: ``store`` (a :class:`~kvquant.store.LayerStore`: block tensors,
-    block tables, quantizer layout, dense segments) and the history length ``past_len``.
+    """What one attention call reads: ``store`` (a :class:`~kvquant.store.LayerStore`; the attention reads only its
+    :meth:`~kvquant.snapshot.SnapshotSource.snapshot`, taken after ``commit``) and the history length ``past_len``.
 
     ``commit(row_start, context)``: the attention calls it first; it writes the chunk of this update into
     the store (``row_start[B]``: each row's first real token, from the mask, which the first write needs
     for per-row sinks and scales under left padding; ``None``: no padding; ``context``: ``module``,
     ``queries``, ``scaling`` and ``mask``, which an eviction policy may score the chunk with).
 
-    An evicting layer's store (``store.slots`` set) holds slots, not positions: ``past_len`` counts its
+    An evicting layer's store (its snapshot's ``slots`` set) holds slots, not positions: ``past_len`` counts its
     history slots, and the attention maps the mask onto them (:meth:`kvquant.slots.SlotMap.attention_mask`)."""
 
     layer_idx: int
-    store: Any
+    store: SnapshotSource
     past_len: int
     strict: bool = True  # the cache is bound to a model: the attention must take this view
     commit: Callable[[torch.Tensor | None, dict[str, Any] | None], None] | None = None

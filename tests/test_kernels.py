@@ -103,7 +103,8 @@ def test_gqa_mixed_heads_decode(rep):
     H = 4
     row = MIXED[rep % 4 : rep % 4 + H]  # interleaved heads of 3-4 groups, none holding all heads
     layer, fk, fv = make_layer(row, B=3, past=131)
-    assert len(layer.groups) >= 3 and not any(g.all_heads for g in layer.groups)
+    groups = layer.snapshot().groups
+    assert len(groups) >= 3 and not any(g.all_heads for g in groups)
     check(query(3, H * rep, 1, 64), fk, fv, layer, 131, splits=2)
 
 
@@ -392,10 +393,10 @@ def test_channel_keys_folded_decode(dtype, transposed, monkeypatch):
     monkeypatch.setattr(triton_decode, "CHANNEL_KEYS_TRANSPOSED", transposed)
     row = [KVPrecision("int4-channel", "int4"), KVPrecision("int4-channel", "int8-token")]
     layer, fk, fv = make_layer(row, B=2, past=300, block=64, steps=(130, 131, 200), dtype=dtype)
-    assert layer.q_end >= 192 and layer.groups[0].key.quantizer.token_group == 64
+    assert layer.q_end >= 192 and layer.snapshot().groups[0].key.quantizer.token_group == 64
     from kvquant.kernels.triton_dequant import operand
 
-    assert operand(layer.groups[0].key, 64, False).folds_channel4()
+    assert operand(layer.snapshot().groups[0].key, 64, False).folds_channel4()
     q = query(2, 6, 1, 64, dtype=dtype)
     for mask in (None, padded_mask([0, 70], 300, 1)):
         if dtype == torch.float32:
@@ -425,9 +426,9 @@ def test_channel_operand():
     from kvquant.kernels.triton_dequant import KIND_CHANNEL, operand
 
     layer, _, _ = channel_layer(("int3-channel", "int2-channel"), {}, B=1, past=40)
-    g = layer.groups[0]
-    for store, bits in ((g.key, 3), (g.value, 2)):
-        op = operand(store, 64, False)
+    g = layer.snapshot().groups[0]
+    for part, bits in ((g.key, 3), (g.value, 2)):
+        op = operand(part, 64, False)
         assert (op.kind, op.bits, op.group) == (KIND_CHANNEL, bits, 1)
         assert op.scale.shape[2] == 1 and op.data.shape[2] == 16 and op.scale.shape[-1] == 64
 
@@ -480,8 +481,9 @@ def test_transposed_decode_fp16_queries_exact(row, D, rep, block):
     Hq = len(row) * rep
     q = query(2, Hq, 1, D, dtype=torch.float16)
     scaling = D**-0.5
-    groups = [(g.head_index, operand(g.key, D, False), operand(g.value, D, False)) for g in layer.groups]
-    table = block_table(layer, past, 2, DEV)
+    snap = layer.snapshot()
+    groups = [(g.head_index, operand(g.key, D, False), operand(g.value, D, False)) for g in snap.groups]
+    table = block_table(snap, past, 2, DEV)
     rows_t = "_decode_partial_rows_t"
     want = {"int8": "_decode_partial_t", "int8-token": "_decode_partial_t", "int4": rows_t, "int3": rows_t,
             "int2": rows_t, KVPrecision("int4", "int2"): rows_t, KVPrecision("int3", "int4"): rows_t}  # fmt: skip
@@ -516,8 +518,9 @@ def test_transposed_decode_channel_keys_fp16_exact(D, rep, block, group):
     hist = layer.q_end  # the pool: whole blocks
     Hq = 2 * rep
     q = query(2, Hq, 1, D, dtype=torch.float16)
-    groups = [(g.head_index, operand(g.key, D, False), operand(g.value, D, False)) for g in layer.groups]
-    table = block_table(layer, hist, 2, DEV)
+    snap = layer.snapshot()
+    groups = [(g.head_index, operand(g.key, D, False), operand(g.value, D, False)) for g in snap.groups]
+    table = block_table(snap, hist, 2, DEV)
     for mask in (None, padded_mask([0, 70], hist, 1)):
         ranges = key_ranges(mask, 2, Hq, 1, hist)
         out = torch.zeros(2, Hq, 1, D)
@@ -558,8 +561,9 @@ def test_transposed_rows_kernel_options(case, monkeypatch):
         q = q * (6000.0 / q.abs().max())  # |16 q| past fp16's 65504
         scaling = scaling / 4000.0  # scores of the usual size
     q = q.to(torch.float16)
-    groups = [(g.head_index, operand(g.key, D, False), operand(g.value, D, False)) for g in layer.groups]
-    table = block_table(layer, past, 2, DEV)
+    snap = layer.snapshot()
+    groups = [(g.head_index, operand(g.key, D, False), operand(g.value, D, False)) for g in snap.groups]
+    table = block_table(snap, past, 2, DEV)
     for mask in (None, padded_mask([0, 41], past, 1)):
         ranges = key_ranges(mask, 2, Hq, 1, past)
         out = torch.zeros(2, Hq, 1, D)

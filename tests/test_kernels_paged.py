@@ -130,9 +130,10 @@ def test_random_block_tables_fp16_rows_kernel(prec, block, past):
     assert any(b - a != 1 for t in tables for a, b in zip(t, t[1:], strict=False))  # not contiguous
     hist = layer.q_end  # per-channel keys: the pool holds whole blocks, the rest is attended in torch
     q = (torch.randn(3, 2 * 4, 1, 64, generator=torch.Generator().manual_seed(5)) * 1.5).to(DEV, torch.float16)
-    groups = [(g.head_index, operand(g.key, 64, False), operand(g.value, 64, False)) for g in layer.groups]
+    snap = layer.snapshot()
+    groups = [(g.head_index, operand(g.key, 64, False), operand(g.value, 64, False)) for g in snap.groups]
     out = torch.zeros(3, 8, 1, 64)  # fp32: the kernels' result unrounded
-    table = block_table(layer, hist, 3, DEV)
+    table = block_table(snap, hist, 3, DEV)
     launches = triton_decode.decode_launches(q, fk, fv, groups, layer.num_heads, hist, None, 0.125, out, DOT_FP16,
                                              splits=3, table=table, block_size=block)  # fmt: skip
     assert launches[0].kernel is triton_decode._decode_partial_rows_t
@@ -162,9 +163,10 @@ def test_rows_kernel_eight_tile_steps(prec):
     layer, fk, fv = paged_layer([prec, prec], past, 1, seed=11, block=128, D=D)
     hist = layer.q_end
     q = (torch.randn(3, 2 * rep, 1, D, generator=torch.Generator().manual_seed(5)) * 1.5).to(DEV, torch.float16)
-    groups = [(g.head_index, operand(g.key, D, False), operand(g.value, D, False)) for g in layer.groups]
+    snap = layer.snapshot()
+    groups = [(g.head_index, operand(g.key, D, False), operand(g.value, D, False)) for g in snap.groups]
     out = torch.zeros(3, 2 * rep, 1, D)  # fp32: the kernels' result unrounded
-    table = block_table(layer, hist, 3, DEV)
+    table = block_table(snap, hist, 3, DEV)
     launches = triton_decode.decode_launches(q, fk, fv, groups, layer.num_heads, hist, None, D**-0.5, out, DOT_FP16,
                                              splits=2, table=table, block_size=128)  # fmt: skip
     meta = launches[0].meta

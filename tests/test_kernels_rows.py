@@ -45,7 +45,7 @@ def test_padded_rows_per_row_scales_and_sinks(pair, option, tq):
     fk, fv = k[:, :, past:], v[:, :, past:]
     layer.append(fk, fv)
     if pair[0] in ("int8", "fp8-e5m2"):
-        assert layer.groups[0].key.state["scale"].shape == (B, H)
+        assert layer.snapshot().groups[0].key.state["scale"].shape == (B, H)
     q = torch.randn(B, 2 * H, tq, D, generator=g)
     mask = _mask(past, tq)
     out = attend_triton(q, fk, fv, layer, past, mask, D**-0.5, splits=2, block_m=16)

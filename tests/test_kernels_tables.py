@@ -79,12 +79,12 @@ def test_operand_and_cached_rows(fam, kind, width):
     """A tqv3 / tqt3 store is a kernel operand of its kind (not Unsupported); its rows are built once per state."""
     layer, _, _ = codebook_layer([KVPrecision(f"{fam}3", "tq3"), "int8-token"], D=64, past=20, Tq=1)
     store = layer.groups[0].key
-    op = operand(store, 64, False)
+    op = operand(layer.snapshot().groups[0].key, 64, False)
     assert op.kind == kind and op.bits == 3 and op.data is store.parts["q"] and op.scale is store.parts["norm"]
     assert op.head_scale.shape == (2, 1, width)
-    assert operand(store, 64, False).head_scale is op.head_scale  # cached
-    store.state = dict(store.state)  # a new state (e.g. a batch reorder) rebuilds them
-    assert operand(store, 64, False).head_scale is not op.head_scale
+    assert operand(layer.snapshot().groups[0].key, 64, False).head_scale is op.head_scale  # cached (across snapshots)
+    store.state = {**store.state, "params": store.state["params"].clone()}  # new state tensors (a reorder) rebuild
+    assert operand(layer.snapshot().groups[0].key, 64, False).head_scale is not op.head_scale
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

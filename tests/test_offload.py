@@ -206,7 +206,8 @@ def test_triton_reads_staged_offloaded_blocks(tq):
     q = torch.randn(1, 4, tq, 64, generator=g)
     fk, fv = (torch.randn(1, 2, tq, 64, generator=g) for _ in range(2))
     ref = attend_triton(q, fk, fv, plain, 70, None, 0.125)
-    with off.staged():
-        out = attend_triton(q, fk, fv, off, 70, None, 0.125)
+    with off.snapshot().staged() as staged:  # as kernels/dispatch.py stages them
+        assert not off.has_host_blocks()
+        out = attend_triton(q, fk, fv, staged, 70, None, 0.125)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert off.has_host_blocks() and off.blocks.used == sum(1 for b in off.tables[0] if b >= 0)
