@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .store import LayerStore
+from .store import HeadGroup, LayerStore
 
 __all__ = ["attend_segments", "batchable", "attend_batched"]
 
@@ -123,49 +123,87 @@ def attend_batched(
     nb = -(-max(q_end) // bs)
     table = torch.tensor([st.tables[0][:nb] + [0] * (nb - len(st.tables[0][:nb])) for st in stores],
                          dtype=torch.long, device=dev)  # fmt: skip
-    lo = torch.tensor(sink_lo, device=dev).view(N, 1)
-    hi = torch.tensor(q_end, device=dev).view(N, 1)
     tile = max(1, WORKSPACE_BYTES // (4 * N * Hkv * bs * D))  # blocks per tile
-    # dense keys after the pool: sinks, the unfilled tail (padded to the longest), the fresh chunk
     S = s0.sink_tokens if s0.sink_k is not None else 0
     rmax = max(res_n)
+    hide_pool, hide_dense, hide_all, idx = _masks(tuple(q_end), tuple(sink_lo), tuple(res_n), nb * bs, S, T, rep, dev)
+    # dense keys after the pool: sinks, the unfilled tails (padded to the longest), the fresh chunk
     dk, dv = [], []
     if S:
         dk.append(torch.cat([st.sink_k for st in stores]).float())
         dv.append(torch.cat([st.sink_v for st in stores]).float())
-    if rmax:  # every tail in one row, then gathered padded (a short tail repeats its own last token, masked)
-        starts = [0, *itertools.accumulate(res_n)][:-1]
-        idx = torch.tensor([a + min(t, r - 1) if r else 0 for a, r in zip(starts, res_n, strict=True)
-                            for t in range(rmax)], device=dev)  # fmt: skip
+    if rmax:  # every tail in one row, then gathered padded (a short tail repeats a token of its own, masked)
         for side, out_list in (("res_k", dk), ("res_v", dv)):
             flat = torch.cat([getattr(st, side)[0, :, :r] for st, r in zip(stores, res_n, strict=True) if r], dim=1)
             out_list.append(flat.index_select(1, idx).view(Hkv, N, rmax, D).transpose(0, 1).float())
     dense_k = torch.cat([*dk, fresh_k.float()], dim=2)
     dense_v = torch.cat([*dv, fresh_v.float()], dim=2)
-    slot = torch.arange(S + rmax, device=dev).view(1, -1)
-    dense_keep = torch.where(slot < S, slot < lo, slot - S < torch.tensor(res_n, device=dev).view(N, 1))
-    t_q = torch.arange(R, device=dev) % T  # row r = (query head in its group) * T + token
-    fresh_keep = torch.arange(T, device=dev).view(1, T) <= t_q.view(R, 1)  # [R, T] causal
-    keep = torch.cat([dense_keep.view(N, 1, 1, -1).expand(N, 1, R, -1), fresh_keep.expand(N, 1, R, T)], dim=-1)
     q5 = (query.float() * scaling).view(N, Hkv, rep, T, D)
     out = torch.empty((N, Hkv, rep, T, D), dtype=torch.float32, device=dev)
     for g in s0.groups:
         sel = (lambda t: t) if g.all_heads else (lambda t, h=g.head_index: t.index_select(1, h))
         Hg = len(g.heads)
         q = sel(q5).reshape(N, Hg, R, D)
-        fold = _Fold(N, Hg, R, D, dev)
-        for j0 in range(0, nb, tile):
-            j1 = min(nb, j0 + tile)
-            tbl = table[:, j0:j1]
-            k = g.key.quantizer.dequantize(g.key.gather(tbl), g.key.state, torch.float32)
-            v = g.value.quantizer.dequantize(g.value.gather(tbl), g.value.state, torch.float32)
-            pos = torch.arange(j0 * bs, j1 * bs, device=dev).view(1, -1)
-            seen = ((pos >= lo) & (pos < hi)).view(N, 1, 1, -1)
-            fold.add((q @ k.transpose(-1, -2)).masked_fill(~seen, -math.inf), v)
-        fold.add((q @ sel(dense_k).transpose(-1, -2)).masked_fill(~keep, -math.inf), sel(dense_v))
-        res = fold.result().view(N, Hg, rep, T, D)
+        kd, vd = sel(dense_k), sel(dense_v)
+        if nb <= tile:  # the common case: every pool block in one tile, one plain softmax with the dense keys
+            k, v = _dequantized(g, table)
+            scores = torch.cat([q @ k.transpose(-1, -2), q @ kd.transpose(-1, -2)], dim=-1)
+            scores = scores.masked_fill(hide_all, -math.inf)
+            p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # finite: a row sees its own fresh key
+            P = k.shape[2]
+            res = (p[..., :P] @ v + p[..., P:] @ vd) / p.sum(dim=-1, keepdim=True)
+        else:
+            fold = _Fold(N, Hg, R, D, dev)
+            for j0 in range(0, nb, tile):
+                j1 = min(nb, j0 + tile)
+                k, v = _dequantized(g, table[:, j0:j1])
+                fold.add((q @ k.transpose(-1, -2)).masked_fill(hide_pool[..., j0 * bs:j1 * bs], -math.inf), v)
+            fold.add((q @ kd.transpose(-1, -2)).masked_fill(hide_dense, -math.inf), vd)
+            res = fold.result()
+        res = res.view(N, Hg, rep, T, D)
         if g.all_heads:
             out = res
         else:
             out.index_copy_(1, g.head_index, res)
     return out.view(N, Hq, T, D).to(query.dtype)
+
+
+def _dequantized(group: HeadGroup, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the blocks ``table[N, nb]`` of ``group``, float32 ``[N, Hg, nb * block_size, D]``."""
+    k = group.key.quantizer.dequantize(group.key.gather(table), group.key.state, torch.float32)
+    v = group.value.quantizer.dequantize(group.value.gather(table), group.value.state, torch.float32)
+    return k, v
+
+
+_last_masks: list = [None, None]  # (key, masks) of the latest call: the layers of one step share them
+
+
+def _masks(
+    q_end: tuple[int, ...], sink_lo: tuple[int, ...], res_n: tuple[int, ...], pool_len: int, S: int, T: int,
+    rep: int, dev: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What each sequence must not see: ``hide_pool[N, 1, 1, pool_len]`` (past its pool tokens, its sink rows),
+    ``hide_dense[N, 1, rep * T, S + rmax + T]`` (sink slots not held, padding past its tail, later fresh tokens),
+    both side by side (``hide_all``), and the gather index of the padded tails (None without tails). Computed
+    once for the layers of a step."""
+    key = (q_end, sink_lo, res_n, pool_len, S, T, rep, dev)
+    if _last_masks[0] == key:
+        return _last_masks[1]
+    N, rmax, R = len(q_end), max(res_n), rep * T
+    lo = torch.tensor(sink_lo, device=dev).view(N, 1)
+    hi = torch.tensor(q_end, device=dev).view(N, 1)
+    pos = torch.arange(pool_len, device=dev).view(1, -1)
+    hide_pool = ((pos < lo) | (pos >= hi)).view(N, 1, 1, -1)
+    slot = torch.arange(S + rmax, device=dev).view(1, -1)
+    keep = torch.where(slot < S, slot < lo, slot - S < torch.tensor(res_n, device=dev).view(N, 1))
+    t_q = torch.arange(R, device=dev) % T  # row r = (query head in its group) * T + token
+    fresh = torch.arange(T, device=dev).view(1, T) <= t_q.view(R, 1)  # [R, T] causal
+    hide_dense = ~torch.cat([keep.view(N, 1, 1, -1).expand(N, 1, R, -1), fresh.expand(N, 1, R, T)], dim=-1)
+    idx = None
+    if rmax:
+        starts = [0, *itertools.accumulate(res_n)][:-1]
+        idx = torch.tensor([a + min(t, r - 1) if r else 0 for a, r in zip(starts, res_n, strict=True)
+                            for t in range(rmax)], device=dev)  # fmt: skip
+    hide_all = torch.cat([hide_pool.expand(N, 1, R, pool_len), hide_dense], dim=-1)
+    _last_masks[:] = [key, (hide_pool, hide_dense, hide_all, idx)]
+    return hide_pool, hide_dense, hide_all, idx
