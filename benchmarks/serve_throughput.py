@@ -139,8 +139,9 @@ def dense_bytes_per_request(model, cfg: kvquant.KVQuantConfig) -> tuple[int, flo
     stores = [LayerStore(row, cfg, shape.head_dim, batch=1, device=torch.device("cpu")) for row in cfg.resolve(shape)]
     per = fp16_bytes_per_token(model)
     residual = any(st.residual_mode for st in stores)
-    most = stores[0].residual_tokens + stores[0].residual_step - 1 if residual else 0
-    return cfg.sink_tokens * per, most / 2 * per if residual else 0.0, most * per
+    r, step = stores[0].residual_tokens, stores[0].residual_step
+    mean, most = (r + (step - 1) / 2, r + step - 1) if residual else (0.0, 0)
+    return cfg.sink_tokens * per, mean * per, most * per
 
 
 def run_kvquant(model, name: str, prompts, outs, budget: int, block: int, step_tokens: int, chunk: int) -> dict:

@@ -3,7 +3,8 @@
 Every :meth:`Scheduler.step` runs **one** forward over the tokens of all scheduled requests, packed into one
 row (:mod:`kvquant.packed`): a decode token of every decoding request and prefill chunks of others, mixed, at
 most ``max_step_tokens`` tokens. Each request has its own :class:`~kvquant.QuantizedKVCache` on the shared pool
-(its block tables, its positions); the attention reads each request's own blocks only. A request that finishes
+(its block tables, its positions); the attention reads each request's own blocks only, the requests' reads of
+one layer batched over the shared pool (:mod:`kvquant.packed_attention`). A request that finishes
 (a stop token or ``max_new_tokens``) or is cancelled gives its blocks back at once.
 
 Scheduling, per step: decode tokens of running requests first (oldest first), then the next prefill chunk of
@@ -11,7 +12,8 @@ running requests, then new requests from the queue (first come, first served) wh
 the pool allow. A request is admitted when the pool can hold its next step and still keep one block per layer
 free for each running request to grow into; when the pool is full new requests wait, and when the running
 requests' next tokens do not fit, the newest running request is **preempted**: its blocks go back to the pool and
-it is queued first, to be recomputed later. :class:`~kvquant.KVCacheFull` never
+it is queued first, to be recomputed later. ``max_dense_bytes`` bounds the running requests' full-precision
+buffers (sinks, unfilled per-channel tails) the same way, by what they hold. :class:`~kvquant.KVCacheFull` never
 reaches the caller; every request finishes.
 
 Outputs do not depend on batch-mates, arrival order or preemption: a prompt is prefilled in chunks of
