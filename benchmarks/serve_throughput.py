@@ -13,12 +13,13 @@ of requests run through each system in turn:
   dtype is the model's: on CPU the model runs in float32, so its pages hold float32 values, but it holds exactly the
   tokens an FP16 pool of the budget holds, which is what the capacity comparison needs.
 * ``kvquant-<config>``: ``kvquant.Scheduler`` with ``--configs`` (``fp16`` passthrough, ``int8-kchannel``,
-  ``int4-kchannel-sinks``), block size ``--block-size``. The budget covers the pool's blocks **and** each running
-  request's full-precision buffers (the fp16 tail of an unfilled per-channel key block, fp16 sinks): the scheduler
-  holds at most ``M = budget // (pool bytes per token * mean held tokens + dense bytes per request)`` requests
-  (mean held tokens: the mean of prompt + output / 2 over the stream, what a request holds on average while it runs)
-  and the pool gets ``budget - M * dense bytes per request`` (configs without dense buffers: the whole budget, no
-  limit on M).
+  ``int4-kchannel-sinks``), block size ``--block-size``. The budget covers the pool's blocks **and** the running
+  requests' full-precision buffers (fp16 sinks, the fp16 tail of an unfilled per-channel key block), split in two
+  arenas: the buffers get ``D = ceil(M) * mean buffer bytes per request`` (``M = budget / (pool bytes per token *
+  mean held tokens + mean buffer bytes)``, mean held tokens: the mean of prompt + output / 2 over the stream, what a
+  request holds on average while it runs; the mean tail is half a block), bounded by what they hold after each
+  step (``Scheduler(max_dense_bytes=D)``: shared by use, not reserved per request), and the pool gets
+  ``budget - D`` (configs without dense buffers: the whole budget).
 
 Requests: prompt and output lengths drawn from log-normal distributions with the stated P50 and P99 (clipped to
 [4, 1.5 * P99]), random token ids (``--seed``), no stop token (each request generates exactly its drawn output
@@ -28,7 +29,8 @@ waiting and, for kvquant, preemption all happen; time to first token includes th
 Reported per system: requests held at once (time-weighted mean and max, a request counted from its admission to
 its last token; the same definition for both), KV bytes per token held (transformers: the FP16 formula; kvquant:
 the bytes its caches hold, blocks, scales and dense buffers, sampled every 4 steps; and the pool's bytes per
-token of a full block, without dense buffers), aggregate output tokens/s
+token of a full block, without dense buffers; the most bytes held at once, which stays within the budget),
+aggregate output tokens/s
 (all output tokens / wall time of the run; and / the process's CPU time, which other jobs on a shared machine
 disturb less, with one thread), time to first token P50 / P99 (from the burst's start), preemptions
 (kvquant: its count; transformers does not report them: the requests whose token timestamps restarted, which a
@@ -122,42 +124,50 @@ def run_transformers(model, prompts, outs, budget: int, block: int, step_tokens:
     firsts = [first[rid] for rid in rids]
     return {"system": "transformers-fp16", "held_mean": mean, "held_max": peak,
             "kv_bytes_per_token": fp16_bytes_per_token(model), "tokens_per_s": n_out / (end - t0),
+            "held_bytes_max": num_blocks * block * fp16_bytes_per_token(model), "budget_bytes": budget,
             "tokens_per_cpu_s": n_out / (c1 - c0),
             "ttft_p50": percentile(firsts, 50), "ttft_p99": percentile(firsts, 99), "preemptions": None,
             "preempted_requests": preempted, "wall_s": t1 - t0, "output_tokens": n_out, "kv_blocks": num_blocks,
             "outputs": [r.generated_tokens for r in results]}  # fmt: skip
 
 
-def dense_bytes_per_request(model, cfg: kvquant.KVQuantConfig) -> int:
-    """Full-precision bytes one running request may hold outside the pool: an unfilled block (per-channel keys
-    or a residual window) and sinks, at fp16."""
+def dense_bytes_per_request(model, cfg: kvquant.KVQuantConfig) -> tuple[int, float, float]:
+    """Full-precision bytes of one request outside the pool: its fp16 sinks, the mean of its unfilled tail
+    (per-channel keys or a residual window: uniform over a quantized step, ``residual + (step - 1) / 2`` tokens)
+    and the tail's most (``residual + step - 1`` tokens)."""
     shape = kvquant.ModelShape.of(model)
-    residual = any(LayerStore(row, cfg, shape.head_dim, batch=1, device=torch.device("cpu")).residual_mode
-                   for row in cfg.resolve(shape))  # fmt: skip
-    tail = cfg.block_size + cfg.residual_tokens if residual else 0
-    return (tail + cfg.sink_tokens) * fp16_bytes_per_token(model)
+    stores = [LayerStore(row, cfg, shape.head_dim, batch=1, device=torch.device("cpu")) for row in cfg.resolve(shape)]
+    per = fp16_bytes_per_token(model)
+    residual = any(st.residual_mode for st in stores)
+    r, step = stores[0].residual_tokens, stores[0].residual_step
+    mean, most = (r + (step - 1) / 2, r + step - 1) if residual else (0.0, 0)
+    return cfg.sink_tokens * per, mean * per, most * per
 
 
 def run_kvquant(model, name: str, prompts, outs, budget: int, block: int, step_tokens: int, chunk: int) -> dict:
     cfg = kvquant.KVQuantConfig.load({**kvquant.KVQuantConfig.load(name).to_dict(), "block_size": block})
     probe = kvquant.PagedKVPool(model, cfg)
-    dense = dense_bytes_per_request(model, cfg)
-    max_running = None
+    sinks, tail, most = dense_bytes_per_request(model, cfg)
+    dense_arena = None
     pool_bytes = budget
-    if dense:
-        # tokens a running request holds on average over its life: its prompt and half its output
+    if sinks or tail:
+        # one budget, two arenas: the pool's blocks and the running requests' full-precision buffers, the latter
+        # sized for the requests the budget holds on average (mean held tokens: prompt + output / 2) with their
+        # mean buffers, and bounded by what they hold (Scheduler's max_dense_bytes), not reserved per request
         mean_tokens = statistics.mean(len(p) + n / 2 for p, n in zip(prompts, outs, strict=True))
-        per_token = probe.block_bytes / block
-        max_running = max(1, int(budget // (per_token * mean_tokens + dense)))
-        pool_bytes = budget - max_running * dense
+        mean_dense = sinks + tail
+        expected = budget / (probe.block_bytes / block * mean_tokens + mean_dense)
+        dense_arena = max(int(math.ceil(expected) * mean_dense), sinks + most)  # at least one request's most
+        pool_bytes = budget - dense_arena
     sched = kvquant.Scheduler(model, cfg, max_bytes=pool_bytes, max_step_tokens=step_tokens, prefill_chunk=chunk,
-                              max_running=max_running)  # fmt: skip
+                              max_dense_bytes=dense_arena)  # fmt: skip
     t0, c0 = time.perf_counter(), time.process_time()
     ids = [sched.submit(p, max_new_tokens=n, stop=[]) for p, n in zip(prompts, outs, strict=True)]
     admitted: dict[int, float] = {}
     first: dict[int, float] = {}
     last: dict[int, float] = {}
     samples = []
+    held_peak = 0  # the most bytes the running requests' caches held at once (blocks, scales, dense buffers)
     steps = 0
     aside, aside_cpu = 0.0, 0.0  # time spent sampling the bytes held: taken off every time measured
     while sched.busy:
@@ -177,6 +187,7 @@ def run_kvquant(model, name: str, prompts, outs, budget: int, block: int, step_t
             tokens = sum(m["tokens"] for m in held)
             if tokens:
                 samples.append(sum(m["bytes_total"] for m in held) / tokens)
+            held_peak = max(held_peak, sum(m["bytes_total"] for m in held))
             aside += time.perf_counter() - s0
             aside_cpu += time.process_time() - sc0
     cpu = time.process_time() - c0 - aside_cpu
@@ -194,25 +205,28 @@ def run_kvquant(model, name: str, prompts, outs, budget: int, block: int, step_t
             "ttft_p50": percentile(list(first.values()), 50),
             "ttft_p99": percentile(list(first.values()), 99), "preemptions": st["preemptions"],
             "wall_s": end - t0, "output_tokens": n_out, "steps": st["steps"], "step_running_mean": st["running_mean"],
-            "max_running": max_running, "pool_bytes_per_token": probe.block_bytes / block, "pool_bytes": pool_bytes,
-            "dense_bytes_per_request": dense,
+            "pool_bytes_per_token": probe.block_bytes / block, "pool_bytes": pool_bytes,
+            "dense_arena_bytes": dense_arena, "dense_max_bytes": st["dense_max"], "held_bytes_max": held_peak,
+            "budget_bytes": budget,
             "outputs": [sched.output(i) for i in ids]}  # fmt: skip
 
 
 def table(rows: list[dict]) -> list[str]:
     base = next((r for r in rows if r["system"] == "transformers-fp16"), None)
     out = ["| system | held mean | held max | KV bytes/token | pool bytes/token | out tok/s | out tok/CPU-s "
-           "| TTFT P50 s | TTFT P99 s | preemptions | held mean / FP16 | tok/s / FP16 | tok/CPU-s / FP16 |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+           "| TTFT P50 s | TTFT P99 s | preemptions | KV held max / budget | held mean / FP16 | tok/s / FP16 "
+           "| tok/CPU-s / FP16 |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         rh = f"{r['held_mean'] / base['held_mean']:.2f}x" if base else "-"
         rt = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         rc = f"{r['tokens_per_cpu_s'] / base['tokens_per_cpu_s']:.2f}x" if base else "-"
         pre = f">= {r['preempted_requests']} requests" if r["preemptions"] is None else str(r["preemptions"])
         pool = r.get("pool_bytes_per_token", r["kv_bytes_per_token"])
+        held = r["held_bytes_max"] / r["budget_bytes"]
         out.append(f"| {r['system']} | {r['held_mean']:.1f} | {r['held_max']} | {r['kv_bytes_per_token']:,.0f} | "
                    f"{pool:,.0f} | {r['tokens_per_s']:.1f} | {r['tokens_per_cpu_s']:.1f} | "
-                   f"{r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {pre} | {rh} | {rt} | {rc} |")
+                   f"{r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {pre} | {held:.2f} | {rh} | {rt} | {rc} |")
     return out
 
 

@@ -66,18 +66,17 @@ def _attend_batch(
     scaling: float | None, softcap: float | None,
 ) -> torch.Tensor:
     """Attention of packed sequences (``query[1, Hq, T, D]``): each sequence's slice of the chunk is written into
-    its own store and attends causally over its own history and its own slice; ``out[1, T, Hq, D]``."""
-    from kvquant.kernels.dispatch import attend
+    its own store, then every sequence attends causally over its own history and its own slice, the sequences
+    of one pool batched (:func:`kvquant.packed_attention.attend_segments`); ``out[1, T, Hq, D]``."""
+    from .packed_attention import attend_segments
 
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    outs = []
     for s, n, v in zip(view.starts, view.lengths, view.views, strict=True):
-        q, k, val = query[:, :, s:s + n], key[:, :, s:s + n], value[:, :, s:s + n]
         if v.commit is not None:
-            v.commit(None, {"module": module, "queries": q, "scaling": scaling, "mask": None})
-        outs.append(attend(q, k, val, v.store, v.past_len, None, scaling, softcap))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+            v.commit(None, {"module": module, "queries": query[:, :, s:s + n], "scaling": scaling, "mask": None})
+    out = attend_segments(query, key, value, [v.store for v in view.views], [v.past_len for v in view.views],
+                          view.starts, view.lengths, scaling, softcap)  # fmt: skip
     return out.transpose(1, 2).contiguous()
 
 

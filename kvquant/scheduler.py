@@ -3,7 +3,8 @@
 Every :meth:`Scheduler.step` runs **one** forward over the tokens of all scheduled requests, packed into one
 row (:mod:`kvquant.packed`): a decode token of every decoding request and prefill chunks of others, mixed, at
 most ``max_step_tokens`` tokens. Each request has its own :class:`~kvquant.QuantizedKVCache` on the shared pool
-(its block tables, its positions); the attention reads each request's own blocks only. A request that finishes
+(its block tables, its positions); the attention reads each request's own blocks only, the requests' reads of
+one layer batched over the shared pool (:mod:`kvquant.packed_attention`). A request that finishes
 (a stop token or ``max_new_tokens``) or is cancelled gives its blocks back at once.
 
 Scheduling, per step: decode tokens of running requests first (oldest first), then the next prefill chunk of
@@ -11,7 +12,8 @@ running requests, then new requests from the queue (first come, first served) wh
 the pool allow. A request is admitted when the pool can hold its next step and still keep one block per layer
 free for each running request to grow into; when the pool is full new requests wait, and when the running
 requests' next tokens do not fit, the newest running request is **preempted**: its blocks go back to the pool and
-it is queued first, to be recomputed later. :class:`~kvquant.KVCacheFull` never
+it is queued first, to be recomputed later. ``max_dense_bytes`` bounds the running requests' full-precision
+buffers (sinks, unfilled per-channel tails) the same way, by what they hold. :class:`~kvquant.KVCacheFull` never
 reaches the caller; every request finishes.
 
 Outputs do not depend on batch-mates, arrival order or preemption: a prompt is prefilled in chunks of
@@ -47,6 +49,7 @@ from .errors import InputError, RequestError
 from .packed import PackedCache, Segment
 from .pool import PagedKVPool
 from .shape import sliding_windows
+from .store import LayerStore
 from .transformers_compat import cache_kw
 
 __all__ = ["Event", "Scheduler"]
@@ -110,6 +113,11 @@ class Scheduler:
         prefill_chunk: tokens of one prefill chunk, a multiple of the block size and at most
             ``max_step_tokens`` (default: the largest such multiple up to 256).
         max_running: requests held at once at most (default: as many as the pool and the budget allow).
+        max_dense_bytes: bound on the full-precision buffers of all running requests together (fp16 sinks, the
+            unfilled tail of a per-channel key block or a residual window), counted by what they hold after each
+            step, not reserved per request (``None``: unbounded). A request is admitted when its next step fits
+            it with room for one more token of every running request; when the running requests' next tokens do
+            not fit, the newest is preempted, as for blocks. :meth:`dense_bytes` is what they hold now.
 
     Example::
 
@@ -131,6 +139,7 @@ class Scheduler:
         max_step_tokens: int = DEFAULT_STEP_TOKENS,
         prefill_chunk: int | None = None,
         max_running: int | None = None,
+        max_dense_bytes: int | None = None,
     ) -> None:
         if pool is None:
             pool = PagedKVPool(model, DEFAULT_PRESET if config is None else config, max_bytes, block_size)
@@ -153,6 +162,8 @@ class Scheduler:
                                f"between {bs} and max_step_tokens ({max_step_tokens})")  # fmt: skip
         if max_running is not None and (not isinstance(max_running, int) or max_running < 1):
             raise RequestError(f"max_running: {max_running!r} must be a positive integer")
+        if max_dense_bytes is not None and (not isinstance(max_dense_bytes, int) or max_dense_bytes < 0):
+            raise RequestError(f"max_dense_bytes: {max_dense_bytes!r} must be a non-negative integer")
         if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
             install_attention(model)
         self.model = model
@@ -161,7 +172,15 @@ class Scheduler:
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
         self.max_running = max_running
+        self.max_dense_bytes = max_dense_bytes
+        self._dense = 0  # the plan's full-precision bytes of the running requests after the step
         self.device = next(model.parameters()).device
+        #: the most bytes one request's full-precision buffers hold after a step (sinks, a tail one token short
+        #: of a quantized step): ``max_dense_bytes`` below it could never run a request
+        self.dense_per_request = self._dense_worst()
+        if max_dense_bytes is not None and max_dense_bytes < self.dense_per_request:
+            raise RequestError(f"max_dense_bytes: {max_dense_bytes} is below one request's full-precision buffers "
+                               f"({self.dense_per_request} bytes: sinks and an unfilled tail)")  # fmt: skip
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: list[_Request] = []  # in admission order: the newest last (preempted first)
         self.requests: dict[int, _Request] = {}
@@ -170,7 +189,7 @@ class Scheduler:
         self._cancelled: list[_Request] = []  # cancelled since the last step: their events are due
         #: counters over the scheduler's life: steps, tokens run, preemptions, requests held per step
         self.counters = {"steps": 0, "tokens": 0, "decode_tokens": 0, "prefill_tokens": 0, "replay_tokens": 0,
-                         "preemptions": 0, "running_sum": 0, "running_max": 0}  # fmt: skip
+                         "preemptions": 0, "running_sum": 0, "running_max": 0, "dense_max": 0}  # fmt: skip
 
     # ------------------------------------------------------------------ requests
     def submit(
@@ -289,6 +308,8 @@ class Scheduler:
         c["steps"] += 1
         c["running_sum"] += len(self.running)
         c["running_max"] = max(c["running_max"], len(self.running))
+        if self.max_dense_bytes is not None:
+            c["dense_max"] = max(c["dense_max"], self.dense_bytes())
         row = 0
         for req, start, end in plan:
             req.written = end
@@ -314,6 +335,7 @@ class Scheduler:
         """The step's pieces ``(request, start, end)``, after any preemption and admission (see the module doc)."""
         while True:
             self._need = [0] * self.pool.shape.num_layers
+            self._dense = self.dense_bytes()
             plan: list[tuple[_Request, int, int]] = []
             budget = self.max_step_tokens
             decoding = [r for r in self.running if r.written >= len(r.prompt)][:budget]
@@ -354,22 +376,30 @@ class Scheduler:
     def _room(self, req: _Request, tokens: int, spare: int = 0) -> bool:
         """Reserve, in the step's plan, the blocks ``tokens`` more tokens of ``req`` may need; False if the pool
         cannot hold them besides what the plan holds already and ``spare`` more blocks per layer (index-only prefix
-        blocks are evicted first)."""
+        blocks are evicted first), or if the running requests' full-precision buffers would then exceed
+        ``max_dense_bytes`` with room for ``spare`` more tokens."""
         assert req.cache is not None
-        if self.pool.blocks_per_layer is None:
-            return True
         for layer in req.cache.layers:
             if layer.store is None:
                 layer.make_store(1, self.device)
-        need = [layer.store.blocks_needed(tokens) for layer in req.cache.layers]  # type: ignore[union-attr]
-        for i, n in enumerate(need):
-            blocks = self.pool.layer_blocks(i, self.device)
-            total = self._need[i] + n + spare
-            if total > len(blocks.free):
-                self.pool.evict(i, total - len(blocks.free))
-            if total > len(blocks.free):
+        stores = [layer.store for layer in req.cache.layers]
+        dense = 0
+        if self.max_dense_bytes is not None:
+            dense = sum(_dense_after(st, tokens) - _dense_held(st) for st in stores)  # type: ignore[arg-type]
+            room = sum(_dense_token(st) for st in stores) * spare  # type: ignore[arg-type]
+            if self._dense + dense + room > self.max_dense_bytes:
                 return False
-        self._need = [a + b for a, b in zip(self._need, need, strict=True)]
+        if self.pool.blocks_per_layer is not None:
+            need = [st.blocks_needed(tokens) for st in stores]  # type: ignore[union-attr]
+            for i, n in enumerate(need):
+                blocks = self.pool.layer_blocks(i, self.device)
+                total = self._need[i] + n + spare
+                if total > len(blocks.free):
+                    self.pool.evict(i, total - len(blocks.free))
+                if total > len(blocks.free):
+                    return False
+            self._need = [a + b for a, b in zip(self._need, need, strict=True)]
+        self._dense += dense
         return True
 
     def _admit(self, req: _Request, budget: int) -> bool:
@@ -445,12 +475,51 @@ class Scheduler:
         return int(torch.multinomial(probs, 1, generator=req.generator))
 
     # ------------------------------------------------------------------ accounting
+    def _dense_worst(self) -> int:
+        cache = QuantizedKVCache(self.model, pool=self.pool)
+        try:
+            stores = [layer.make_store(1, self.device) for layer in cache.layers]
+            return sum(_dense_token(st) * (st.sink_tokens + (st.residual_tokens + st.residual_step - 1
+                                                             if st.residual_mode else 0)) for st in stores)
+        finally:
+            cache.release()
+
+    def dense_bytes(self) -> int:
+        """Bytes the running requests' full-precision buffers (sinks, unfilled tails, held rows) hold now."""
+        return sum(_dense_held(layer.store) for r in self.running if r.cache is not None
+                   for layer in r.cache.layers if layer.store is not None)  # fmt: skip
+
     def stats(self) -> dict[str, Any]:
         """The counters (steps, tokens by kind, preemptions, requests held per step: mean and max), requests
         waiting and running now, and the pool's :meth:`~kvquant.PagedKVPool.stats`."""
         c = dict(self.counters)
         c["running_mean"] = c["running_sum"] / c["steps"] if c["steps"] else 0.0
+        c["dense_bytes"] = self.dense_bytes()
         c["waiting"] = len(self.waiting)
         c["running"] = len(self.running)
         c["pool"] = self.pool.stats()
         return c
+
+
+def _dense_held(store: LayerStore) -> int:
+    """Bytes of ``store``'s full-precision buffers now."""
+    return sum(t.numel() * t.element_size() for pair in store.dense_buffers().values() for t in pair)
+
+
+def _dense_token(store: LayerStore) -> int:
+    """Bytes one token takes in ``store``'s full-precision buffers (K and V of every head)."""
+    itemsize = 2 if store.dense_dtype is None else torch.empty((), dtype=store.dense_dtype).element_size()
+    return 2 * store.batch * store.num_heads * store.head_dim * itemsize
+
+
+def _dense_after(store: LayerStore, tokens: int) -> int:
+    """Bytes of ``store``'s full-precision buffers after a write of ``tokens`` more tokens: its sink buffer (made
+    at the first write) and, in residual mode, the tokens left in the tail once whole steps are quantized."""
+    per = _dense_token(store)
+    held = _dense_held(store)
+    if "held" in store.dense_buffers() or not store.residual_mode:
+        return held + (store.sink_tokens * per if store.sink_tokens and store.sink_k is None else 0)
+    sinks = store.sink_tokens * per if store.sink_tokens else 0
+    pending = (store.res_k.shape[2] if store.res_k is not None else 0) + tokens
+    flush = (pending - store.residual_tokens) // store.residual_step * store.residual_step
+    return sinks + (pending - max(flush, 0)) * per

@@ -170,3 +170,31 @@ def test_cancel_frees_blocks_at_once_and_user_errors_are_one_line(stories):
         with pytest.raises(err) as e:
             bad()
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow  # 6 solo runs and one bounded run of 12 tokens each: ~10 s on a shared core
+def test_dense_buffers_bounded_by_what_they_hold(stories):
+    model, _ = stories
+    cfg = config("int4-kchannel-sinks")  # fp16 sinks and the unfilled tail of per-channel key blocks
+    ps = prompts([5, 40, 17, 30, 9, 23], seed=6)
+    want = [solo(model, cfg, p, 12) for p in ps]
+    one = kvquant.Scheduler(model, cfg).dense_per_request  # 4 sinks and a 15-token tail
+    bound = int(2.5 * one)  # a worst-case reserve per request would hold two requests
+    sched = kvquant.Scheduler(model, cfg, max_step_tokens=64, prefill_chunk=32, max_dense_bytes=bound)
+    ids = [sched.submit(p, max_new_tokens=12) for p in ps]
+    held = []
+    while sched.busy:
+        sched.step()
+        held.append(sched.dense_bytes())
+        assert held[-1] <= bound
+        assert sched.dense_bytes() == sum(
+            sum(t.numel() * t.element_size() for pair in layer.store.dense_buffers().values() for t in pair)
+            for r in sched.running for layer in r.cache.layers)  # fmt: skip
+    st = sched.stats()
+    assert max(held) > one and st["running_max"] >= 3  # the bound is shared by use, not reserved per request
+    assert st["running_max"] < len(ps)  # and it binds: some requests waited
+    assert [sched.output(i) for i in ids] == want
+    with pytest.raises(RequestError):
+        kvquant.Scheduler(model, cfg, max_dense_bytes=-1)
+    with pytest.raises(RequestError):
+        kvquant.Scheduler(model, cfg, max_dense_bytes=one - 1)
