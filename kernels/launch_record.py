@@ -7,7 +7,7 @@ name, the grid, the constexprs and launch options (``num_warps``, ``num_stages``
 positional arguments (tensors by dtype, shape and strides; scalars by value). ``tests/data/decode_launches.json``
 holds the record of the launcher as it is; ``tests/test_launch_table.py`` regenerates it and fails on any
 difference. The launches depend on the installed triton release only through
-:data:`~kvquant.kernels.triton_decode.CHANNEL_KEYS_TRANSPOSED`, which the record states.
+:data:`~kvquant.kernels.triton_decode_table.CHANNEL_KEYS_TRANSPOSED`, which the record states.
 
     python -m kvquant.kernels.launch_record tests/data/decode_launches.json     # rewrite the record
 """
@@ -83,7 +83,7 @@ def _launches(kernel: str, spec: tuple, per_sm: int | None) -> list[Launch]:
 def record() -> dict:
     """The record: ``{"channel_keys_transposed": bool, "variants": [{"variant": [...], "occupancy": n, "launches":
     [...]}]}``. A variant the launcher refuses (``Unsupported``, ``ValueError``) is recorded with its error."""
-    from . import triton_decode
+    from . import triton_decode_table
 
     rows = []
     for (kernel, *spec), occupancies in variants():
@@ -94,7 +94,22 @@ def record() -> dict:
             except (ValueError, Unsupported) as e:
                 row["error"] = f"{type(e).__name__}: {e}"
             rows.append(row)
-    return {"channel_keys_transposed": triton_decode.CHANNEL_KEYS_TRANSPOSED, "variants": rows}
+    return {"channel_keys_transposed": triton_decode_table.CHANNEL_KEYS_TRANSPOSED, "variants": rows}
+
+
+def table_use() -> dict[str, int]:
+    """How many of the decode variants (:func:`variants`) each row of
+    :data:`~kvquant.kernels.triton_decode_table.DECODE_KERNELS` serves: the table as the compile tools enumerate
+    it (a row no variant takes is neither compiled nor recorded)."""
+    from .triton_compile_check import meta_groups
+    from .triton_decode_table import DECODE_KERNELS, choose, launch_config
+
+    use = {row.name: 0 for row in DECODE_KERNELS}
+    for (kernel, k, v, dot, d, _rep, _has_range), _ in variants():
+        if kernel == "decode":
+            ((_, kop, vop),) = meta_groups([(k, v, 2)], 2, d, 4096)
+            use[choose(kop, vop, dot, d, launch_config(kop, vop, dot, d)[1]).name] += 1
+    return use
 
 
 def dumps(rec: dict) -> str:

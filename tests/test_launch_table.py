@@ -31,6 +31,12 @@ def test_launches_equal_the_recorded_table():
         assert g == w, f"variant {w['variant']} at occupancy {w['occupancy']}"
 
 
+def test_every_table_row_is_enumerated():
+    """Each row of the decode launch table is taken by some variant the compile tools enumerate."""
+    use = launch_record.table_use()
+    assert use and all(n > 0 for n in use.values()), use
+
+
 def test_record_sees_a_changed_launch(monkeypatch):
     """The comparison can fail: one changed launch option changes the record."""
     from kvquant.kernels.triton_compile_check import meta_launches
