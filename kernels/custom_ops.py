@@ -10,7 +10,7 @@ without a graph break:
     launch(str kernel, SymInt[] grid, Tensor(a!)[] written, Tensor[] read, SymInt[] ints, float[] floats,
            bool[] flags, str names) -> ()
 
-``kernel`` names the jit function (``"triton_decode._decode_partial"``: its module in
+``kernel`` names the jit function (``"triton_decode_kernels._decode_partial"``: its module in
 ``kvquant.kernels`` and its name); ``names`` is ``;``-separated (the schema has no ``str[]``), its i-th
 entry the kernel parameter (or launch option:
 ``num_warps``, ``num_stages``, ``maxnreg``) the i-th value of ``written + read + ints + floats + flags``
@@ -41,11 +41,11 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 # each kernel's output parameters (the pointers it stores to); the test checks them against the kernels
 WRITES: dict[str, tuple[str, ...]] = {
-    "triton_decode._decode_partial": ("O_PART", "LSE_PART"),
-    "triton_decode._decode_partial_t": ("O_PART", "LSE_PART"),
-    "triton_decode._decode_partial_rows": ("O_PART", "LSE_PART"),
-    "triton_decode._decode_partial_rows_t": ("O_PART", "LSE_PART"),
-    "triton_decode._decode_reduce": ("OUT", "LSE_OUT"),
+    "triton_decode_kernels._decode_partial": ("O_PART", "LSE_PART"),
+    "triton_decode_kernels._decode_partial_t": ("O_PART", "LSE_PART"),
+    "triton_rows._decode_partial_rows": ("O_PART", "LSE_PART"),
+    "triton_rows._decode_partial_rows_t": ("O_PART", "LSE_PART"),
+    "triton_decode_kernels._decode_reduce": ("OUT", "LSE_OUT"),
     "triton_chunk._chunk_attn": ("OUT", "LSE_OUT"),
 }
 OPTIONS = ("num_warps", "num_stages", "maxnreg")  # launch options the launchers may pass

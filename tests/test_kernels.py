@@ -387,10 +387,10 @@ def test_channel_keys_folded_decode(dtype, transposed, monkeypatch):
     """Per-channel int4 keys in blocks of 64 tokens: the decode kernel folds each block's scale into the
     query and its zero into one term per head (``qk_channel4``); same result as the fp32 reference
     (fp16 queries: within the torch path's own error + 1e-4). ``transposed=False`` is the launch triton < 3.7
-    gets (:data:`~kvquant.kernels.triton_decode.CHANNEL_KEYS_TRANSPOSED`)."""
-    from kvquant.kernels import triton_decode
+    gets (:data:`~kvquant.kernels.triton_decode_table.CHANNEL_KEYS_TRANSPOSED`)."""
+    from kvquant.kernels import triton_decode_table
 
-    monkeypatch.setattr(triton_decode, "CHANNEL_KEYS_TRANSPOSED", transposed)
+    monkeypatch.setattr(triton_decode_table, "CHANNEL_KEYS_TRANSPOSED", transposed)
     row = [KVPrecision("int4-channel", "int4"), KVPrecision("int4-channel", "int8-token")]
     layer, fk, fv = make_layer(row, B=2, past=300, block=64, steps=(130, 131, 200), dtype=dtype)
     assert layer.q_end >= 192 and layer.snapshot().groups[0].key.quantizer.token_group == 64
@@ -411,12 +411,12 @@ def test_channel_keys_folded_decode(dtype, transposed, monkeypatch):
 @pytest.mark.parametrize("transposed", [True, False])
 def test_channel_keys_launch_follows_the_triton_gate(transposed, monkeypatch):
     """Per-channel int4 keys with fp16 queries launch the transposed rows kernel only where triton compiles it."""
-    from kvquant.kernels import triton_decode
+    from kvquant.kernels import triton_decode_table, triton_rows
     from kvquant.kernels.triton_compile_check import meta_launches
 
-    monkeypatch.setattr(triton_decode, "CHANNEL_KEYS_TRANSPOSED", transposed)
+    monkeypatch.setattr(triton_decode_table, "CHANNEL_KEYS_TRANSPOSED", transposed)
     (launch,) = meta_launches("decode", [("int4-channel", "int4", 2)], 1, 128, 4, True)
-    want = triton_decode._decode_partial_rows_t if transposed else triton_decode._decode_partial_rows
+    want = triton_rows._decode_partial_rows_t if transposed else triton_rows._decode_partial_rows
     assert launch.kernel is want
 
 
@@ -508,7 +508,7 @@ def test_transposed_decode_channel_keys_fp16_exact(D, rep, block, group):
     """Per-channel int4 keys + grouped int4 values with fp16 queries (:func:`_decode_partial_rows_t`,
     ``K_FOLD`` 2: the block's key scale folded into an fp32 query split into two fp16 MMA operands, the zero
     term an MMA of ones): the kernels' fp32 result over the quantized pool within 2e-5 of the fp32 reference."""
-    from kvquant.kernels import triton_decode
+    from kvquant.kernels import triton_decode, triton_rows
     from kvquant.kernels.triton_attention import block_table
     from kvquant.kernels.triton_dequant import DOT_FP16, operand
 
@@ -526,7 +526,7 @@ def test_transposed_decode_channel_keys_fp16_exact(D, rep, block, group):
         out = torch.zeros(2, Hq, 1, D)
         launches = triton_decode.decode_launches(q, fk, fv, groups, layer.num_heads, hist, ranges, D**-0.5, out,
                                                  DOT_FP16, splits=3, table=table, block_size=block)  # fmt: skip
-        assert launches[0].kernel is triton_decode._decode_partial_rows_t
+        assert launches[0].kernel is triton_rows._decode_partial_rows_t
         # two tiles per loop step (the block's query operands built once) where a pool block holds them
         assert launches[0].meta["SUB"] == (2 if block % (2 * launches[0].meta["BLOCK_N"]) == 0 else 1)
         for launch in launches:
@@ -544,7 +544,7 @@ def test_transposed_rows_kernel_options(case, monkeypatch):
     scores' units, stay in fp16's range); ``zero_halves`` -- zero rows not readable as 32-bit words (``KZW``
     False): the keys' zero term by fp32 products instead of the zero-term MMA. All within 2e-5 of the fp32
     reference."""
-    from kvquant.kernels import triton_decode
+    from kvquant.kernels import triton_decode, triton_rows
     from kvquant.kernels.triton_attention import block_table
     from kvquant.kernels.triton_dequant import DOT_FP16, Operand, operand
 
@@ -556,7 +556,7 @@ def test_transposed_rows_kernel_options(case, monkeypatch):
     if case == "offsets64":
         monkeypatch.setattr(Operand, "offsets32", lambda self: False)
     elif case == "zero_halves":
-        monkeypatch.setattr(triton_decode, "_word_rows", lambda t: False)
+        monkeypatch.setattr(triton_rows, "_word_rows", lambda t: False)
     else:
         q = q * (6000.0 / q.abs().max())  # |16 q| past fp16's 65504
         scaling = scaling / 4000.0  # scores of the usual size
@@ -569,7 +569,7 @@ def test_transposed_rows_kernel_options(case, monkeypatch):
         out = torch.zeros(2, Hq, 1, D)
         launches = triton_decode.decode_launches(q, fk, fv, groups, layer.num_heads, past, ranges, scaling, out,
                                                  DOT_FP16, splits=3, table=table, block_size=block)  # fmt: skip
-        assert launches[0].kernel is triton_decode._decode_partial_rows_t
+        assert launches[0].kernel is triton_rows._decode_partial_rows_t
         assert launches[0].meta["OFF32"] is (case != "offsets64")
         assert launches[0].meta["KZW"] is (case != "zero_halves")
         for launch in launches:

@@ -120,7 +120,7 @@ def test_random_block_tables_fp16_rows_kernel(prec, block, past):
     """fp16 queries on the transposed rows kernel (grouped int4 / int3 / int2 codes, per-channel int4 keys; two
     tiles per loop step at 128-token blocks) through shuffled, shared and partially filled blocks: the kernels'
     fp32 result within 2e-5 of the fp32 reference (several partitions)."""
-    from kvquant.kernels import triton_decode
+    from kvquant.kernels import triton_decode, triton_rows
     from kvquant.kernels.triton_attention import block_table
     from kvquant.kernels.triton_dequant import DOT_FP16, operand
 
@@ -136,7 +136,7 @@ def test_random_block_tables_fp16_rows_kernel(prec, block, past):
     table = block_table(snap, hist, 3, DEV)
     launches = triton_decode.decode_launches(q, fk, fv, groups, layer.num_heads, hist, None, 0.125, out, DOT_FP16,
                                              splits=3, table=table, block_size=block)  # fmt: skip
-    assert launches[0].kernel is triton_decode._decode_partial_rows_t
+    assert launches[0].kernel is triton_rows._decode_partial_rows_t
     # 64-token tiles: two per step in 128-token blocks, four (two blocks) with grouped int3 / int2 codes
     k, v = (prec.key, prec.value) if isinstance(prec, KVPrecision) else (prec, prec)
     wide = "channel" not in k and (k, v) != ("int4", "int4")
@@ -155,7 +155,7 @@ def test_rows_kernel_eight_tile_steps(prec):
     pool-block parts, one softmax update) and the int2 key tiles unpacked in the MMA's register layout
     (``key_tile2``), through shuffled and shared blocks, GQA 4: the kernels' fp32 result within 2e-5 of the fp32
     reference. Partition 0 holds one whole eight-tile step besides masked tiles, partition 1 only masked tiles."""
-    from kvquant.kernels import triton_decode
+    from kvquant.kernels import triton_decode, triton_rows
     from kvquant.kernels.triton_attention import block_table
     from kvquant.kernels.triton_dequant import DOT_FP16, operand
 
@@ -170,7 +170,7 @@ def test_rows_kernel_eight_tile_steps(prec):
     launches = triton_decode.decode_launches(q, fk, fv, groups, layer.num_heads, hist, None, D**-0.5, out, DOT_FP16,
                                              splits=2, table=table, block_size=128)  # fmt: skip
     meta = launches[0].meta
-    assert launches[0].kernel is triton_decode._decode_partial_rows_t
+    assert launches[0].kernel is triton_rows._decode_partial_rows_t
     assert meta["SUB"] == 8 and meta["OCT"] and meta["BLOCK_N"] == 64
     assert launches[0].args[launches[0].kernel.arg_names.index("part_len")] >= 512
     for launch in launches:

@@ -35,10 +35,10 @@ import math
 
 import torch
 
-from .base import Parts, Quantizer
+from .base import Parts
 from .codebook import (
     Codebook,
-    SecondRung,
+    Refinable,
     VectorCodebook,
     check_gain,
     code_of_norm,
@@ -146,7 +146,7 @@ def trellis_table(bits: int) -> torch.Tensor:
     return table
 
 
-class TrellisCodebook(SecondRung, Quantizer):
+class TrellisCodebook(Refinable):
     """``tqt{bits}``: :class:`Codebook`'s rotation, mean and 8-bit log norm; the unit row coded by a tail-biting
     bit-shift trellis of ``2^L`` states (see the module doc). Same bytes as ``tq{bits}`` / ``tqv{bits}``.
     Read by the torch path and in-kernel by the Triton decode / chunk kernels
