@@ -90,6 +90,13 @@ def test_wheel_and_sdist_hold_the_subpackages(tmp_path):
     for mod in ("kvquant/kernels/dispatch.py", "kvquant/kernels/triton_decode.py", "kvquant/eval/runner.py"):
         assert mod in names
     assert not any(n.startswith(("kernels/", "eval/")) for n in names), "a top-level package left the wheel"
+    # every module of the library, its subpackages included (an editable install on the path would hide a missing one)
+    for src in sorted((ROOT / "kvquant").rglob("*.py")):
+        rel = src.relative_to(ROOT / "kvquant")
+        if rel.parts[0] not in ("kernels", "eval"):
+            assert f"kvquant/{rel.as_posix()}" in names, f"the wheel lacks kvquant/{rel.as_posix()}"
+    for data in sorted((ROOT / "kvquant" / "data").glob("*.json")):
+        assert f"kvquant/data/{data.name}" in names, f"the wheel lacks kvquant/data/{data.name}"
 
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
