@@ -725,7 +725,7 @@ class Operand:
                    for t in (self.data, self.scale, self.zero))  # fmt: skip
 
     def code_rows(self, head_dim: int) -> bool:
-        """True when the fp16-query decode kernel :func:`~kvquant.kernels.triton_decode._decode_partial_rows_t` can
+        """True when the fp16-query decode kernel :func:`~kvquant.kernels.triton_rows._decode_partial_rows_t` can
         read this part with :func:`code_tiles`: grouped int4 / int3 / int2 codes, groups of >= 16 channels, each
         chunk of the packing a multiple of 4 channels, scale / zero rows contiguous per token."""
         chunk = head_dim // 8 if self.bits == 3 else head_dim * self.bits // 8
