@@ -58,6 +58,7 @@ from .offload import OffloadedStore, Prefetcher, host_id, is_host
 from .quantizers import Quantizer, make_quantizer
 from .quantizers.base import Factored, PartSpec, require_finite
 from .rotation import fwht
+from .shape import held_dtype
 from .slots import SlotMap
 from .tensor_store import (
     ClipCounts,
@@ -428,7 +429,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             largest = None  # (a rotation or centering changes the magnitudes)
         T = keys.shape[2]
         if self.dense_dtype is None:
-            self.dense_dtype = torch.float16 if keys.dtype == torch.float32 else keys.dtype
+            self.dense_dtype = held_dtype(keys.dtype)
         if self.config.check_finite and (self.has_dense_segments or not self.calibrated):
             self._fit_dense(keys, values, largest)
         if past < self.sink_end:
