@@ -37,15 +37,18 @@ STEPS = 24
 
 def teacher_forced(
     model: Any, prompts: list[list[int]], follow: list[list[int]], config: Any, pad_id: int = 0, chunk: int = 1,
+    caches: list[Any] | None = None,
 ) -> torch.Tensor:
     """Logits ``[B, 1 + steps, vocab]`` of ``prompts`` (left-padded to the longest, one prefill), then of the
     tokens ``follow[b]`` fed ``chunk`` at a time (1: one decode step each), through a fresh
     ``QuantizedKVCache(model, config)``; positions count each row's real tokens only (what ``generate`` passes for
-    a left-padded batch)."""
+    a left-padded batch). ``caches``: the cache is appended to it (for a caller that inspects it after the run)."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     cache = QuantizedKVCache(model, config)
+    if caches is not None:
+        caches.append(cache)
     out = []
     with torch.no_grad():
         pos = (mask.cumsum(-1) - 1).clamp_min(0)

@@ -69,6 +69,9 @@ from .tensor_store import (
     stored_finite,
 )
 
+# heavy_tokens: (first position, key scores [B, H, T], pool end of the scored chunk's own write or None)
+HeavyScores = tuple[int, torch.Tensor, "int | None"]
+
 # Static (per-head) scales of a row are calibrated on at least this many of its own real tokens; until then
 # its tokens are held in full precision (a 1-token prompt says little about later magnitudes) ...
 CALIB_MIN_TOKENS = 16
@@ -241,7 +244,10 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.offload_from = 0  # blocks below this index were considered for offload already
         self.prefetcher: Prefetcher | None = None  # host -> device tile copies (``offload``), made on first use
         self._table_cache: torch.Tensor | None = None
-        self._held_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # held_rows: K, V base decode per group
+        self._held_cache: dict[Any, Any] = {}  # held_rows: K, V base decode (and heavy rows) per group
+        # heavy_tokens: (first position, key scores [B, H, T], pool end the scored chunk's write would have reached)
+        # of a prompt held for calibration: its write picks the heavy rows when the held tokens reach the pool
+        self._held_scores: tuple[int, torch.Tensor, int] | None = None
         self._lane_runs: list[int | None] = []  # lanes: per group, the in-place run of one sequence (see table())
         self.slots: SlotMap | None = None  # an evicting layer: its token axis holds slots (see kvquant.slots)
         self.groups: list[HeadGroup] = []
@@ -407,7 +413,9 @@ class LayerStore(LaneLayer, OffloadedStore):
         ``row_start[B]`` (first append only): each row's first real token; the positions before it are
         left padding. Sink tokens are then each row's first real tokens, and static scales ignore pads.
         ``key_scores[B, H, T]``: the attention weight each new token received from the chunk's queries; with
-        ``heavy_tokens`` set and no heavy rows picked yet, the pool rows this append writes pick them by it.
+        ``heavy_tokens`` set and no heavy rows picked yet, the pool rows this append writes pick them by it (a
+        chunk held for calibration keeps its scores: its rows pick them when they reach the pool, as alone, and
+        are read so meanwhile, :meth:`held_rows`).
         """
         past = self.cache_pos
         largest = None  # max |K|, |V| when the finiteness check found it (CPU)
@@ -435,19 +443,24 @@ class LayerStore(LaneLayer, OffloadedStore):
         if past < self.sink_end:
             self._keep_sinks(keys, values, past)
         held = self.res_k.shape[2] if self.res_k is not None and not self.calibrated else 0
-        scores = (past, key_scores) if key_scores is not None and self.heavy_tokens and not self.heavy else None
+        scores = None
+        if key_scores is not None and self.heavy_tokens and not self.heavy:
+            scores = (past, key_scores, None)
         if not self.calibrated and self._hold_for_calibration(keys, values, past):
             self.cache_pos = past + T
+            if scores is not None and self._held_scores is None:  # picked when the held tokens reach the pool
+                self._held_scores = (past, key_scores, self.virtual_q_end())
             return past
         self.release_window()
+        saved, self._held_scores = self._held_scores, None
         if self.residual_mode:
-            self._append_residual(keys, values, scores)
+            self._append_residual(keys, values, saved or scores)
         else:
             if held:  # tokens held while calibration was deferred go to the pool first (see _hold_for_calibration)
                 if self.exact_k is not None and self.exact_v is not None:
-                    self._write_pool(self.exact_k, self.exact_v, self.q_end)
+                    self._write_pool(self.exact_k, self.exact_v, self.q_end, saved)
                 else:
-                    self._write_pool(self.res_k.to(keys.dtype), self.res_v.to(values.dtype), self.q_end)
+                    self._write_pool(self.res_k.to(keys.dtype), self.res_v.to(values.dtype), self.q_end, saved)
                 self.res_k = self.res_v = self.exact_k = self.exact_v = None
             self._write_pool(keys, values, past, scores)
         self.cache_pos = past + T
@@ -639,6 +652,11 @@ class LayerStore(LaneLayer, OffloadedStore):
                     x1 = self._mask_sinks(x[:, :, pooled - n1:pooled], x[:, :, pooled - n1:pooled], q0 + pooled - n1,
                                           False)[0]
                     out[i][:, :, pooled - n1:pooled] = self._ladder_rows(s, self._group_rows(x1, group))
+            if self._held_scores is not None:  # heavy rows the held tokens will pick (as alone), refined
+                at, rows = self._held_heavy(group, xk, xv, pooled)
+                for i in range(2):
+                    if rows[i] is not None:
+                        out[i] = put_rows(out[i], rows[i], at, q0, q0 + n)
         sel = self.sink_slots(q0, q0 + n)
         if sel is not None:  # sinks: read from the sink buffer (the dense dtype)
             r, o, _ = sel
@@ -647,6 +665,36 @@ class LayerStore(LaneLayer, OffloadedStore):
         fitted = torch.tensor(self.calibrated_rows, device=self.device).view(-1, 1, 1, 1)
         a, b = start - q0, end - q0
         return (torch.where(fitted, out[0], dense[0])[:, :, a:b], torch.where(fitted, out[1], dense[1])[:, :, a:b])
+
+    def _held_heavy(
+        self, group: HeadGroup, xk: torch.Tensor, xv: torch.Tensor, pooled: int
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """The heavy rows the held tokens ``[q_end, q_end + pooled)`` (``xk`` / ``xv``: what the pool will be
+        quantized from) pick when they reach the pool (:meth:`_pick_heavy`, by the held prompt's scores): their
+        positions ``[B, Hg, n]`` (-1: none) and, per side, their refined decode (float32 storage space; None: no
+        refinement). Kept per group until a row's scales change."""
+        key = ("heavy", group.key.group)
+        if key in self._held_cache:
+            return self._held_cache[key]
+        assert self._held_scores is not None
+        q0 = self.q_end
+        lo, hi = self._heavy_range(q0, pooled, self._held_scores)
+        at = torch.full((self.batch, len(group.heads), 1), -1, dtype=torch.long, device=self.device)
+        rows: list[torch.Tensor | None] = [None, None]
+        if hi > lo:
+            idx = self._heavy_picks(lo, hi, self._held_scores)
+            gidx = idx if group.all_heads else idx.index_select(1, group.head_index)
+            rel = torch.where(gidx >= 0, gidx + (lo - q0), -1)
+            at = torch.where(gidx >= 0, gidx + lo, -1)
+            for i, (s, x) in enumerate(((group.key, xk), (group.value, xv))):
+                q = s.quantizer
+                if q.rung_parts(1):
+                    r = take_rows(self._group_rows(x[:, :, :pooled], group), rel)
+                    parts = q.quantize(r, s.state)
+                    y = q.decode_refined(parts, q.refine(r, s.state, parts), s.state).float()
+                    rows[i] = q.from_space(y, s.state) if q.space else y
+        self._held_cache[key] = (at, rows)
+        return at, rows
 
     @staticmethod
     def _pool_rows(store: QuantizedTensorStore, x: torch.Tensor) -> torch.Tensor:
@@ -767,10 +815,11 @@ class LayerStore(LaneLayer, OffloadedStore):
         return keys, values
 
     def _write_pool(
-        self, keys: torch.Tensor, values: torch.Tensor, pos: int, scores: tuple[int, torch.Tensor] | None = None
+        self, keys: torch.Tensor, values: torch.Tensor, pos: int, scores: HeavyScores | None = None
     ) -> None:
         """Quantize a chunk into the pool at ``pos`` (sink rows masked: they are read from the sink buffer).
-        ``scores``: ``(first position, key scores [B, H, T])`` of the append, to pick heavy rows by."""
+        ``scores``: ``(first position, key scores [B, H, T], limit)`` of the append, to pick heavy rows by (see
+        :meth:`_pick_heavy`)."""
         if self.lanes:
             if self._lane_overwrite and pos == self.cache_pos and keys.shape[2] == 1 and pos >= self.sink_end:
                 self._lane_overwrite = False  # grow_lanes' token: overwrite() writes every head at its slot
@@ -796,18 +845,31 @@ class LayerStore(LaneLayer, OffloadedStore):
             self._pick_heavy(masked, quantized, pos, scores)
         self.q_end = pos + keys.shape[2]
 
-    def _pick_heavy(self, masked: dict, quantized: list, pos: int, scores: tuple[int, torch.Tensor]) -> None:
-        """Pick the heavy rows among the chunk just written at ``pos`` (:mod:`kvquant.heavy`): per (row, KV head),
-        the ``heavy_tokens`` rows of highest score, sinks and the rows the ladder holds after this write excepted,
-        and keep their first-rung refinement parts."""
-        s0, sc = scores
-        t = next(iter(masked.values()))[0].shape[2]
-        lo, hi = max(pos, s0), min(pos + t, s0 + sc.shape[2], pos + t - self.ladder_tokens)
-        if hi <= lo:
-            return
+    def _heavy_range(self, pos: int, t: int, scores: HeavyScores) -> tuple[int, int]:
+        """The positions ``[lo, hi)`` among a pool write of ``t`` rows at ``pos`` that heavy rows are picked from:
+        scored ones, below the rows the ladder holds after the scored chunk's own write (``limit``: where that write
+        ends; None: this one)."""
+        s0, sc, limit = scores
+        end = pos + t if limit is None else min(pos + t, limit)
+        return max(pos, s0), min(end, s0 + sc.shape[2], end - self.ladder_tokens)
+
+    def _heavy_picks(self, lo: int, hi: int, scores: HeavyScores) -> torch.Tensor:
+        """Per (row, KV head), the ``heavy_tokens`` positions ``[lo, hi)`` of highest score, as offsets from ``lo``
+        ``[B, H, n]`` (-1: none), pads and sinks excepted."""
+        s0, sc, _ = scores
         p = torch.arange(lo, hi, device=self.device)
         eligible = p[None, :] >= (self.row_start + self.sink_tokens)[:, None]  # [B, t]: not a pad, not a sink
-        idx = pick_rows(sc[:, :, lo - s0:hi - s0].to(self.device), eligible, self.heavy_tokens)  # [B, H, n]
+        return pick_rows(sc[:, :, lo - s0:hi - s0].to(self.device), eligible, self.heavy_tokens)
+
+    def _pick_heavy(self, masked: dict, quantized: list, pos: int, scores: HeavyScores) -> None:
+        """Pick the heavy rows among the chunk just written at ``pos`` (:mod:`kvquant.heavy`): per (row, KV head),
+        the ``heavy_tokens`` rows of highest score, sinks and the rows the ladder holds after the scored chunk's
+        write excepted (:meth:`_heavy_range`), and keep their first-rung refinement parts."""
+        t = next(iter(masked.values()))[0].shape[2]
+        lo, hi = self._heavy_range(pos, t, scores)
+        if hi <= lo:
+            return
+        idx = self._heavy_picks(lo, hi, scores)  # [B, H, n]
         heavy = []
         for g, q_kv in zip(self.groups, quantized, strict=True):
             gidx = idx if g.all_heads else idx.index_select(1, g.head_index)
@@ -1053,9 +1115,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.first_live = dead
         self._table_cache = None
 
-    def _append_residual(
-        self, keys: torch.Tensor, values: torch.Tensor, scores: tuple[int, torch.Tensor] | None = None
-    ) -> None:
+    def _append_residual(self, keys: torch.Tensor, values: torch.Tensor, scores: HeavyScores | None = None) -> None:
         """Residual mode: keep the newest tokens dense; quantize whole blocks beyond ``residual_tokens``
         (``scores``: see :meth:`_write_pool`)."""
         if self.lanes:  # each head its own tail (kvquant.lanes)
@@ -1368,6 +1428,8 @@ class LayerStore(LaneLayer, OffloadedStore):
             if self.exact_k is not None and self.exact_v is not None:
                 self.exact_k, self.exact_v = self.exact_k[:, :, :keep], self.exact_v[:, :, :keep]
             self._held_cache = {}
+        if self._held_scores is not None and tokens < self._held_scores[2]:  # the scored rows are cut: no picks
+            self._held_scores = None
         self.cache_pos = tokens
 
     def check_crop(self, tokens: int) -> int:
@@ -1406,6 +1468,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.calibrated = False
         self.calibrated_rows = [False] * self.batch
         self._held_cache = {}
+        self._held_scores = None
         self.res_k = self.res_v = self.exact_k = self.exact_v = None
         self.sink_k = self.sink_v = None
         self.key_mean = None
@@ -1488,6 +1551,9 @@ class LayerStore(LaneLayer, OffloadedStore):
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
         self.row_start = self.row_start.index_select(0, idx)
+        if self._held_scores is not None:
+            s0, sc, limit = self._held_scores
+            self._held_scores = (s0, sc.index_select(0, idx.to(sc.device)), limit)
         self.calibrated_rows = [self.calibrated_rows[i] for i in rows]
         self._held_cache = {}
         self._map_rings(lambda t, _: t.index_select(0, idx))
