@@ -250,6 +250,9 @@ class LayerStore(LaneLayer, OffloadedStore):
         self._held_scores: tuple[int, torch.Tensor, int] | None = None
         self._lane_runs: list[int | None] = []  # lanes: per group, the in-place run of one sequence (see table())
         self.slots: SlotMap | None = None  # an evicting layer: its token axis holds slots (see kvquant.slots)
+        # an evicting layer's first write: [B, S] True where a row's slot holds a kept token (of some head); its
+        # empty slots are no real tokens (slots past S, appended later, are)
+        self.slot_real: torch.Tensor | None = None
         self.groups: list[HeadGroup] = []
         for gi, (pair, heads, kq, vq) in enumerate(made):
             self.groups.append(
@@ -462,6 +465,10 @@ class LayerStore(LaneLayer, OffloadedStore):
                 else:
                     self._write_pool(self.res_k.to(keys.dtype), self.res_v.to(values.dtype), self.q_end, saved)
                 self.res_k = self.res_v = self.exact_k = self.exact_v = None
+                if self._lane_overwrite and self._lane_grows is not None:  # this step's token (written by
+                    # overwrite()) may start a lane that grow_lanes did not plan while the layer was held
+                    self._lane_plan({(b, h): (self.fill[b][h] - 1, self.fill[b][h])
+                                     for b, row in enumerate(self._lane_grows) for h, grow in enumerate(row) if grow})
             self._write_pool(keys, values, past, scores)
         self.cache_pos = past + T
         self.offload_cold()
@@ -501,6 +508,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             self.fill = n.tolist()
             self.cap_host = None if cap is None else cap.tolist()
             self._lane_step = True
+        self.slot_real = filled.any(dim=1).to(self.device)  # a short row's empty slots: not real tokens
         self.append(ck, cv, None)
         first = torch.zeros(B, dtype=torch.long, device=keys.device) if row_start is None else row_start.long()
         pos = torch.where(filled, order, -1).to(torch.int32)
@@ -541,8 +549,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         pool = [p for p in pairs if p[2] < self.q_end]
         if dense:
             b, h, t = (torch.tensor(x, device=self.device) for x in zip(*dense, strict=True))
-            self.res_k[b, h, t - self.q_end] = keys[b, h, 0].to(self.res_k.dtype)
-            self.res_v[b, h, t - self.q_end] = values[b, h, 0].to(self.res_v.dtype)
+            self.write_held(keys, values, b, h, t)
         if not pool:
             return
         bs = self.block_size
@@ -565,6 +572,19 @@ class LayerStore(LaneLayer, OffloadedStore):
             v = values if g.all_heads else values.index_select(1, g.head_index)
             g.key.write_heads(k, rows, heads, blk, off, self.config.check_finite)
             g.value.write_heads(v, rows, heads, blk, off, self.config.check_finite)
+
+    def write_held(
+        self, keys: torch.Tensor, values: torch.Tensor, b: torch.Tensor, h: torch.Tensor, t: torch.Tensor
+    ) -> None:
+        """Write the one-token ``keys/values[B, H, 1, D]`` of (row ``b[i]``, head ``h[i]``) over its held slot
+        ``t[i] >= q_end`` (decode-time eviction): into the held buffer and, while some rows are fitted already, the
+        exact values their pool will be quantized from (:meth:`held_rows` then decodes the held tokens again)."""
+        self.res_k[b, h, t - self.q_end] = keys[b, h, 0].to(self.res_k.dtype)
+        self.res_v[b, h, t - self.q_end] = values[b, h, 0].to(self.res_v.dtype)
+        if self.exact_k is not None and self.exact_v is not None:
+            self.exact_k[b, h, t - self.q_end] = keys[b, h, 0].to(self.exact_k.dtype)
+            self.exact_v[b, h, t - self.q_end] = values[b, h, 0].to(self.exact_v.dtype)
+        self._held_cache = {}
 
     def _hold_for_calibration(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> bool:
         """Fit the static scales of every row that is ready, each on its own real tokens so far (held ones and
@@ -589,7 +609,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             ks = torch.cat([self.res_k.to(keys.dtype), keys], dim=2)
             vs = torch.cat([self.res_v.to(values.dtype), values], dim=2)
         use = self.real_tokens(start, end)
-        seen = (end - self.row_start).clamp_min(0)  # real tokens per row, this chunk included
+        seen = self.real_count(end)  # real tokens per row, this chunk included
         nonzero = ((row_amax(ks, use) > 0) & (row_amax(vs, use) > 0)).all(dim=1)
         ready = ((seen >= CALIB_MIN_TOKENS) & nonzero) | (seen >= CALIB_MAX_TOKENS)
         new = ready.cpu() & ~torch.tensor(self.calibrated_rows, dtype=torch.bool)
@@ -603,7 +623,7 @@ class LayerStore(LaneLayer, OffloadedStore):
                 self.exact_v = torch.where(r, self.res_v.to(self.exact_v.dtype), self.exact_v)
         if all(self.calibrated_rows):
             return False
-        if any(self.calibrated_rows) and not (self.residual_mode or self.lanes):  # (residual: quantized from res)
+        if any(self.calibrated_rows) and not self.residual_mode:  # (residual: quantized from res)
             if self.exact_k is None:
                 self.exact_k, self.exact_v = (ks, vs) if ks is not keys else (keys.clone(), values.clone())
             else:
@@ -733,8 +753,9 @@ class LayerStore(LaneLayer, OffloadedStore):
 
     @property
     def holds_fitted_rows(self) -> bool:
-        """True while some rows' static scales are fitted and a batch-mate's are not (see :meth:`held_rows`)."""
-        return not self.calibrated and any(self.calibrated_rows) and not self.lanes
+        """True while some rows' static scales are fitted and a batch-mate's are not (see :meth:`held_rows`; lanes
+        with full-precision tails read their held tokens from the tails, as held)."""
+        return not self.calibrated and any(self.calibrated_rows) and not self.tail_lanes
 
     def _fit_dense(self, keys: torch.Tensor, values: torch.Tensor, largest: float | None = None) -> None:
         """fp16 sink / residual buffers (fp32 models) become fp32 when a value would overflow fp16.
@@ -762,9 +783,21 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.sink_end = self.pad_end + self.sink_tokens if self.sink_tokens else 0
 
     def real_tokens(self, start: int, end: int) -> torch.Tensor:
-        """``[B, end - start]``: True where position ``start + t`` of a row is a real token (not left padding)."""
+        """``[B, end - start]``: True where position ``start + t`` of a row is a real token (not left padding; in an
+        evicting layer, not an empty slot of its first write, :attr:`slot_real`)."""
         pos = torch.arange(start, end, device=self.device)
-        return pos[None, :] >= self.row_start[:, None]
+        real = pos[None, :] >= self.row_start[:, None]
+        if self.slot_real is not None and start < self.slot_real.shape[1]:
+            first = self.slot_real[:, start:end]
+            real = torch.cat([first, real[:, first.shape[1]:]], dim=1)
+        return real
+
+    def real_count(self, end: int) -> torch.Tensor:
+        """``[B]``: the real tokens (see :meth:`real_tokens`) of each row below position ``end``."""
+        if self.slot_real is None:
+            return (end - self.row_start).clamp_min(0)
+        S = self.slot_real.shape[1]
+        return self.slot_real[:, :min(end, S)].sum(dim=1) + max(0, end - S)
 
     def sink_slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The sink tokens among positions ``[start, end)``: index tensors (row, offset from ``start``,
@@ -1475,6 +1508,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.clear_ladder()
         self.heavy = []
         self.slots = None
+        self.slot_real = None
         self.fill = [[0] * self.num_heads for _ in range(self.batch)]
         self._set_qfill([[0] * self.num_heads for _ in range(self.batch)])
         self.cap_host = None
@@ -1561,6 +1595,8 @@ class LayerStore(LaneLayer, OffloadedStore):
                             else {n: t.index_select(0, idx) for n, t in x.items()} for x in h) for h in self.heavy]
         if self.slots is not None:  # each row's own kept tokens (per head) follow it
             self.slots.index_batch(idx)
+        if self.slot_real is not None:
+            self.slot_real = self.slot_real.index_select(0, idx)
         for g in self.groups:  # per-sequence static state (scales [B, H], codebook means ...) follows its rows
             for st in (g.key, g.value):
                 q = st.quantizer

@@ -211,6 +211,21 @@ def test_short_batch_mate_heavy_rows_picked_as_alone(stories, story_rows):
     assert total and differ <= total // 10, f"{differ} of {total} refinement entries differ"
 
 
+@pytest.mark.parametrize("policy, budget", [("snapkv", "uniform"), ("snapkv", "adakv"), ("h2o", "uniform")])
+def test_short_batch_mate_evicting_layer(stories, story_rows, fp32_floor, policy, budget):
+    """An evicting layer (per-head lanes with AdaKV) stores each row's kept tokens compacted: the 3-token row's
+    empty slots are no real tokens, so it waits for its own 16 (before: fitted at the prefill on its 3 kept tokens,
+    logits off by 3); meanwhile row 0 reads its held tokens as its pool will, lanes too (before: unquantized, off
+    by 2); h2o's decode-time overwrites of held slots reach the values they are quantized from."""
+    model, _ = stories
+    prompts, follow = story_rows
+    cfg = KVQuantConfig.from_dict({"block_size": 16, "default": "int8", "evict": {
+        "policy": policy, "keep": 0.5, "window": 8, "sinks": 2, "budget": budget}})
+    (d0, same0), (d1, same1) = BENCH.row_drift(model, prompts[:2], follow[:2], cfg)
+    assert d0 <= _floor_bound(fp32_floor[2]) and same0, f"row 0: {d0:.2e} (floor {fp32_floor[2]:.1e})"
+    assert d1 < 1e-2 and same1, f"row 1: {d1:.2e}"
+
+
 def _all_configs():
     from kvquant.config import PRESETS
 
