@@ -219,6 +219,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.q_end = 0  # tokens [0, q_end) are in the quantized pool
         # per row, the position of its first real token (left padding before it), set by the first append
         self.row_start = torch.zeros(batch, dtype=torch.long, device=device)
+        self._row_start_host = [0] * batch  # (row_start on the host: flush points per row)
         self.sink_end = 0  # sink tokens lie below this position in every row
         self.pad_end = 0  # left padding lies below this position in every row
         self.calibrated = False  # every row's static scales are fitted (tokens then go to the pool)
@@ -363,6 +364,8 @@ class LayerStore(LaneLayer, OffloadedStore):
         if self.residual_mode:
             pending = (self.res_k.shape[2] if self.res_k is not None else 0) + tokens
             flush = (pending - self.residual_tokens) // self.residual_step * self.residual_step
+            if self.per_row_flush:
+                flush = min(self.row_pool_ends(self.q_end + pending)) - self.q_end
             if flush <= 0:
                 return 0
             start, end = self.q_end, self.q_end + flush
@@ -635,6 +638,39 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.res_k, self.res_v = dk, dv
         return True
 
+    @property
+    def per_row_flush(self) -> bool:
+        """True when the residual window's flush points are counted per row, from its own first real token (as
+        alone): a left-padded batch in residual mode with per-token quantization (per-channel blocks, lanes, the
+        age ladder, heavy rows, a sliding window and offload keep the batch's grid, see docs/batch-independence.md).
+        The pool then ends at the earliest row's own flush point; a row past it reads the tokens its own pool would
+        hold as that pool will (:meth:`held_rows`)."""
+        return (self.residual_mode and self.pad_end > 0 and not self.per_block and not self.lanes
+                and self.window is None and not self.ladder_tokens and not self.heavy_tokens
+                and not self.config.offload)  # fmt: skip
+
+    def row_pool_ends(self, cache_pos: int) -> list[int]:
+        """Per row, where its pool ends with ``cache_pos`` tokens written when its flush points are its own
+        (:attr:`per_row_flush`): ``R`` tokens (``residual_tokens``) after its first real token stay held, the
+        rest is quantized ``residual_step`` tokens at a time."""
+        R, step = self.residual_tokens, self.residual_step
+        return [r + max(0, (cache_pos - r - R) // step) * step if cache_pos > r else r for r in self._row_start_host]
+
+    def virtual_row_ends(self) -> list[int]:
+        """Per row, where its pool would end if every row's static scales were fitted and its flush points were its
+        own: the tokens below it are read quantized by a fitted row (:meth:`held_rows`)."""
+        if self.per_row_flush:
+            return [max(e, self.q_end) for e in self.row_pool_ends(self.cache_pos)]
+        return [self.virtual_q_end()] * self.batch
+
+    @property
+    def reads_held(self) -> bool:
+        """True when some row reads held tokens as its pool will (:meth:`held_rows`): its static scales are fitted
+        while a batch-mate's are not, or its own flush points are past the pool's end (:attr:`per_row_flush`)."""
+        if self.holds_fitted_rows:
+            return True
+        return self.calibrated and self.per_row_flush and max(self.row_pool_ends(self.cache_pos)) > self.q_end
+
     def virtual_q_end(self) -> int:
         """Where the pool would end if every row's static scales were fitted: the tokens below it are read
         quantized by a row already fitted while a batch-mate still waits (:meth:`held_rows`)."""
@@ -652,7 +688,8 @@ class LayerStore(LaneLayer, OffloadedStore):
         until a row's scales change)."""
         assert self.res_k is not None and self.res_v is not None
         q0, n = self.q_end, self.res_k.shape[2]
-        pooled = self.virtual_q_end() - q0  # held tokens the pool would hold
+        ends = self.virtual_row_ends()
+        pooled = max(ends) - q0  # held tokens the pool would hold (of the row whose pool would hold most)
         dense = self._group_rows(self.res_k, group).float(), self._group_rows(self.res_v, group).float()
         out = [dense[0].clone(), dense[1].clone()]
         xk, xv = (self.exact_k, self.exact_v) if self.exact_k is not None else (self.res_k, self.res_v)
@@ -665,8 +702,15 @@ class LayerStore(LaneLayer, OffloadedStore):
                 new = [self._pool_rows(s, self._group_rows(x, group)) for s, x in ((group.key, mk), (group.value, mv))]
                 base = tuple(y if base is None else torch.cat([base[i], y], dim=2) for i, y in enumerate(new))
                 self._held_cache[gi] = base
+            per_row = min(ends) != max(ends)
+            if per_row:  # each row's own flush points: [B, 1, pooled, 1] True below its own pool end
+                own = (torch.arange(pooled, device=self.device)[None, :]
+                       < torch.tensor(ends, device=self.device)[:, None] - q0)[:, None, :, None]
             for i, (s, x) in enumerate(((group.key, xk), (group.value, xv))):
-                out[i][:, :, :pooled] = base[i][:, :, :pooled]
+                if per_row:
+                    out[i][:, :, :pooled] = torch.where(own, base[i][:, :, :pooled], out[i][:, :, :pooled])
+                else:
+                    out[i][:, :, :pooled] = base[i][:, :, :pooled]
                 n1 = min(self.ladder_tokens, pooled) if s.quantizer.rung_parts(1) else 0
                 if n1:  # the age ladder's newest rows, refined
                     x1 = self._mask_sinks(x[:, :, pooled - n1:pooled], x[:, :, pooled - n1:pooled], q0 + pooled - n1,
@@ -682,6 +726,9 @@ class LayerStore(LaneLayer, OffloadedStore):
             r, o, _ = sel
             for i in range(2):
                 out[i][r, :, o] = dense[i][r, :, o]
+        if self.calibrated:  # (per-row flush points) read as the residual is: in the group's head space
+            a, b = start - q0, end - q0
+            return self._dense_to_group_space(group, out[0][:, :, a:b], out[1][:, :, a:b])
         fitted = torch.tensor(self.calibrated_rows, device=self.device).view(-1, 1, 1, 1)
         a, b = start - q0, end - q0
         return (torch.where(fitted, out[0], dense[0])[:, :, a:b], torch.where(fitted, out[1], dense[1])[:, :, a:b])
@@ -743,7 +790,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         reads it (storage space): the residual buffers, or while static scales wait for a row, :meth:`held_rows`."""
         assert self.res_k is not None and self.res_v is not None
         k, v = self.res_k[:, :, :end - self.q_end], self.res_v[:, :, :end - self.q_end]
-        if not self.holds_fitted_rows:
+        if not self.reads_held:
             return k, v
         k, v = k.float().clone(), v.float().clone()
         for g in self.groups:
@@ -779,7 +826,8 @@ class LayerStore(LaneLayer, OffloadedStore):
             if row_start.shape != (self.batch,):
                 raise ValueError(f"row_start: shape {tuple(row_start.shape)}, expected ({self.batch},)")
             self.row_start = row_start.to(self.device, torch.long)
-        self.pad_end = int(self.row_start.max())  # one read, at the first write
+        self._row_start_host = self.row_start.tolist()  # one read, at the first write
+        self.pad_end = max(self._row_start_host)
         self.sink_end = self.pad_end + self.sink_tokens if self.sink_tokens else 0
 
     def real_tokens(self, start: int, end: int) -> torch.Tensor:
@@ -1160,6 +1208,9 @@ class LayerStore(LaneLayer, OffloadedStore):
             dv = torch.cat([self.res_v, dv], dim=2)
         pending = dk.shape[2]
         flush = (pending - self.residual_tokens) // self.residual_step * self.residual_step
+        if self.per_row_flush:  # the pool ends at the earliest row's own flush point (see per_row_flush)
+            flush = min(self.row_pool_ends(self.q_end + pending)) - self.q_end
+            self._held_cache = {} if flush > 0 else self._held_cache  # (held_rows: the residual shifts)
         if flush > 0:
             # tokens reach the pool through the residual buffer's dtype (exact for 16-bit models)
             self._write_pool(dk[:, :, :flush].to(keys.dtype), dv[:, :, :flush].to(values.dtype), self.q_end, scores)
@@ -1315,7 +1366,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         if start >= self.q_end and self.tail_lanes:  # each head's lanes, then its own tail
             return self._read_tails(group, start, end)
         if start >= self.q_end:  # residual buffer (dense)
-            if self.holds_fitted_rows:  # some rows fitted, a batch-mate not yet: see held_rows
+            if self.reads_held:  # some rows fitted, a batch-mate not yet, or past their own flush: see held_rows
                 return self.held_rows(group, start, end)
             a, b = start - self.q_end, end - self.q_end
             k, v = self.res_k[:, :, a:b], self.res_v[:, :, a:b]
@@ -1498,6 +1549,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.release()
         self.cache_pos = self.q_end = self.sink_end = self.pad_end = self.offload_from = 0
         self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        self._row_start_host = [0] * self.batch
         self.calibrated = False
         self.calibrated_rows = [False] * self.batch
         self._held_cache = {}
@@ -1585,6 +1637,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
         self.row_start = self.row_start.index_select(0, idx)
+        self._row_start_host = [self._row_start_host[i] for i in rows]
         if self._held_scores is not None:
             s0, sc, limit = self._held_scores
             self._held_scores = (s0, sc.index_select(0, idx.to(sc.device)), limit)
