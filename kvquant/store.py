@@ -726,9 +726,9 @@ class LayerStore(LaneLayer, OffloadedStore):
             r, o, _ = sel
             for i in range(2):
                 out[i][r, :, o] = dense[i][r, :, o]
-        if self.calibrated:  # (per-row flush points) read as the residual is: in the group's head space
+        if self.calibrated:  # (per-row flush points: every row fitted)
             a, b = start - q0, end - q0
-            return self._dense_to_group_space(group, out[0][:, :, a:b], out[1][:, :, a:b])
+            return out[0][:, :, a:b], out[1][:, :, a:b]
         fitted = torch.tensor(self.calibrated_rows, device=self.device).view(-1, 1, 1, 1)
         a, b = start - q0, end - q0
         return (torch.where(fitted, out[0], dense[0])[:, :, a:b], torch.where(fitted, out[1], dense[1])[:, :, a:b])
@@ -1367,7 +1367,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             return self._read_tails(group, start, end)
         if start >= self.q_end:  # residual buffer (dense)
             if self.reads_held:  # some rows fitted, a batch-mate not yet, or past their own flush: see held_rows
-                return self.held_rows(group, start, end)
+                return self._dense_to_group_space(group, *self.held_rows(group, start, end))  # (as the residual)
             a, b = start - self.q_end, end - self.q_end
             k, v = self.res_k[:, :, a:b], self.res_v[:, :, a:b]
             return self._dense_to_group_space(group, self._group_rows(k, group), self._group_rows(v, group))
