@@ -294,13 +294,16 @@ def _generate_rows(model, prompts, cfg, seed=None, **kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["int8", "fp8-e4m3", "tq3"])
+@pytest.mark.parametrize("precision", ["int8", "fp8-e4m3", "tq3", "int4+residual", "tq3+heavy", "int8+snapkv"])
 def test_beams_and_seeded_sampling_ignore_batch_mates(stories, story_rows, precision):
     """Beam search: row 0's beams batched with a 3-token row == row 0 alone. Seeded sampling: row 0's sample
     is the same whether its batch-mate has 3 or 440 real tokens (same batch size, so the same random draws)."""
     model, _ = stories
     prompts, _ = story_rows
-    cfg = _cfg(precision)
+    extra = {"int4+residual": ("int4", {"residual_tokens": 8}), "tq3+heavy": ("tq3", {"heavy_tokens": 4}),
+             "int8+snapkv": ("int8", {"evict": {"policy": "snapkv", "keep": 0.5, "window": 8, "sinks": 2}})}
+    name, options = extra.get(precision, (precision, {}))
+    cfg = _cfg(name, **options)
     beams = {"num_beams": 3, "do_sample": False, "num_return_sequences": 1}
     alone = _generate_rows(model, prompts[:1], cfg, **beams)
     batched = _generate_rows(model, prompts[:2], cfg, **beams)
