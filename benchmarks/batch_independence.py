@@ -37,15 +37,18 @@ STEPS = 24
 
 def teacher_forced(
     model: Any, prompts: list[list[int]], follow: list[list[int]], config: Any, pad_id: int = 0, chunk: int = 1,
+    caches: list[Any] | None = None,
 ) -> torch.Tensor:
     """Logits ``[B, 1 + steps, vocab]`` of ``prompts`` (left-padded to the longest, one prefill), then of the
     tokens ``follow[b]`` fed ``chunk`` at a time (1: one decode step each), through a fresh
     ``QuantizedKVCache(model, config)``; positions count each row's real tokens only (what ``generate`` passes for
-    a left-padded batch)."""
+    a left-padded batch). ``caches``: the cache is appended to it (for a caller that inspects it after the run)."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     cache = QuantizedKVCache(model, config)
+    if caches is not None:
+        caches.append(cache)
     out = []
     with torch.no_grad():
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
@@ -140,15 +143,44 @@ def lengths(model: Any, tok: Any, long: bool) -> None:
               flush=True)
 
 
+BATCHMATE_CONFIGS = [  # issue 38: the cases a short batch-mate used to change (beyond the static scales)
+    ("int4, residual_tokens 8", {"default": "int4", "residual_tokens": 8}),
+    ("int8, residual_tokens 8, 3 sinks", {"default": "int8", "residual_tokens": 8, "sink_tokens": 3}),
+    ("tq3, residual_tokens 8", {"default": "tq3", "residual_tokens": 8}),
+    ("tq3, heavy_tokens 4", {"default": "tq3", "heavy_tokens": 4}),
+    ("int8, evict snapkv (uniform)", {"default": "int8", "evict": {
+        "policy": "snapkv", "keep": 0.5, "window": 8, "sinks": 2, "budget": "uniform"}}),
+    ("int8, evict snapkv (adakv lanes)", {"default": "int8", "evict": {
+        "policy": "snapkv", "keep": 0.5, "window": 8, "sinks": 2, "budget": "adakv"}}),
+    ("int8, evict h2o", {"default": "int8", "evict": {"policy": "h2o", "keep": 0.5, "window": 8, "sinks": 2}}),
+    ("int2-channel (per-channel keys: not per row)", {"default": "int2-channel"}),
+]
+
+
+def batchmates(model: Any, tok: Any) -> None:
+    """Rows of 60 and 3 tokens, one decode step at a time, and of 60, 3 and 440 tokens, in chunks of 8."""
+    text = (shared_dir() / "data" / "tinystories-valid-sample.txt").read_text()
+    prompts, follow = story_ids(tok, text, (*LENGTHS, 440), STEPS)
+    print("| config | 60 / 3, decode: row 0 | row 1 | 60 / 3 / 440, chunks of 8: row 0 | row 1 | row 2 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, raw in BATCHMATE_CONFIGS:
+        cfg = KVQuantConfig.from_dict({"block_size": 16, **raw})
+        cells = [f"{d:.1e}{'' if same else ' (tokens differ)'}"
+                 for n, chunk in ((2, 1), (3, 8)) for d, same in row_drift(model, prompts[:n], follow[:n], cfg, chunk)]
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=("similar", "lengths"), default="lengths")
+    ap.add_argument("--mode", choices=("similar", "lengths", "batchmates"), default="lengths")
     ap.add_argument("--long", action="store_true", help="lengths: a third row of 440 tokens (context 512)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = load()
     if args.mode == "similar":
         similar(model, tok)
+    elif args.mode == "batchmates":
+        batchmates(model, tok)
     else:
         lengths(model, tok, args.long)
 

@@ -131,7 +131,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "device cuda, process r uses cuda:r. Metric rows are identical to a 1-process run",
     )
     p.add_argument("--out", help="output folder for results.json, report.md and the plot")
-    p.add_argument("--force", action="store_true", help="overwrite results.json, report.md and the plot in --out")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite results.json, report.md and the plots in --out (only files an earlier run wrote)")
     p.add_argument("--quiet", action="store_true", help="no progress bars or log lines; only the table")
     p.add_argument(
         "--compare",

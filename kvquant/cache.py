@@ -29,7 +29,7 @@ from .outliers import OutlierWatch
 from .plan import LayerPlan
 from .plan import resolve as resolve_plan
 from .scales import load_static_amax
-from .shape import ModelShape, sliding_windows
+from .shape import ModelShape, model_dtype, sliding_windows
 from .store import LayerStore, row_index
 
 if TYPE_CHECKING:
@@ -417,7 +417,7 @@ class QuantizedKVCache(Cache):
                 )
         self.pool = pool
         windows = sliding_windows(model, self.shape.num_layers)
-        static = load_static_amax(self.kv_config.scales_file, self.shape)
+        static = load_static_amax(self.kv_config.scales_file, self.shape, model_dtype(model))
         #: checks the prefill's keys for outlier / offset channels; logs one warning if the config cannot hold them
         self.outlier_watch = OutlierWatch(self.kv_config, self.plan.rows)
         evict = self.kv_config.evict

@@ -242,8 +242,7 @@ def calibrate(
         f"calibrated: {sens.method} sensitivity, budget {budget_bits} avg bits, achieved {achieved:.3f}"
     )
     if out_path is not None:  # the config and its heatmap replace an earlier run's together (staged_files)
-        if not force:
-            check_outputs(output, heatmap, None, force)  # again, right before writing: one may have appeared
+        check_outputs(output, heatmap, None, force)  # again, right before writing: one may have appeared
         own = [out_path.name] + ([heat_path.name] if heat_path is not None else [])
         with staged_files(out_path.parent, own, "-o") as stage:
             cfg.save(stage / out_path.name, header=header)
@@ -281,10 +280,11 @@ def check_outputs(
     output: str | Path | None, heatmap: bool, cache_path: str | Path | None, force: bool
 ) -> tuple[Path | None, Path | None, Path | None]:
     """``(config, heatmap, sensitivity cache)`` paths, each checked before work (see :func:`calibrate`)."""
-    out_path = check_output(output, CONFIG_SUFFIXES, "-o", force) if output else None
+    # (--force replaces only the config / heatmap kvquant wrote: kvquant.outputs.is_own_file)
+    out_path = check_output(output, CONFIG_SUFFIXES, "-o", force, own=True) if output else None
     heat_path = None
     if out_path is not None and heatmap:
-        heat_path = check_output(out_path.with_suffix(".png"), (".png",), "-o (its heatmap)", force)
+        heat_path = check_output(out_path.with_suffix(".png"), (".png",), "-o (its heatmap)", force, own=True)
     if cache_path is None and out_path is not None:
         cache_path = out_path.parent / CACHE_NAME
     if cache_path is not None:

@@ -47,7 +47,7 @@ from .quantizers import (
     is_precision,
     make_quantizer,
 )
-from .shape import ModelShape
+from .shape import ModelShape, model_dtype
 
 BITS_TO_PRECISION = {2: "int2", 4: "int4", 8: "int8", 16: "fp16"}
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
@@ -585,7 +585,7 @@ class KVQuantConfig:
         if self.scales_file:
             from .scales import load_scales
 
-            load_scales(self.scales_file, ModelShape.of(shape))
+            load_scales(self.scales_file, ModelShape.of(shape), model_dtype(shape))
 
     def precisions(self) -> set[str]:
         out = {self.default.key, self.default.value}

@@ -23,6 +23,7 @@ the tails are then the layer's held tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,6 +68,7 @@ class LaneLayer:
     _tail_base_cache: torch.Tensor | None
     _lane_grows: list[list[bool]] | None  # grow_lanes: which heads take their next slot this step
     _lane_overwrite: bool
+    write_held: Callable[..., None]  # LayerStore.write_held: a decode token over a held slot (calibration wait)
 
     # ---------------------------------------------------------------- per-head tails (residual mode)
     @property
@@ -443,8 +445,7 @@ class LaneLayer:
         if self.q_end < self.cache_pos:  # static scales not calibrated yet: slots past q_end are held dense
             dense = t >= self.q_end
             b, h = dense.nonzero(as_tuple=True)
-            self.res_k[b, h, t[b, h] - self.q_end] = keys[b, h, 0].to(self.res_k.dtype)
-            self.res_v[b, h, t[b, h] - self.q_end] = values[b, h, 0].to(self.res_v.dtype)
+            self.write_held(keys, values, b, h, t[b, h])
             pool = ~dense
             t = torch.where(dense, 0, t)
         if self.tables and max(len(x) for x in self.tables):

@@ -9,12 +9,17 @@ Every kvquant command that writes files goes through this module:
   folder and rename it onto the target at the end, so a crash or an error leaves the old file (or no file),
   never a partial one, and no stray temporary file.
 
+* :func:`staged_files` records every file it writes in the folder's :data:`OWN_MANIFEST` (name and SHA-256), and
+  ``force`` replaces a file of a run's set (``eval --out``, ``calibrate -o``) only when that record shows this tool
+  wrote it, unchanged since (:func:`is_own_file`): a foreign file of the same name is never replaced.
+
 Failures raise :class:`kvquant.errors.OutputError` with a one-line message naming the option and the path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -29,6 +34,56 @@ from .errors import OutputError
 from .inputs import user_path
 
 FORCE_HINT = "pass --force to overwrite"
+OWN_MANIFEST = ".kvquant-outputs.json"  # in a folder: the files kvquant wrote there (see staged_files)
+_OWN_FORMAT = "kvquant-outputs"
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _own_records(folder: Path) -> dict[str, str]:
+    """``{file name: sha256}`` of the files :data:`OWN_MANIFEST` in ``folder`` says kvquant wrote (empty when the
+    manifest is missing or not one of ours: nothing is then taken as ours)."""
+    try:
+        doc = json.loads((folder / OWN_MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    if not isinstance(doc, dict) or doc.get("format") != _OWN_FORMAT or not isinstance(doc.get("files"), dict):
+        return {}
+    return {str(k): v for k, v in doc["files"].items() if isinstance(v, str)}
+
+
+def is_own_file(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a regular file that kvquant wrote (its folder's :data:`OWN_MANIFEST` lists its name
+    with these exact contents): the only kind of existing file ``--force`` replaces in a run's set of files."""
+    p = Path(path)
+    if p.is_symlink() or not p.is_file():
+        return False
+    want = _own_records(p.parent).get(p.name)
+    try:
+        return want is not None and _digest(p) == want
+    except OSError:
+        return False
+
+
+def _not_own(p: Path, what: str) -> OutputError:
+    return OutputError(f"{what}: {p} exists and was not written by kvquant (not recorded in {p.parent / OWN_MANIFEST}"
+                       " with these contents); it is never replaced: remove it yourself or choose another name")
+
+
+def _record_own(folder: Path, digests: dict[str, str], removed: Sequence[str]) -> None:
+    """Record ``digests`` (name: sha256) as written by kvquant in ``folder``'s manifest, ``removed`` as gone."""
+    files = {n: d for n, d in _own_records(folder).items() if n not in removed}
+    files.update(digests)
+    tmp = folder / _tmp_name(OWN_MANIFEST, "manifest.tmp")  # (a stale one is swept like any temporary)
+    tmp.write_text(json.dumps({"format": _OWN_FORMAT, "files": dict(sorted(files.items()))}, indent=1) + "\n",
+                   encoding="utf-8")
+    os.replace(tmp, folder / OWN_MANIFEST)
 
 
 def _alternatives(items: Sequence[str]) -> str:
@@ -58,7 +113,7 @@ def check_writable_dir(folder: str | os.PathLike, what: str) -> Path:
 
 
 def check_output(
-    path: str | os.PathLike, suffixes: Sequence[str], what: str, force: bool = False
+    path: str | os.PathLike, suffixes: Sequence[str], what: str, force: bool = False, own: bool = False
 ) -> Path:
     """Check an output file path before work starts; returns it as a ``Path``.
 
@@ -67,10 +122,12 @@ def check_output(
         suffixes: the accepted suffixes, lower case with the dot (``(".yaml", ".yml")``); empty: any.
         what: the option or field it came from, for the message (``-o``, ``--plot``).
         force: an existing regular file may be replaced.
+        own: the file is one of a run's set (:func:`staged_files`): ``force`` replaces it only when kvquant wrote
+            it (:func:`is_own_file`).
 
     Raises:
         OutputError: wrong suffix, a folder or other non-file in the way, an existing file without
-            ``force``, or a folder that cannot be created or written.
+            ``force`` (or with ``own``, one kvquant did not write), or a folder that cannot be created or written.
     """
     p = user_path(path, what, OutputError)
     if suffixes and p.suffix.lower() not in suffixes:
@@ -82,6 +139,8 @@ def check_output(
             raise OutputError(f"{what}: {p} exists and is not a regular file")
         if not force:
             raise OutputError(f"{what}: {p} exists; {FORCE_HINT} it")
+        if own and not is_own_file(p):
+            raise _not_own(p, what)
     check_writable_dir(p.parent, what)
     return p
 
@@ -91,7 +150,8 @@ def check_output_dir(
 ) -> Path:
     """Check an output folder that will receive the files ``names``; returns it as a ``Path``.
 
-    An existing folder is fine; files in it that would be replaced are refused unless ``force``.
+    An existing folder is fine; files in it that would be replaced are refused unless ``force``, and even then
+    unless kvquant wrote them (:func:`is_own_file`: the files of an earlier run's :func:`staged_files`).
     """
     p = user_path(folder, what, OutputError)
     if p.exists() and not p.is_dir():
@@ -104,6 +164,9 @@ def check_output_dir(
         raise OutputError(
             f"{what}: {p} already holds {', '.join(in_the_way)}; {FORCE_HINT} them, or choose another folder"
         )
+    for n in in_the_way:
+        if not is_own_file(p / n):
+            raise _not_own(p / n, what)
     check_writable_dir(p, what)
     return p
 
@@ -373,16 +436,18 @@ def staged_folder(folder: str | os.PathLike, what: str = "output") -> Iterator[P
 def _commit_set(folder: Path, stage: Path, old: Path) -> None:
     """Move the staged files into ``folder`` (the replaced ones and the listed stale ones into ``old``, removed)."""
     manifest = json.loads((stage / _SET_MANIFEST).read_text(encoding="utf-8"))
+    digests = {n: _digest(stage / n) for n in manifest["names"] if (stage / n).is_file()}
     old.mkdir(exist_ok=True)
     with _signals_held():
         for name in manifest["remove"]:
-            if (folder / name).exists() or (folder / name).is_symlink():
+            if is_own_file(folder / name):  # (an earlier run's file; a foreign one of that name stays)
                 os.replace(folder / name, old / name)
         for name in manifest["names"]:
             if (stage / name).exists():
                 if (folder / name).exists() or (folder / name).is_symlink():
                     os.replace(folder / name, old / name)
                 os.replace(stage / name, folder / name)
+        _record_own(folder, digests, manifest["remove"])
     _remove(old)
     _remove(stage)
 

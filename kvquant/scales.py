@@ -36,13 +36,12 @@ from typing import Any
 import torch
 
 from .errors import ArgumentError, InputError
-from .shape import ModelShape
+from .shape import ModelShape, held_dtype
 from .transformers_compat import cache_kw
 
 SCALES_FORMAT = "kvquant-scales"
 SCALES_VERSION = "1"
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448: compressed-tensors' and vLLM's range
-MAX_AMAX = float(torch.finfo(torch.float16).max)  # the range K/V caches are served in; a larger amax is no statistic
 EXPORT_INFO = "kvquant_export.json"  # what kvquant export records beside the engine files
 ENGINE_SCALE_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.([kv])_scale$")
 
@@ -96,8 +95,13 @@ class KVScales:
         """``"head"`` (one amax per KV head) or ``"tensor"`` (one per layer's K or V tensor)."""
         return "tensor" if self.key_amax.shape[1] == 1 else "head"
 
-    def check(self, where: str, shape: ModelShape | None = None) -> KVScales:
-        """Raise :class:`ScalesError` naming ``where`` unless the values are finite, positive and shaped right."""
+    def check(self, where: str, shape: ModelShape | None = None, dtype: torch.dtype | None = None) -> KVScales:
+        """Raise :class:`ScalesError` naming ``where`` unless the values are finite, positive and shaped right, and
+        no amax lies beyond the range of the dtype the cache holds this model's K/V in (:func:`held_dtype` of the
+        model's ``dtype``: bfloat16 for a bfloat16 model, float16 for a float16 or float32 one or when unknown): no
+        cached K/V reaches such an amax, and with it every stored value rounds to zero."""
+        limit_dtype = held_dtype(dtype)
+        limit = float(torch.finfo(limit_dtype).max)
         for name, t in (("key_amax", self.key_amax), ("value_amax", self.value_amax)):
             if t.dim() != 2 or t.shape != self.key_amax.shape:
                 raise ScalesError(f"scales_file: {where}: {name} has shape {list(t.shape)}, expected [layers, heads] "
@@ -108,10 +112,12 @@ class KVScales:
                 bad = (t <= 0).nonzero()[0].tolist()
                 raise ScalesError(f"scales_file: {where}: {name}[{bad[0]}][{bad[1]}] = {float(t[bad[0], bad[1]])} "
                                   "is not positive")
-            if bool((t > MAX_AMAX).any()):  # every value would round to zero: logits silently wrong
-                bad = (t > MAX_AMAX).nonzero()[0].tolist()
+            if bool((t > limit).any()):  # every value would round to zero: logits silently wrong
+                bad = (t > limit).nonzero()[0].tolist()
+                held = str(limit_dtype).removeprefix("torch.")
                 raise ScalesError(f"scales_file: {where}: {name}[{bad[0]}][{bad[1]}] = {float(t[bad[0], bad[1]]):g} "
-                                  f"is beyond fp16's range ({MAX_AMAX:g}), which no cached K/V reaches")
+                                  f"is beyond {held}'s range ({limit:g}), the dtype the cache holds this model's K/V "
+                                  "in: no cached K/V reaches it")
         if shape is not None:
             layers, heads = self.key_amax.shape
             if layers != shape.num_layers or heads not in (1, shape.num_kv_heads):
@@ -210,11 +216,12 @@ def save_scales(scales: KVScales, path: str | Path) -> Path:
     return p
 
 
-def load_scales(path: str | Path, shape: ModelShape | None = None) -> KVScales:
-    """Read and check a kvquant scales file (safetensors or JSON) or an engine export directory."""
+def load_scales(path: str | Path, shape: ModelShape | None = None, dtype: torch.dtype | None = None) -> KVScales:
+    """Read and check a kvquant scales file (safetensors or JSON) or an engine export directory (``dtype``: the
+    model's, for the amax range check of :meth:`KVScales.check`)."""
     p = Path(path)
     if p.is_dir():
-        return read_engine_scales(p, shape)
+        return read_engine_scales(p, shape, dtype)
     if not p.is_file():
         raise ScalesError(f"scales_file: {str(path)!r} does not exist")
     if p.suffix == ".json":
@@ -245,7 +252,7 @@ def load_scales(path: str | Path, shape: ModelShape | None = None) -> KVScales:
     if key.dim() == 1:  # one value per layer
         key, value = key[:, None], value[:, None]
     try:
-        return KVScales(key, value, statistic, meta).check(str(path), shape)
+        return KVScales(key, value, statistic, meta).check(str(path), shape, dtype)
     except ValueError as e:
         raise ScalesError(str(e) if str(e).startswith("scales_file:") else f"scales_file: {str(path)!r}: {e}") from None
 
@@ -260,7 +267,9 @@ def amax_for_fp8_scale(scale: torch.Tensor, fp8_max: float = FP8_E4M3_MAX) -> to
     return scale.double() * fp8_max
 
 
-def read_engine_scales(directory: str | Path, shape: ModelShape | None = None) -> KVScales:
+def read_engine_scales(
+    directory: str | Path, shape: ModelShape | None = None, dtype: torch.dtype | None = None
+) -> KVScales:
     """The K/V scales a serving engine loads from an export directory, as amax (see :func:`amax_for_fp8_scale`)."""
     from safetensors import safe_open
 
@@ -309,10 +318,13 @@ def read_engine_scales(directory: str | Path, shape: ModelShape | None = None) -
         statistic = json.loads((d / EXPORT_INFO).read_text())["statistic"]
     except (OSError, ValueError, KeyError):
         statistic = "max"  # an export from another tool: its statistic is not recorded here
-    return KVScales(amax_for_fp8_scale(key), amax_for_fp8_scale(value), statistic, meta).check(where, shape)
+    return KVScales(amax_for_fp8_scale(key), amax_for_fp8_scale(value), statistic, meta).check(where, shape, dtype)
 
 
 
-def load_static_amax(path: str | Path | None, shape: ModelShape) -> list[dict[str, torch.Tensor]] | None:
-    """Per-layer ``{"key": amax[H], "value": amax[H]}`` from a config's ``scales_file`` (None: no file)."""
-    return load_scales(path, shape).per_layer(shape) if path else None
+def load_static_amax(
+    path: str | Path | None, shape: ModelShape, dtype: torch.dtype | None = None
+) -> list[dict[str, torch.Tensor]] | None:
+    """Per-layer ``{"key": amax[H], "value": amax[H]}`` from a config's ``scales_file`` (None: no file); ``dtype``:
+    the model's (see :meth:`KVScales.check`)."""
+    return load_scales(path, shape, dtype).per_layer(shape) if path else None

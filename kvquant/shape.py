@@ -5,7 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .errors import InputError
+
+
+def held_dtype(model_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a cache holds a model's full-precision K/V in (sink tokens, the residual window, tokens held
+    while static scales wait): float16 for a float32 model (or when the dtype is not known), else the model's own
+    dtype. A float32 model whose K/V overflow float16 has those buffers widened to float32."""
+    return torch.float16 if model_dtype in (None, torch.float32) else model_dtype
+
+
+def model_dtype(model: Any) -> torch.dtype | None:
+    """The floating dtype of ``model`` (``model.dtype``), None for a :class:`ModelShape` or anything without one."""
+    dtype = getattr(model, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .config import KVPrecision, KVQuantConfig
 from .errors import ConfigError
 from .scales import load_static_amax
-from .shape import ModelShape
+from .shape import ModelShape, model_dtype
 from .store import LayerStore
 
 
@@ -54,6 +54,7 @@ class SimulatedQuantCache(Cache):
                               "every token; eviction needs the decode protocol (a QuantizedKVCache)")
         shape = ModelShape.of(model)
         plan = self.kv_config.resolve(shape)
-        static = load_static_amax(self.kv_config.scales_file, shape)  # calibration text, never the window scored
+        # calibration text, never the window scored
+        static = load_static_amax(self.kv_config.scales_file, shape, model_dtype(model))
         super().__init__(layers=[SimulatedLayer(row, self.kv_config, shape.head_dim, static[i] if static else None)
                                  for i, row in enumerate(plan)])

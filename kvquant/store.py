@@ -61,6 +61,7 @@ from .plan import LayerPlan, Plan, layer_plan
 from .quantizers import Quantizer, make_quantizer
 from .quantizers.base import Factored, PartSpec, require_finite
 from .rotation import fwht
+from .shape import held_dtype
 from .slots import SlotMap
 from .snapshot import GroupSnapshot, KVSnapshot, ResidualRows, SinkRows, StorageSpace
 from .tensor_store import (
@@ -71,6 +72,9 @@ from .tensor_store import (
     quantize_pair,
     stored_finite,
 )
+
+# heavy_tokens: (first position, key scores [B, H, T], pool end of the scored chunk's own write or None)
+HeavyScores = tuple[int, torch.Tensor, "int | None"]
 
 # Static (per-head) scales of a row are calibrated on at least this many of its own real tokens; until then
 # its tokens are held in full precision (a 1-token prompt says little about later magnitudes) ...
@@ -227,6 +231,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.q_end = 0  # tokens [0, q_end) are in the quantized pool
         # per row, the position of its first real token (left padding before it), set by the first append
         self.row_start = torch.zeros(batch, dtype=torch.long, device=device)
+        self._row_start_host = [0] * batch  # (row_start on the host: flush points per row)
         self.sink_end = 0  # sink tokens lie below this position in every row
         self.pad_end = 0  # left padding lies below this position in every row
         self.calibrated = False  # every row's static scales are fitted (tokens then go to the pool)
@@ -252,9 +257,15 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.offload_from = 0  # blocks below this index were considered for offload already
         self.prefetcher: Prefetcher | None = None  # host -> device tile copies (``offload``), made on first use
         self._table_cache: torch.Tensor | None = None
-        self._held_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # held_rows: K, V base decode per group
+        self._held_cache: dict[Any, Any] = {}  # held_rows: K, V base decode (and heavy rows) per group
+        # heavy_tokens: (first position, key scores [B, H, T], pool end the scored chunk's write would have reached)
+        # of a prompt held for calibration: its write picks the heavy rows when the held tokens reach the pool
+        self._held_scores: tuple[int, torch.Tensor, int] | None = None
         self._lane_runs: list[int | None] = []  # lanes: per group, the in-place run of one sequence (see table())
         self.slots: SlotMap | None = None  # an evicting layer: its token axis holds slots (see kvquant.slots)
+        # an evicting layer's first write: [B, S] True where a row's slot holds a kept token (of some head); its
+        # empty slots are no real tokens (slots past S, appended later, are)
+        self.slot_real: torch.Tensor | None = None
         self.groups: list[HeadGroup] = []
         for gi, (pair, heads, kq, vq) in enumerate(made):
             self.groups.append(
@@ -357,6 +368,8 @@ class LayerStore(LaneLayer, OffloadedStore):
         if self.residual_mode:
             pending = (self.res_k.shape[2] if self.res_k is not None else 0) + tokens
             flush = (pending - self.residual_tokens) // self.residual_step * self.residual_step
+            if self.per_row_flush:
+                flush = min(self.row_pool_ends(self.q_end + pending)) - self.q_end
             if flush <= 0:
                 return 0
             start, end = self.q_end, self.q_end + flush
@@ -410,7 +423,9 @@ class LayerStore(LaneLayer, OffloadedStore):
         ``row_start[B]`` (first append only): each row's first real token; the positions before it are
         left padding. Sink tokens are then each row's first real tokens, and static scales ignore pads.
         ``key_scores[B, H, T]``: the attention weight each new token received from the chunk's queries; with
-        ``heavy_tokens`` set and no heavy rows picked yet, the pool rows this append writes pick them by it.
+        ``heavy_tokens`` set and no heavy rows picked yet, the pool rows this append writes pick them by it (a
+        chunk held for calibration keeps its scores: its rows pick them when they reach the pool, as alone, and
+        are read so meanwhile, :meth:`held_rows`).
         """
         past = self.cache_pos
         largest = None  # max |K|, |V| when the finiteness check found it (CPU)
@@ -432,26 +447,35 @@ class LayerStore(LaneLayer, OffloadedStore):
             largest = None  # (a rotation or centering changes the magnitudes)
         T = keys.shape[2]
         if self.dense_dtype is None:
-            self.dense_dtype = torch.float16 if keys.dtype == torch.float32 else keys.dtype
+            self.dense_dtype = held_dtype(keys.dtype)
         if self.config.check_finite and (self.has_dense_segments or not self.calibrated):
             self._fit_dense(keys, values, largest)
         if past < self.sink_end:
             self._keep_sinks(keys, values, past)
         held = self.res_k.shape[2] if self.res_k is not None and not self.calibrated else 0
-        scores = (past, key_scores) if key_scores is not None and self.heavy_tokens and not self.heavy else None
+        scores = None
+        if key_scores is not None and self.heavy_tokens and not self.heavy:
+            scores = (past, key_scores, None)
         if not self.calibrated and self._hold_for_calibration(keys, values, past):
             self.cache_pos = past + T
+            if scores is not None and self._held_scores is None:  # picked when the held tokens reach the pool
+                self._held_scores = (past, key_scores, self.virtual_q_end())
             return past
         self.release_window()
+        saved, self._held_scores = self._held_scores, None
         if self.residual_mode:
-            self._append_residual(keys, values, scores)
+            self._append_residual(keys, values, saved or scores)
         else:
             if held:  # tokens held while calibration was deferred go to the pool first (see _hold_for_calibration)
                 if self.exact_k is not None and self.exact_v is not None:
-                    self._write_pool(self.exact_k, self.exact_v, self.q_end)
+                    self._write_pool(self.exact_k, self.exact_v, self.q_end, saved)
                 else:
-                    self._write_pool(self.res_k.to(keys.dtype), self.res_v.to(values.dtype), self.q_end)
+                    self._write_pool(self.res_k.to(keys.dtype), self.res_v.to(values.dtype), self.q_end, saved)
                 self.res_k = self.res_v = self.exact_k = self.exact_v = None
+                if self._lane_overwrite and self._lane_grows is not None:  # this step's token (written by
+                    # overwrite()) may start a lane that grow_lanes did not plan while the layer was held
+                    self._lane_plan({(b, h): (self.fill[b][h] - 1, self.fill[b][h])
+                                     for b, row in enumerate(self._lane_grows) for h, grow in enumerate(row) if grow})
             self._write_pool(keys, values, past, scores)
         self.cache_pos = past + T
         self.offload_cold()
@@ -491,6 +515,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             self.fill = n.tolist()
             self.cap_host = None if cap is None else cap.tolist()
             self._lane_step = True
+        self.slot_real = filled.any(dim=1).to(self.device)  # a short row's empty slots: not real tokens
         self.append(ck, cv, None)
         first = torch.zeros(B, dtype=torch.long, device=keys.device) if row_start is None else row_start.long()
         pos = torch.where(filled, order, -1).to(torch.int32)
@@ -531,8 +556,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         pool = [p for p in pairs if p[2] < self.q_end]
         if dense:
             b, h, t = (torch.tensor(x, device=self.device) for x in zip(*dense, strict=True))
-            self.res_k[b, h, t - self.q_end] = keys[b, h, 0].to(self.res_k.dtype)
-            self.res_v[b, h, t - self.q_end] = values[b, h, 0].to(self.res_v.dtype)
+            self.write_held(keys, values, b, h, t)
         if not pool:
             return
         bs = self.block_size
@@ -555,6 +579,19 @@ class LayerStore(LaneLayer, OffloadedStore):
             v = values if g.all_heads else values.index_select(1, g.head_index)
             g.key.write_heads(k, rows, heads, blk, off, self.config.check_finite)
             g.value.write_heads(v, rows, heads, blk, off, self.config.check_finite)
+
+    def write_held(
+        self, keys: torch.Tensor, values: torch.Tensor, b: torch.Tensor, h: torch.Tensor, t: torch.Tensor
+    ) -> None:
+        """Write the one-token ``keys/values[B, H, 1, D]`` of (row ``b[i]``, head ``h[i]``) over its held slot
+        ``t[i] >= q_end`` (decode-time eviction): into the held buffer and, while some rows are fitted already, the
+        exact values their pool will be quantized from (:meth:`held_rows` then decodes the held tokens again)."""
+        self.res_k[b, h, t - self.q_end] = keys[b, h, 0].to(self.res_k.dtype)
+        self.res_v[b, h, t - self.q_end] = values[b, h, 0].to(self.res_v.dtype)
+        if self.exact_k is not None and self.exact_v is not None:
+            self.exact_k[b, h, t - self.q_end] = keys[b, h, 0].to(self.exact_k.dtype)
+            self.exact_v[b, h, t - self.q_end] = values[b, h, 0].to(self.exact_v.dtype)
+        self._held_cache = {}
 
     def _hold_for_calibration(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> bool:
         """Fit the static scales of every row that is ready, each on its own real tokens so far (held ones and
@@ -579,7 +616,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             ks = torch.cat([self.res_k.to(keys.dtype), keys], dim=2)
             vs = torch.cat([self.res_v.to(values.dtype), values], dim=2)
         use = self.real_tokens(start, end)
-        seen = (end - self.row_start).clamp_min(0)  # real tokens per row, this chunk included
+        seen = self.real_count(end)  # real tokens per row, this chunk included
         nonzero = ((row_amax(ks, use) > 0) & (row_amax(vs, use) > 0)).all(dim=1)
         ready = ((seen >= CALIB_MIN_TOKENS) & nonzero) | (seen >= CALIB_MAX_TOKENS)
         new = ready.cpu() & ~torch.tensor(self.calibrated_rows, dtype=torch.bool)
@@ -593,7 +630,7 @@ class LayerStore(LaneLayer, OffloadedStore):
                 self.exact_v = torch.where(r, self.res_v.to(self.exact_v.dtype), self.exact_v)
         if all(self.calibrated_rows):
             return False
-        if any(self.calibrated_rows) and not (self.residual_mode or self.lanes):  # (residual: quantized from res)
+        if any(self.calibrated_rows) and not self.residual_mode:  # (residual: quantized from res)
             if self.exact_k is None:
                 self.exact_k, self.exact_v = (ks, vs) if ks is not keys else (keys.clone(), values.clone())
             else:
@@ -604,6 +641,39 @@ class LayerStore(LaneLayer, OffloadedStore):
             dk, dv = torch.cat([self.res_k, dk], dim=2), torch.cat([self.res_v, dv], dim=2)
         self.res_k, self.res_v = dk, dv
         return True
+
+    @property
+    def per_row_flush(self) -> bool:
+        """True when the residual window's flush points are counted per row, from its own first real token (as
+        alone): a left-padded batch in residual mode with per-token quantization (per-channel blocks, lanes, the
+        age ladder, heavy rows, a sliding window and offload keep the batch's grid, see docs/batch-independence.md).
+        The pool then ends at the earliest row's own flush point; a row past it reads the tokens its own pool would
+        hold as that pool will (:meth:`held_rows`)."""
+        return (self.residual_mode and self.pad_end > 0 and not self.per_block and not self.lanes
+                and self.window is None and not self.ladder_tokens and not self.heavy_tokens
+                and not self.config.offload)  # fmt: skip
+
+    def row_pool_ends(self, cache_pos: int) -> list[int]:
+        """Per row, where its pool ends with ``cache_pos`` tokens written when its flush points are its own
+        (:attr:`per_row_flush`): ``R`` tokens (``residual_tokens``) after its first real token stay held, the
+        rest is quantized ``residual_step`` tokens at a time."""
+        R, step = self.residual_tokens, self.residual_step
+        return [r + max(0, (cache_pos - r - R) // step) * step if cache_pos > r else r for r in self._row_start_host]
+
+    def virtual_row_ends(self) -> list[int]:
+        """Per row, where its pool would end if every row's static scales were fitted and its flush points were its
+        own: the tokens below it are read quantized by a fitted row (:meth:`held_rows`)."""
+        if self.per_row_flush:
+            return [max(e, self.q_end) for e in self.row_pool_ends(self.cache_pos)]
+        return [self.virtual_q_end()] * self.batch
+
+    @property
+    def reads_held(self) -> bool:
+        """True when some row reads held tokens as its pool will (:meth:`held_rows`): its static scales are fitted
+        while a batch-mate's are not, or its own flush points are past the pool's end (:attr:`per_row_flush`)."""
+        if self.holds_fitted_rows:
+            return True
+        return self.calibrated and self.per_row_flush and max(self.row_pool_ends(self.cache_pos)) > self.q_end
 
     def virtual_q_end(self) -> int:
         """Where the pool would end if every row's static scales were fitted: the tokens below it are read
@@ -622,7 +692,8 @@ class LayerStore(LaneLayer, OffloadedStore):
         until a row's scales change)."""
         assert self.res_k is not None and self.res_v is not None
         q0, n = self.q_end, self.res_k.shape[2]
-        pooled = self.virtual_q_end() - q0  # held tokens the pool would hold
+        ends = self.virtual_row_ends()
+        pooled = max(ends) - q0  # held tokens the pool would hold (of the row whose pool would hold most)
         dense = self._group_rows(self.res_k, group).float(), self._group_rows(self.res_v, group).float()
         out = [dense[0].clone(), dense[1].clone()]
         xk, xv = (self.exact_k, self.exact_v) if self.exact_k is not None else (self.res_k, self.res_v)
@@ -635,21 +706,66 @@ class LayerStore(LaneLayer, OffloadedStore):
                 new = [self._pool_rows(s, self._group_rows(x, group)) for s, x in ((group.key, mk), (group.value, mv))]
                 base = tuple(y if base is None else torch.cat([base[i], y], dim=2) for i, y in enumerate(new))
                 self._held_cache[gi] = base
+            per_row = min(ends) != max(ends)
+            if per_row:  # each row's own flush points: [B, 1, pooled, 1] True below its own pool end
+                own = (torch.arange(pooled, device=self.device)[None, :]
+                       < torch.tensor(ends, device=self.device)[:, None] - q0)[:, None, :, None]
             for i, (s, x) in enumerate(((group.key, xk), (group.value, xv))):
-                out[i][:, :, :pooled] = base[i][:, :, :pooled]
+                if per_row:
+                    out[i][:, :, :pooled] = torch.where(own, base[i][:, :, :pooled], out[i][:, :, :pooled])
+                else:
+                    out[i][:, :, :pooled] = base[i][:, :, :pooled]
                 n1 = min(self.ladder_tokens, pooled) if s.quantizer.rung_parts(1) else 0
                 if n1:  # the age ladder's newest rows, refined
                     x1 = self._mask_sinks(x[:, :, pooled - n1:pooled], x[:, :, pooled - n1:pooled], q0 + pooled - n1,
                                           False)[0]
                     out[i][:, :, pooled - n1:pooled] = self._ladder_rows(s, self._group_rows(x1, group))
+            if self._held_scores is not None:  # heavy rows the held tokens will pick (as alone), refined
+                at, rows = self._held_heavy(group, xk, xv, pooled)
+                for i in range(2):
+                    if rows[i] is not None:
+                        out[i] = put_rows(out[i], rows[i], at, q0, q0 + n)
         sel = self.sink_slots(q0, q0 + n)
         if sel is not None:  # sinks: read from the sink buffer (the dense dtype)
             r, o, _ = sel
             for i in range(2):
                 out[i][r, :, o] = dense[i][r, :, o]
+        if self.calibrated:  # (per-row flush points: every row fitted)
+            a, b = start - q0, end - q0
+            return out[0][:, :, a:b], out[1][:, :, a:b]
         fitted = torch.tensor(self.calibrated_rows, device=self.device).view(-1, 1, 1, 1)
         a, b = start - q0, end - q0
         return (torch.where(fitted, out[0], dense[0])[:, :, a:b], torch.where(fitted, out[1], dense[1])[:, :, a:b])
+
+    def _held_heavy(
+        self, group: HeadGroup, xk: torch.Tensor, xv: torch.Tensor, pooled: int
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """The heavy rows the held tokens ``[q_end, q_end + pooled)`` (``xk`` / ``xv``: what the pool will be
+        quantized from) pick when they reach the pool (:meth:`_pick_heavy`, by the held prompt's scores): their
+        positions ``[B, Hg, n]`` (-1: none) and, per side, their refined decode (float32 storage space; None: no
+        refinement). Kept per group until a row's scales change."""
+        key = ("heavy", group.key.group)
+        if key in self._held_cache:
+            return self._held_cache[key]
+        assert self._held_scores is not None
+        q0 = self.q_end
+        lo, hi = self._heavy_range(q0, pooled, self._held_scores)
+        at = torch.full((self.batch, len(group.heads), 1), -1, dtype=torch.long, device=self.device)
+        rows: list[torch.Tensor | None] = [None, None]
+        if hi > lo:
+            idx = self._heavy_picks(lo, hi, self._held_scores)
+            gidx = idx if group.all_heads else idx.index_select(1, group.head_index)
+            rel = torch.where(gidx >= 0, gidx + (lo - q0), -1)
+            at = torch.where(gidx >= 0, gidx + lo, -1)
+            for i, (s, x) in enumerate(((group.key, xk), (group.value, xv))):
+                q = s.quantizer
+                if q.rung_parts(1):
+                    r = take_rows(self._group_rows(x[:, :, :pooled], group), rel)
+                    parts = q.quantize(r, s.state)
+                    y = q.decode_refined(parts, q.refine(r, s.state, parts), s.state).float()
+                    rows[i] = q.from_space(y, s.state) if q.space else y
+        self._held_cache[key] = (at, rows)
+        return at, rows
 
     @staticmethod
     def _pool_rows(store: QuantizedTensorStore, x: torch.Tensor) -> torch.Tensor:
@@ -678,7 +794,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         reads it (storage space): the residual buffers, or while static scales wait for a row, :meth:`held_rows`."""
         assert self.res_k is not None and self.res_v is not None
         k, v = self.res_k[:, :, :end - self.q_end], self.res_v[:, :, :end - self.q_end]
-        if not self.holds_fitted_rows:
+        if not self.reads_held:
             return k, v
         k, v = k.float().clone(), v.float().clone()
         for g in self.groups:
@@ -688,8 +804,9 @@ class LayerStore(LaneLayer, OffloadedStore):
 
     @property
     def holds_fitted_rows(self) -> bool:
-        """True while some rows' static scales are fitted and a batch-mate's are not (see :meth:`held_rows`)."""
-        return not self.calibrated and any(self.calibrated_rows) and not self.lanes
+        """True while some rows' static scales are fitted and a batch-mate's are not (see :meth:`held_rows`; lanes
+        with full-precision tails read their held tokens from the tails, as held)."""
+        return not self.calibrated and any(self.calibrated_rows) and not self.tail_lanes
 
     def _fit_dense(self, keys: torch.Tensor, values: torch.Tensor, largest: float | None = None) -> None:
         """fp16 sink / residual buffers (fp32 models) become fp32 when a value would overflow fp16.
@@ -713,13 +830,26 @@ class LayerStore(LaneLayer, OffloadedStore):
             if row_start.shape != (self.batch,):
                 raise ValueError(f"row_start: shape {tuple(row_start.shape)}, expected ({self.batch},)")
             self.row_start = row_start.to(self.device, torch.long)
-        self.pad_end = int(self.row_start.max())  # one read, at the first write
+        self._row_start_host = self.row_start.tolist()  # one read, at the first write
+        self.pad_end = max(self._row_start_host)
         self.sink_end = self.pad_end + self.sink_tokens if self.sink_tokens else 0
 
     def real_tokens(self, start: int, end: int) -> torch.Tensor:
-        """``[B, end - start]``: True where position ``start + t`` of a row is a real token (not left padding)."""
+        """``[B, end - start]``: True where position ``start + t`` of a row is a real token (not left padding; in an
+        evicting layer, not an empty slot of its first write, :attr:`slot_real`)."""
         pos = torch.arange(start, end, device=self.device)
-        return pos[None, :] >= self.row_start[:, None]
+        real = pos[None, :] >= self.row_start[:, None]
+        if self.slot_real is not None and start < self.slot_real.shape[1]:
+            first = self.slot_real[:, start:end]
+            real = torch.cat([first, real[:, first.shape[1]:]], dim=1)
+        return real
+
+    def real_count(self, end: int) -> torch.Tensor:
+        """``[B]``: the real tokens (see :meth:`real_tokens`) of each row below position ``end``."""
+        if self.slot_real is None:
+            return (end - self.row_start).clamp_min(0)
+        S = self.slot_real.shape[1]
+        return self.slot_real[:, :min(end, S)].sum(dim=1) + max(0, end - S)
 
     def sink_slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The sink tokens among positions ``[start, end)``: index tensors (row, offset from ``start``,
@@ -770,10 +900,11 @@ class LayerStore(LaneLayer, OffloadedStore):
         return keys, values
 
     def _write_pool(
-        self, keys: torch.Tensor, values: torch.Tensor, pos: int, scores: tuple[int, torch.Tensor] | None = None
+        self, keys: torch.Tensor, values: torch.Tensor, pos: int, scores: HeavyScores | None = None
     ) -> None:
         """Quantize a chunk into the pool at ``pos`` (sink rows masked: they are read from the sink buffer).
-        ``scores``: ``(first position, key scores [B, H, T])`` of the append, to pick heavy rows by."""
+        ``scores``: ``(first position, key scores [B, H, T], limit)`` of the append, to pick heavy rows by (see
+        :meth:`_pick_heavy`)."""
         if self.lanes:
             if self._lane_overwrite and pos == self.cache_pos and keys.shape[2] == 1 and pos >= self.sink_end:
                 self._lane_overwrite = False  # grow_lanes' token: overwrite() writes every head at its slot
@@ -799,18 +930,31 @@ class LayerStore(LaneLayer, OffloadedStore):
             self._pick_heavy(masked, quantized, pos, scores)
         self.q_end = pos + keys.shape[2]
 
-    def _pick_heavy(self, masked: dict, quantized: list, pos: int, scores: tuple[int, torch.Tensor]) -> None:
-        """Pick the heavy rows among the chunk just written at ``pos`` (:mod:`kvquant.heavy`): per (row, KV head),
-        the ``heavy_tokens`` rows of highest score, sinks and the rows the ladder holds after this write excepted,
-        and keep their first-rung refinement parts."""
-        s0, sc = scores
-        t = next(iter(masked.values()))[0].shape[2]
-        lo, hi = max(pos, s0), min(pos + t, s0 + sc.shape[2], pos + t - self.ladder_tokens)
-        if hi <= lo:
-            return
+    def _heavy_range(self, pos: int, t: int, scores: HeavyScores) -> tuple[int, int]:
+        """The positions ``[lo, hi)`` among a pool write of ``t`` rows at ``pos`` that heavy rows are picked from:
+        scored ones, below the rows the ladder holds after the scored chunk's own write (``limit``: where that write
+        ends; None: this one)."""
+        s0, sc, limit = scores
+        end = pos + t if limit is None else min(pos + t, limit)
+        return max(pos, s0), min(end, s0 + sc.shape[2], end - self.ladder_tokens)
+
+    def _heavy_picks(self, lo: int, hi: int, scores: HeavyScores) -> torch.Tensor:
+        """Per (row, KV head), the ``heavy_tokens`` positions ``[lo, hi)`` of highest score, as offsets from ``lo``
+        ``[B, H, n]`` (-1: none), pads and sinks excepted."""
+        s0, sc, _ = scores
         p = torch.arange(lo, hi, device=self.device)
         eligible = p[None, :] >= (self.row_start + self.sink_tokens)[:, None]  # [B, t]: not a pad, not a sink
-        idx = pick_rows(sc[:, :, lo - s0:hi - s0].to(self.device), eligible, self.heavy_tokens)  # [B, H, n]
+        return pick_rows(sc[:, :, lo - s0:hi - s0].to(self.device), eligible, self.heavy_tokens)
+
+    def _pick_heavy(self, masked: dict, quantized: list, pos: int, scores: HeavyScores) -> None:
+        """Pick the heavy rows among the chunk just written at ``pos`` (:mod:`kvquant.heavy`): per (row, KV head),
+        the ``heavy_tokens`` rows of highest score, sinks and the rows the ladder holds after the scored chunk's
+        write excepted (:meth:`_heavy_range`), and keep their first-rung refinement parts."""
+        t = next(iter(masked.values()))[0].shape[2]
+        lo, hi = self._heavy_range(pos, t, scores)
+        if hi <= lo:
+            return
+        idx = self._heavy_picks(lo, hi, scores)  # [B, H, n]
         heavy = []
         for g, q_kv in zip(self.groups, quantized, strict=True):
             gidx = idx if g.all_heads else idx.index_select(1, g.head_index)
@@ -1056,9 +1200,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.first_live = dead
         self._table_cache = None
 
-    def _append_residual(
-        self, keys: torch.Tensor, values: torch.Tensor, scores: tuple[int, torch.Tensor] | None = None
-    ) -> None:
+    def _append_residual(self, keys: torch.Tensor, values: torch.Tensor, scores: HeavyScores | None = None) -> None:
         """Residual mode: keep the newest tokens dense; quantize whole blocks beyond ``residual_tokens``
         (``scores``: see :meth:`_write_pool`)."""
         if self.lanes:  # each head its own tail (kvquant.lanes)
@@ -1070,6 +1212,9 @@ class LayerStore(LaneLayer, OffloadedStore):
             dv = torch.cat([self.res_v, dv], dim=2)
         pending = dk.shape[2]
         flush = (pending - self.residual_tokens) // self.residual_step * self.residual_step
+        if self.per_row_flush:  # the pool ends at the earliest row's own flush point (see per_row_flush)
+            flush = min(self.row_pool_ends(self.q_end + pending)) - self.q_end
+            self._held_cache = {} if flush > 0 else self._held_cache  # (held_rows: the residual shifts)
         if flush > 0:
             # tokens reach the pool through the residual buffer's dtype (exact for 16-bit models)
             self._write_pool(dk[:, :, :flush].to(keys.dtype), dv[:, :, :flush].to(values.dtype), self.q_end, scores)
@@ -1225,8 +1370,8 @@ class LayerStore(LaneLayer, OffloadedStore):
         if start >= self.q_end and self.tail_lanes:  # each head's lanes, then its own tail
             return self._read_tails(group, start, end)
         if start >= self.q_end:  # residual buffer (dense)
-            if self.holds_fitted_rows:  # some rows fitted, a batch-mate not yet: see held_rows
-                return self.held_rows(group, start, end)
+            if self.reads_held:  # some rows fitted, a batch-mate not yet, or past their own flush: see held_rows
+                return self._dense_to_group_space(group, *self.held_rows(group, start, end))  # (as the residual)
             a, b = start - self.q_end, end - self.q_end
             k, v = self.res_k[:, :, a:b], self.res_v[:, :, a:b]
             return self._dense_to_group_space(group, self._group_rows(k, group), self._group_rows(v, group))
@@ -1371,6 +1516,8 @@ class LayerStore(LaneLayer, OffloadedStore):
             if self.exact_k is not None and self.exact_v is not None:
                 self.exact_k, self.exact_v = self.exact_k[:, :, :keep], self.exact_v[:, :, :keep]
             self._held_cache = {}
+        if self._held_scores is not None and tokens < self._held_scores[2]:  # the scored rows are cut: no picks
+            self._held_scores = None
         self.cache_pos = tokens
 
     def check_crop(self, tokens: int) -> int:
@@ -1406,15 +1553,18 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.release()
         self.cache_pos = self.q_end = self.sink_end = self.pad_end = self.offload_from = 0
         self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        self._row_start_host = [0] * self.batch
         self.calibrated = False
         self.calibrated_rows = [False] * self.batch
         self._held_cache = {}
+        self._held_scores = None
         self.res_k = self.res_v = self.exact_k = self.exact_v = None
         self.sink_k = self.sink_v = None
         self.key_mean = None
         self.clear_ladder()
         self.heavy = []
         self.slots = None
+        self.slot_real = None
         self.fill = [[0] * self.num_heads for _ in range(self.batch)]
         self._set_qfill([[0] * self.num_heads for _ in range(self.batch)])
         self.cap_host = None
@@ -1491,6 +1641,10 @@ class LayerStore(LaneLayer, OffloadedStore):
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
         self.row_start = self.row_start.index_select(0, idx)
+        self._row_start_host = [self._row_start_host[i] for i in rows]
+        if self._held_scores is not None:
+            s0, sc, limit = self._held_scores
+            self._held_scores = (s0, sc.index_select(0, idx.to(sc.device)), limit)
         self.calibrated_rows = [self.calibrated_rows[i] for i in rows]
         self._held_cache = {}
         self._map_rings(lambda t, _: t.index_select(0, idx))
@@ -1498,6 +1652,8 @@ class LayerStore(LaneLayer, OffloadedStore):
                             else {n: t.index_select(0, idx) for n, t in x.items()} for x in h) for h in self.heavy]
         if self.slots is not None:  # each row's own kept tokens (per head) follow it
             self.slots.index_batch(idx)
+        if self.slot_real is not None:
+            self.slot_real = self.slot_real.index_select(0, idx)
         for g in self.groups:  # per-sequence static state (scales [B, H], codebook means ...) follows its rows
             for st in (g.key, g.value):
                 q = st.quantizer

@@ -181,6 +181,71 @@ def test_short_batch_mate_fitted_rows_read_as_alone(stories, story_rows, config)
         assert same and d < 0.1, f"{config} row {b}: {d:.2e}"
 
 
+def test_short_batch_mate_heavy_rows_picked_as_alone(stories, story_rows):
+    """heavy_tokens: the held prompt keeps its key scores, so a row whose pool is first written at a decode step
+    (row 0 held back by its 3-token batch-mate, and row 1 itself) picks the heavy rows it picks alone, by its
+    prompt's attention, with the same refinement, and the same greedy tokens. (Before: rows written at a decode
+    step picked none.) Float noise moves a code across a boundary now and then (see above), and a flipped base code
+    changes its row's refinement: at most a tenth of the refined entries may differ."""
+    model, _ = stories
+    prompts, follow = story_rows
+    cfg = KVQuantConfig.from_dict({"block_size": 16, "default": "tq3", "heavy_tokens": 4})
+    caches = []
+    batched = BENCH.teacher_forced(model, prompts[:2], follow[:2], cfg, caches=caches)
+    width = max(map(len, prompts[:2]))
+    differ = total = 0
+    for b in range(2):
+        alone = BENCH.teacher_forced(model, [prompts[b]], [follow[b]], cfg, caches=caches)[0]
+        assert torch.equal(batched[b].argmax(-1), alone.argmax(-1)), f"row {b}: greedy tokens differ"
+        pad = width - len(prompts[b])
+        for lb, la in zip(caches[0].layers, caches[-1].layers, strict=True):
+            assert lb.store.heavy and la.store.heavy, f"row {b}: no heavy rows picked"
+            for (at_b, *sides_b), (at_a, *sides_a) in zip(lb.store.heavy, la.store.heavy, strict=True):
+                got = [sorted(p - pad for p in h if p >= 0) for h in at_b[b].tolist()]
+                assert got == [sorted(p for p in h if p >= 0) for h in at_a[0].tolist()], f"row {b}: other rows"
+                for xb, xa in zip(sides_b, sides_a, strict=True):
+                    for n in xa or {}:
+                        rb, ra = xb[n][b][at_b[b] >= 0], xa[n][0][at_a[0] >= 0]
+                        differ += int((rb != ra).sum())
+                        total += rb.numel()
+    assert total and differ <= total // 10, f"{differ} of {total} refinement entries differ"
+
+
+@pytest.mark.parametrize("policy, budget", [("snapkv", "uniform"), ("snapkv", "adakv"), ("h2o", "uniform")])
+def test_short_batch_mate_evicting_layer(stories, story_rows, fp32_floor, policy, budget):
+    """An evicting layer (per-head lanes with AdaKV) stores each row's kept tokens compacted: the 3-token row's
+    empty slots are no real tokens, so it waits for its own 16 (before: fitted at the prefill on its 3 kept tokens,
+    logits off by 3); meanwhile row 0 reads its held tokens as its pool will, lanes too (before: unquantized, off
+    by 2); h2o's decode-time overwrites of held slots reach the values they are quantized from."""
+    model, _ = stories
+    prompts, follow = story_rows
+    cfg = KVQuantConfig.from_dict({"block_size": 16, "default": "int8", "evict": {
+        "policy": policy, "keep": 0.5, "window": 8, "sinks": 2, "budget": budget}})
+    (d0, same0), (d1, same1) = BENCH.row_drift(model, prompts[:2], follow[:2], cfg)
+    assert d0 <= _floor_bound(fp32_floor[2]) and same0, f"row 0: {d0:.2e} (floor {fp32_floor[2]:.1e})"
+    assert d1 < 1e-2 and same1, f"row 1: {d1:.2e}"
+
+
+@pytest.mark.parametrize("config", [{"default": "int4", "residual_tokens": 8},
+                                    {"default": "int8", "residual_tokens": 8, "sink_tokens": 3},
+                                    {"default": "fp8-e4m3", "residual_tokens": 4, "residual_step": 4},
+                                    {"default": "tq3", "residual_tokens": 8}], ids=["int4", "int8-sinks", "fp8", "tq3"])
+@pytest.mark.parametrize("rows, chunk", [(2, 1), (3, 8)], ids=["60-3-decode", "60-3-440-chunks"])
+def test_residual_flush_points_per_row(stories, story_rows, config, rows, chunk):
+    """residual_tokens with per-token quantization: each row's window flushes at its own points, counted from its
+    first real token, as alone (before: at the batch's, counted from position 0, so a padded row held other tokens
+    in full precision: logits off by 0.4 .. 7.7, greedy tokens changed); a row past the pool's end reads the tokens
+    its own pool would hold as that pool will. Same greedy tokens everywhere; a padded row within 1e-2 (rounding
+    to the nearest code flips on float noise now and then, see above)."""
+    model, _ = stories
+    prompts, follow = story_rows
+    cfg = KVQuantConfig.from_dict({"block_size": 16, **config})
+    width = max(map(len, prompts[:rows]))
+    for b, (d, same) in enumerate(BENCH.row_drift(model, prompts[:rows], follow[:rows], cfg, chunk=chunk)):
+        assert same, f"{config} row {b}: greedy tokens differ ({d:.2e})"
+        assert len(prompts[b]) == width or d < 1e-2, f"{config} row {b}: {d:.2e}"
+
+
 def _all_configs():
     from kvquant.config import PRESETS
 
@@ -229,13 +294,16 @@ def _generate_rows(model, prompts, cfg, seed=None, **kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["int8", "fp8-e4m3", "tq3"])
+@pytest.mark.parametrize("precision", ["int8", "fp8-e4m3", "tq3", "int4+residual", "tq3+heavy", "int8+snapkv"])
 def test_beams_and_seeded_sampling_ignore_batch_mates(stories, story_rows, precision):
     """Beam search: row 0's beams batched with a 3-token row == row 0 alone. Seeded sampling: row 0's sample
     is the same whether its batch-mate has 3 or 440 real tokens (same batch size, so the same random draws)."""
     model, _ = stories
     prompts, _ = story_rows
-    cfg = _cfg(precision)
+    extra = {"int4+residual": ("int4", {"residual_tokens": 8}), "tq3+heavy": ("tq3", {"heavy_tokens": 4}),
+             "int8+snapkv": ("int8", {"evict": {"policy": "snapkv", "keep": 0.5, "window": 8, "sinks": 2}})}
+    name, options = extra.get(precision, (precision, {}))
+    cfg = _cfg(name, **options)
     beams = {"num_beams": 3, "do_sample": False, "num_return_sequences": 1}
     alone = _generate_rows(model, prompts[:1], cfg, **beams)
     batched = _generate_rows(model, prompts[:2], cfg, **beams)

@@ -161,6 +161,26 @@ def test_implausible_amax_is_refused(amax):
         s.check("s.safetensors", ModelShape(1, 2, 8))
 
 
+@pytest.mark.parametrize("dtype, limit", [(None, 65504.0), (torch.float32, 65504.0), (torch.float16, 65504.0),
+                                          (torch.bfloat16, float(torch.finfo(torch.bfloat16).max))])
+def test_amax_range_is_that_of_the_dtype_the_cache_holds(dtype, limit):
+    """An amax is checked against the range of the dtype the cache holds the model's K/V in (float16 for a
+    float32 model, as its sink / residual buffers; a bfloat16 model's own range): 1e5 is refused for a float32
+    model and accepted for a bfloat16 one, whose K/V can reach it."""
+    from kvquant.shape import held_dtype
+
+    assert float(torch.finfo(held_dtype(dtype)).max) == limit
+    ok = KVScales(torch.tensor([[1.0, limit]]), torch.tensor([[1.0, 1.0]]))
+    ok.check("s.safetensors", ModelShape(1, 2, 8), dtype)
+    big = KVScales(torch.tensor([[1.0, 1e5]]), torch.tensor([[1.0, 1.0]]))
+    if limit < 1e5:
+        name = str(held_dtype(dtype)).removeprefix("torch.")
+        with pytest.raises(ScalesError, match=rf"^scales_file: s\.safetensors: key_amax\[0\]\[1\] = 100000 .*{name}"):
+            big.check("s.safetensors", ModelShape(1, 2, 8), dtype)
+    else:
+        big.check("s.safetensors", ModelShape(1, 2, 8), dtype)
+
+
 @pytest.mark.parametrize("opt", ["ladder_tokens", "heavy_tokens"])
 @pytest.mark.parametrize("precision", ["int8", "int4", "fp8-e4m3", "int4-channel"])
 def test_options_that_do_nothing_are_refused(opt, precision):

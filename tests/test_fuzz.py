@@ -263,6 +263,13 @@ def _damaged_world(root: Path, model_src: Path, data_src: Path) -> dict[str, Pat
     (root / "ladder-int8.yaml").write_text("default: int8\nladder_tokens: 16\n")
     for n in ("huge", "missing-scales", "layer99", "head-float", "ladder-int8"):
         w[f"{n}_yaml"] = root / f"{n}.yaml"
+    foreign = root / "foreign-run"  # files named like a run's, written by the user: --force never replaces them
+    foreign.mkdir()
+    (foreign / "results.json").write_text('{"results": []}\n')
+    (foreign / "report.md").write_text("my notes\n")
+    (root / "mine.yaml").write_text("default: int8\n")
+    (root / "theirs.png").write_bytes(b"\x89PNG my figure")
+    w["foreign_run"], w["mine_yaml"], w["theirs_yaml"] = foreign, root / "mine.yaml", root / "theirs.yaml"
     return w
 
 
@@ -303,6 +310,10 @@ def _damaged_cases(w: dict[str, Path]) -> list[tuple[str, list[str]]]:
         ("export --force -o the data", [*exp, "--model", m, "--format", "kvquant", "--force", "-o", d]),
         ("calibrate -o inside the model", [*cal, "--model", m, "-o", str(w["model"] / "c.yaml")]),
         ("eval --out the model", [*recipe[:-2], "--model", m, "--out", m, "--force"]),
+        ("eval --force over a foreign results.json", [*recipe[:-2], "--model", m, "--out", str(w["foreign_run"]),
+                                                      "--force"]),
+        ("calibrate --force over a foreign config", [*cal, "--model", m, "-o", str(w["mine_yaml"]), "--force"]),
+        ("calibrate --force over a foreign heatmap", [*cal, "--model", m, "-o", str(w["theirs_yaml"]), "--force"]),
         ("estimate --plot over the lengths", ["estimate", "--layers", "2", "--kv-heads", "2", "--head-dim", "8",
                                               "--lengths", str(w["lengths_png"]), "--plot", str(w["lengths_png"]),
                                               "--force"]),
@@ -412,3 +423,48 @@ def test_results_and_scales_files_load_or_raise_input_error(tmp_path_factory, ra
     if suffix == ".json":
         with contextlib.suppress(KVQuantError):  # a damaged file: InputError; configs not in it: ArgumentError
             compare_text(load_rows(p), "a", "b")
+
+
+# ------------------------------------------------------------------------------------------------ batch independence
+# Issue 38: a seeded random mix of configs x batch shapes x precisions. Each case batches prompts of random, very
+# different lengths (left-padded to the longest) and checks every row against itself alone, teacher-forced: the
+# same greedy token at every position, and (precisions without discontinuous codes) logits within 1e-2 (a row
+# held in fp16 while it waits for its calibration tokens moves by ~1e-4; a batch-dependence bug by 1-10).
+# Left out, as documented in docs/batch-independence.md: per-channel key blocks and residual_tokens (the block
+# grid is the same for every row).
+MIX_PRECISIONS = ["int8", "int8-token", "int4", "int2", "fp8-e4m3", "fp8-e5m2", "fp16", "tq3", "tq4"]
+MIX_OPTIONS = [{}, {"sink_tokens": 3}, {"rotate": "kv"}, {"heavy_tokens": 4},
+               {"evict": {"policy": "snapkv", "keep": 0.5, "window": 8, "sinks": 2, "budget": "adakv"}}]
+
+
+def _mix_cases(n: int, seed: int = 38) -> list[tuple[dict, list[int]]]:
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        cfg = {"default": rng.choice(MIX_PRECISIONS), "block_size": rng.choice([16, 32])}
+        cfg.update(rng.choice(MIX_OPTIONS))
+        if "heavy_tokens" in cfg and not cfg["default"].startswith("tq"):
+            cfg["default"] = "tq3"  # (heavy rows refine codebook codes only)
+        lengths = [rng.randint(40, 200), rng.randint(1, 15)] + ([rng.randint(1, 60)] if rng.random() < 0.5 else [])
+        cases.append((cfg, lengths))
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg, lengths", _mix_cases(12), ids=lambda x: str(x))
+def test_seeded_mix_of_batches_is_independent(stories, tinystories_text, cfg, lengths):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "batch_independence.py"
+    spec = importlib.util.spec_from_file_location("batch_independence", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model, tok = stories
+    prompts, follow = bench.story_ids(tok, tinystories_text, tuple(lengths), 12)
+    config = KVQuantConfig.from_dict(cfg)
+    discontinuous = config.default.key.startswith("tq")
+    for b, (d, same) in enumerate(bench.row_drift(model, prompts, follow, config)):
+        assert same, f"{cfg} {lengths}: row {b} greedy tokens differ ({d:.2e})"
+        assert discontinuous or d < 1e-2, f"{cfg} {lengths}: row {b} logits differ by {d:.2e}"

@@ -21,7 +21,17 @@ import pytest
 
 from kvquant.cli import main
 from kvquant.errors import OutputError
-from kvquant.outputs import check_disjoint, input_paths, staged_files, staged_folder, sweep_stale
+from kvquant.outputs import (
+    OWN_MANIFEST,
+    check_disjoint,
+    check_output,
+    check_output_dir,
+    input_paths,
+    is_own_file,
+    staged_files,
+    staged_folder,
+    sweep_stale,
+)
 
 KVQUANT_DIR = Path(__file__).resolve().parent.parent / "kvquant"
 CALIB = ["--calib-window", "32", "--calib-windows", "1"]
@@ -172,22 +182,75 @@ def test_check_disjoint_equal_holds_inside(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ sets and temporaries
+def _listing(d: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in d.iterdir() if p.name != OWN_MANIFEST}
+
+
 def test_a_run_s_files_are_replaced_together(tmp_path):
     d = tmp_path / "out"
     d.mkdir()
-    for name, text in (("results.json", "old"), ("report.md", "old"), ("plot.png", "old"), ("mine.txt", "user")):
-        (d / name).write_text(text)
+    (d / "mine.txt").write_text("user")
+    with staged_files(d, ["results.json", "report.md", "plot.png"]) as stage:  # an earlier run
+        for name in ("results.json", "report.md", "plot.png"):
+            (stage / name).write_text("old")
     with pytest.raises(KeyboardInterrupt), staged_files(d, ["results.json", "report.md", "plot.png"]) as stage:
         (stage / "results.json").write_text("new")
         raise KeyboardInterrupt  # between two files
-    assert {p.name: p.read_text() for p in d.iterdir()} == {
-        "results.json": "old", "report.md": "old", "plot.png": "old", "mine.txt": "user"}
+    assert _listing(d) == {"results.json": "old", "report.md": "old", "plot.png": "old", "mine.txt": "user"}
     with staged_files(d, ["results.json", "report.md", "plot.png"]) as stage:
         (stage / "results.json").write_text("new")
         (stage / "report.md").write_text("new")
     # the old run's plot is not left beside the new report; the user's file is untouched
-    assert {p.name: p.read_text() for p in d.iterdir()} == {"results.json": "new", "report.md": "new",
-                                                          "mine.txt": "user"}
+    assert _listing(d) == {"results.json": "new", "report.md": "new", "mine.txt": "user"}
+    assert is_own_file(d / "results.json") and not is_own_file(d / "mine.txt") and not is_own_file(d / "plot.png")
+
+
+def test_force_replaces_only_files_kvquant_wrote(tmp_path):
+    """``--force`` of a run's set (eval --out, calibrate -o) is decided by the folder's manifest, not by the name:
+    a foreign file named like one of ours, or one of ours changed since, is refused, and an earlier run's file that
+    this run does not write is removed only when it is ours."""
+    d = tmp_path / "out"
+    d.mkdir()
+    with staged_files(d, ["results.json", "report.md"]) as stage:
+        (stage / "results.json").write_text("ours")
+        (stage / "report.md").write_text("ours")
+    assert check_output_dir(d, ["results.json", "report.md"], "out", force=True) == d
+    assert check_output(d / "report.md", (".md",), "-o", force=True, own=True) == d / "report.md"
+    (d / "report.md").write_text("the user's edits")  # changed since: no longer ours
+    (d / "plot.png").write_text("the user's plot")  # never ours
+    for call in (lambda: check_output_dir(d, ["results.json", "report.md"], "out", force=True),
+                 lambda: check_output(d / "report.md", (".md",), "-o", force=True, own=True),
+                 lambda: check_output_dir(d, ["plot.png"], "out", force=True)):
+        with pytest.raises(OutputError, match=r"^(out|-o): .* was not written by kvquant .*never replaced"):
+            call()
+    check_output(d / "plot.png", (".png",), "--plot", force=True)  # a single file of its own kind: as before
+    with staged_files(d, ["results.json", "report.md", "plot.png"]) as stage:
+        (stage / "results.json").write_text("new")
+    assert _listing(d) == {"results.json": "new", "report.md": "the user's edits", "plot.png": "the user's plot"}
+    (d / OWN_MANIFEST).write_text("not json")  # a damaged manifest: nothing is ours
+    assert not is_own_file(d / "results.json")
+
+
+def test_eval_and_calibrate_force_refuse_a_foreign_file_of_their_name(work, capsys, monkeypatch):
+    """A results.json / config.yaml / heatmap the user wrote is refused by --force, one line, before any work."""
+    monkeypatch.setattr("kvquant.eval.runner.run_recipe", lambda *a, **k: pytest.fail("the run started"))
+    out = work / "run"
+    out.mkdir()
+    (out / "results.json").write_text('{"mine": true}\n')
+    (work / "c.png").write_bytes(b"my picture")
+    (work / "d.yaml").write_text("default: int8\n")
+    before = tree(work)
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "tinystories-stories260k.yaml"
+    rc, err = run(capsys, "eval", recipe, "--model", "mymodel", "--data", "data.txt", "--out", out, "--quiet",
+                  "--force")
+    assert rc == 2 and "results.json exists and was not written by kvquant" in err
+    cal = ["calibrate", "--model", "mymodel", "--data", "data.txt", "--budget-bits", "7",
+           "--candidates", "int2,int8,fp16", "--force"]
+    rc, err = run(capsys, *cal, "-o", "c.yaml")
+    assert rc == 2 and "-o (its heatmap):" in err and "c.png exists and was not written by kvquant" in err
+    rc, err = run(capsys, *cal, "-o", "d.yaml")
+    assert rc == 2 and err.startswith("kvquant calibrate: error: -o:") and "was not written by kvquant" in err
+    assert tree(work) == before
 
 
 def _dead_pid() -> int:
@@ -220,7 +283,7 @@ def test_sweep_after_sigkill_finishes_or_removes(tmp_path):
     (s / "results.json").write_text("new")
     (s / ".kvq-set.json").write_text(json.dumps({"names": ["results.json"], "remove": []}))
     sweep_stale(d)
-    assert [(p.name, p.read_text()) for p in d.iterdir()] == [("results.json", "new")]
+    assert sorted(_listing(d).items()) == [("results.json", "new")] and is_own_file(d / "results.json")
     live = tmp_path / f".x.kvq-{os.getpid()}-stage"  # a running process's temporary is left alone
     live.mkdir()
     sweep_stale(tmp_path)
