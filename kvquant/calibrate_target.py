@@ -385,6 +385,13 @@ def _progress(what: str, enabled: bool) -> Callable[[int, int], None] | None:
     return report
 
 
+def _say(what: str, enabled: bool) -> None:
+    if enabled:
+        import sys
+
+        print(f"[kvquant calibrate] {what}", file=sys.stderr, flush=True)
+
+
 def calibrate_target(
     model: Any,
     tokenizer: Any,
@@ -430,6 +437,8 @@ def calibrate_target(
         from .calibrate_channels import channel_weights, tqc_names
 
         t = time.perf_counter()
+        names = ", ".join(f"tqc{b}" for b in bits_wanted)
+        _say(f"tqc key widths ({names}) from {split.fit.shape[0]} windows", progress)
         weights = channel_weights(model, split.fit, sink_tokens=template.sink_tokens)
         tqc = {b: tqc_names(weights, b) for b in bits_wanted}
         seconds["channel_widths"] = time.perf_counter() - t
@@ -446,10 +455,12 @@ def calibrate_target(
         raise ArgumentError(f"--method: unknown {method!r} (known: fisher, kl)")
     seconds["sensitivity"] = time.perf_counter() - t
     t = time.perf_counter()
+    _say("allocating under the byte target", progress)
     alloc = fit_bytes(shape, template, sens.values, labels, resolve, context, capacity)
     cfg = plan_to_config(alloc.plan, template, shape)
     seconds["allocate"] = time.perf_counter() - t
     t = time.perf_counter()
+    _say(f"expectation on {split.heldout.shape[0]} held-out windows", progress)
     expect = expectation(model, split.heldout, cfg)
     seconds["expectation"] = time.perf_counter() - t
     seconds["total"] = time.perf_counter() - t0
