@@ -42,6 +42,9 @@ from .shape import ModelShape
 TIERS: dict[str, float] = {"auto-8bit": 0.5, "auto-4bit": 0.27, "auto-3bit": 0.21}
 KEY_CANDIDATES = "fp16,int8-channel,int8-token,int4-channel,int4,tq4,tq3,tqv4,tqc4,tqc3"
 VALUE_CANDIDATES = "fp16,int8-token,int4,tq4,tq3,tqv4,tqv3"
+#: ``--fast``: the integer families only, whose CPU read path keeps decode speed (codebook codes read slower there)
+FAST_KEY_CANDIDATES = "fp16,int8-channel,int8-token,int4-channel,int3-channel,int4,int3"
+FAST_VALUE_CANDIDATES = "fp16,int8-token,int4,int3"
 TARGET_EPILOG = """
 a byte target (--target-bytes F or --tier NAME) instead of --budget-bits:
   kvquant calibrate --model smollm2-135m --data wikitext-2 --target-bytes 0.27 -o smollm2-0.27x.yaml
@@ -54,7 +57,9 @@ a byte target (--target-bytes F or --tier NAME) instead of --budget-bits:
   the config (per-channel tqc key widths, each unit's fisher or kl sensitivity plus --target-weight x a
   target-token NLL term), the held-out ones before them measure the expectation written in the config's header
   (KL and ppl change against FP16, mean +- SE; simulated protocol). Trellis codes (tqt*) decode an order of
-  magnitude slower on CPU and are not default candidates (add them to --key/--value-candidates to allow them).
+  magnitude slower on CPU and are not default candidates (add them to --key/--value-candidates to allow them);
+  on CPU every codebook code reads slower than the integer codes: --fast keeps to the integer families
+  (keys fp16,int8-channel,int8-token,int4-channel,int3-channel,int4,int3; values fp16,int8-token,int4,int3).
   Refused before any work, nothing written: a target below what the candidates can store, codebook keys on a
   model with attention logit softcapping when only they meet the target, less text than the windows need.
 """
@@ -552,6 +557,10 @@ def cmd_calibrate_target(args: Any) -> int:
     if not (math.isfinite(args.target_weight) and args.target_weight >= 0):
         raise ArgumentError(f"--target-weight: {args.target_weight} must be a number >= 0")
     parse_dtype(args.dtype)
+    if args.fast:
+        if args.key_candidates != KEY_CANDIDATES or args.value_candidates != VALUE_CANDIDATES:
+            raise ArgumentError("--fast: it sets the candidates; give it or --key/--value-candidates, not both")
+        args.key_candidates, args.value_candidates = FAST_KEY_CANDIDATES, FAST_VALUE_CANDIDATES
     labels = {0: parse_kind_candidates(args.key_candidates, 0), 1: parse_kind_candidates(args.value_candidates, 1)}
     force = bool(args.force)
     out = check_output(args.output, CONFIG_SUFFIXES, "-o", force)

@@ -161,6 +161,8 @@ def test_refusals_write_nothing(stories_path, tmp_path, tinystories_text, capsys
     short.write_text(tinystories_text[:300])
     assert _cli(_args(stories_path, short, out)) == 2
     assert "--data:" in capsys.readouterr().err
+    assert _cli(_args(stories_path, data, out) + ["--fast"]) == 2
+    assert "--fast:" in capsys.readouterr().err
     assert not out.exists()
 
 
