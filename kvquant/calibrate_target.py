@@ -49,8 +49,8 @@ TARGET_EPILOG = """
 a byte target (--target-bytes F or --tier NAME) instead of --budget-bits:
   kvquant calibrate --model smollm2-135m --data wikitext-2 --target-bytes 0.27 -o smollm2-0.27x.yaml
   kvquant calibrate --model qwen2.5-coder-0.5b --data corpus.txt --tier auto-4bit --context 2048 -o qwen-4bit.yaml
-  tiers: auto-8bit = 0.5x (int8-class: near-lossless), auto-4bit = 0.27x (4-bit codes, per-channel keys where
-  they pay), auto-3bit = 0.21x (3-bit codes); what each measured: docs/results/calibration-tiers.md
+  tiers: auto-8bit = 0.5x, auto-4bit = 0.27x, auto-3bit = 0.21x; what each measured (and what is not yet
+  measured): docs/results/calibration-tiers.md
   F is the fraction of the bytes an FP16 cache holds at --context tokens that the written config's cache holds
   there (kvquant.memory.sequence_bytes: scales, codebook state and the --sinks fp16 tokens included). The last
   (--heldout-windows + --calib-windows) x --calib-window tokens of --data are read: the last --calib-windows fit
