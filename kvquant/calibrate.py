@@ -35,6 +35,7 @@ from .allocate import (
     parse_candidates,
     plan_to_config,
 )
+from .calibrate_target import KEY_CANDIDATES, TARGET_EPILOG, TIERS, VALUE_CANDIDATES
 from .config import CONFIG_SUFFIXES, KVPrecision, KVQuantConfig, check_int
 from .errors import ArgumentError, ConfigError
 from .inputs import looks_like_path
@@ -436,8 +437,36 @@ def cmd_show_config(args: argparse.Namespace) -> int:
     cfg.check_model(shape)  # indices, storage and the scales file, as a cache would check them
     print(f"config: {args.config}" + (f"  ({cfg.description})" if cfg.description else ""))
     print(f"model shape: {shape.num_layers} layers x {shape.num_kv_heads} KV heads x head_dim {shape.head_dim}")
+    for line in provenance_lines(args.config):
+        print(line)
     print(config_table(cfg, shape))
+    from .calibrate_target import fp16_bytes
+    from .memory import human, sequence_bytes
+
+    held = sequence_bytes(shape, cfg, args.context)
+    print(f"bytes at {args.context} tokens (kvquant.memory.sequence_bytes): {human(held['total'])}, "
+          f"{held['total'] / fp16_bytes(shape, args.context):.4f}x FP16 (" + ", ".join(
+              f"{k} {human(v)}" for k, v in held.items() if k != "total" and v) + ")")
     return 0
+
+
+PROVENANCE = ("made ", "kvquant version:", "model:", "calibration text:", "target:", "bytes held", "objective:",
+              "expected", "counts:")
+
+
+def provenance_lines(spec: str) -> list[str]:
+    """The provenance lines of a calibrated config file's header comment (none for a preset or another file)."""
+    path = Path(spec)
+    if not (path.suffix.lower() in (".yaml", ".yml") and path.is_file()):
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        body = line[1:].strip()
+        if body.startswith(PROVENANCE):
+            out.append(body)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ calibrate CLI
@@ -445,9 +474,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     # every check first: a bad option or output path must not wait for the model to load
     from kvquant.models import parse_dtype
 
+    if args.target_bytes is not None or args.tier is not None:
+        from .calibrate_target import cmd_calibrate_target
+
+        return cmd_calibrate_target(args)
     cands = parse_candidates(args.candidates)
     if args.budget_bits is None:
-        raise ArgumentError("--budget-bits: required, e.g. --budget-bits 6.0")
+        raise ArgumentError("--budget-bits: required (or --target-bytes / --tier), e.g. --budget-bits 6.0")
     check_options(method=args.method, calib_window=args.calib_window, calib_windows=args.calib_windows,
                   samples=args.samples, seed=args.seed)
     parse_dtype(args.dtype)
@@ -511,7 +544,7 @@ def register(subparsers: Any) -> None:
         help="measure per-head sensitivity and write a mixed-precision config for a bit budget",
         description="Measure each (layer, KV head)'s K/V sensitivity on calibration text, allocate precisions "
         "under an average-bits budget, write a commented YAML config and a heatmap.",
-        epilog=CALIBRATE_EPILOG,
+        epilog=CALIBRATE_EPILOG + TARGET_EPILOG,
         formatter_class=fmt,
     )
     p.add_argument("--model", required=True, help="smollm2-135m, a checkpoint directory, a .gguf file or a hub id")
@@ -520,6 +553,24 @@ def register(subparsers: Any) -> None:
                    "(default: wikitext-2); its LAST tokens are used")
     p.add_argument("--budget-bits", dest="budget_bits", type=float,
                    help="average stored bits per K/V element, scale/zero overhead included (e.g. 6.0)")
+    p.add_argument("--target-bytes", dest="target_bytes", type=float,
+                   help="the bytes the cache holds at --context, as a fraction of FP16's (0.5, 0.3, 0.27, 0.21): "
+                   "a complete config over every candidate family (see below)")
+    p.add_argument("--tier", choices=list(TIERS),
+                   help="a named target: " + ", ".join(f"{k} = --target-bytes {v}" for k, v in TIERS.items()))
+    p.add_argument("--context", type=int, default=1024,
+                   help="--target-bytes: the tokens at which the bytes are counted (1024)")
+    p.add_argument("--key-candidates", dest="key_candidates", default=KEY_CANDIDATES,
+                   help=f"--target-bytes: key labels (default: {KEY_CANDIDATES}; tqc<bits>: per-channel widths)")
+    p.add_argument("--value-candidates", dest="value_candidates", default=VALUE_CANDIDATES,
+                   help=f"--target-bytes: value labels (default: {VALUE_CANDIDATES})")
+    p.add_argument("--fast", action="store_true",
+                   help="--target-bytes: integer-family candidates only (they keep CPU decode speed)")
+    p.add_argument("--target-weight", dest="target_weight", type=float, default=1.0,
+                   help="--target-bytes: weight of the target-token NLL term beside KL in the objective (1.0)")
+    p.add_argument("--heldout-windows", dest="heldout_windows", type=int, default=4,
+                   help="--target-bytes: calibration windows kept out of the fit to measure the expectation (4)")
+    p.add_argument("--sinks", type=int, default=4, help="--target-bytes: fp16 attention-sink tokens (4)")
     p.add_argument("--candidates", default=DEFAULT_CANDIDATES,
                    help=f"precisions to choose from, comma-separated (default: {DEFAULT_CANDIDATES})")
     p.add_argument("--kv-separate", dest="kv_separate", action="store_true",
@@ -552,4 +603,5 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("config", help="a YAML/JSON config file or a preset name")
     p.add_argument("--model", help="the model the table is sized for (default: the config's model_shape)")
+    p.add_argument("--context", type=int, default=1024, help="tokens at which the bytes held are shown (1024)")
     p.set_defaults(func=cmd_show_config)

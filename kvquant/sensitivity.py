@@ -123,6 +123,15 @@ def calibration_windows(ids: torch.Tensor, window: int, n_windows: int) -> Calib
 
 
 # ---------------------------------------------------------------------------------------- helpers
+#: ``resolve(candidate, layer, head, kind) -> precision``: what a candidate label stores for one unit (a label such
+#: as ``tqc4`` names a different ``tqc-<widths>`` per head); the default is the label itself
+Resolve = Callable[[str, int, int, int], str]
+
+
+def _same(candidate: str, layer: int, head: int, kind: int) -> str:
+    return candidate
+
+
 def unit_config(template: KVQuantConfig, base: str, layer: int | None = None, head: int | None = None,
                 kind: int | None = None, precision: str | None = None) -> KVQuantConfig:
     """``template``'s options, every unit in ``base``; with a unit given, that unit alone in ``precision``."""
@@ -163,6 +172,11 @@ def _kl_mean(ref_logp: torch.Tensor, logits: torch.Tensor, chunk: int = 256) -> 
     return max(total / r.shape[0], 0.0)
 
 
+def _nll_mean(logp: torch.Tensor, targets: torch.Tensor) -> float:
+    """Mean negative log-likelihood of ``targets[n, T]`` under ``logp[n, T, V]``."""
+    return -float(logp.gather(-1, targets.unsqueeze(-1)).double().mean())
+
+
 def _call(model: Any, cache: Cache, input_ids: torch.Tensor | None = None,
           inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
     out = model(input_ids=input_ids, inputs_embeds=inputs_embeds, **cache_kw(cache), use_cache=True)
@@ -179,11 +193,17 @@ def measure_kl(
     template: KVQuantConfig | None = None,
     progress: Callable[[int, int], None] | None = None,
     layers_subset: Sequence[int] | None = None,
+    resolve: Resolve | None = None,
+    target_weight: float = 0.0,
 ) -> Sensitivity:
     """Measured sensitivities (see module doc); ``ids[n, T]``; ``progress(done, total)`` is called per forward.
 
     ``layers_subset`` measures only those layers (the others are NaN): for checking a proxy at less cost.
+    ``resolve`` maps a candidate label to the precision of each unit (:data:`Resolve`). ``target_weight`` adds
+    ``target_weight`` times the unit's rise of the mean NLL of the text's own next tokens (floored at 0) to its
+    KL: the misses on unlikely target tokens that perplexity sees and KL barely does.
     """
+    resolve = resolve or _same
     template = template or KVQuantConfig()
     shape = ModelShape.of(model)
     L, H = shape.num_layers, shape.num_kv_heads
@@ -207,6 +227,8 @@ def measure_kl(
             h.remove()
     ref_logp = torch.log_softmax(ref_logits.float(), dim=-1)
     del ref_logits
+    targets = ids[:, 1:]
+    ref_nll = _nll_mean(ref_logp[:, :-1], targets) if target_weight else 0.0
     todo = sorted(set(layers_subset)) if layers_subset is not None else list(range(L))
     for c in lower:
         for layer in set(range(L)) - set(todo):
@@ -217,18 +239,23 @@ def measure_kl(
         for c in lower:
             for head in range(H):
                 for kind in (0, 1):
-                    cache = SimulatedQuantCache(model, unit_config(template, base, layer, head, kind, c))
+                    prec = resolve(c, layer, head, kind)
+                    cache = SimulatedQuantCache(model, unit_config(template, base, layer, head, kind, prec))
                     if layers is not None:
                         with _layers_from(model, layer):
                             logits = _call(model, cache, inputs_embeds=hidden[layer])
                     else:
                         logits = _call(model, cache, input_ids=ids)
-                    values[c][layer, head, kind] = _kl_mean(ref_logp, logits.float())
+                    value = _kl_mean(ref_logp, logits.float())
+                    if target_weight:
+                        lq = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+                        value += target_weight * max(_nll_mean(lq, targets) - ref_nll, 0.0)
+                    values[c][layer, head, kind] = value
                     done += 1
                     if progress is not None:
                         progress(done, total)
     meta = {"seconds": round(time.perf_counter() - t0, 1), "forwards": total + 1,
-            "tokens": int(ids.numel()), "layer_skip": layers is not None}
+            "tokens": int(ids.numel()), "layer_skip": layers is not None, "target_weight": target_weight}
     return Sensitivity(base, list(candidates), values, "kl", meta)
 
 
@@ -284,8 +311,17 @@ def estimate_fisher(
     samples: int = 4,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    resolve: Resolve | None = None,
+    target_weight: float = 0.0,
 ) -> Sensitivity:
-    """Fisher estimate of the sensitivities (see module doc); ``ids[n, T]``, ``samples`` backwards per window."""
+    """Fisher estimate of the sensitivities (see module doc); ``ids[n, T]``, ``samples`` backwards per window.
+
+    ``resolve`` maps a candidate label to the precision of each unit (:data:`Resolve`). ``target_weight`` adds
+    that weight times the same estimate with ``y`` the text's own next tokens instead of samples (the empirical
+    Fisher; one more backward per window): large where a unit moves the log-probability of the targets, the
+    unlikely ones included, which perplexity sees and KL barely does.
+    """
+    resolve = resolve or _same
     template = template or KVQuantConfig()
     shape = ModelShape.of(model)
     L, H, D = shape.num_layers, shape.num_kv_heads, shape.head_dim
@@ -295,7 +331,8 @@ def estimate_fisher(
     base_cfg = unit_config(template, base)
     n_tok = 0
     t0 = time.perf_counter()
-    total, done = ids.shape[0] * samples, 0
+    draws = samples + (1 if target_weight else 0)
+    total, done = ids.shape[0] * draws, 0
     for w in range(ids.shape[0]):
         x = ids[w : w + 1].to(dev)
         cache = _GradCache(model, base_cfg, 1, dev)
@@ -308,27 +345,31 @@ def estimate_fisher(
             # quantization errors of every candidate, per layer: [1, H, T, D] each
             deltas: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
             for c in candidates:
-                cfg_c = with_plan(template, KVPrecision(c, c))
                 per_layer = []
-                for layer in cache.layers:
-                    st = LayerStore([KVPrecision(c, c)] * H, cfg_c, D, 1, dev)
+                for li, layer in enumerate(cache.layers):
+                    row = [KVPrecision(resolve(c, li, h, 0), resolve(c, li, h, 1)) for h in range(H)]
+                    st = LayerStore(row, with_plan(template, row[0]), D, 1, dev)
                     with torch.no_grad():
                         kq, vq = st.fake_quantize(layer.k.detach(), layer.v.detach())
                     per_layer.append((kq - layer.k.detach(), vq - layer.v.detach()))
                 deltas[c] = per_layer
-            for s in range(samples):
-                y = torch.multinomial(probs, 1, generator=gen).squeeze(1).to(dev)
+            for s in range(draws):
+                if s < samples:
+                    y, weight = torch.multinomial(probs, 1, generator=gen).squeeze(1).to(dev), 1.0
+                else:  # the text's own next tokens (the last position has none: its sampled token stands in)
+                    y = torch.cat([x[0, 1:], torch.multinomial(probs[-1:], 1, generator=gen).squeeze(1).to(dev)])
+                    weight = target_weight * samples  # the sampled draws are averaged over ``samples``
                 obj = logp.gather(1, y.unsqueeze(1)).sum()
                 for layer in cache.layers:
                     layer.k.grad = None
                     layer.v.grad = None
-                obj.backward(retain_graph=s < samples - 1)
+                obj.backward(retain_graph=s < draws - 1)
                 for li, layer in enumerate(cache.layers):
                     gk, gv = layer.k.grad, layer.v.grad
                     for c in candidates:
                         dk, dv = deltas[c][li]
-                        values[c][li, :, 0] += (gk * dk).sum(dim=(0, 2, 3)).double().pow(2).cpu()
-                        values[c][li, :, 1] += (gv * dv).sum(dim=(0, 2, 3)).double().pow(2).cpu()
+                        values[c][li, :, 0] += weight * (gk * dk).sum(dim=(0, 2, 3)).double().pow(2).cpu()
+                        values[c][li, :, 1] += weight * (gv * dv).sum(dim=(0, 2, 3)).double().pow(2).cpu()
                 done += 1
                 if progress is not None:
                     progress(done, total)
@@ -340,7 +381,7 @@ def estimate_fisher(
         if c == base:
             values[c].zero_()
     meta = {"seconds": round(time.perf_counter() - t0, 1), "samples": samples, "seed": seed,
-            "tokens": int(ids.numel())}
+            "tokens": int(ids.numel()), "target_weight": target_weight}
     return Sensitivity(base, list(candidates), values, "fisher", meta)
 
 

@@ -187,7 +187,7 @@ def test_layer_skipping_forward_matches_the_full_forward(stories):
 
 # ------------------------------------------------------------------ show-config and the CLI
 def test_show_config(first_run, capsys):
-    cmd_show_config(argparse.Namespace(config=str(first_run.output), model=None))
+    cmd_show_config(argparse.Namespace(config=str(first_run.output), model=None, context=1024))
     out = capsys.readouterr().out
     assert out.count("\n") >= 5 + 3
     avg = first_run.config.avg_bits(ModelShape(5, 4, 8))
@@ -200,7 +200,7 @@ def test_show_config_needs_a_shape(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("default: int8\n")
     with pytest.raises(ValueError, match="^--model: needed"):
-        cmd_show_config(argparse.Namespace(config=str(p), model=None))
+        cmd_show_config(argparse.Namespace(config=str(p), model=None, context=1024))
 
 
 def test_register_adds_both_commands(first_run, stories_path, capsys):
