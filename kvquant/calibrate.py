@@ -432,6 +432,7 @@ def _shape_for(model: str | None, cfg: KVQuantConfig) -> ModelShape:
 
 
 def cmd_show_config(args: argparse.Namespace) -> int:
+    check_int(args.context, "--context", 1, 1 << 24, ArgumentError)
     cfg = KVQuantConfig.load(args.config)
     shape = _shape_for(args.model, cfg)
     cfg.check_model(shape)  # indices, storage and the scales file, as a cache would check them

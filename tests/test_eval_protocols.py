@@ -38,6 +38,16 @@ def _score(model, method, protocol, windows):
     return torch.cat(logits), torch.cat(targets)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _shared_model_keeps_its_attention(stories):
+    """The scoring below switches the shared model to SDPA; later modules get it back as they found it."""
+    model, _ = stories
+    impl = model.config._attn_implementation
+    yield
+    if model.config._attn_implementation != impl:
+        model.set_attn_implementation(impl)
+
+
 @pytest.fixture(scope="module")
 def reference(stories, windows):
     model, _ = stories
