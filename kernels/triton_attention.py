@@ -83,6 +83,8 @@ def check_shapes(query: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tens
         raise Unsupported(f"fresh K/V shape {tuple(fresh_k.shape)}, expected {(B, Hkv, Tq, D)}")
     if layer.batch != B:
         raise Unsupported(f"store batch {layer.batch}, query batch {B}")
+    if layer.slot_shift is not None:
+        raise Unsupported("per-row block grids (a left-padded batch with per-channel keys) are read by the torch path")
     for t in (query, fresh_k, fresh_v):
         if t.stride(-1) != 1 or t.device != query.device:
             raise Unsupported("query/K/V must share a device and have unit stride along head_dim")
