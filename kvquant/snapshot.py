@@ -182,8 +182,10 @@ class KVSnapshot(NamedTuple):
     that never straddle the pool / residual boundary (released blocks skipped). ``stage``: with blocks in the
     host tier, a context that stages them into device blocks and gives the snapshot of that state (None: every
     block is on the device). ``slot_shift``: per-row block grids (a left-padded batch with per-channel keys):
-    row ``b``'s position ``p`` lives at slot ``p + slot_shift[b]`` of its blocks; ``read`` / ``read_factored`` /
-    ``residual`` give positions (the Triton kernels read slots and refuse it); None: slots are positions."""
+    row ``b``'s position ``p`` lives at slot ``p + slot_shift[b]`` of its blocks, the pool holds slots ``[0,
+    q_end + max(slot_shift))`` of every row (none while ``q_end`` is 0); ``read`` / ``read_factored`` /
+    ``residual`` give positions, kernels that read ``table`` map each row's positions onto its slots; None: slots
+    are positions."""
 
     batch: int
     num_heads: int

@@ -37,6 +37,11 @@ Outlier options (all in the config, composable with per-head precision):
   rows as one more small segment (:meth:`LayerStore.read`). ``ladder2_tokens = N2 <= N`` (a second rung): the
   ``n2`` newest of them also keep a second bit per coordinate (``SecondRung.refine2``) in a second ring
   (``ladder2``) and are read through both (``decode_refined2``); past them a row reads refined once.
+* Per-row block grids (per-channel layers of a left-padded batch, :attr:`LayerStore.shifts_grid`): row ``b``'s
+  position ``p`` lives at slot ``p + shift[b]`` of its blocks, so that its first real token starts a block; the pool
+  holds slots ``[0, _slot_end)`` of every row, ``q_end = _slot_end - max(shift)`` (0 while no block is written)
+  is where every row's pool positions end, and the residual holds positions ``[q_end, cache_pos)`` of every row
+  (a row's first ones may be its pool's already; reads take them from there).
 """
 
 from __future__ import annotations
@@ -859,7 +864,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         (those keep the batch's grid, see docs/batch-independence.md)."""
         qs = [q for g in self.groups for q in (g.key.quantizer, g.value.quantizer)]
         return (self.per_block and self.residual_step == self.block_size and not self.lanes and self.window is None
-                and not self.ladder_tokens and not self.heavy_tokens and self.config.offload is None
+                and not self.ladder_tokens and not self.heavy_tokens and not self.config.offload
                 and self.slot_real is None and not any(q.space for q in qs)
                 and (self._static_amax is not None or not any(q.static for q in qs)))  # fmt: skip
 
