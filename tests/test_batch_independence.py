@@ -468,6 +468,18 @@ def test_per_channel_short_row_beside_long_row(stories, story_rows, name):
         assert torch.equal(batched[b], _generate_rows(model, prompts[b:b + 1], cfg)[0]), f"{name} row {b}"
 
 
+@pytest.mark.parametrize("name", ["int2-channel", "int8-kchannel"])
+def test_per_channel_beams_of_a_padded_row(stories, story_rows, name):
+    """Beam search: each row's beams (expanded, reordered: their block grids follow them) equal its lone beams."""
+    model, _ = stories
+    prompts, _ = story_rows
+    cfg = _grid_cfg(name)
+    beams = {"num_beams": 3, "do_sample": False, "num_return_sequences": 1}
+    batched = _generate_rows(model, prompts[:2], cfg, **beams)
+    for b in range(2):
+        assert torch.equal(batched[b], _generate_rows(model, prompts[b:b + 1], cfg, **beams)[0]), f"{name} row {b}"
+
+
 def test_per_channel_crop_into_a_shifted_row_is_refused():
     """A crop that would cut a left-padded row's per-channel block (each row's grid is its own) is refused before
     anything changes; a crop within every row's full-precision window is kept."""
