@@ -153,7 +153,11 @@ BATCHMATE_CONFIGS = [  # issue 38: the cases a short batch-mate used to change (
     ("int8, evict snapkv (adakv lanes)", {"default": "int8", "evict": {
         "policy": "snapkv", "keep": 0.5, "window": 8, "sinks": 2, "budget": "adakv"}}),
     ("int8, evict h2o", {"default": "int8", "evict": {"policy": "h2o", "keep": 0.5, "window": 8, "sinks": 2}}),
-    ("int2-channel (per-channel keys: not per row)", {"default": "int2-channel"}),
+    ("int2-channel (per-row block grids)", {"default": "int2-channel"}),
+    ("int4-channel (per-row block grids)", {"default": "int4-channel"}),
+    ("int8-kchannel (per-row block grids)", {"default": {"key": "int8-channel", "value": "int8-token"}}),
+    ("int4-kchannel-sinks (per-row block grids)",
+     {"default": {"key": "int4-channel", "value": "int4"}, "sink_tokens": 4}),
 ]
 
 

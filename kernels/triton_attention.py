@@ -148,12 +148,16 @@ def key_ranges(
 
 def split_ranges(
     ranges: tuple[torch.Tensor, torch.Tensor] | None, batch: int, q_len: int, past_len: int, q_end: int,
-    sinks: torch.Tensor | int, device: torch.device,
+    sinks: torch.Tensor | int, device: torch.device, shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Key ranges of the quantized side: ``ranges`` (on the history + chunk axis, ``None`` = causal)
     mapped onto the axis (pool ``[0, q_end)`` + chunk) the kernels see, with the sink rows
     (below ``sinks[b]``: each row's sinks end there; before them lie its pads, outside its range) and
     the residual ``[q_end, past_len)`` removed (they are the dense side's).
+
+    ``shift[B]`` (per-row block grids, :attr:`~kvquant.snapshot.KVSnapshot.slot_shift`): the pool axis holds slots,
+    row ``b``'s position ``p`` at slot ``p + shift[b]``; its pool holds positions below ``q_end - shift[b]``, its
+    residual ``[q_end - shift[b], past_len)``.
 
     A contiguous range stays contiguous: removing a middle segment of the axis joins its two sides.
     """
@@ -164,10 +168,11 @@ def split_ranges(
         lo, hi = ranges
     lo = torch.maximum(lo, torch.as_tensor(sinks, device=lo.device).view(-1, 1).to(lo.dtype))
     R = past_len - q_end
+    d = 0 if shift is None else shift.to(lo.device, lo.dtype).view(-1, 1)
 
     def to_pool_axis(p: torch.Tensor) -> torch.Tensor:
         # positions in the residual map to its end (= the chunk's start, q_end on the new axis)
-        return torch.where(p < q_end, p, torch.where(p < past_len, q_end, p - R))
+        return torch.where(p < q_end - d, p + d, torch.where(p < past_len, q_end, p - R))
 
     lo, hi = to_pool_axis(lo), to_pool_axis(hi)
     empty = lo >= hi
@@ -182,27 +187,49 @@ def dense_segments(layer: KVSnapshot, past_len: int) -> tuple[torch.Tensor, torc
     Each row's sink tokens (its first real tokens, ``row_start[b] + [0, sinks.tokens)``) from
     :attr:`~kvquant.snapshot.KVSnapshot.sinks`, below ``q_end`` only (tokens still in the residual are read from
     there; a slot at or beyond ``q_end`` gets position -1, never visible), and the residual ``[q_end, past_len)``.
+    Per-row block grids (:func:`pool_end`): a row's pool ends at its own position; residual rows below it are
+    its pool's (position -1 here).
     """
     q_end = min(layer.q_end, past_len)
     ks, vs, pos = [], [], []
     device = layer.device
     B = layer.batch
     sinks, residual = layer.sinks, layer.residual
+    own = pool_end(layer, past_len)  # [B, 1] each row's pool end (positions), or q_end
     if sinks is not None and q_end > 0:
         p = layer.row_start.view(-1, 1) + torch.arange(sinks.tokens, device=device)
         ks.append(sinks.k)
         vs.append(sinks.v)
-        pos.append(torch.where(p < q_end, p, -1))
+        pos.append(torch.where(p < own, p, -1))
     if past_len > q_end:
         if residual is None or residual.held < past_len - q_end:
             raise Unsupported(f"the residual buffer does not hold tokens [{q_end}, {past_len})")
         rk, rv = residual.rows(past_len)  # (rows fitted while a batch-mate waits: as their pool reads)
         ks.append(rk)
         vs.append(rv)
-        pos.append(torch.arange(q_end, past_len, device=device).expand(B, -1))
+        p = torch.arange(q_end, past_len, device=device).expand(B, -1)
+        pos.append(p if layer.slot_shift is None else torch.where(p >= own, p, -1))
     if not ks:
         return None
     return torch.cat(ks, dim=2).float(), torch.cat(vs, dim=2).float(), torch.cat(pos, dim=1).to(ks[0].device)
+
+
+def pool_end(layer: KVSnapshot, past_len: int) -> torch.Tensor | int:
+    """Where each row's quantized pool ends on the position axis: ``q_end`` (clamped to ``past_len``), or with
+    per-row block grids (:attr:`~kvquant.snapshot.KVSnapshot.slot_shift`, the pool holding slots ``[0,
+    pool_slots(layer))``) ``[B, 1]``: the slot end less the row's shift."""
+    if layer.slot_shift is None:
+        return min(layer.q_end, past_len)
+    d = torch.tensor(layer.slot_shift, device=layer.device).view(-1, 1)
+    return (pool_slots(layer) - d).clamp_max(past_len)
+
+
+def pool_slots(layer: KVSnapshot) -> int:
+    """The slots of every row the pool holds: ``q_end``, or with per-row block grids ``q_end + max(shift)`` (the
+    store keeps ``q_end`` = the slot end less the largest shift, 0 while the pool holds no block)."""
+    if layer.slot_shift is None or layer.q_end == 0:
+        return layer.q_end
+    return layer.q_end + max(layer.slot_shift)
 
 
 def ladder_segment(layer: KVSnapshot, hist: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -391,7 +418,7 @@ def attend_triton(
     ladder_n = layer.ladder_n
     dense = layer.has_dense_segments or ladder_n > 0
     if dense:
-        hist = min(layer.q_end, past_len)
+        hist = min(layer.q_end, past_len) if layer.slot_shift is None else pool_slots(layer)
         young = ladder_segment(layer, hist) if ladder_n else None
         if young is not None:  # the ladder's refined rows are the dense side's: the kernels stop below them
             hist = layer.q_end - ladder_n
@@ -406,7 +433,8 @@ def attend_triton(
                         torch.cat([segments[2], young[2]], dim=1))  # fmt: skip
         elif young is not None:
             segments = young
-        kernel_ranges = split_ranges(ranges, B, Tq, past_len, hist, sinks, query.device)
+        shift = None if layer.slot_shift is None else torch.tensor(layer.slot_shift, device=query.device)
+        kernel_ranges = split_ranges(ranges, B, Tq, past_len, hist, sinks, query.device, shift)
     else:
         if layer.q_end < past_len:
             raise Unsupported(f"the quantized pool holds {layer.q_end} tokens, the history {past_len}")

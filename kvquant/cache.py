@@ -514,8 +514,8 @@ class QuantizedKVCache(Cache):
             return
         store = self.layers[layer_idx].store
         bs = store.block_size
-        if store.batch != len(self._hashes):
-            return  # rows were reordered or expanded: the bound ids no longer describe them
+        if store.batch != len(self._hashes) or store.shift is not None:
+            return  # rows were reordered or expanded, or hold slots of their own grids: the ids do not describe them
         for j in range(old_q_end // bs, store.q_end // bs):
             for b, hashes in enumerate(self._hashes):
                 if j < len(hashes) and j < len(store.tables[b]) and store.tables[b][j] >= 0:

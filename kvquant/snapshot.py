@@ -181,7 +181,11 @@ class KVSnapshot(NamedTuple):
     ``heavy_rows``: heavy rows a head (0: none). ``tiles(past_len, size)``: key ranges covering ``[0, past_len)``
     that never straddle the pool / residual boundary (released blocks skipped). ``stage``: with blocks in the
     host tier, a context that stages them into device blocks and gives the snapshot of that state (None: every
-    block is on the device)."""
+    block is on the device). ``slot_shift``: per-row block grids (a left-padded batch with per-channel keys):
+    row ``b``'s position ``p`` lives at slot ``p + slot_shift[b]`` of its blocks, the pool holds slots ``[0,
+    q_end + max(slot_shift))`` of every row (none while ``q_end`` is 0); ``read`` / ``read_factored`` /
+    ``residual`` give positions, kernels that read ``table`` map each row's positions onto its slots; None: slots
+    are positions."""
 
     batch: int
     num_heads: int
@@ -203,6 +207,7 @@ class KVSnapshot(NamedTuple):
     slots: EvictionSlots | None
     tiles: Callable[[int, int], list[tuple[int, int]]]
     stage: Callable[[], AbstractContextManager[KVSnapshot]] | None
+    slot_shift: list[int] | None = None
 
     @contextlib.contextmanager
     def staged(self) -> Iterator[KVSnapshot]:

@@ -37,6 +37,11 @@ Outlier options (all in the config, composable with per-head precision):
   rows as one more small segment (:meth:`LayerStore.read`). ``ladder2_tokens = N2 <= N`` (a second rung): the
   ``n2`` newest of them also keep a second bit per coordinate (``SecondRung.refine2``) in a second ring
   (``ladder2``) and are read through both (``decode_refined2``); past them a row reads refined once.
+* Per-row block grids (per-channel layers of a left-padded batch, :attr:`LayerStore.shifts_grid`): row ``b``'s
+  position ``p`` lives at slot ``p + shift[b]`` of its blocks, so that its first real token starts a block; the pool
+  holds slots ``[0, _slot_end)`` of every row, ``q_end = _slot_end - max(shift)`` (0 while no block is written)
+  is where every row's pool positions end, and the residual holds positions ``[q_end, cache_pos)`` of every row
+  (a row's first ones may be its pool's already; reads take them from there).
 """
 
 from __future__ import annotations
@@ -233,6 +238,11 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.row_start = torch.zeros(batch, dtype=torch.long, device=device)
         self._row_start_host = [0] * batch  # (row_start on the host: flush points per row)
         self.sink_end = 0  # sink tokens lie below this position in every row
+        # per-row block grids (see shifts_grid): row b's position p lives at slot p + shift[b] of its pool, so that
+        # its first real token starts a block; None: every row's slots are its positions
+        self.shift: list[int] | None = None
+        self._shift_t: torch.Tensor | None = None  # (shift on the device)
+        self._slot_end = 0  # with shift: the pool holds slots [0, _slot_end) of every row
         self.pad_end = 0  # left padding lies below this position in every row
         self.calibrated = False  # every row's static scales are fitted (tokens then go to the pool)
         # per row: its static scales are fitted (on its own first real tokens) while a batch-mate still waits
@@ -365,6 +375,8 @@ class LayerStore(LaneLayer, OffloadedStore):
                     need[self.head_lane[h][0]] += max(0, new) + shared
             return max(0, *(-(-(n - len(self.blocks.lane_free[g])) // len(self.groups[g].heads))
                             for g, n in enumerate(need)))  # fmt: skip
+        if self.shift is not None:  # per-row block grids: slots [_slot_end, the earliest row's own flush point)
+            return self.batch * max(0, min(self.slot_ends(self.cache_pos + tokens)) - self._slot_end) // self.block_size
         if self.residual_mode:
             pending = (self.res_k.shape[2] if self.res_k is not None else 0) + tokens
             flush = (pending - self.residual_tokens) // self.residual_step * self.residual_step
@@ -794,6 +806,11 @@ class LayerStore(LaneLayer, OffloadedStore):
         reads it (storage space): the residual buffers, or while static scales wait for a row, :meth:`held_rows`."""
         assert self.res_k is not None and self.res_v is not None
         k, v = self.res_k[:, :, :end - self.q_end], self.res_v[:, :, :end - self.q_end]
+        if self.shift is not None:  # per-row block grids: each row's pool and next block as read()
+            k, v = k.float().clone(), v.float().clone()
+            for g in self.groups:
+                k[:, g.head_index], v[:, g.head_index] = self._read_shifted(g, self.q_end, end)
+            return k, v
         if not self.reads_held:
             return k, v
         k, v = k.float().clone(), v.float().clone()
@@ -833,12 +850,128 @@ class LayerStore(LaneLayer, OffloadedStore):
         self._row_start_host = self.row_start.tolist()  # one read, at the first write
         self.pad_end = max(self._row_start_host)
         self.sink_end = self.pad_end + self.sink_tokens if self.sink_tokens else 0
+        shift = [-r % self.block_size for r in self._row_start_host]
+        if any(shift) and self.shifts_grid:
+            self.shift, self._slot_end = shift, 0
+            self._shift_t = torch.tensor(shift, dtype=torch.long, device=self.device)
 
-    def real_tokens(self, start: int, end: int) -> torch.Tensor:
+    @property
+    def shifts_grid(self) -> bool:
+        """True when a left-padded batch cuts this layer's blocks on each row's own grid, counted from its first real
+        token (:attr:`shift`), so that a row's per-channel key blocks hold the tokens they hold alone: a layer with
+        per-block (``int*-channel``) parts in residual mode whose blocks are flushed a block at a time, without
+        static or codebook quantizers, lanes, a sliding window, the age ladder, heavy rows, eviction or offload
+        (those keep the batch's grid, see docs/batch-independence.md)."""
+        qs = [q for g in self.groups for q in (g.key.quantizer, g.value.quantizer)]
+        return (self.per_block and self.residual_step == self.block_size and not self.lanes and self.window is None
+                and not self.ladder_tokens and not self.heavy_tokens and not self.config.offload
+                and self.slot_real is None and not any(q.space for q in qs)
+                and (self._static_amax is not None or not any(q.static for q in qs)))  # fmt: skip
+
+    def slot_ends(self, cache_pos: int) -> list[int]:
+        """With :attr:`shift`: per row, the slot its own pool would end at with ``cache_pos`` tokens written (its
+        residual window counted from its first real token, whole blocks of its own grid, as alone)."""
+        assert self.shift is not None
+        bs, R = self.block_size, self.residual_tokens
+        return [max(self._slot_end, (cache_pos + d - R) // bs * bs) for d in self.shift]
+
+    def _slot_chunk(self, x: torch.Tensor, base: int, s0: int, s1: int) -> torch.Tensor:
+        """Slots ``[s0, s1)`` of every row (:attr:`shift`) from ``x[B, H, t, D]``, which holds positions
+        ``[base, base + t)``; slots before a row's position 0 are zeros (slots past ``x``: any of its rows)."""
+        assert self._shift_t is not None
+        B, H, _, D = x.shape
+        idx = torch.arange(s0, s1, device=x.device)[None, :] - self._shift_t.to(x.device)[:, None] - base  # [B, F]
+        out = x.gather(2, idx.clamp(0, x.shape[2] - 1)[:, None, :, None].expand(B, H, s1 - s0, D))
+        return torch.where((idx >= 0)[:, None, :, None], out, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    def _append_shifted(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Residual mode on per-row block grids (:attr:`shift`): the residual holds positions ``[q_end, cache_pos)``
+        of every row (a row's first ones may be in its pool already: its slots there are below the pool's end);
+        the slots ``[_slot_end, e)`` that every row's own flush point ``e`` has passed are quantized, a block of
+        each row's own grid at a time. A row whose own flush point is further reads its next block as its pool
+        will (:meth:`_read_shifted`)."""
+        assert self.shift is not None
+        dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
+        if self.res_k is not None and self.res_k.shape[2]:
+            dk, dv = torch.cat([self.res_k, dk], dim=2), torch.cat([self.res_v, dv], dim=2)
+        s0, q0 = self._slot_end, self.q_end
+        s1 = min(self.slot_ends(self.cache_pos + keys.shape[2]))
+        if s1 > s0:
+            ck, cv = self._slot_chunk(dk, q0, s0, s1), self._slot_chunk(dv, q0, s0, s1)
+            self._write_pool(ck.to(keys.dtype), cv.to(values.dtype), s0, slots=True)
+            self._slot_end = s1
+            q_end = max(0, s1 - max(self.shift))  # every row holds its positions below it in the pool
+            dk, dv = dk[:, :, q_end - q0:], dv[:, :, q_end - q0:]
+            self.q_end = q_end
+        self._held_cache = {}
+        self.res_k, self.res_v = dk.contiguous(), dv.contiguous()
+
+    def _read_shifted(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``group`` for positions ``[start, end)``, ``start >= q_end``, with :attr:`shift`: per row from
+        its pool where its slot is below the pool's end, quantized as its pool will hold it where its own flush
+        point has passed the slot (:meth:`slot_ends`), else (and its sink tokens) as held (float32)."""
+        assert self.shift is not None and self._shift_t is not None and self.res_k is not None
+        bs, q0, S = self.block_size, self.q_end, self._slot_end
+        dense = [self._group_rows(x[:, :, start - q0:end - q0], group).float() for x in (self.res_k, self.res_v)]
+        slot = torch.arange(start, end, device=self.device)[None, :] + self._shift_t[:, None]  # [B, t]
+        out = [d.clone() for d in dense]
+        if start + min(self.shift) < S:  # some rows' first ones are in their pool
+            j0 = (start + min(self.shift)) // bs
+            tbl = self.table()[:, j0:S // bs]
+            rel = (slot - j0 * bs).clamp(0, (S // bs - j0) * bs - 1)
+            for i, s in enumerate((group.key, group.value)):
+                y = s.read(tbl, 0, (S // bs - j0) * bs)
+                y = y.gather(2, rel[:, None, :, None].expand(-1, y.shape[1], -1, y.shape[3]))
+                out[i] = torch.where((slot < S)[:, None, :, None], y, out[i])
+        ends = self.slot_ends(self.cache_pos)
+        top = max(ends)
+        if top > S:  # rows past their own flush point: their next block as their pool will hold it
+            key = ("shift", group.key.group, S, top)
+            held = self._held_cache.get(key)
+            if held is None:
+                ck = self._slot_chunk(self.res_k, q0, S, top)
+                cv = self._slot_chunk(self.res_v, q0, S, top)
+                ck, cv = self._mask_sinks(ck, cv, S, group.per_block, self._slot_starts())
+                held = tuple(self._pool_rows(s, self._group_rows(x, group))
+                             for s, x in ((group.key, ck), (group.value, cv)))
+                self._held_cache[key] = held
+            own = (slot >= S) & (slot < torch.tensor(ends, device=self.device)[:, None])
+            rel = (slot - S).clamp(0, top - S - 1)
+            for i in range(2):
+                y = held[i].gather(2, rel[:, None, :, None].expand(-1, held[i].shape[1], -1, held[i].shape[3]))
+                out[i] = torch.where(own[:, None, :, None], y, out[i])
+        sel = self.sink_slots(start, end)
+        if sel is not None:  # sinks: as held (the sink buffer holds the same values)
+            r, o, _ = sel
+            for i in range(2):
+                out[i][r, :, o] = dense[i][r, :, o]
+        return out[0], out[1]
+
+    def _read_pool_shifted(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K and V of ``group``'s pool positions ``[start, end)`` (``end <= q_end``) with :attr:`shift`:
+        each row's slots ``[start + shift, end + shift)``, read as whole blocks and gathered per row (float32)."""
+        assert self.shift is not None and self._shift_t is not None
+        bs = self.block_size
+        j0, j1 = start // bs, -(-(end + max(self.shift)) // bs)
+        tbl = self.table()[:, j0:j1]
+        rel = torch.arange(start - j0 * bs, end - j0 * bs, device=self.device)[None, :] + self._shift_t[:, None]
+        out = []
+        for s in (group.key, group.value):
+            y = s.read(tbl, 0, (j1 - j0) * bs)
+            out.append(y.gather(2, rel[:, None, :, None].expand(-1, y.shape[1], -1, y.shape[3])))
+        return out[0], out[1]
+
+    def _slot_starts(self) -> torch.Tensor:
+        """With :attr:`shift`: per row, the slot of its first real token (a block boundary)."""
+        assert self._shift_t is not None
+        return self.row_start + self._shift_t
+
+    def real_tokens(self, start: int, end: int, starts: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, end - start]``: True where position ``start + t`` of a row is a real token (not left padding; in an
-        evicting layer, not an empty slot of its first write, :attr:`slot_real`)."""
+        evicting layer, not an empty slot of its first write, :attr:`slot_real`). ``starts[B]``: each row's first
+        real one on another axis (the slots of per-row block grids, :meth:`_slot_starts`) instead of ``row_start``."""
         pos = torch.arange(start, end, device=self.device)
-        real = pos[None, :] >= self.row_start[:, None]
+        real = pos[None, :] >= (self.row_start if starts is None else starts)[:, None]
         if self.slot_real is not None and start < self.slot_real.shape[1]:
             first = self.slot_real[:, start:end]
             real = torch.cat([first, real[:, first.shape[1]:]], dim=1)
@@ -851,12 +984,16 @@ class LayerStore(LaneLayer, OffloadedStore):
         S = self.slot_real.shape[1]
         return self.slot_real[:, :min(end, S)].sum(dim=1) + max(0, end - S)
 
-    def sink_slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def sink_slots(
+        self, start: int, end: int, starts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The sink tokens among positions ``[start, end)``: index tensors (row, offset from ``start``,
-        slot of the row's sink buffer), or None. A row's sinks are its first ``sink_tokens`` real tokens."""
-        if start >= self.sink_end:
+        slot of the row's sink buffer), or None. A row's sinks are its first ``sink_tokens`` real tokens.
+        ``starts``: see :meth:`real_tokens`."""
+        if starts is None and start >= self.sink_end or not self.sink_tokens:
             return None
-        slot = torch.arange(start, end, device=self.device)[None, :] - self.row_start[:, None]
+        first = self.row_start if starts is None else starts
+        slot = torch.arange(start, end, device=self.device)[None, :] - first[:, None]
         rows, offs = ((slot >= 0) & (slot < self.sink_tokens)).nonzero(as_tuple=True)
         return rows, offs, slot[rows, offs]
 
@@ -872,23 +1009,23 @@ class LayerStore(LaneLayer, OffloadedStore):
             self.sink_v[rows, :, slots] = values[rows, :, offs].to(self.dense_dtype)
 
     def _mask_sinks(
-        self, keys: torch.Tensor, values: torch.Tensor, pos: int, copy: bool
+        self, keys: torch.Tensor, values: torch.Tensor, pos: int, copy: bool, starts: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk at ``pos`` with its sink rows (read from the sink buffer, never from the pool) masked:
         zeroed, or with ``copy`` replaced by the row's first real non-sink token of the chunk (zeros when
-        the chunk has none).
+        the chunk has none). ``starts``: see :meth:`real_tokens`.
 
         Per-channel (``int*-channel``) blocks take ``copy``: a copy of a token quantized anyway widens
         no channel's min / max, while a zero row widens every per-channel range of a key with a large
         offset (q/k/v bias) in the sinks' block. Other quantizers take zeros: a zero row widens no
         per-token or static scale, and counts as no clipped value."""
-        sel = self.sink_slots(pos, pos + keys.shape[2])
+        sel = self.sink_slots(pos, pos + keys.shape[2], starts)
         if sel is None:
             return keys, values
         rows, offs, _ = sel
         keys, values = keys.clone(), values.clone()
         if copy:
-            keep = self.real_tokens(pos, pos + keys.shape[2])
+            keep = self.real_tokens(pos, pos + keys.shape[2], starts)
             keep[rows, offs] = False
             src = keep.to(torch.uint8).argmax(dim=1)[rows]  # first kept token of each sink's row
             has = keep.any(dim=1)[rows][:, None, None]
@@ -900,11 +1037,13 @@ class LayerStore(LaneLayer, OffloadedStore):
         return keys, values
 
     def _write_pool(
-        self, keys: torch.Tensor, values: torch.Tensor, pos: int, scores: HeavyScores | None = None
+        self, keys: torch.Tensor, values: torch.Tensor, pos: int, scores: HeavyScores | None = None,
+        slots: bool = False,
     ) -> None:
         """Quantize a chunk into the pool at ``pos`` (sink rows masked: they are read from the sink buffer).
         ``scores``: ``(first position, key scores [B, H, T], limit)`` of the append, to pick heavy rows by (see
-        :meth:`_pick_heavy`)."""
+        :meth:`_pick_heavy`). ``slots``: the chunk holds slots ``[pos, pos + T)`` of per-row block grids
+        (:attr:`shift`), not positions."""
         if self.lanes:
             if self._lane_overwrite and pos == self.cache_pos and keys.shape[2] == 1 and pos >= self.sink_end:
                 self._lane_overwrite = False  # grow_lanes' token: overwrite() writes every head at its slot
@@ -912,8 +1051,9 @@ class LayerStore(LaneLayer, OffloadedStore):
                 return
             self._write_lanes(*self._mask_sinks(keys, values, pos, False), pos)
             return
-        masked = {c: self._mask_sinks(keys, values, pos, c) for c in {g.per_block for g in self.groups}}
-        real = self.real_tokens(pos, pos + keys.shape[2]) if pos < self.pad_end else None
+        starts = self._slot_starts() if slots else None
+        masked = {c: self._mask_sinks(keys, values, pos, c, starts) for c in {g.per_block for g in self.groups}}
+        real = self.real_tokens(pos, pos + keys.shape[2], starts) if pos < self.pad_end or slots else None
         quantized = []  # every group quantized (which may raise) before any block or table changes
         for g in self.groups:
             gk, gv = masked[g.per_block]
@@ -1206,6 +1346,9 @@ class LayerStore(LaneLayer, OffloadedStore):
         if self.lanes:  # each head its own tail (kvquant.lanes)
             self._append_tails(keys, values)
             return
+        if self.shift is not None:  # each row's own block grid
+            self._append_shifted(keys, values)
+            return
         dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
         if self.res_k is not None and self.res_k.shape[2]:
             dk = torch.cat([self.res_k, dk], dim=2)  # bounded: the residual holds < R + block tokens
@@ -1369,6 +1512,8 @@ class LayerStore(LaneLayer, OffloadedStore):
             return torch.cat([k1, k2], dim=2), torch.cat([v1, v2], dim=2)
         if start >= self.q_end and self.tail_lanes:  # each head's lanes, then its own tail
             return self._read_tails(group, start, end)
+        if start >= self.q_end and self.shift is not None:  # per-row block grids: see _read_shifted
+            return self._read_shifted(group, start, end)
         if start >= self.q_end:  # residual buffer (dense)
             if self.reads_held:  # some rows fitted, a batch-mate not yet, or past their own flush: see held_rows
                 return self._dense_to_group_space(group, *self.held_rows(group, start, end))  # (as the residual)
@@ -1450,7 +1595,11 @@ class LayerStore(LaneLayer, OffloadedStore):
     def read_pool(self, group: HeadGroup, start: int, end: int, factored: bool = False) -> tuple[Any, Any]:
         """Dequantized K and V of ``group``'s pool tokens ``[start, end)`` (float32 ``[B, Hg, t, D]``),
         read through the block tables; released blocks read as 0. ``factored``: as :class:`Factored` pieces
-        (tokens of released blocks are not read: ``start`` must be at or after the first live block)."""
+        (tokens of released blocks are not read: ``start`` must be at or after the first live block). With per-row
+        block grids (:attr:`shift`) the rows are gathered per row and ``factored`` gives them dequantized."""
+        if self.shift is not None:
+            k, v = self._read_pool_shifted(group, start, end)
+            return (Factored(k), Factored(v)) if factored else (k, v)
         bs = self.block_size
         j0, j1 = start // bs, -(-end // bs)
         run = kparts = vparts = None
@@ -1527,6 +1676,11 @@ class LayerStore(LaneLayer, OffloadedStore):
             raise ValueError("crop: this layer evicts tokens (its store holds kept tokens, not a prefix); "
                              "it cannot be cropped")
         tokens = max(0, min(tokens, self.cache_pos))
+        if self.shift is not None and tokens < self._slot_end - min(self.shift):
+            raise ValueError(
+                f"crop: keeping {tokens} tokens would cut a quantized per-channel block of a left-padded row (each "
+                f"row's blocks start at its own first real token); keep at least {self._slot_end - min(self.shift)}"
+            )
         if tokens < self.first_live * self.block_size:
             raise ValueError(f"crop: tokens before {self.first_live * self.block_size} left the sliding window")
         if tokens < self.q_end and self.per_block and tokens % self.block_size:
@@ -1551,7 +1705,8 @@ class LayerStore(LaneLayer, OffloadedStore):
     def reset(self) -> None:
         """Forget all tokens and static scales; the blocks go back to the pool."""
         self.release()
-        self.cache_pos = self.q_end = self.sink_end = self.pad_end = self.offload_from = 0
+        self.cache_pos = self.q_end = self.sink_end = self.pad_end = self.offload_from = self._slot_end = 0
+        self.shift = self._shift_t = None
         self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self._row_start_host = [0] * self.batch
         self.calibrated = False
@@ -1642,6 +1797,8 @@ class LayerStore(LaneLayer, OffloadedStore):
                 setattr(self, name, t.index_select(0, idx))
         self.row_start = self.row_start.index_select(0, idx)
         self._row_start_host = [self._row_start_host[i] for i in rows]
+        if self.shift is not None and self._shift_t is not None:  # each row's block grid follows it
+            self.shift, self._shift_t = [self.shift[i] for i in rows], self._shift_t.index_select(0, idx)
         if self._held_scores is not None:
             s0, sc, limit = self._held_scores
             self._held_scores = (s0, sc.index_select(0, idx.to(sc.device)), limit)
@@ -1771,7 +1928,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         return KVSnapshot(
             self.batch, self.num_heads, self.head_dim, self.block_size, self.device, self.q_end, self.row_start,
             self.table(), self.capacity, groups, space, self.has_dense_segments, sinks, residual, self.ladder_n, heavy,
-            self.lanes, self.slots, self.tiles, self._staged_snapshot if self.has_host_blocks() else None,
+            self.lanes, self.slots, self.tiles, self._staged_snapshot if self.has_host_blocks() else None, self.shift,
         )
 
     @contextlib.contextmanager

@@ -177,3 +177,34 @@ def test_rows_kernel_eight_tile_steps(prec):
         launch.run()
     err = (out - attend_naive(q.float(), fk, fv, layer, hist, None, D**-0.5)).abs().max().item()
     assert err <= 2e-5, f"{prec}: max error {err:.2e} vs the fp32 reference"
+
+
+@pytest.mark.parametrize("preset, extra", [("int4-channel", {}), ("int8-kchannel", {}), ("int4-kchannel-sinks", {}),
+                                           ("int4-channel", {"residual_tokens": 20})],
+                         ids=["int4-channel", "int8-kchannel", "int4-kchannel-sinks", "int4-channel-residual"])
+def test_per_row_block_grids(preset, extra):
+    """Left-padded rows with per-channel keys hold their blocks on their own grids (``LayerStore.shift``): the
+    kernels read each row's key range mapped onto its slots (``split_ranges``), its pool's rows in the residual
+    hidden (``dense_segments``), and match the torch walk, decode steps and chunks of 5, as the pool grows."""
+    base = KVQuantConfig.preset(preset).to_dict() if "kchannel" in preset else {"default": preset}
+    cfg = KVQuantConfig.from_dict({**base, "block_size": 16, **extra})
+    H, D, W, T = 2, 16, 40, 72
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(3, H, T, D, generator=g) * 2 + 1, torch.randn(3, H, T, D, generator=g)
+    q = torch.randn(3, 2 * H, T, D, generator=g)
+    rs = torch.tensor([0, 37, 20])
+    store = LayerStore([cfg.default] * H, cfg, D, 3, DEV)
+    k, v, q, rs = k.to(DEV), v.to(DEV), q.to(DEV), rs.to(DEV)
+    store.append(k[:, :, :W], v[:, :, :W], row_start=rs)
+    assert store.shift == [0, 11, 12]
+    t = W
+    while t < T:
+        n = min(1 if t % 3 else 5, T - t)
+        past = store.cache_pos
+        kpos = torch.arange(past + n, device=DEV)[None, None, :]
+        qpos = (past + torch.arange(n, device=DEV))[None, :, None]
+        mask = ((kpos <= qpos) & (kpos >= rs[:, None, None]))[:, None]
+        args = (q[:, :, t:t + n], k[:, :, t:t + n], v[:, :, t:t + n], store, past, mask, 0.3)
+        torch.testing.assert_close(attend_triton(*args), attend_torch(*args), atol=TOL, rtol=0)
+        store.append(k[:, :, t:t + n], v[:, :, t:t + n])
+        t += n
