@@ -34,7 +34,7 @@ WORKSPACE_BYTES = 8 * 2**20  # fp32 scratch per tile: scores and a dequantized K
 QUERY_TILE = 128  # queries per tile when a chunk (prefill) is long
 
 
-class _OnlineSoftmax:
+class OnlineSoftmax:
     """Running (max, sum, weighted sum) of one group's attention rows, in fp32."""
 
     def __init__(self, rows_shape: tuple[int, ...], head_dim: int, device: torch.device) -> None:
@@ -298,7 +298,7 @@ def attend_torch(
             if sum(b - a for _, (a, b) in tiles) <= 2 * tk:  # fits the workspace at once: one plain softmax
                 res = _direct(qt, tiles, mask, g, Hkv, rep, (q0, q1), past_len, softcap, gm)
             else:
-                acc = _OnlineSoftmax((B, Hg, rep * (q1 - q0)), D, device)
+                acc = OnlineSoftmax((B, Hg, rep * (q1 - q0)), D, device)
                 kept = []  # history tiles' scores, for the per-key mass once the softmax is final
                 for load, k_range in tiles:
                     keys, values = load()

@@ -104,6 +104,36 @@ def check_sensitivity(sens: dict[str, torch.Tensor], candidates: Sequence[str], 
             raise InputError(f"{where}: values[{c!r}]{i} is {float(t[tuple(i)])}: a KL rise is never negative")
 
 
+def greedy_upgrades(loss: list[list[float]], cost: list[list[float]], choice: list[int], capacity: float) -> list[int]:
+    """A multiple-choice knapsack, greedily: unit ``u`` takes option ``choice[u]`` (its ``loss[u][i]`` at
+    ``cost[u][i]``); from there, repeatedly apply the one change of one unit with the largest loss decrease per
+    added cost (a change that costs nothing first) while the summed cost stays within ``capacity``, until no change
+    lowers a loss. Returns the new choices. Every step lowers one unit's loss strictly (values must be finite), so a
+    unit changes at most ``len(options) - 1`` times: the loop is bounded by that, and a longer one is a bug (raised),
+    never a hang."""
+    choice = list(choice)
+    spent = sum(cost[u][choice[u]] for u in range(len(choice)))
+    steps = sum(len(c) - 1 for c in cost) + 1
+    for _step in range(steps):
+        best = None  # (ratio, unit, option)
+        for u in range(len(choice)):
+            cur = choice[u]
+            for ci in range(len(cost[u])):
+                extra = cost[u][ci] - cost[u][cur]
+                gain = loss[u][cur] - loss[u][ci]
+                if not gain > 0 or spent + extra > capacity:
+                    continue
+                ratio = math.inf if extra <= 0 else gain / extra
+                if best is None or ratio > best[0]:
+                    best = (ratio, u, ci)
+        if best is None:
+            return choice
+        _, u, ci = best
+        spent += cost[u][ci] - cost[u][choice[u]]
+        choice[u] = ci
+    raise RuntimeError(f"allocate: no convergence after {steps} steps (a bug)")
+
+
 def allocate(
     sens: dict[str, torch.Tensor],
     bits: dict[str, float],
@@ -126,29 +156,7 @@ def allocate(
     loss = [[float(sum(sens[c][li, h, k] for k in kinds)) for c in cands] for li, h, kinds in units]
     cost = [[bits[c] * len(kinds) for c in cands] for _li, _h, kinds in units]
     capacity = budget * 2 * L * H + 1e-9
-    choice = [0] * len(units)
-    spent = sum(cost[u][0] for u in range(len(units)))
-    # every step lowers one unit's loss strictly (gain > 0, values finite), so a unit changes at most
-    # len(cands) - 1 times: the loop is bounded by that, and a longer one is a bug, never a hang
-    for _step in range(len(units) * (len(cands) - 1) + 1):
-        best = None  # (ratio, unit, candidate index)
-        for u in range(len(units)):
-            cur = choice[u]
-            for ci in range(len(cands)):
-                extra = cost[u][ci] - cost[u][cur]
-                gain = loss[u][cur] - loss[u][ci]
-                if ci == cur or gain <= 0 or spent + extra > capacity:
-                    continue
-                ratio = float("inf") if extra <= 0 else gain / extra
-                if best is None or ratio > best[0]:
-                    best = (ratio, u, ci)
-        if best is None:
-            break
-        _, u, ci = best
-        spent += cost[u][ci] - cost[u][choice[u]]
-        choice[u] = ci
-    else:
-        raise RuntimeError(f"allocate: no convergence after {len(units) * (len(cands) - 1) + 1} steps (a bug)")
+    choice = greedy_upgrades(loss, cost, [0] * len(units), capacity)
     plan: Plan = [[KVPrecision(cands[0], cands[0]) for _ in range(H)] for _ in range(L)]
     for u, (li, h, kinds) in enumerate(units):
         c = cands[choice[u]]
@@ -160,6 +168,7 @@ def allocate(
         else:
             plan[li][h] = KVPrecision(old.key, c)
     predicted = sum(loss[u][choice[u]] for u in range(len(units)))
+    spent = sum(cost[u][choice[u]] for u in range(len(units)))
     return Allocation(plan, spent / (2 * L * H), predicted)
 
 

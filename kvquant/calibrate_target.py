@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .allocate import Plan, plan_to_config
+from .allocate import Plan, greedy_upgrades, plan_to_config
 from .config import KVPrecision, KVQuantConfig
 from .errors import ArgumentError, ConfigError
 from .memory import sequence_bytes
@@ -192,24 +192,7 @@ def allocate_bytes(sens: dict[str, torch.Tensor], labels: dict[int, list[str]], 
     cost = [[costs[(c, k)] for c in opts[k]] for _li, _h, k in units]
     choice = [min(range(len(opts[k])), key=lambda i, u=u: (cost[u][i], loss[u][i])) for u, (_li, _h, k) in
               enumerate(units)]
-    spent = sum(cost[u][choice[u]] for u in range(len(units)))
-    while True:
-        best = None
-        for u in range(len(units)):
-            cur = choice[u]
-            for ci in range(len(cost[u])):
-                extra = cost[u][ci] - cost[u][cur]
-                gain = loss[u][cur] - loss[u][ci]
-                if gain <= 0 or spent + extra > capacity + 1e-9:
-                    continue
-                ratio = math.inf if extra <= 0 else gain / extra
-                if best is None or ratio > best[0]:
-                    best = (ratio, u, ci)
-        if best is None:
-            break
-        _, u, ci = best
-        spent += cost[u][ci] - cost[u][choice[u]]
-        choice[u] = ci
+    choice = greedy_upgrades(loss, cost, choice, capacity + 1e-9)
     out = [[["", ""] for _ in range(H)] for _ in range(L)]
     for u, (li, h, k) in enumerate(units):
         out[li][h][k] = opts[k][choice[u]]

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .kernels.attention_torch import OnlineSoftmax
 from .store import HeadGroup, LayerStore
 
 __all__ = ["attend_segments", "batchable", "attend_batched"]
@@ -81,28 +82,6 @@ def attend_segments(
     return out
 
 
-class _Fold:
-    """Online softmax of ``[N, Hg, R]`` query rows in fp32: running max, sum and weighted sum."""
-
-    def __init__(self, n: int, heads: int, rows: int, head_dim: int, device: torch.device) -> None:
-        self.m = torch.full((n, heads, rows, 1), -math.inf, device=device)
-        self.l = torch.zeros((n, heads, rows, 1), device=device)
-        self.acc = torch.zeros((n, heads, rows, head_dim), device=device)
-
-    def add(self, scores: torch.Tensor, values: torch.Tensor) -> None:
-        """Fold ``scores[N, Hg, R, t]`` (masked: -inf) against ``values[N, Hg, t, D]``."""
-        m_new = torch.maximum(self.m, scores.amax(dim=-1, keepdim=True))
-        m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
-        p = torch.exp(scores - m_safe)
-        alpha = torch.exp(self.m - m_safe)
-        self.l = self.l * alpha + p.sum(dim=-1, keepdim=True)
-        self.acc = self.acc * alpha + p @ values
-        self.m = m_new
-
-    def result(self) -> torch.Tensor:
-        return self.acc / self.l  # every row sees at least its own fresh token: l > 0
-
-
 def attend_batched(
     query: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tensor, stores: Sequence[LayerStore],
     past_lens: Sequence[int], scaling: float,
@@ -153,12 +132,12 @@ def attend_batched(
             P = k.shape[2]
             res = (p[..., :P] @ v + p[..., P:] @ vd) / p.sum(dim=-1, keepdim=True)
         else:
-            fold = _Fold(N, Hg, R, D, dev)
+            fold = OnlineSoftmax((N, Hg, R), D, dev)
             for j0 in range(0, nb, tile):
                 j1 = min(nb, j0 + tile)
                 k, v = _dequantized(g, table[:, j0:j1])
-                fold.add((q @ k.transpose(-1, -2)).masked_fill(hide_pool[..., j0 * bs:j1 * bs], -math.inf), v)
-            fold.add((q @ kd.transpose(-1, -2)).masked_fill(hide_dense, -math.inf), vd)
+                fold.update((q @ k.transpose(-1, -2)).masked_fill(hide_pool[..., j0 * bs:j1 * bs], -math.inf), v)
+            fold.update((q @ kd.transpose(-1, -2)).masked_fill(hide_dense, -math.inf), vd)
             res = fold.result()
         res = res.view(N, Hg, rep, T, D)
         if g.all_heads:
