@@ -4,16 +4,17 @@ A launch decision is pure Python (:func:`~kvquant.kernels.triton_compile_check.m
 ``meta`` tensors; nothing runs), so it can be written down and compared: :func:`record` returns, for each
 variant, every :class:`~kvquant.kernels.triton_launch.Launch` the runtime launcher makes for it -- the kernel's
 name, the grid, the constexprs and launch options (``num_warps``, ``num_stages``, ``maxnreg``) and the
-positional arguments (tensors by dtype, shape and strides; scalars by value). ``tests/data/decode_launches.json``
+positional arguments (tensors by dtype, shape and strides; scalars by value). ``tests/data/decode_launches.json.gz``
 holds the record of the launcher as it is; ``tests/test_launch_table.py`` regenerates it and fails on any
 difference. The launches depend on the installed triton release only through
 :data:`~kvquant.kernels.triton_decode_table.CHANNEL_KEYS_TRANSPOSED`, which the record states.
 
-    python -m kvquant.kernels.launch_record tests/data/decode_launches.json     # rewrite the record
+    python -m kvquant.kernels.launch_record tests/data/decode_launches.json.gz     # rewrite the record
 """
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import sys
@@ -121,9 +122,9 @@ def dumps(rec: dict) -> str:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m kvquant.kernels.launch_record OUT.json")
+        print("usage: python -m kvquant.kernels.launch_record OUT.json.gz")
         return 2
-    Path(argv[0]).write_text(dumps(record()))
+    Path(argv[0]).write_bytes(gzip.compress(dumps(record()).encode(), mtime=0))  # mtime 0: the same bytes each run
     return 0
 
 

@@ -1,6 +1,6 @@
 """The decode and chunk launches (kernel, constexprs, grid, warps, stages, arguments) equal the recorded table.
 
-``tests/data/decode_launches.json`` was written by ``python -m kvquant.kernels.launch_record`` from the launcher
+``tests/data/decode_launches.json.gz`` was written by ``python -m kvquant.kernels.launch_record`` from the launcher
 before its modules were split; this regenerates the record on ``meta`` tensors (no kernel runs, no GPU) for every
 variant the compile tools enumerate and fails on the first launch that differs. A deliberate launch change
 rewrites the file with the same command, in its own commit.
@@ -8,6 +8,7 @@ rewrites the file with the same command, in its own commit.
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -17,12 +18,12 @@ pytest.importorskip("triton")
 
 from kvquant.kernels import launch_record  # noqa: E402
 
-RECORD = Path(__file__).parent / "data" / "decode_launches.json"
+RECORD = Path(__file__).parent / "data" / "decode_launches.json.gz"
 
 
 @pytest.mark.slow
 def test_launches_equal_the_recorded_table():
-    want = json.loads(RECORD.read_text())
+    want = json.loads(gzip.decompress(RECORD.read_bytes()))
     got = json.loads(launch_record.dumps(launch_record.record()))
     if got["channel_keys_transposed"] != want["channel_keys_transposed"]:
         pytest.skip("the installed triton release chooses another kernel for per-channel int4 keys")
