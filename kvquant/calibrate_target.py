@@ -35,6 +35,7 @@ from .allocate import Plan, greedy_upgrades, plan_to_config
 from .config import KVPrecision, KVQuantConfig
 from .errors import ArgumentError, ConfigError
 from .memory import sequence_bytes
+from .plan import logit_softcap
 from .quantizers import CODEBOOK, PRECISIONS, TRELLIS, VECTOR, is_precision
 from .shape import ModelShape
 
@@ -329,13 +330,6 @@ def check_reachable(shape: ModelShape, template: KVQuantConfig, labels: dict[int
     return plain
 
 
-def softcap_of(model: Any) -> float | None:
-    """The attention logit softcapping (Gemma 2) of a model or a transformers config, or None."""
-    config = model.config if hasattr(model, "config") else model
-    value = config.to_dict().get("attn_logit_softcapping")
-    return float(value) if value else None
-
-
 def check_template(template: KVQuantConfig, shape: ModelShape, labels: dict[int, list[str]]) -> None:
     """Every plain label must be storable for the model under the template's options (group size, packing)."""
     for kind, names in labels.items():
@@ -415,7 +409,7 @@ def calibrate_target(
         raise ArgumentError(f"--target-weight: {target_weight!r} must be a number >= 0")
     fp = fp16_bytes(shape, context)
     capacity = int(target * fp)
-    labels = check_reachable(shape, template, labels, target, context, softcap_of(model))
+    labels = check_reachable(shape, template, labels, target, context, logit_softcap(model))
     ids = tokenize(text, tokenizer)
     split = split_calibration(ids, window, windows, heldout, bos_id)
     seconds = {"tokenize": time.perf_counter() - t0}
@@ -553,7 +547,7 @@ def cmd_calibrate_target(args: Any) -> int:
     shape = ModelShape.from_config(hf_config)
     template = KVQuantConfig(sink_tokens=args.sinks)
     check_template(template, shape, labels)
-    check_reachable(shape, template, labels, target, args.context, softcap_of(hf_config))
+    check_reachable(shape, template, labels, target, args.context, logit_softcap(hf_config))
     text = load_text(args.data)  # before the model: a bad --data fails fast
     loaded = load_model(args.model, dtype=args.dtype, attn_implementation="sdpa", progress=True)
     res = calibrate_target(

@@ -114,14 +114,15 @@ def layer_plan(
     )  # fmt: skip
 
 
-def logit_softcap(model: Any) -> bool:
-    """Whether a transformers model (or config) caps its attention logits (``attn_logit_softcapping``)."""
+def logit_softcap(model: Any) -> float | None:
+    """A transformers model's (or config's) attention logit softcap (``attn_logit_softcapping``), or None."""
     if isinstance(model, ModelShape):
-        return False
+        return None
     config = model.config if hasattr(model, "config") else model
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
-    return bool(getattr(config, "attn_logit_softcapping", None))
+    value = getattr(config, "attn_logit_softcapping", None)
+    return float(value) if value else None
 
 
 def resolve(config: KVQuantConfig, model: Any) -> Plan:
@@ -130,5 +131,5 @@ def resolve(config: KVQuantConfig, model: Any) -> Plan:
     shape = ModelShape.of(model)
     rows = config.resolve(shape)
     windows = sliding_windows(model, shape.num_layers)
-    softcap = logit_softcap(model)
+    softcap = logit_softcap(model) is not None
     return Plan(tuple(layer_plan(config, row, i, windows[i], softcap) for i, row in enumerate(rows)))
