@@ -18,6 +18,7 @@ at a time, as before. Both give each sequence the attention over its own history
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -69,12 +70,17 @@ def attend_segments(
         if len(idx) == 1:  # a lone chunk: nothing to batch (the per-sequence walk has its own fast paths)
             rest += idx
             continue
-        pos = torch.tensor([starts[i] + t for i in idx for t in range(n)], device=query.device)
-        q = query[0].index_select(1, pos).view(query.shape[1], len(idx), n, -1).transpose(0, 1)
-        k = key[0].index_select(1, pos).view(key.shape[1], len(idx), n, -1).transpose(0, 1)
-        v = value[0].index_select(1, pos).view(value.shape[1], len(idx), n, -1).transpose(0, 1)
+        a, m = starts[idx[0]], len(idx) * n
+        run = all(starts[i] == a + j * n for j, i in enumerate(idx))  # side by side (a step's decode tokens)
+        pos = None if run else _positions(tuple(starts[i] for i in idx), n, query.device)
+        q, k, v = ((x[0, :, a:a + m] if pos is None else x[0].index_select(1, pos))
+                   .view(x.shape[1], len(idx), n, -1).transpose(0, 1) for x in (query, key, value))  # fmt: skip
         res = attend_batched(q, k, v, [stores[i] for i in idx], [past_lens[i] for i in idx], scaling)
-        out[0].index_copy_(1, pos, res.transpose(0, 1).reshape(query.shape[1], len(idx) * n, -1))
+        res = res.transpose(0, 1).reshape(query.shape[1], m, -1)
+        if pos is None:
+            out[0, :, a:a + m] = res
+        else:
+            out[0].index_copy_(1, pos, res)
     for i in rest:
         s, n = starts[i], lengths[i]
         out[:, :, s:s + n] = attend(query[:, :, s:s + n], key[:, :, s:s + n], value[:, :, s:s + n], stores[i],
@@ -152,6 +158,12 @@ def _dequantized(group: HeadGroup, table: torch.Tensor) -> tuple[torch.Tensor, t
     k = group.key.quantizer.dequantize(group.key.gather(table), group.key.state, torch.float32)
     v = group.value.quantizer.dequantize(group.value.gather(table), group.value.state, torch.float32)
     return k, v
+
+
+@functools.lru_cache(maxsize=8)
+def _positions(starts: tuple[int, ...], n: int, dev: torch.device) -> torch.Tensor:
+    """The packed positions of chunks of ``n`` tokens at ``starts`` (the layers of a step share it)."""
+    return torch.tensor([s + t for s in starts for t in range(n)], device=dev)
 
 
 _last_masks: list = [None, None]  # (key, masks) of the latest call: the layers of one step share them

@@ -187,6 +187,8 @@ class Scheduler:
         self._ids = itertools.count()
         self._need: list[int] = []
         self._cancelled: list[_Request] = []  # cancelled since the last step: their events are due
+        self._released = 0  # requests whose blocks went back (finished, cancelled, preempted), over the life
+        self._refused: tuple[Any, ...] | None = None  # the state a queued request was last refused in
         #: counters over the scheduler's life: steps, tokens run, preemptions, requests held per step
         self.counters = {"steps": 0, "tokens": 0, "decode_tokens": 0, "prefill_tokens": 0, "replay_tokens": 0,
                          "preemptions": 0, "running_sum": 0, "running_max": 0, "dense_max": 0}  # fmt: skip
@@ -359,7 +361,7 @@ class Scheduler:
                 plan.append((req, start, end))
                 budget -= end - start
             while self.waiting and (self.max_running is None or len(self.running) < self.max_running):
-                if not self._admit(self.waiting[0], budget):
+                if self._still_refused(self.waiting[0], budget) or not self._admit(self.waiting[0], budget):
                     break
                 req = self.waiting.popleft()
                 self.running.append(req)
@@ -420,11 +422,33 @@ class Scheduler:
         req.written = 0
         # not admitted: this look-up does not count as a query of the prefix index
         self.pool.prefix_query_tokens, self.pool.prefix_hit_tokens = queried, hit
+        self._refused = self._admission_state(req, budget)
         return False
+
+    def _admission_state(self, req: _Request, budget: int) -> tuple[Any, ...]:
+        """What admitting ``req`` depends on, beyond ``req`` itself: the step's token budget, the releases and prefix
+        index changes so far, the running requests, and per layer the free blocks less the step's plan."""
+        slack = tuple(len(b.free) - n if b is not None else None
+                      for b, n in zip(self.pool.layers, self._need, strict=True))  # fmt: skip
+        return (req.id, self._released, self.pool.index_changes, len(self.running), budget, self._dense, slack)
+
+    def _still_refused(self, req: _Request, budget: int) -> bool:
+        """True when ``req`` was refused before and nothing it needs grew since: no request released its blocks,
+        the prefix index is unchanged, no fewer requests run, and the step's budget, the free full-precision bytes
+        and every layer's free blocks less the step's plan are no larger. Admission would fail again (it only
+        gets harder as running requests grow), so the retry, which builds and drops a cache, is skipped."""
+        if self._refused is None:
+            return False
+        rid, released, changes, running, budget0, dense0, slack0 = self._refused
+        state = self._admission_state(req, budget)
+        if (rid, released, changes) != state[:3] or state[3] < running or budget > budget0 or self._dense < dense0:
+            return False
+        return all(a is None or b is not None and a <= b for a, b in zip(state[6], slack0, strict=True))
 
     def _preempt(self, req: _Request) -> None:
         """Free ``req``'s blocks and queue it first, to be recomputed from its tokens."""
         self.running.remove(req)
+        self._released += 1
         if req.cache is not None:
             req.cache.release()
         req.cache = None
@@ -434,6 +458,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _finish(self, req: _Request, reason: str) -> None:
+        self._released += 1
         if req.cache is not None:
             req.cache.release()
         req.cache = None
