@@ -439,8 +439,8 @@ class Scheduler:
         tokens (the most over its layers), summed."""
         if self.reserve_tokens is None:
             return len(self.running)
-        return sum(max(layer.store.blocks_needed(self.reserve_tokens) for layer in r.cache.layers
-                       if layer.store is not None)  # fmt: skip
+        return sum(max((layer.store.blocks_needed(self.reserve_tokens) for layer in r.cache.layers
+                        if layer.store is not None), default=0)  # fmt: skip
                    for r in self.running if r.cache is not None)  # fmt: skip
 
     def _admission_state(self, req: _Request, budget: int) -> tuple[Any, ...]:
