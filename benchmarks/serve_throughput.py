@@ -15,11 +15,14 @@ of requests run through each system in turn:
 * ``kvquant-<config>``: ``kvquant.Scheduler`` with ``--configs`` (``fp16`` passthrough, ``int8-kchannel``,
   ``int4-kchannel-sinks``), block size ``--block-size``. The budget covers the pool's blocks **and** the running
   requests' full-precision buffers (fp16 sinks, the fp16 tail of an unfilled per-channel key block), split in two
-  arenas: the buffers get ``D = ceil(M) * mean buffer bytes per request`` (``M = budget / (pool bytes per token *
-  mean held tokens + mean buffer bytes)``, mean held tokens: the mean of prompt + output / 2 over the stream, what a
-  request holds on average while it runs; the mean tail is half a block), bounded by what they hold after each
+  arenas cut in the ratio of what a request holds in each on average: the buffers get
+  ``D = budget * b / (p * (L - t) + b) + one request's most buffers`` (``b``: mean buffer bytes per request, sinks
+  and a tail of half a block, ``t`` tokens; ``p``: pool bytes per token; ``L``, mean held tokens: the mean of
+  prompt + output / 2 over the stream; the tail's tokens are not in the pool), bounded by what they hold after each
   step (``Scheduler(max_dense_bytes=D)``: shared by use, not reserved per request), and the pool gets
-  ``budget - D`` (configs without dense buffers: the whole budget).
+  ``budget - D`` (configs without dense buffers: the whole budget). A request is admitted with the growth room of
+  ``--reserve-tokens`` (default 4: the pool keeps free the blocks the running requests need for their next 4
+  tokens; ``Scheduler(reserve_tokens=4)``).
 
 Requests: prompt and output lengths drawn from log-normal distributions with the stated P50 and P99 (clipped to
 [4, 1.5 * P99]), random token ids (``--seed``), no stop token (each request generates exactly its drawn output
@@ -144,23 +147,33 @@ def dense_bytes_per_request(model, cfg: kvquant.KVQuantConfig) -> tuple[int, flo
     return cfg.sink_tokens * per, mean * per, most * per
 
 
-def run_kvquant(model, name: str, prompts, outs, budget: int, block: int, step_tokens: int, chunk: int) -> dict:
+def dense_arena_bytes(model, cfg: kvquant.KVQuantConfig, prompts, outs, budget: int, block: int) -> int | None:
+    """The full-precision buffers' arena ``D`` cut from ``budget`` (None: the config has no such buffers); see the
+    module doc."""
+    sinks, tail, most = dense_bytes_per_request(model, cfg)
+    if not (sinks or tail):
+        return None
+    # one budget, two arenas: the pool's blocks and the running requests' full-precision buffers, cut in the ratio
+    # of what a request holds in each on average (mean held tokens: prompt + output / 2; the tokens of its tail are
+    # not in the pool), plus one request's most buffers; bounded by what they hold (Scheduler's max_dense_bytes),
+    # not reserved per request
+    probe = kvquant.PagedKVPool(model, cfg)
+    mean_tokens = statistics.mean(len(p) + n / 2 for p, n in zip(prompts, outs, strict=True))
+    mean_dense = sinks + tail
+    tail_tokens = tail / fp16_bytes_per_token(model)
+    in_pool = probe.block_bytes / block * max(0.0, mean_tokens - tail_tokens)
+    return min(budget - probe.block_bytes, int(budget * mean_dense / (in_pool + mean_dense)) + sinks + most)
+
+
+def run_kvquant(model, name: str, prompts, outs, budget: int, block: int, step_tokens: int, chunk: int,
+                dense_arena: int | None | str = "auto", reserve_tokens: int | None = None) -> dict:  # fmt: skip
     cfg = kvquant.KVQuantConfig.load({**kvquant.KVQuantConfig.load(name).to_dict(), "block_size": block})
     probe = kvquant.PagedKVPool(model, cfg)
-    sinks, tail, most = dense_bytes_per_request(model, cfg)
-    dense_arena = None
-    pool_bytes = budget
-    if sinks or tail:
-        # one budget, two arenas: the pool's blocks and the running requests' full-precision buffers, the latter
-        # sized for the requests the budget holds on average (mean held tokens: prompt + output / 2) with their
-        # mean buffers, and bounded by what they hold (Scheduler's max_dense_bytes), not reserved per request
-        mean_tokens = statistics.mean(len(p) + n / 2 for p, n in zip(prompts, outs, strict=True))
-        mean_dense = sinks + tail
-        expected = budget / (probe.block_bytes / block * mean_tokens + mean_dense)
-        dense_arena = max(int(math.ceil(expected) * mean_dense), sinks + most)  # at least one request's most
-        pool_bytes = budget - dense_arena
+    if dense_arena == "auto":
+        dense_arena = dense_arena_bytes(model, cfg, prompts, outs, budget, block)
+    pool_bytes = budget if dense_arena is None else budget - dense_arena
     sched = kvquant.Scheduler(model, cfg, max_bytes=pool_bytes, max_step_tokens=step_tokens, prefill_chunk=chunk,
-                              max_dense_bytes=dense_arena)  # fmt: skip
+                              max_dense_bytes=dense_arena, reserve_tokens=reserve_tokens)  # fmt: skip
     t0, c0 = time.perf_counter(), time.process_time()
     ids = [sched.submit(p, max_new_tokens=n, stop=[]) for p, n in zip(prompts, outs, strict=True)]
     admitted: dict[int, float] = {}
@@ -243,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-tokens", type=int, default=256, help="tokens per forward at most (both systems)")
     ap.add_argument("--prefill-chunk", type=int, default=128)
     ap.add_argument("--configs", default="fp16,int8-kchannel,int4-kchannel-sinks")
+    ap.add_argument("--reserve-tokens", type=int, default=4,
+                    help="kvquant: growth room kept at admission (Scheduler(reserve_tokens=...)); -1: one block each")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -268,9 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_transformers(model, prompts, o_len, budget, args.block_size, args.step_tokens))
         print(table(rows)[-1], flush=True)
     for name in [c for c in args.configs.split(",") if c]:
-        run_kvquant(model, name, *warm, budget, args.block_size, args.step_tokens, args.prefill_chunk)
+        reserve = None if args.reserve_tokens < 0 else args.reserve_tokens
+        run_kvquant(model, name, *warm, budget, args.block_size, args.step_tokens, args.prefill_chunk,
+                    reserve_tokens=reserve)  # fmt: skip
         rows.append(run_kvquant(model, name, prompts, o_len, budget, args.block_size, args.step_tokens,
-                                args.prefill_chunk))  # fmt: skip
+                                args.prefill_chunk, reserve_tokens=reserve))  # fmt: skip
         kvquant.unwrap(model)
         print(table(rows)[-1], flush=True)
     print("\n".join(table(rows)))

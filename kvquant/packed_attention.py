@@ -8,7 +8,9 @@ step; prefill chunks of equal length) form one batch. For a batch it gathers eve
 padded ``[N, blocks]`` table and walks it a tile of blocks at a time, vectorised over the sequences: each tile is
 dequantized (never the whole history) and folded into an online softmax in fp32, with each sequence's own
 history length masking what lies past it. Then the dense segments (fp16 sinks, the unfilled tail of per-channel
-key blocks, padded to the longest) and the fresh chunk (causal) are folded in the same way.
+key blocks, padded to the longest) and the fresh chunk (causal) are folded in the same way. When the whole history
+fits one tile (the common case), pool and dense keys go through one fused ``scaled_dot_product_attention`` call
+with the same mask instead.
 
 Stores the walk does not cover (see :func:`batchable`: eviction slots, per-head lanes, the age ladder, heavy
 rows, rotation / centering, codebook head spaces, static scales, sliding windows, offloaded blocks, rows still
@@ -18,11 +20,13 @@ at a time, as before. Both give each sequence the attention over its own history
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .kernels.attention_torch import OnlineSoftmax
 from .store import HeadGroup, LayerStore
@@ -69,12 +73,17 @@ def attend_segments(
         if len(idx) == 1:  # a lone chunk: nothing to batch (the per-sequence walk has its own fast paths)
             rest += idx
             continue
-        pos = torch.tensor([starts[i] + t for i in idx for t in range(n)], device=query.device)
-        q = query[0].index_select(1, pos).view(query.shape[1], len(idx), n, -1).transpose(0, 1)
-        k = key[0].index_select(1, pos).view(key.shape[1], len(idx), n, -1).transpose(0, 1)
-        v = value[0].index_select(1, pos).view(value.shape[1], len(idx), n, -1).transpose(0, 1)
+        a, m = starts[idx[0]], len(idx) * n
+        run = all(starts[i] == a + j * n for j, i in enumerate(idx))  # side by side (a step's decode tokens)
+        pos = None if run else _positions(tuple(starts[i] for i in idx), n, query.device)
+        q, k, v = ((x[0, :, a:a + m] if pos is None else x[0].index_select(1, pos))
+                   .view(x.shape[1], len(idx), n, -1).transpose(0, 1) for x in (query, key, value))  # fmt: skip
         res = attend_batched(q, k, v, [stores[i] for i in idx], [past_lens[i] for i in idx], scaling)
-        out[0].index_copy_(1, pos, res.transpose(0, 1).reshape(query.shape[1], len(idx) * n, -1))
+        res = res.transpose(0, 1).reshape(query.shape[1], m, -1)
+        if pos is None:
+            out[0, :, a:a + m] = res
+        else:
+            out[0].index_copy_(1, pos, res)
     for i in rest:
         s, n = starts[i], lengths[i]
         out[:, :, s:s + n] = attend(query[:, :, s:s + n], key[:, :, s:s + n], value[:, :, s:s + n], stores[i],
@@ -105,7 +114,7 @@ def attend_batched(
     tile = max(1, WORKSPACE_BYTES // (4 * N * Hkv * bs * D))  # blocks per tile
     S = s0.sink_tokens if s0.sink_k is not None else 0
     rmax = max(res_n)
-    hide_pool, hide_dense, hide_all, idx = _masks(tuple(q_end), tuple(sink_lo), tuple(res_n), nb * bs, S, T, rep, dev)
+    hide_pool, hide_dense, see_all, idx = _masks(tuple(q_end), tuple(sink_lo), tuple(res_n), nb * bs, S, T, rep, dev)
     # dense keys after the pool: sinks, the unfilled tails (padded to the longest), the fresh chunk
     dk, dv = [], []
     if S:
@@ -124,13 +133,12 @@ def attend_batched(
         Hg = len(g.heads)
         q = sel(q5).reshape(N, Hg, R, D)
         kd, vd = sel(dense_k), sel(dense_v)
-        if nb <= tile:  # the common case: every pool block in one tile, one plain softmax with the dense keys
+        if nb <= tile:  # the common case: every pool block in one tile, one fused softmax with the dense keys
             k, v = _dequantized(g, table)
-            scores = torch.cat([q @ k.transpose(-1, -2), q @ kd.transpose(-1, -2)], dim=-1)
-            scores = scores.masked_fill(hide_all, -math.inf)
-            p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # finite: a row sees its own fresh key
-            P = k.shape[2]
-            res = (p[..., :P] @ v + p[..., P:] @ vd) / p.sum(dim=-1, keepdim=True)
+            # SDPA over [pool keys | dense keys]; ``q`` is scaled already. A row sees its own fresh key, so no row
+            # is fully masked
+            res = F.scaled_dot_product_attention(q, torch.cat([k, kd], dim=2), torch.cat([v, vd], dim=2),
+                                                 attn_mask=see_all, scale=1.0)  # fmt: skip
         else:
             fold = OnlineSoftmax((N, Hg, R), D, dev)
             for j0 in range(0, nb, tile):
@@ -154,6 +162,12 @@ def _dequantized(group: HeadGroup, table: torch.Tensor) -> tuple[torch.Tensor, t
     return k, v
 
 
+@functools.lru_cache(maxsize=8)
+def _positions(starts: tuple[int, ...], n: int, dev: torch.device) -> torch.Tensor:
+    """The packed positions of chunks of ``n`` tokens at ``starts`` (the layers of a step share it)."""
+    return torch.tensor([s + t for s in starts for t in range(n)], device=dev)
+
+
 _last_masks: list = [None, None]  # (key, masks) of the latest call: the layers of one step share them
 
 
@@ -163,8 +177,8 @@ def _masks(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """What each sequence must not see: ``hide_pool[N, 1, 1, pool_len]`` (past its pool tokens, its sink rows),
     ``hide_dense[N, 1, rep * T, S + rmax + T]`` (sink slots not held, padding past its tail, later fresh tokens),
-    both side by side (``hide_all``), and the gather index of the padded tails (None without tails). Computed
-    once for the layers of a step."""
+    what it may see of both side by side (``see_all``, the complement), and the gather index of the padded tails
+    (None without tails). Computed once for the layers of a step."""
     key = (q_end, sink_lo, res_n, pool_len, S, T, rep, dev)
     if _last_masks[0] == key:
         return _last_masks[1]
@@ -183,6 +197,6 @@ def _masks(
         starts = [0, *itertools.accumulate(res_n)][:-1]
         idx = torch.tensor([a + min(t, r - 1) if r else 0 for a, r in zip(starts, res_n, strict=True)
                             for t in range(rmax)], device=dev)  # fmt: skip
-    hide_all = torch.cat([hide_pool.expand(N, 1, R, pool_len), hide_dense], dim=-1)
-    _last_masks[:] = [key, (hide_pool, hide_dense, hide_all, idx)]
-    return hide_pool, hide_dense, hide_all, idx
+    see_all = ~torch.cat([hide_pool.expand(N, 1, R, pool_len), hide_dense], dim=-1)
+    _last_masks[:] = [key, (hide_pool, hide_dense, see_all, idx)]
+    return hide_pool, hide_dense, see_all, idx

@@ -95,6 +95,9 @@ class PagedKVPool:
         self.index: dict[bytes, list[int]] = {}  # prefix hash -> block id per layer (-1: not yet written)
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        #: entries added to or dropped from the index so far (a scheduler's refused admission is retried once the
+        #: index changed: a new entry may be a prefix hit)
+        self.index_changes = 0
         self._root = self._root_digest()
 
     # ------------------------------------------------------------------ blocks
@@ -142,6 +145,7 @@ class PagedKVPool:
                 self._drop(h)
 
     def _drop(self, h: bytes) -> None:
+        self.index_changes += 1
         for i, b in enumerate(self.index.pop(h)):
             if b >= 0:
                 self.layers[i].decref([b])  # type: ignore[union-attr]
@@ -187,6 +191,7 @@ class PagedKVPool:
         """Index ``block`` of ``layer`` under prefix hash ``h`` (the index takes one reference)."""
         ids = self.index.setdefault(h, [-1] * self.shape.num_layers)
         if ids[layer] < 0:
+            self.index_changes += 1
             ids[layer] = block
             self.layers[layer].incref([block])  # type: ignore[union-attr]
 

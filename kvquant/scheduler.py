@@ -9,12 +9,12 @@ one layer batched over the shared pool (:mod:`kvquant.packed_attention`). A requ
 
 Scheduling, per step: decode tokens of running requests first (oldest first), then the next prefill chunk of
 running requests, then new requests from the queue (first come, first served) while the step's token budget and
-the pool allow. A request is admitted when the pool can hold its next step and still keep one block per layer
-free for each running request to grow into; when the pool is full new requests wait, and when the running
-requests' next tokens do not fit, the newest running request is **preempted**: its blocks go back to the pool and
-it is queued first, to be recomputed later. ``max_dense_bytes`` bounds the running requests' full-precision
-buffers (sinks, unfilled per-channel tails) the same way, by what they hold. :class:`~kvquant.KVCacheFull` never
-reaches the caller; every request finishes.
+the pool allow. A request is admitted when the pool can hold its next step and still keep free the blocks the
+running requests grow into (one per layer each, or what their next ``reserve_tokens`` tokens need); when the pool
+is full new requests wait, and when the running requests' next tokens do not fit, the newest running request is
+**preempted**: its blocks go back to the pool and it is queued first, to be recomputed later. ``max_dense_bytes``
+bounds the running requests' full-precision buffers (sinks, unfilled per-channel tails) the same way, by what they
+hold. :class:`~kvquant.KVCacheFull` never reaches the caller; every request finishes.
 
 Outputs do not depend on batch-mates, arrival order or preemption: a prompt is prefilled in chunks of
 ``prefill_chunk`` tokens counted from position 0 (never split by the budget), a prefix hit from the pool's
@@ -118,6 +118,10 @@ class Scheduler:
             step, not reserved per request (``None``: unbounded). A request is admitted when its next step fits
             it with room for one more token of every running request; when the running requests' next tokens do
             not fit, the newest is preempted, as for blocks. :meth:`dense_bytes` is what they hold now.
+        reserve_tokens: the growth room a request is admitted with: the pool keeps free, besides the step's blocks,
+            the blocks every running request needs for its next ``reserve_tokens`` tokens (a request whose current
+            block or unfilled per-channel tail still has room needs none). ``None``: one block per layer for each
+            running request. Less room holds more requests and preempts more often.
 
     Example::
 
@@ -140,6 +144,7 @@ class Scheduler:
         prefill_chunk: int | None = None,
         max_running: int | None = None,
         max_dense_bytes: int | None = None,
+        reserve_tokens: int | None = None,
     ) -> None:
         if pool is None:
             pool = PagedKVPool(model, DEFAULT_PRESET if config is None else config, max_bytes, block_size)
@@ -162,6 +167,8 @@ class Scheduler:
                                f"between {bs} and max_step_tokens ({max_step_tokens})")  # fmt: skip
         if max_running is not None and (not isinstance(max_running, int) or max_running < 1):
             raise RequestError(f"max_running: {max_running!r} must be a positive integer")
+        if reserve_tokens is not None and (not isinstance(reserve_tokens, int) or reserve_tokens < 0):
+            raise RequestError(f"reserve_tokens: {reserve_tokens!r} must be a non-negative integer")
         if max_dense_bytes is not None and (not isinstance(max_dense_bytes, int) or max_dense_bytes < 0):
             raise RequestError(f"max_dense_bytes: {max_dense_bytes!r} must be a non-negative integer")
         if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
@@ -173,6 +180,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.max_running = max_running
         self.max_dense_bytes = max_dense_bytes
+        self.reserve_tokens = reserve_tokens
         self._dense = 0  # the plan's full-precision bytes of the running requests after the step
         self.device = next(model.parameters()).device
         #: the most bytes one request's full-precision buffers hold after a step (sinks, a tail one token short
@@ -187,6 +195,8 @@ class Scheduler:
         self._ids = itertools.count()
         self._need: list[int] = []
         self._cancelled: list[_Request] = []  # cancelled since the last step: their events are due
+        self._released = 0  # requests whose blocks went back (finished, cancelled, preempted), over the life
+        self._refused: tuple[Any, ...] | None = None  # the state a queued request was last refused in
         #: counters over the scheduler's life: steps, tokens run, preemptions, requests held per step
         self.counters = {"steps": 0, "tokens": 0, "decode_tokens": 0, "prefill_tokens": 0, "replay_tokens": 0,
                          "preemptions": 0, "running_sum": 0, "running_max": 0, "dense_max": 0}  # fmt: skip
@@ -359,7 +369,7 @@ class Scheduler:
                 plan.append((req, start, end))
                 budget -= end - start
             while self.waiting and (self.max_running is None or len(self.running) < self.max_running):
-                if not self._admit(self.waiting[0], budget):
+                if self._still_refused(self.waiting[0], budget) or not self._admit(self.waiting[0], budget):
                     break
                 req = self.waiting.popleft()
                 self.running.append(req)
@@ -373,11 +383,11 @@ class Scheduler:
                 return plan
             self._preempt(self.running[-1])  # nothing runnable fits: free the newest
 
-    def _room(self, req: _Request, tokens: int, spare: int = 0) -> bool:
+    def _room(self, req: _Request, tokens: int, spare: int = 0, spare_blocks: int | None = None) -> bool:
         """Reserve, in the step's plan, the blocks ``tokens`` more tokens of ``req`` may need; False if the pool
-        cannot hold them besides what the plan holds already and ``spare`` more blocks per layer (index-only prefix
-        blocks are evicted first), or if the running requests' full-precision buffers would then exceed
-        ``max_dense_bytes`` with room for ``spare`` more tokens."""
+        cannot hold them besides what the plan holds already and ``spare_blocks`` more blocks per layer (default
+        ``spare``; index-only prefix blocks are evicted first), or if the running requests' full-precision buffers
+        would then exceed ``max_dense_bytes`` with room for ``spare`` more tokens."""
         assert req.cache is not None
         for layer in req.cache.layers:
             if layer.store is None:
@@ -393,7 +403,7 @@ class Scheduler:
             need = [st.blocks_needed(tokens) for st in stores]  # type: ignore[union-attr]
             for i, n in enumerate(need):
                 blocks = self.pool.layer_blocks(i, self.device)
-                total = self._need[i] + n + spare
+                total = self._need[i] + n + (spare if spare_blocks is None else spare_blocks)
                 if total > len(blocks.free):
                     self.pool.evict(i, total - len(blocks.free))
                 if total > len(blocks.free):
@@ -411,20 +421,56 @@ class Scheduler:
         req.cache = QuantizedKVCache.from_pool(self.pool, torch.tensor(req.prompt), align=self.prefill_chunk)
         req.written = req.cache.get_seq_length()
         start, end = req.next_piece(self.prefill_chunk)
-        # keep one block per layer for each running request to grow into: admitting into the last free blocks
+        # keep room for the running requests to grow into (reserve_tokens): admitting into the last free blocks
         # would only preempt someone at the next block boundary
-        if end - start <= budget and self._room(req, end - start, spare=len(self.running)):
+        if end - start <= budget and self._room(req, end - start, len(self.running), self._growth_blocks()):
             return True
         req.cache.release()
         req.cache = None
         req.written = 0
         # not admitted: this look-up does not count as a query of the prefix index
         self.pool.prefix_query_tokens, self.pool.prefix_hit_tokens = queried, hit
+        self._refused = self._admission_state(req, budget)
         return False
+
+    def _growth_blocks(self) -> int:
+        """Blocks per layer that admission keeps free for the running requests to grow into: with
+        ``reserve_tokens`` None one per running request, else what each needs for its next ``reserve_tokens``
+        tokens (the most over its layers), summed."""
+        if self.reserve_tokens is None:
+            return len(self.running)
+        return sum(max((layer.store.blocks_needed(self.reserve_tokens) for layer in r.cache.layers
+                        if layer.store is not None), default=0)  # fmt: skip
+                   for r in self.running if r.cache is not None)  # fmt: skip
+
+    def _admission_state(self, req: _Request, budget: int) -> tuple[Any, ...]:
+        """What admitting ``req`` depends on, beyond ``req`` itself: the step's token budget, the releases and prefix
+        index changes so far, the running requests, per layer the free blocks less the step's plan, and the growth
+        room kept for the running requests."""
+        slack = tuple(len(b.free) - n if b is not None else None
+                      for b, n in zip(self.pool.layers, self._need, strict=True))  # fmt: skip
+        return (req.id, self._released, self.pool.index_changes, len(self.running), budget, self._dense, slack,
+                self._growth_blocks())  # fmt: skip
+
+    def _still_refused(self, req: _Request, budget: int) -> bool:
+        """True when ``req`` was refused before and nothing it needs grew since: no request released its blocks,
+        the prefix index is unchanged, no fewer requests run, the growth room is no smaller, and the step's budget,
+        the free full-precision bytes and every layer's free blocks less the step's plan are no larger. Admission
+        would fail again, so the retry, which builds and drops a cache, is skipped."""
+        if self._refused is None:
+            return False
+        rid, released, changes, running, budget0, dense0, slack0, growth0 = self._refused
+        state = self._admission_state(req, budget)
+        if (rid, released, changes) != state[:3] or state[3] < running or budget > budget0 or self._dense < dense0:
+            return False
+        if state[7] < growth0:
+            return False
+        return all(a is None or b is not None and a <= b for a, b in zip(state[6], slack0, strict=True))
 
     def _preempt(self, req: _Request) -> None:
         """Free ``req``'s blocks and queue it first, to be recomputed from its tokens."""
         self.running.remove(req)
+        self._released += 1
         if req.cache is not None:
             req.cache.release()
         req.cache = None
@@ -434,6 +480,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _finish(self, req: _Request, reason: str) -> None:
+        self._released += 1
         if req.cache is not None:
             req.cache.release()
         req.cache = None

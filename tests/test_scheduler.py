@@ -198,3 +198,40 @@ def test_dense_buffers_bounded_by_what_they_hold(stories):
         kvquant.Scheduler(model, cfg, max_dense_bytes=-1)
     with pytest.raises(RequestError):
         kvquant.Scheduler(model, cfg, max_dense_bytes=one - 1)
+
+
+@pytest.mark.slow  # 6 solo runs and three scheduler runs of 16 tokens each
+def test_reserve_tokens_holds_more_and_refused_admissions_are_not_retried_in_vain(stories, monkeypatch):
+    model, _ = stories
+    cfg = config("int8-kchannel")  # per-channel keys: a request needs a new block only when its tail fills
+    ps = prompts([5, 40, 17, 30, 9, 23], seed=3)
+    want = [solo(model, cfg, p, 16) for p in ps]
+    block = kvquant.PagedKVPool(model, cfg).block_bytes
+    built = []
+    from_pool = kvquant.QuantizedKVCache.from_pool
+    monkeypatch.setattr(kvquant.QuantizedKVCache, "from_pool",
+                        staticmethod(lambda *a, **k: built.append(1) or from_pool(*a, **k)))  # fmt: skip
+    runs = {}
+    for name, reserve, retry_all in (("memo", None, False), ("retry", None, True), ("reserve0", 0, False)):
+        if retry_all:
+            monkeypatch.setattr(kvquant.Scheduler, "_still_refused", lambda *a: False)
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(kvquant.QuantizedKVCache, "from_pool",
+                                staticmethod(lambda *a, **k: built.append(1) or from_pool(*a, **k)))  # fmt: skip
+        built.clear()
+        sched = kvquant.Scheduler(model, cfg, max_bytes=9 * block, max_step_tokens=64, prefill_chunk=32,
+                                  reserve_tokens=reserve)  # fmt: skip
+        ids = [sched.submit(p, max_new_tokens=16) for p in ps]
+        while sched.busy:
+            sched.step()
+        assert [sched.output(i) for i in ids] == want
+        sched.pool.clear_prefixes()
+        assert sched.pool.stats()["blocks_used"] == 0
+        runs[name] = (sched.stats(), len(built))
+    memo, retry, reserve0 = runs["memo"], runs["retry"], runs["reserve0"]
+    assert memo[0]["steps"] == retry[0]["steps"] and memo[0]["running_max"] == retry[0]["running_max"]
+    assert memo[1] < retry[1]  # the same schedule with fewer caches built and dropped
+    assert reserve0[0]["running_max"] > memo[0]["running_max"]  # less growth room: more requests held
+    with pytest.raises(RequestError):
+        kvquant.Scheduler(model, cfg, reserve_tokens=-1)
