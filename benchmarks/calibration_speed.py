@@ -1,8 +1,8 @@
 """CPU decode speed of calibrated configs and of each calibration candidate, against int4-kchannel-sinks, same run.
 
-The calibrator's default candidates (``kvquant.calibrate_target.KEY_CANDIDATES`` / ``VALUE_CANDIDATES``) are the
-families whose decode keeps at least half of ``int4-kchannel-sinks``'s tokens per CPU-second (issue 36's speed rule);
-this script is how that is measured::
+``kvquant calibrate --fast`` keeps to the candidates (``kvquant.calibrate_target.FAST_KEY_CANDIDATES`` /
+``FAST_VALUE_CANDIDATES``) whose calibrated mixes decode at no less than half of ``int4-kchannel-sinks``'s tokens per
+CPU-second (issue 36's speed rule); this script is how that is measured::
 
     python benchmarks/calibration_speed.py                                   # every candidate, uniform K and V
     python benchmarks/calibration_speed.py --configs cal.yaml,int4-kchannel --candidates ""   # configs only
@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import kvquant  # noqa: E402
 from kvquant import KVQuantConfig  # noqa: E402
-from kvquant.calibrate_target import QUALITY_KEY_CANDIDATES, QUALITY_VALUE_CANDIDATES  # noqa: E402
+from kvquant.calibrate_target import KEY_CANDIDATES, VALUE_CANDIDATES  # noqa: E402
 from kvquant.models import load_model  # noqa: E402
 from kvquant.transformers_compat import cache_kw  # noqa: E402
 
@@ -67,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default="", help="comma-separated presets or config files (e.g. calibrated ones)")
     ap.add_argument("--candidates", default=None,
                     help="comma-separated candidate labels run as uniform configs (default: every key and value "
-                    "candidate of --quality except tqc*; '' for none)")
+                    "candidate except tqc*; '' for none)")
     ap.add_argument("--context", type=int, default=256, help="prefill tokens (256)")
     ap.add_argument("--steps", type=int, default=12, help="timed decode steps per round (12)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median ratio is printed (3)")
     ap.add_argument("--sinks", type=int, default=4, help="fp16 sinks of the candidate configs (4)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    keys, values = QUALITY_KEY_CANDIDATES.split(","), QUALITY_VALUE_CANDIDATES.split(",")
+    keys, values = KEY_CANDIDATES.split(","), VALUE_CANDIDATES.split(",")
     labels = [c for c in dict.fromkeys(keys + values) if not c.startswith("tqc")]
     if args.candidates is not None:
         labels = [c for c in args.candidates.split(",") if c]

@@ -566,7 +566,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--value-candidates", dest="value_candidates", default=VALUE_CANDIDATES,
                    help=f"--target-bytes: value labels (default: {VALUE_CANDIDATES})")
     p.add_argument("--fast", action="store_true",
-                   help="--target-bytes: integer-family candidates only (they keep CPU decode speed)")
+                   help="--target-bytes: no tqv*/tqc* codebook candidates: CPU decode >= 0.5x "
+                   "int4-kchannel-sinks's, at a higher error")
     p.add_argument("--target-weight", dest="target_weight", type=float, default=1.0,
                    help="--target-bytes: weight of the target-token NLL term beside KL in the objective (1.0)")
     p.add_argument("--heldout-windows", dest="heldout_windows", type=int, default=4,

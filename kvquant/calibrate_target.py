@@ -41,11 +41,14 @@ from .shape import ModelShape
 
 #: named tiers: ``--tier NAME`` is ``--target-bytes F``
 TIERS: dict[str, float] = {"auto-8bit": 0.5, "auto-4bit": 0.27, "auto-3bit": 0.21}
+#: the default candidates: the lowest error per byte (the vector ``tqv*`` and channel-width ``tqc*`` codebooks
+#: included; their CPU decode is slower, see ``--fast``)
 KEY_CANDIDATES = "fp16,int8-channel,int8-token,int4-channel,int4,tq4,tq3,tqv4,tqc4,tqc3"
 VALUE_CANDIDATES = "fp16,int8-token,int4,tq4,tq3,tqv4,tqv3"
-#: ``--fast``: the integer families only, whose CPU read path keeps decode speed (codebook codes read slower there)
-FAST_KEY_CANDIDATES = "fp16,int8-channel,int8-token,int4-channel,int3-channel,int4,int3"
-FAST_VALUE_CANDIDATES = "fp16,int8-token,int4,int3"
+#: ``--fast``: the families whose CPU decode, mixed per head as the calibrator mixes them, stays at or above half of
+#: ``int4-kchannel-sinks``'s (writing each token included; benchmarks/calibration_speed.py): no ``tqv*`` / ``tqc*``
+FAST_KEY_CANDIDATES = "fp16,int8-channel,int8-token,int4-channel,int3-channel,int4,tq4,tq3"
+FAST_VALUE_CANDIDATES = "fp16,int8-token,int4,tq4,tq3"
 TARGET_EPILOG = """
 a byte target (--target-bytes F or --tier NAME) instead of --budget-bits:
   kvquant calibrate --model smollm2-135m --data wikitext-2 --target-bytes 0.27 -o smollm2-0.27x.yaml
@@ -58,9 +61,10 @@ a byte target (--target-bytes F or --tier NAME) instead of --budget-bits:
   the config (per-channel tqc key widths, each unit's fisher or kl sensitivity plus --target-weight x a
   target-token NLL term), the held-out ones before them measure the expectation written in the config's header
   (KL and ppl change against FP16, mean +- SE; simulated protocol). Trellis codes (tqt*) decode an order of
-  magnitude slower on CPU and are not default candidates (add them to --key/--value-candidates to allow them);
-  on CPU every codebook code reads slower than the integer codes: --fast keeps to the integer families
-  (keys fp16,int8-channel,int8-token,int4-channel,int3-channel,int4,int3; values fp16,int8-token,int4,int3).
+  magnitude slower on CPU and are never default candidates (add them to --key/--value-candidates to allow them).
+  The default candidates give the lowest error per byte; the configs they make decode on CPU at ~0.35x the speed
+  of int4-kchannel-sinks (the tqv*/tqc* codebooks). --fast leaves those out (keys fp16,int8-channel,int8-token,
+  int4-channel,int3-channel,int4,tq4,tq3; values fp16,int8-token,int4,tq4,tq3): >= 0.5x on CPU, at a higher error.
   Refused before any work, nothing written: a target below what the candidates can store, codebook keys on a
   model with attention logit softcapping when only they meet the target, less text than the windows need.
 """

@@ -8,6 +8,8 @@ import yaml
 
 from kvquant import KVQuantConfig, ModelShape
 from kvquant.calibrate_target import (
+    FAST_KEY_CANDIDATES,
+    FAST_VALUE_CANDIDATES,
     TIERS,
     allocate_bytes,
     calibrate_target,
@@ -164,6 +166,22 @@ def test_refusals_write_nothing(stories_path, tmp_path, tinystories_text, capsys
     assert _cli(_args(stories_path, data, out) + ["--fast"]) == 2
     assert "--fast:" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_fast_leaves_out_the_slow_codebooks(stories_path, tmp_path, tinystories_text):
+    """``--fast`` sets the candidates (no ``tqv*`` / ``tqc*``) and the written config and its header hold only them."""
+    data = tmp_path / "text.txt"
+    data.write_text(tinystories_text)
+    out = tmp_path / "fast.yaml"
+    argv = _args(stories_path, data, out, target="0.45")
+    k = argv.index("--key-candidates")
+    del argv[k : k + 4]  # the explicit --key-candidates / --value-candidates
+    assert _cli(argv + ["--fast"]) == 0
+    text = out.read_text()
+    assert f"--key-candidates {FAST_KEY_CANDIDATES} --value-candidates {FAST_VALUE_CANDIDATES}" in text
+    body = yaml.safe_load(text)
+    assert "tqv" not in str(body) and "tqc" not in str(body)
+    assert "tqv" not in FAST_KEY_CANDIDATES + FAST_VALUE_CANDIDATES and "tqc" not in FAST_KEY_CANDIDATES
 
 
 def test_softcapped_models_get_no_codebook_keys(stories):
