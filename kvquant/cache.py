@@ -269,7 +269,7 @@ class QuantizedLayer(CacheLayerMixin):
                 victim = None if not policy.tracking or T != 1 else choose_slots(
                     slots.pos, slots.score, slots.cap, slots.first, slots.seen + 1, b.sinks, b.window)
                 S = slots.slots
-                target, appended = store.grow_lanes(victim)
+                target, appended = store.lanes.grow(victim)
                 if appended:
                     store.append(k, v)
                 store.overwrite(k, v, target, target < S)
@@ -674,7 +674,8 @@ class QuantizedKVCache(Cache):
                 # AdaKV lanes: one table of lane ids per (row, KV head), rows first; shared = lanes held twice
                 "lanes": st.lanes,
                 "block_tables": [list(t) for t in st.tables],
-                "tail_tokens": st.tail_lengths() if st.tail_lanes else None,  # per-head tails (kvquant.lanes)
+                # per-head tails (kvquant.lanes)
+                "tail_tokens": st.lanes.tail_lengths() if st.lanes and st.tail_lanes else None,
                 "shared_blocks": ([e for e in st.lane_ids() if st.blocks.lane_refs[e] > 1] if st.lanes
                                   else [b for b in st.block_ids() if st.blocks.refs[b] > 1]),
                 "static_scales": scales,

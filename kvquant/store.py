@@ -51,7 +51,7 @@ import copy as _copy
 import functools
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -59,12 +59,14 @@ import torch
 from .blocks import LayerBlocks
 from .config import KVPrecision, KVQuantConfig
 from .errors import ArgumentError
+from .groups import HeadGroup, block_specs, make_groups
 from .heavy import gather_parts, pick_rows, position_dtype, put_rows, take_rows
-from .lanes import LaneLayer
-from .offload import OffloadedStore, Prefetcher, host_id, is_host
+from .host_tier import HostTier, has_host_blocks, stage_tables
+from .lanes import Lanes
+from .offload import host_id, is_host
 from .plan import LayerPlan, Plan, layer_plan
-from .quantizers import Quantizer, make_quantizer
-from .quantizers.base import Factored, PartSpec, require_finite
+from .quantizers import Quantizer
+from .quantizers.base import Factored, require_finite
 from .rotation import fwht
 from .shape import held_dtype
 from .slots import SlotMap
@@ -136,31 +138,6 @@ def merge_rows(
     return out
 
 
-def make_groups(
-    row: list[KVPrecision], config: KVQuantConfig, head_dim: int
-) -> list[tuple[KVPrecision, list[int], Quantizer, Quantizer]]:
-    """Split a layer's KV heads by (key, value) precision: ``(pair, heads, key quantizer, value quantizer)``."""
-    gs = config.effective_group_size(head_dim)
-    by_pair: dict[KVPrecision, list[int]] = {}
-    for h, p in enumerate(row):
-        by_pair.setdefault(p, []).append(h)
-    return [
-        (pair, heads,
-         make_quantizer(pair.key, head_dim, gs, config.headroom, config.block_size, config.codebook_gain,
-                        config.codebook_search),
-         make_quantizer(pair.value, head_dim, gs, config.headroom, config.block_size, config.codebook_gain,
-                        config.codebook_search))
-        for pair, heads in by_pair.items()
-    ]  # fmt: skip
-
-
-def block_specs(
-    groups: list[tuple[KVPrecision, list[int], Quantizer, Quantizer]],
-) -> list[tuple[int, dict[str, PartSpec], dict[str, PartSpec]]]:
-    """``(heads, key part specs, value part specs)`` per group: what :class:`LayerBlocks` allocates."""
-    return [(len(heads), kq.parts(), vq.parts()) for _, heads, kq, vq in groups]
-
-
 def _rows(parts: dict[str, torch.Tensor], start: int) -> dict[str, torch.Tensor]:
     """Parts ``[B, H, T, ...]`` from row ``start`` on."""
     return {n: t[:, :, start:] for n, t in parts.items()}
@@ -173,24 +150,7 @@ def _ring_push(prev: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor
     return {n: t[:, :, -cap:] for n, t in new.items()}
 
 
-@dataclass
-class HeadGroup:
-    """KV heads of one layer that share a (key precision, value precision) pair."""
-
-    precision: KVPrecision
-    heads: list[int]
-    key: QuantizedTensorStore
-    value: QuantizedTensorStore
-    head_index: torch.Tensor = field(repr=False)
-    all_heads: bool = False  # the group holds every head, in order (no gather needed)
-
-    @property
-    def per_block(self) -> bool:
-        """True when the group's K or V has per-block (per-channel) scales."""
-        return bool(self.key.quantizer.per_block or self.value.quantizer.per_block)
-
-
-class LayerStore(LaneLayer, OffloadedStore):
+class LayerStore:
     """All K/V of one layer of one cache: head groups, one block table per batch row over the layer's
     :class:`~kvquant.blocks.LayerBlocks` (shared with other caches of a pool), the ``cache_pos`` cursor.
 
@@ -263,15 +223,13 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.tables: list[list[int]] = [[] for _ in range(batch)]  # block ids per row (-1: released)
         self.first_live = 0  # blocks [0, first_live) of every row were released (sliding window)
         self.bytes_moved = 0  # quantized bytes copied by copy-on-write (beam reorders, shared partial blocks)
-        self.bytes_offloaded = 0  # quantized bytes moved to the host tier (``offload``)
-        self.offload_from = 0  # blocks below this index were considered for offload already
-        self.prefetcher: Prefetcher | None = None  # host -> device tile copies (``offload``), made on first use
+        # the host tier of cold blocks (``offload``, kvquant.host_tier)
+        self.host = HostTier(blocks, config.offload["keep_recent_blocks"]) if plan.offload else None
         self._table_cache: torch.Tensor | None = None
         self._held_cache: dict[Any, Any] = {}  # held_rows: K, V base decode (and heavy rows) per group
         # heavy_tokens: (first position, key scores [B, H, T], pool end the scored chunk's write would have reached)
         # of a prompt held for calibration: its write picks the heavy rows when the held tokens reach the pool
         self._held_scores: tuple[int, torch.Tensor, int] | None = None
-        self._lane_runs: list[int | None] = []  # lanes: per group, the in-place run of one sequence (see table())
         self.slots: SlotMap | None = None  # an evicting layer: its token axis holds slots (see kvquant.slots)
         # an evicting layer's first write: [B, S] True where a row's slot holds a kept token (of some head); its
         # empty slots are no real tokens (slots past S, appended later, are)
@@ -307,18 +265,9 @@ class LayerStore(LaneLayer, OffloadedStore):
         # while static scales wait for some rows: what the rows fitted already will be quantized from (held_rows)
         self.exact_k: torch.Tensor | None = None
         self.exact_v: torch.Tensor | None = None
-        # per-head block lanes (AdaKV): ``tables[b * H + h]`` holds the lane ids of (row b, KV head h)
-        self._lane_step = False  # append_kept / grow_lanes set the fills of this append
-        self._lane_overwrite = False  # grow_lanes: overwrite() writes this step's token (append need not)
-        self.lanes = plan.lanes
-        self.fill: list[list[int]] = [[0] * self.num_heads for _ in range(batch)]  # lanes: slots per (row, head)
-        # lanes in residual mode: of which in lanes (the rest in the head's tail, see kvquant.lanes)
-        self.qfill: list[list[int]] = [[0] * self.num_heads for _ in range(batch)]
-        self._tail_base_cache: torch.Tensor | None = None
-        self._lane_grows: list[list[bool]] | None = None  # grow_lanes: the heads that take their next slot
-        self.cap_host: list[list[int]] | None = None  # lanes: decode budget per (row, head) (H2O / TOVA)
-        self.lane_offset = [blocks.lane_of.index((gi, 0)) for gi in range(len(self.groups))]
-        self.head_lane = {h: (gi, i) for gi, g in enumerate(self.groups) for i, h in enumerate(g.heads)}
+        # per-head block lanes (AdaKV, kvquant.lanes): ``tables[b * H + h]`` holds the lane ids of (row b, KV head h)
+        self.lanes = Lanes(self, blocks, self.groups, batch, self.num_heads, head_dim, self.residual_tokens,
+                           self.residual_mode, config.check_finite, device) if plan.lanes else None  # fmt: skip
         if self.lanes:
             self.tables = [[] for _ in range(batch * self.num_heads)]
         # the age ladder's ring (see the module doc): per group, K and V refinement parts [B, Hg, n, ...] of the
@@ -344,6 +293,36 @@ class LayerStore(LaneLayer, OffloadedStore):
         while static-scale calibration is deferred)."""
         return self.sink_tokens > 0 or self.residual_mode or self.q_end < self.cache_pos
 
+    @property
+    def tail_lanes(self) -> bool:
+        """True when this is a lane layer whose heads keep their own full-precision tails (:mod:`kvquant.lanes`)."""
+        return self.lanes is not None and self.lanes.tails
+
+    def tables_changed(self) -> None:
+        """The block tables changed: the table tensor is built again on the next :meth:`table`."""
+        self._table_cache = None
+
+    def has_host_blocks(self, j0: int = 0, j1: int | None = None) -> bool:
+        """True when some row's blocks ``[j0, j1)`` are in the host tier (``offload``, :mod:`kvquant.host_tier`)."""
+        return has_host_blocks(self.blocks, self.tables, j0, j1)
+
+    @contextlib.contextmanager
+    def staged(self) -> Iterator[None]:
+        """For kernels that read the arena through :meth:`table` (Triton): copy every host block of the rows into
+        free device blocks and point the tables at them for the duration of the block; then release them."""
+        if not self.has_host_blocks():
+            yield
+            return
+        saved = self.tables
+        self.tables, dev = stage_tables(self.blocks, saved, self.device)
+        self._table_cache = None
+        try:
+            yield
+        finally:
+            self.tables = saved
+            self._table_cache = None
+            self.blocks.decref(dev)
+
     # ---------------------------------------------------------------- capacity
     @property
     def capacity(self) -> int:
@@ -365,16 +344,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         if tokens <= 0:
             return 0
         if self.lanes and self.cache_pos:  # lanes each (row, head) may take: new ones, and a copy of a shared one
-            bs, H = self.block_size, self.num_heads
-            need = [0] * len(self.groups)
-            for b, row in enumerate(self.fill):
-                for h, f in enumerate(row):
-                    t = self.tables[b * H + h]
-                    shared = any(self.blocks.lane_refs[e] > 1 for e in t)
-                    new = self.lanes_to_add(b, h, tokens) if self.tail_lanes else -(-(f + tokens) // bs) - len(t)
-                    need[self.head_lane[h][0]] += max(0, new) + shared
-            return max(0, *(-(-(n - len(self.blocks.lane_free[g])) // len(self.groups[g].heads))
-                            for g, n in enumerate(need)))  # fmt: skip
+            return self.lanes.blocks_needed(tokens)
         if self.shift is not None:  # per-row block grids: slots [_slot_end, the earliest row's own flush point)
             return self.batch * max(0, min(self.slot_ends(self.cache_pos + tokens)) - self._slot_end) // self.block_size
         if self.residual_mode:
@@ -443,13 +413,8 @@ class LayerStore(LaneLayer, OffloadedStore):
         largest = None  # max |K|, |V| when the finiteness check found it (CPU)
         if self.config.check_finite and not self._checked_by_quantizers():
             largest = require_finite(keys, values)
-        if self.lanes and self._lane_step:  # the fills were set by append_kept / grow_lanes
-            self._lane_step = False
-        elif self.lanes:  # a plain append: every head holds the chunk
-            if any(f != past for r in self.fill for f in r):
-                raise AssertionError("append: new tokens of a per-head-lane layer whose heads hold different counts "
-                                     "go through grow_lanes (each head at its own next slot)")
-            self.fill = [[past + keys.shape[2]] * self.num_heads for _ in range(self.batch)]
+        if self.lanes:  # the fills set by append_kept / grow_lanes, or every head holds the chunk
+            self.lanes.begin_append(past, keys.shape[2])
         if past == 0:
             self._set_row_start(row_start)
         if self.center_keys and self.key_mean is None:
@@ -484,13 +449,15 @@ class LayerStore(LaneLayer, OffloadedStore):
                 else:
                     self._write_pool(self.res_k.to(keys.dtype), self.res_v.to(values.dtype), self.q_end, saved)
                 self.res_k = self.res_v = self.exact_k = self.exact_v = None
-                if self._lane_overwrite and self._lane_grows is not None:  # this step's token (written by
+                ln = self.lanes
+                if ln and ln.overwrite_pending and ln.grows is not None:  # this step's token (written by
                     # overwrite()) may start a lane that grow_lanes did not plan while the layer was held
-                    self._lane_plan({(b, h): (self.fill[b][h] - 1, self.fill[b][h])
-                                     for b, row in enumerate(self._lane_grows) for h, grow in enumerate(row) if grow})
+                    ln.plan({(b, h): (ln.fill[b][h] - 1, ln.fill[b][h])
+                             for b, row in enumerate(ln.grows) for h, grow in enumerate(row) if grow})
             self._write_pool(keys, values, past, scores)
         self.cache_pos = past + T
-        self.offload_cold()
+        if self.host and self.host.offload_cold(self.tables, self.q_end, self.first_live, self.sink_end):
+            self._table_cache = None
         return past
 
     def _checked_by_quantizers(self) -> bool:
@@ -524,9 +491,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         ck = torch.where(z, keys.gather(2, idx), torch.zeros((), dtype=keys.dtype, device=keys.device))
         cv = torch.where(z, values.gather(2, idx), torch.zeros((), dtype=values.dtype, device=values.device))
         if self.lanes:  # each (row, head) holds the lanes of its own kept count
-            self.fill = n.tolist()
-            self.cap_host = None if cap is None else cap.tolist()
-            self._lane_step = True
+            self.lanes.keep(n.tolist(), None if cap is None else cap.tolist())
         self.slot_real = filled.any(dim=1).to(self.device)  # a short row's empty slots: not real tokens
         self.append(ck, cv, None)
         first = torch.zeros(B, dtype=torch.long, device=keys.device) if row_start is None else row_start.long()
@@ -546,7 +511,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         scatter per part with no host synchronisation (the targets stay on the device)."""
         keys, values = self.to_storage_space(keys, values)
         if self.lanes:
-            self._overwrite_lanes(keys, values, target)
+            self.lanes.overwrite(keys, values, target)
             return
         if self.q_end == self.cache_pos and all(b >= 0 and self.blocks.refs[b] == 1 for t in self.tables for b in t):
             bs, B = self.block_size, target.shape[0]
@@ -714,7 +679,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             base = self._held_cache.get(gi)
             done = 0 if base is None else base[0].shape[2]
             if done < pooled:  # quantize the tokens that reached the virtual pool since the last read
-                mk, mv = self._mask_sinks(xk[:, :, done:pooled], xv[:, :, done:pooled], q0 + done, group.per_block)
+                mk, mv = self.mask_sinks(xk[:, :, done:pooled], xv[:, :, done:pooled], q0 + done, group.per_block)
                 new = [self._pool_rows(s, self._group_rows(x, group)) for s, x in ((group.key, mk), (group.value, mv))]
                 base = tuple(y if base is None else torch.cat([base[i], y], dim=2) for i, y in enumerate(new))
                 self._held_cache[gi] = base
@@ -729,7 +694,7 @@ class LayerStore(LaneLayer, OffloadedStore):
                     out[i][:, :, :pooled] = base[i][:, :, :pooled]
                 n1 = min(self.ladder_tokens, pooled) if s.quantizer.rung_parts(1) else 0
                 if n1:  # the age ladder's newest rows, refined
-                    x1 = self._mask_sinks(x[:, :, pooled - n1:pooled], x[:, :, pooled - n1:pooled], q0 + pooled - n1,
+                    x1 = self.mask_sinks(x[:, :, pooled - n1:pooled], x[:, :, pooled - n1:pooled], q0 + pooled - n1,
                                           False)[0]
                     out[i][:, :, pooled - n1:pooled] = self._ladder_rows(s, self._group_rows(x1, group))
             if self._held_scores is not None:  # heavy rows the held tokens will pick (as alone), refined
@@ -931,7 +896,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             if held is None:
                 ck = self._slot_chunk(self.res_k, q0, S, top)
                 cv = self._slot_chunk(self.res_v, q0, S, top)
-                ck, cv = self._mask_sinks(ck, cv, S, group.per_block, self._slot_starts())
+                ck, cv = self.mask_sinks(ck, cv, S, group.per_block, self._slot_starts())
                 held = tuple(self._pool_rows(s, self._group_rows(x, group))
                              for s, x in ((group.key, ck), (group.value, cv)))
                 self._held_cache[key] = held
@@ -1008,7 +973,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             self.sink_k[rows, :, slots] = keys[rows, :, offs].to(self.dense_dtype)
             self.sink_v[rows, :, slots] = values[rows, :, offs].to(self.dense_dtype)
 
-    def _mask_sinks(
+    def mask_sinks(
         self, keys: torch.Tensor, values: torch.Tensor, pos: int, copy: bool, starts: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk at ``pos`` with its sink rows (read from the sink buffer, never from the pool) masked:
@@ -1045,14 +1010,14 @@ class LayerStore(LaneLayer, OffloadedStore):
         :meth:`_pick_heavy`). ``slots``: the chunk holds slots ``[pos, pos + T)`` of per-row block grids
         (:attr:`shift`), not positions."""
         if self.lanes:
-            if self._lane_overwrite and pos == self.cache_pos and keys.shape[2] == 1 and pos >= self.sink_end:
-                self._lane_overwrite = False  # grow_lanes' token: overwrite() writes every head at its slot
+            if self.lanes.overwrite_pending and pos == self.cache_pos and keys.shape[2] == 1 and pos >= self.sink_end:
+                self.lanes.overwrite_pending = False  # grow_lanes' token: overwrite() writes every head at its slot
                 self.q_end = pos + 1
                 return
-            self._write_lanes(*self._mask_sinks(keys, values, pos, False), pos)
+            self.lanes.write(*self.mask_sinks(keys, values, pos, False), pos)
             return
         starts = self._slot_starts() if slots else None
-        masked = {c: self._mask_sinks(keys, values, pos, c, starts) for c in {g.per_block for g in self.groups}}
+        masked = {c: self.mask_sinks(keys, values, pos, c, starts) for c in {g.per_block for g in self.groups}}
         real = self.real_tokens(pos, pos + keys.shape[2], starts) if pos < self.pad_end or slots else None
         quantized = []  # every group quantized (which may raise) before any block or table changes
         for g in self.groups:
@@ -1344,7 +1309,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         """Residual mode: keep the newest tokens dense; quantize whole blocks beyond ``residual_tokens``
         (``scores``: see :meth:`_write_pool`)."""
         if self.lanes:  # each head its own tail (kvquant.lanes)
-            self._append_tails(keys, values)
+            self.lanes.append_tails(keys, values)
             return
         if self.shift is not None:  # each row's own block grid
             self._append_shifted(keys, values)
@@ -1484,7 +1449,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         o5 = out.reshape(B, self.num_heads, Hq // self.num_heads, T, D)
         return self._map_heads(o5, "value", "from_space").reshape(B, Hq, T, D)
 
-    def _dense_to_group_space(
+    def dense_to_group_space(
         self, group: HeadGroup, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision rows of ``group`` -> its head space (float32)."""
@@ -1511,18 +1476,18 @@ class LayerStore(LaneLayer, OffloadedStore):
             k2, v2 = self.read(group, self.q_end, end)
             return torch.cat([k1, k2], dim=2), torch.cat([v1, v2], dim=2)
         if start >= self.q_end and self.tail_lanes:  # each head's lanes, then its own tail
-            return self._read_tails(group, start, end)
+            return self.lanes.read_tails(group, start, end)
         if start >= self.q_end and self.shift is not None:  # per-row block grids: see _read_shifted
             return self._read_shifted(group, start, end)
         if start >= self.q_end:  # residual buffer (dense)
             if self.reads_held:  # some rows fitted, a batch-mate not yet, or past their own flush: see held_rows
-                return self._dense_to_group_space(group, *self.held_rows(group, start, end))  # (as the residual)
+                return self.dense_to_group_space(group, *self.held_rows(group, start, end))  # (as the residual)
             a, b = start - self.q_end, end - self.q_end
             k, v = self.res_k[:, :, a:b], self.res_v[:, :, a:b]
-            return self._dense_to_group_space(group, self._group_rows(k, group), self._group_rows(v, group))
-        return self._read_quantized(group, start, end)
+            return self.dense_to_group_space(group, self._group_rows(k, group), self._group_rows(v, group))
+        return self.read_quantized(group, start, end)
 
-    def _read_quantized(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_quantized(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``group``'s pool tokens ``[start, end)`` (:meth:`read_pool`), sink rows from the sink buffer."""
         a = max(start, self.q_end - self.ladder_n)  # (end <= q_end: read() splits at it)
         if self.ladder_n and a < end:  # the ladder's young rows, refined (each row decoded once)
@@ -1544,7 +1509,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             idx = slot.clamp(0, self.sink_tokens - 1)
             rows = torch.arange(self.batch, device=self.device)[:, None]
             sk, sv = self.sink_k[rows, :, idx].transpose(1, 2), self.sink_v[rows, :, idx].transpose(1, 2)
-            sk, sv = self._dense_to_group_space(group, self._group_rows(sk, group), self._group_rows(sv, group))
+            sk, sv = self.dense_to_group_space(group, self._group_rows(sk, group), self._group_rows(sv, group))
             k, v = torch.where(is_sink, sk.float(), k), torch.where(is_sink, sv.float(), v)
         return k, v
 
@@ -1553,14 +1518,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         missing entries point at block 0: they are never visible). Lanes: the lane ids of every (row, head),
         ``[B, H, max_lanes]`` (missing entries point at the head's first lane: never visible)."""
         if self._table_cache is None and self.lanes:
-            width = self._table_width()
-            rows = []
-            for i, t in enumerate(self.tables):
-                pad = t[0] if t else self.lane_offset[self.head_lane[i % self.num_heads][0]]
-                rows.append(t + [pad] * (width - len(t)))
-            self._table_cache = torch.tensor(rows, dtype=torch.long, device=self.device).view(
-                self.batch, self.num_heads, width)
-            self._lane_runs = [self._lane_run(gi) for gi in range(len(self.groups))]
+            self._table_cache = self.lanes.table(self._table_width())
         if self._table_cache is None:
             width = self._table_width()
             rows = [[max(b, 0) for b in t] + [0] * (width - len(t)) for t in self.tables]
@@ -1573,7 +1531,8 @@ class LayerStore(LaneLayer, OffloadedStore):
         scales queries or probabilities, not the history), sink and residual tokens dequantized. Same values
         as :meth:`read`."""
         pieces = []
-        pool_end = min(end, self.lane_top(group) if self.tail_lanes else self.q_end)  # (tails: see kvquant.lanes)
+        lanes_end = self.lanes.lane_top(group) if self.lanes and self.tail_lanes else self.q_end  # (kvquant.lanes)
+        pool_end = min(end, lanes_end)
         pool_end = min(pool_end, self.q_end - self.ladder_n)  # the ladder's young rows: read() refines them
         a = start
         if a < pool_end and self.sink_k is not None and a < self.sink_end:  # sink rows: read() merges them
@@ -1583,7 +1542,7 @@ class LayerStore(LaneLayer, OffloadedStore):
             a = b
         if a < pool_end:  # (offloaded blocks: read_pool stages them, as for read)
             if self.tail_lanes and pool_end > self.q_end:  # heads whose lanes end sooner: their tails merged in
-                pieces.append((a, pool_end, *self._factored_tails(group, a, pool_end)))
+                pieces.append((a, pool_end, *self.lanes.factored_tails(group, a, pool_end)))
             else:
                 pieces.append((a, pool_end, *self.read_pool(group, a, pool_end, factored=True)))
             a = pool_end
@@ -1605,14 +1564,15 @@ class LayerStore(LaneLayer, OffloadedStore):
         run = kparts = vparts = None
         if self.lanes:  # per-head lanes: (block, head slot) of every (row, head, block)
             lt = self.table()[:, :, j0:j1]
-            if self._lane_runs[group.key.group] is not None:  # one sequence, lanes laid out as runs: in place
-                run, tbl = self._lane_runs[group.key.group] + j0, lt[:, 0]
+            lane_run = self.lanes.runs[group.key.group]
+            if lane_run is not None:  # one sequence, lanes laid out as runs: in place
+                run, tbl = lane_run + j0, lt[:, 0]
             else:
                 lt = lt if group.all_heads else lt.index_select(1, group.head_index)
                 L = self.blocks.lanes_per_block
-                tbl = (lt // L, lt % L - self.lane_offset[group.key.group])
-        elif self.has_host_blocks(j0, j1):  # offload: the tile staged from the host tier
-            tbl, kparts, vparts = self._fetch_offloaded(group, j0, j1)
+                tbl = (lt // L, lt % L - self.lanes.lane_offset[group.key.group])
+        elif self.host and self.has_host_blocks(j0, j1):  # offload: the tile staged from the host tier
+            tbl, kparts, vparts = self.host.fetch(self.tables, group.key.group, j0, j1, self.q_end, self.device)
         else:
             tbl = self.table()[:, j0:j1]
             if self.batch == 1:  # one row whose blocks are consecutive: read them in place
@@ -1647,8 +1607,10 @@ class LayerStore(LaneLayer, OffloadedStore):
         """
         tokens = self.check_crop(tokens)
         if tokens < self.q_end:
-            if tokens % self.block_size:  # (offload: may raise KVCacheFull, before anything changed)
-                self._bring_back(tokens // self.block_size)
+            # (offload: may raise KVCacheFull, before anything changed)
+            if tokens % self.block_size and self.host and self.host.bring_back(self.tables, tokens // self.block_size,
+                                                                                self.device):  # fmt: skip
+                self._table_cache = None
             if self.ladder_n:  # the rings keep their rows below ``tokens``
                 cut = self.q_end - tokens
                 keep = [0, max(0, self.ladder_n - cut), max(0, self.ladder2_n - cut)]
@@ -1658,7 +1620,8 @@ class LayerStore(LaneLayer, OffloadedStore):
             self.heavy = [(None if at is None else torch.where(at < tokens, at, -1).to(at.dtype), kr, vr)
                           for at, kr, vr in self.heavy]  # rows cut off are no longer refined (-1)
             self._truncate(-(-tokens // self.block_size))
-            self.offload_from = min(self.offload_from, tokens // self.block_size)
+            if self.host:
+                self.host.crop(tokens // self.block_size)
         if self.res_k is not None:
             keep = tokens - self.q_end
             self.res_k, self.res_v = self.res_k[:, :, :keep], self.res_v[:, :, :keep]
@@ -1705,7 +1668,9 @@ class LayerStore(LaneLayer, OffloadedStore):
     def reset(self) -> None:
         """Forget all tokens and static scales; the blocks go back to the pool."""
         self.release()
-        self.cache_pos = self.q_end = self.sink_end = self.pad_end = self.offload_from = self._slot_end = 0
+        self.cache_pos = self.q_end = self.sink_end = self.pad_end = self._slot_end = 0
+        if self.host:
+            self.host.reset()
         self.shift = self._shift_t = None
         self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self._row_start_host = [0] * self.batch
@@ -1720,10 +1685,8 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.heavy = []
         self.slots = None
         self.slot_real = None
-        self.fill = [[0] * self.num_heads for _ in range(self.batch)]
-        self._set_qfill([[0] * self.num_heads for _ in range(self.batch)])
-        self.cap_host = None
-        self._lane_step = False
+        if self.lanes:
+            self.lanes.reset()
         for g in self.groups:
             for s in (g.key, g.value):
                 s.counts = ClipCounts(s.device)
@@ -1744,13 +1707,11 @@ class LayerStore(LaneLayer, OffloadedStore):
         new.tables = [list(t) for t in self.tables]
         for t in new.tables:
             self._incref(t)
-        new.fill = [list(r) for r in self.fill]
-        new.qfill = [list(r) for r in self.qfill]
-        new.cap_host = None if self.cap_host is None else [list(r) for r in self.cap_host]
+        new.lanes = None if self.lanes is None else self.lanes.copy(new)
         new._table_cache = None
         new._held_cache = {}
         new.calibrated_rows = list(self.calibrated_rows)
-        new.prefetcher = None
+        new.host = None if self.host is None else self.host.copy()
         new.groups = []
         for g in self.groups:
             kv = []
@@ -1775,12 +1736,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         old = self.tables
         rows = idx.tolist()
         if self.lanes:  # one table per (row, head): rows move with all their heads' tables
-            H = self.num_heads
-            self.tables = [list(old[i * H + h]) for i in rows for h in range(H)]
-            self.fill = [list(self.fill[i]) for i in rows]
-            self._set_qfill([list(self.qfill[i]) for i in rows])
-            if self.cap_host is not None:
-                self.cap_host = [list(self.cap_host[i]) for i in rows]
+            self.tables = self.lanes.index_batch(rows)
         else:
             self.tables = [list(old[i]) for i in rows]
         for t in self.tables:
@@ -1788,8 +1744,8 @@ class LayerStore(LaneLayer, OffloadedStore):
         for t in old:
             self._decref(t)
         self._table_cache = None
-        if self.prefetcher is not None:
-            self.prefetcher.clear()
+        if self.host:
+            self.host.history_changed()
         idx = idx.to(self.device)
         for name in ("sink_k", "sink_v", "res_k", "res_v", "exact_k", "exact_v", "key_mean"):
             t = getattr(self, name)
@@ -1859,14 +1815,19 @@ class LayerStore(LaneLayer, OffloadedStore):
         ``reserved``: the layer's whole device arena (for a pool, shared with its other caches). ``host``: the
         bytes of the blocks held in the host tier (``offload``; included in keys / values / scales), ``blocks_host``
         their number, ``moved_to_host`` the bytes moved there so far."""
-        if self.lanes:
-            return self._lane_memory()
+        if self.lanes:  # every distinct lane once (lanes: their number, blocks: the blocks they lie in)
+            per_group, shared_lanes = self.lanes.lane_counts(self.lane_ids())
+            out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "blocks": len(self.block_ids()),
+                   "lanes": sum(per_group), "blocks_host": 0, "host": 0, "moved_to_host": 0, "shared": shared_lanes,
+                   "reserved": self.blocks.nbytes(), "index": self.slots.nbytes() if self.slots is not None else 0}
+            return self._count_parts(out, lambda gi, s, b: b // s.heads * per_group[gi])
         ids, hids = self.block_ids(), self.host_block_ids()
         n = len(ids) + len(hids)
         host = self.blocks.host
         shared = sum(self.blocks.refs[b] > 1 for b in ids) + sum(host.refs[h] > 1 for h in hids)  # type: ignore[union-attr]
         out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "blocks": n, "blocks_host": len(hids),
-               "host": len(hids) * self.blocks.bytes_per_block, "moved_to_host": self.bytes_offloaded,
+               "host": len(hids) * self.blocks.bytes_per_block,
+               "moved_to_host": self.host.bytes_offloaded if self.host else 0,
                "index": self.slots.nbytes() if self.slots is not None else 0,
                "shared": shared * self.blocks.bytes_per_block, "reserved": self.blocks.nbytes()}  # fmt: skip
         return self._count_parts(out, lambda gi, s, b: b * n)
