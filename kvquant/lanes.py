@@ -225,7 +225,7 @@ class Lanes:
 
     def flush_ranges(self, grows: list[list[bool]] | None = None) -> dict[tuple[int, int], tuple[int, int]]:
         """The slot ranges of the lanes the next flush writes (``grows[b][h]``: that head's tail takes one more
-        token first), for :meth:`~kvquant.store.LayerStore.plan` to reserve before anything changes."""
+        token first), for :meth:`plan` to reserve before anything changes."""
         if not self.host.calibrated:
             return {}
         bs, out = self.block_size, {}

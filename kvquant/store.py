@@ -59,7 +59,7 @@ import torch
 from .blocks import LayerBlocks
 from .config import KVPrecision, KVQuantConfig
 from .errors import ArgumentError
-from .groups import HeadGroup, block_specs, make_groups
+from .groups import HeadGroup, block_specs, group_rows, make_groups
 from .heavy import gather_parts, pick_rows, position_dtype, put_rows, take_rows
 from .host_tier import HostTier, has_host_blocks, stage_tables
 from .lanes import Lanes
@@ -67,10 +67,10 @@ from .offload import host_id, is_host
 from .plan import LayerPlan, Plan, layer_plan
 from .quantizers import Quantizer
 from .quantizers.base import Factored, require_finite
-from .rotation import fwht
 from .shape import held_dtype
 from .slots import SlotMap
-from .snapshot import GroupSnapshot, KVSnapshot, ResidualRows, SinkRows, StorageSpace
+from .snapshot import GroupSnapshot, KVSnapshot, ResidualRows, SinkRows
+from .space import Space, dense_to_group_space, has_head_space
 from .tensor_store import (
     ClipCounts,
     QuantizedTensorStore,
@@ -208,10 +208,7 @@ class LayerStore:
         # per row: its static scales are fitted (on its own first real tokens) while a batch-mate still waits
         self.calibrated_rows = [False] * batch
         self._static_amax = static_amax
-        self.rotate_keys = plan.rotate_keys
-        self.rotate_values = plan.rotate_values
-        self.center_keys = plan.center_keys
-        self.key_mean: torch.Tensor | None = None  # [B, H, 1, D] float32, set by the first write
+        self.space = Space(plan.rotate_keys, plan.rotate_values, plan.center_keys)  # rotation, key centering
         self.sink_tokens = plan.sink_tokens
         self.window = plan.window
         made = make_groups(row, config, head_dim)
@@ -365,11 +362,6 @@ class LayerStore:
         return self.batch * (j1 - j0)  # new blocks, or a copy of a shared partial block
 
     # ---------------------------------------------------------------- writing
-    @property
-    def transforms(self) -> bool:
-        """True when K or V are stored transformed (rotated and/or centered): fresh K/V must be mapped too."""
-        return self.rotate_keys or self.rotate_values or self.center_keys
-
     def fit_tokens(self, past: int, T: int) -> torch.Tensor:
         """``[B, T]`` bool: the tokens of positions ``past .. past + T`` a row's fitted state is taken from: its
         own real tokens (never its left padding), its sink tokens left out when the chunk holds others."""
@@ -380,21 +372,6 @@ class LayerStore:
             not_sink[sel[0], sel[1]] = False
             use = torch.where((use & not_sink).any(dim=1, keepdim=True), use & not_sink, use)
         return use
-
-    def _set_key_mean(self, keys: torch.Tensor, past: int) -> None:
-        """Fix the per-channel key mean of each sequence and head from its first chunk: over the row's own real
-        tokens (never its left padding), its sink tokens left out when it has others (a row without a real
-        token in the chunk: over the whole chunk)."""
-        use = self.fit_tokens(past, keys.shape[2])
-        use = torch.where(use.any(dim=1, keepdim=True), use, torch.ones_like(use))
-        w = use[:, None, :, None].float()
-        self.key_mean = (keys.detach().float() * w).sum(dim=2, keepdim=True) / w.sum(dim=2, keepdim=True)
-
-    def to_storage_space(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Apply the configured key centering and Hadamard rotation (identity when both are off)."""
-        if self.key_mean is not None:
-            keys = (keys.float() - self.key_mean).to(keys.dtype)
-        return (fwht(keys) if self.rotate_keys else keys), (fwht(values) if self.rotate_values else values)
 
     def append(
         self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None = None,
@@ -417,10 +394,10 @@ class LayerStore:
             self.lanes.begin_append(past, keys.shape[2])
         if past == 0:
             self._set_row_start(row_start)
-        if self.center_keys and self.key_mean is None:
-            self._set_key_mean(keys, past)
-        if self.transforms:
-            keys, values = self.to_storage_space(keys, values)
+        if self.space.center_keys and self.space.key_mean is None:
+            self.space.fix_key_mean(keys, self.fit_tokens(past, keys.shape[2]))
+        if self.space.transforms:
+            keys, values = self.space.to_storage(keys, values)
             largest = None  # (a rotation or centering changes the magnitudes)
         T = keys.shape[2]
         if self.dense_dtype is None:
@@ -509,7 +486,7 @@ class LayerStore:
         slots still held in full precision (``[q_end, cache_pos)``) are written there. When every slot is
         quantized and no row shares a block (one sequence, or beams before a reorder), the write is one
         scatter per part with no host synchronisation (the targets stay on the device)."""
-        keys, values = self.to_storage_space(keys, values)
+        keys, values = self.space.to_storage(keys, values)
         if self.lanes:
             self.lanes.overwrite(keys, values, target)
             return
@@ -671,7 +648,7 @@ class LayerStore:
         q0, n = self.q_end, self.res_k.shape[2]
         ends = self.virtual_row_ends()
         pooled = max(ends) - q0  # held tokens the pool would hold (of the row whose pool would hold most)
-        dense = self._group_rows(self.res_k, group).float(), self._group_rows(self.res_v, group).float()
+        dense = group_rows(self.res_k, group).float(), group_rows(self.res_v, group).float()
         out = [dense[0].clone(), dense[1].clone()]
         xk, xv = (self.exact_k, self.exact_v) if self.exact_k is not None else (self.res_k, self.res_v)
         if pooled > 0:
@@ -680,7 +657,7 @@ class LayerStore:
             done = 0 if base is None else base[0].shape[2]
             if done < pooled:  # quantize the tokens that reached the virtual pool since the last read
                 mk, mv = self.mask_sinks(xk[:, :, done:pooled], xv[:, :, done:pooled], q0 + done, group.per_block)
-                new = [self._pool_rows(s, self._group_rows(x, group)) for s, x in ((group.key, mk), (group.value, mv))]
+                new = [self._pool_rows(s, group_rows(x, group)) for s, x in ((group.key, mk), (group.value, mv))]
                 base = tuple(y if base is None else torch.cat([base[i], y], dim=2) for i, y in enumerate(new))
                 self._held_cache[gi] = base
             per_row = min(ends) != max(ends)
@@ -696,7 +673,7 @@ class LayerStore:
                 if n1:  # the age ladder's newest rows, refined
                     x1 = self.mask_sinks(x[:, :, pooled - n1:pooled], x[:, :, pooled - n1:pooled], q0 + pooled - n1,
                                           False)[0]
-                    out[i][:, :, pooled - n1:pooled] = self._ladder_rows(s, self._group_rows(x1, group))
+                    out[i][:, :, pooled - n1:pooled] = self._ladder_rows(s, group_rows(x1, group))
             if self._held_scores is not None:  # heavy rows the held tokens will pick (as alone), refined
                 at, rows = self._held_heavy(group, xk, xv, pooled)
                 for i in range(2):
@@ -737,7 +714,7 @@ class LayerStore:
             for i, (s, x) in enumerate(((group.key, xk), (group.value, xv))):
                 q = s.quantizer
                 if q.rung_parts(1):
-                    r = take_rows(self._group_rows(x[:, :, :pooled], group), rel)
+                    r = take_rows(group_rows(x[:, :, :pooled], group), rel)
                     parts = q.quantize(r, s.state)
                     y = q.decode_refined(parts, q.refine(r, s.state, parts), s.state).float()
                     rows[i] = q.from_space(y, s.state) if q.space else y
@@ -877,7 +854,7 @@ class LayerStore:
         point has passed the slot (:meth:`slot_ends`), else (and its sink tokens) as held (float32)."""
         assert self.shift is not None and self._shift_t is not None and self.res_k is not None
         bs, q0, S = self.block_size, self.q_end, self._slot_end
-        dense = [self._group_rows(x[:, :, start - q0:end - q0], group).float() for x in (self.res_k, self.res_v)]
+        dense = [group_rows(x[:, :, start - q0:end - q0], group).float() for x in (self.res_k, self.res_v)]
         slot = torch.arange(start, end, device=self.device)[None, :] + self._shift_t[:, None]  # [B, t]
         out = [d.clone() for d in dense]
         if start + min(self.shift) < S:  # some rows' first ones are in their pool
@@ -897,7 +874,7 @@ class LayerStore:
                 ck = self._slot_chunk(self.res_k, q0, S, top)
                 cv = self._slot_chunk(self.res_v, q0, S, top)
                 ck, cv = self.mask_sinks(ck, cv, S, group.per_block, self._slot_starts())
-                held = tuple(self._pool_rows(s, self._group_rows(x, group))
+                held = tuple(self._pool_rows(s, group_rows(x, group))
                              for s, x in ((group.key, ck), (group.value, cv)))
                 self._held_cache[key] = held
             own = (slot >= S) & (slot < torch.tensor(ends, device=self.device)[:, None])
@@ -1336,9 +1313,9 @@ class LayerStore:
         """
         if self.cache_pos == 0:
             self._set_row_start(None)
-        if self.center_keys and self.key_mean is None:
-            self._set_key_mean(keys, self.cache_pos)
-        ks, vs = self.to_storage_space(keys, values)
+        if self.space.center_keys and self.space.key_mean is None:
+            self.space.fix_key_mean(keys, self.fit_tokens(self.cache_pos, keys.shape[2]))
+        ks, vs = self.space.to_storage(keys, values)
         if not self.calibrated:
             self._calibrate(ks, vs, self.cache_pos)
         k_out, v_out = torch.empty_like(ks), torch.empty_like(vs)
@@ -1352,11 +1329,7 @@ class LayerStore:
             rows, offs, _ = sel
             k_out[rows, :, offs], v_out[rows, :, offs] = ks[rows, :, offs], vs[rows, :, offs]
         self.cache_pos += ks.shape[2]
-        k_out = fwht(k_out) if self.rotate_keys else k_out
-        v_out = fwht(v_out) if self.rotate_values else v_out
-        if self.key_mean is not None:
-            k_out = (k_out.float() + self.key_mean).to(k_out.dtype)
-        return k_out, v_out
+        return self.space.from_storage(k_out, v_out)
 
     def _calibrate(self, keys: torch.Tensor, values: torch.Tensor, past: int, rows: torch.Tensor | None = None) -> None:
         """Set the static scales per (sequence, KV head), from a scales file or from the chunk ``keys/values``
@@ -1380,7 +1353,7 @@ class LayerStore:
             if both_int8 and self.config.share_kv_scale:
                 ka = va = torch.maximum(ka, va)
             for s, x, amax in ((g.key, keys, ka), (g.value, values, va)):
-                fitted = s.quantizer.fit(self._group_rows(x, g), use) if s.quantizer.space else None
+                fitted = s.quantizer.fit(group_rows(x, g), use) if s.quantizer.space else None
                 state = fitted if fitted is not None else s.quantizer.calibrate(amax)
                 mine = state if rows is None else {n: t[rows.to(t.device)] if s.quantizer.per_sequence(n, t) else t
                                                    for n, t in state.items()}  # (the rows fitted now)
@@ -1398,66 +1371,16 @@ class LayerStore:
             self.calibrated_rows = [True] * self.batch
         self.calibrated = all(self.calibrated_rows)
 
-    # ---------------------------------------------------------------- head spaces (codebook heads)
-    @staticmethod
-    def _group_rows(x: torch.Tensor, group: HeadGroup) -> torch.Tensor:
-        return x if group.all_heads else x.index_select(1, group.head_index)
-
     @property
     def has_head_space(self) -> bool:
-        """True when some head's K or V is read in a rotated head space (codebook quantizers; once fitted:
-        while calibration is deferred every token is held dense, in storage space)."""
-        return self.calibrated and any(g.key.quantizer.space or g.value.quantizer.space for g in self.groups)
-
-    @property
-    def centered_keys(self) -> bool:
-        """True when some head's keys are stored with a per-channel mean removed (codebook quantizers)."""
-        return any(g.key.quantizer.space and getattr(g.key.quantizer, "center", False) for g in self.groups)
-
-    def _map_heads(self, x: torch.Tensor, side: str, method: str) -> torch.Tensor:
-        """Apply the ``side`` (``key``/``value``) quantizer's ``method`` (``to_space``, ...) to the heads of
-        ``x[B, Hkv, ...]`` whose K/V has a head space; other heads are returned unchanged."""
-        out = x
-        for g in self.groups:
-            s = getattr(g, side)
-            if not s.quantizer.space:
-                continue
-            y = getattr(s.quantizer, method)(self._group_rows(x, g), s.state).to(x.dtype)
-            if g.all_heads:
-                return y
-            out = x.clone() if out is x else out
-            out.index_copy_(1, g.head_index, y)
-        return out
-
-    def kv_to_head_space(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full-precision ``keys/values[B, Hkv, T, D]`` (storage space) -> each head's K / V space."""
-        return self._map_heads(keys, "key", "to_space"), self._map_heads(values, "value", "to_space")
-
-    def kv_from_head_space(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inverse of :meth:`kv_to_head_space` (tests and debugging)."""
-        return self._map_heads(keys, "key", "from_space"), self._map_heads(values, "value", "from_space")
-
-    def query_to_head_space(self, query: torch.Tensor) -> torch.Tensor:
-        """Queries ``[B, Hq, T, D]`` -> each KV head's key space (rotated once per step, never the keys)."""
-        B, Hq, T, D = query.shape
-        q5 = query.reshape(B, self.num_heads, Hq // self.num_heads, T, D)
-        return self._map_heads(q5, "key", "query_to_space").reshape(B, Hq, T, D)
-
-    def output_from_head_space(self, out: torch.Tensor) -> torch.Tensor:
-        """Attention output ``[B, Hq, T, D]`` in each head's value space -> storage space (once per step)."""
-        B, Hq, T, D = out.shape
-        o5 = out.reshape(B, self.num_heads, Hq // self.num_heads, T, D)
-        return self._map_heads(o5, "value", "from_space").reshape(B, Hq, T, D)
+        """True when some head's K or V is read in a rotated head space (:func:`kvquant.space.has_head_space`)."""
+        return has_head_space(self.groups, self.calibrated)
 
     def dense_to_group_space(
         self, group: HeadGroup, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision rows of ``group`` -> its head space (float32)."""
-        if not self.calibrated:
-            return k.float(), v.float()
-        k = group.key.quantizer.to_space(k, group.key.state) if group.key.quantizer.space else k.float()
-        v = group.value.quantizer.to_space(v, group.value.state) if group.value.quantizer.space else v.float()
-        return k, v
+        return dense_to_group_space(group, k, v, self.calibrated)
 
     # ---------------------------------------------------------------- reading (storage space)
     def tiles(self, past_len: int, size: int) -> list[tuple[int, int]]:
@@ -1484,7 +1407,7 @@ class LayerStore:
                 return self.dense_to_group_space(group, *self.held_rows(group, start, end))  # (as the residual)
             a, b = start - self.q_end, end - self.q_end
             k, v = self.res_k[:, :, a:b], self.res_v[:, :, a:b]
-            return self.dense_to_group_space(group, self._group_rows(k, group), self._group_rows(v, group))
+            return self.dense_to_group_space(group, group_rows(k, group), group_rows(v, group))
         return self.read_quantized(group, start, end)
 
     def read_quantized(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1509,7 +1432,7 @@ class LayerStore:
             idx = slot.clamp(0, self.sink_tokens - 1)
             rows = torch.arange(self.batch, device=self.device)[:, None]
             sk, sv = self.sink_k[rows, :, idx].transpose(1, 2), self.sink_v[rows, :, idx].transpose(1, 2)
-            sk, sv = self.dense_to_group_space(group, self._group_rows(sk, group), self._group_rows(sv, group))
+            sk, sv = self.dense_to_group_space(group, group_rows(sk, group), group_rows(sv, group))
             k, v = torch.where(is_sink, sk.float(), k), torch.where(is_sink, sv.float(), v)
         return k, v
 
@@ -1680,7 +1603,7 @@ class LayerStore:
         self._held_scores = None
         self.res_k = self.res_v = self.exact_k = self.exact_v = None
         self.sink_k = self.sink_v = None
-        self.key_mean = None
+        self.space.reset()
         self.clear_ladder()
         self.heavy = []
         self.slots = None
@@ -1721,9 +1644,10 @@ class LayerStore:
                 c.counts = s.counts.copy()
                 kv.append(c)
             new.groups.append(HeadGroup(g.precision, g.heads, kv[0], kv[1], g.head_index, g.all_heads))
-        for name in ("sink_k", "sink_v", "res_k", "res_v", "exact_k", "exact_v", "key_mean"):
+        for name in ("sink_k", "sink_v", "res_k", "res_v", "exact_k", "exact_v"):
             t = getattr(self, name)
             setattr(new, name, None if t is None else t.clone())
+        new.space = self.space.copy()
         new.slots = None if self.slots is None else self.slots.copy()
         new.ladder, new.ladder2 = list(self.ladder), list(self.ladder2)  # (ring tensors are replaced, never in place)
         new.heavy = list(self.heavy)  # (likewise)
@@ -1747,10 +1671,11 @@ class LayerStore:
         if self.host:
             self.host.history_changed()
         idx = idx.to(self.device)
-        for name in ("sink_k", "sink_v", "res_k", "res_v", "exact_k", "exact_v", "key_mean"):
+        for name in ("sink_k", "sink_v", "res_k", "res_v", "exact_k", "exact_v"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
+        self.space.index_batch(idx)
         self.row_start = self.row_start.index_select(0, idx)
         self._row_start_host = [self._row_start_host[i] for i in rows]
         if self.shift is not None and self._shift_t is not None:  # each row's block grid follows it
@@ -1842,8 +1767,7 @@ class LayerStore:
                 for name, b in s.block_nbytes().items():
                     out["scales" if name in ("scale", "zero", "norm") else kind] += held(gi, s, b)
                 out["scales"] += s.state_nbytes()
-        if self.key_mean is not None:
-            out["scales"] += self.key_mean.numel() * self.key_mean.element_size()
+        out["scales"] += self.space.nbytes()
         for k, v in self.dense_buffers().values():
             out["dense"] += k.numel() * k.element_size() + v.numel() * v.element_size()
         for kind, r in self._ring_parts():  # the ladder's refinement rows (both rungs)
@@ -1879,9 +1803,7 @@ class LayerStore:
                           functools.partial(self.read, g), functools.partial(self.read_factored, g),
                           functools.partial(self.heavy_rows, g, True))
             for g in self.groups)  # fmt: skip
-        space = StorageSpace(self.rotate_keys, self.rotate_values, self.key_mean, self.has_head_space,
-                             self.centered_keys, self.to_storage_space, self.kv_to_head_space, self.kv_from_head_space,
-                             self.query_to_head_space, self.output_from_head_space)  # fmt: skip
+        space = self.space.snapshot(self.groups, self.num_heads, self.calibrated)
         sinks = None if self.sink_k is None or self.sink_v is None else SinkRows(self.sink_k, self.sink_v,
                                                                                  self.sink_tokens)  # fmt: skip
         residual = None if self.res_k is None else ResidualRows(self.res_k.shape[2], self.residual_rows)
