@@ -35,6 +35,7 @@ import torch
 from .blocks import LayerBlocks
 from .groups import HeadGroup
 from .quantizers.base import Factored
+from .rows import RowStarts
 from .tensor_store import LanePlan, write_pair
 
 
@@ -46,7 +47,7 @@ class LaneHost(Protocol):
     q_end: int  # slots below it are in every head's lanes
     cache_pos: int
     calibrated: bool
-    sink_end: int
+    starts: RowStarts  # each row's first real token and its sinks
     bytes_moved: int
     res_k: torch.Tensor | None  # the tails (residual mode) or the held tokens (calibration wait), [B, H, W, D]
     res_v: torch.Tensor | None
@@ -59,10 +60,6 @@ class LaneHost(Protocol):
     def read_pool(self, group: HeadGroup, start: int, end: int, factored: bool = False) -> tuple[Any, Any]: ...
 
     def read_quantized(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def mask_sinks(
-        self, keys: torch.Tensor, values: torch.Tensor, pos: int, copy: bool, starts: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def dense_to_group_space(
         self, group: HeadGroup, k: torch.Tensor, v: torch.Tensor
@@ -322,9 +319,9 @@ class Lanes:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The flushed chunk of ``group`` with the sink slots of heads whose first lane it is masked as the
         per-row pool write masks them (sinks are read from the sink buffer)."""
-        if not self.host.sink_end:
+        if not self.host.starts.sink_end:
             return k, v
-        mk, mv = self.host.mask_sinks(k, v, 0, group.per_block)
+        mk, mv = self.host.starts.mask_sinks(k, v, 0, group.per_block)
         first = (base == 0).view(*base.shape, 1, 1)
         return torch.where(first, mk, k), torch.where(first, mv, v)
 

@@ -41,7 +41,7 @@ def batchable(store: LayerStore) -> bool:
         return False
     if store.has_head_space or store.holds_fitted_rows or store.exact_k is not None or store.first_live:
         return False
-    if store.config.offload is not None or int(store.pad_end) != 0:
+    if store.config.offload is not None or int(store.starts.pad_end) != 0:
         return False
     return all(not s.quantizer.static and not s.quantizer.space and not s.state
                for g in store.groups for s in (g.key, g.value))  # fmt: skip
@@ -96,7 +96,7 @@ def attend_batched(
     rep = Hq // Hkv
     R = rep * T
     q_end = [min(st.q_end, p) for st, p in zip(stores, past_lens, strict=True)]  # history read from the pool
-    sink_lo = [min(st.sink_end, e) if st.sink_k is not None else 0 for st, e in zip(stores, q_end, strict=True)]
+    sink_lo = [min(st.starts.sink_end, e) if st.sink_k is not None else 0 for st, e in zip(stores, q_end, strict=True)]
     res_n = [max(0, p - st.q_end) for st, p in zip(stores, past_lens, strict=True)]  # from the dense tail
     # the pool's blocks of every sequence, one padded table (missing entries: block 0, masked)
     nb = -(-max(q_end) // bs)

@@ -67,6 +67,7 @@ from .offload import host_id, is_host
 from .plan import LayerPlan, Plan, layer_plan
 from .quantizers import Quantizer
 from .quantizers.base import Factored, require_finite
+from .rows import RowStarts
 from .shape import held_dtype
 from .slots import SlotMap
 from .snapshot import GroupSnapshot, KVSnapshot, ResidualRows, SinkRows
@@ -194,16 +195,12 @@ class LayerStore:
         self.device = device
         self.cache_pos = 0
         self.q_end = 0  # tokens [0, q_end) are in the quantized pool
-        # per row, the position of its first real token (left padding before it), set by the first append
-        self.row_start = torch.zeros(batch, dtype=torch.long, device=device)
-        self._row_start_host = [0] * batch  # (row_start on the host: flush points per row)
-        self.sink_end = 0  # sink tokens lie below this position in every row
+        self.starts = RowStarts(batch, plan.sink_tokens, device)  # each row's first real token, its sinks
         # per-row block grids (see shifts_grid): row b's position p lives at slot p + shift[b] of its pool, so that
         # its first real token starts a block; None: every row's slots are its positions
         self.shift: list[int] | None = None
         self._shift_t: torch.Tensor | None = None  # (shift on the device)
         self._slot_end = 0  # with shift: the pool holds slots [0, _slot_end) of every row
-        self.pad_end = 0  # left padding lies below this position in every row
         self.calibrated = False  # every row's static scales are fitted (tokens then go to the pool)
         # per row: its static scales are fitted (on its own first real tokens) while a batch-mate still waits
         self.calibrated_rows = [False] * batch
@@ -228,9 +225,6 @@ class LayerStore:
         # of a prompt held for calibration: its write picks the heavy rows when the held tokens reach the pool
         self._held_scores: tuple[int, torch.Tensor, int] | None = None
         self.slots: SlotMap | None = None  # an evicting layer: its token axis holds slots (see kvquant.slots)
-        # an evicting layer's first write: [B, S] True where a row's slot holds a kept token (of some head); its
-        # empty slots are no real tokens (slots past S, appended later, are)
-        self.slot_real: torch.Tensor | None = None
         self.groups: list[HeadGroup] = []
         for gi, (pair, heads, kq, vq) in enumerate(made):
             self.groups.append(
@@ -362,17 +356,6 @@ class LayerStore:
         return self.batch * (j1 - j0)  # new blocks, or a copy of a shared partial block
 
     # ---------------------------------------------------------------- writing
-    def fit_tokens(self, past: int, T: int) -> torch.Tensor:
-        """``[B, T]`` bool: the tokens of positions ``past .. past + T`` a row's fitted state is taken from: its
-        own real tokens (never its left padding), its sink tokens left out when the chunk holds others."""
-        use = self.real_tokens(past, past + T)
-        sel = self.sink_slots(past, past + T)
-        if sel is not None:
-            not_sink = torch.ones_like(use)
-            not_sink[sel[0], sel[1]] = False
-            use = torch.where((use & not_sink).any(dim=1, keepdim=True), use & not_sink, use)
-        return use
-
     def append(
         self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None = None,
         key_scores: torch.Tensor | None = None,
@@ -395,7 +378,7 @@ class LayerStore:
         if past == 0:
             self._set_row_start(row_start)
         if self.space.center_keys and self.space.key_mean is None:
-            self.space.fix_key_mean(keys, self.fit_tokens(past, keys.shape[2]))
+            self.space.fix_key_mean(keys, self.starts.fit_tokens(past, keys.shape[2]))
         if self.space.transforms:
             keys, values = self.space.to_storage(keys, values)
             largest = None  # (a rotation or centering changes the magnitudes)
@@ -404,7 +387,7 @@ class LayerStore:
             self.dense_dtype = held_dtype(keys.dtype)
         if self.config.check_finite and (self.has_dense_segments or not self.calibrated):
             self._fit_dense(keys, values, largest)
-        if past < self.sink_end:
+        if past < self.starts.sink_end:
             self._keep_sinks(keys, values, past)
         held = self.res_k.shape[2] if self.res_k is not None and not self.calibrated else 0
         scores = None
@@ -433,7 +416,7 @@ class LayerStore:
                              for b, row in enumerate(ln.grows) for h, grow in enumerate(row) if grow})
             self._write_pool(keys, values, past, scores)
         self.cache_pos = past + T
-        if self.host and self.host.offload_cold(self.tables, self.q_end, self.first_live, self.sink_end):
+        if self.host and self.host.offload_cold(self.tables, self.q_end, self.first_live, self.starts.sink_end):
             self._table_cache = None
         return past
 
@@ -469,7 +452,7 @@ class LayerStore:
         cv = torch.where(z, values.gather(2, idx), torch.zeros((), dtype=values.dtype, device=values.device))
         if self.lanes:  # each (row, head) holds the lanes of its own kept count
             self.lanes.keep(n.tolist(), None if cap is None else cap.tolist())
-        self.slot_real = filled.any(dim=1).to(self.device)  # a short row's empty slots: not real tokens
+        self.starts.slot_real = filled.any(dim=1).to(self.device)  # a short row's empty slots: not real tokens
         self.append(ck, cv, None)
         first = torch.zeros(B, dtype=torch.long, device=keys.device) if row_start is None else row_start.long()
         pos = torch.where(filled, order, -1).to(torch.int32)
@@ -569,8 +552,8 @@ class LayerStore:
             start = self.q_end
             ks = torch.cat([self.res_k.to(keys.dtype), keys], dim=2)
             vs = torch.cat([self.res_v.to(values.dtype), values], dim=2)
-        use = self.real_tokens(start, end)
-        seen = self.real_count(end)  # real tokens per row, this chunk included
+        use = self.starts.real_tokens(start, end)
+        seen = self.starts.real_count(end)  # real tokens per row, this chunk included
         nonzero = ((row_amax(ks, use) > 0) & (row_amax(vs, use) > 0)).all(dim=1)
         ready = ((seen >= CALIB_MIN_TOKENS) & nonzero) | (seen >= CALIB_MAX_TOKENS)
         new = ready.cpu() & ~torch.tensor(self.calibrated_rows, dtype=torch.bool)
@@ -603,7 +586,7 @@ class LayerStore:
         age ladder, heavy rows, a sliding window and offload keep the batch's grid, see docs/batch-independence.md).
         The pool then ends at the earliest row's own flush point; a row past it reads the tokens its own pool would
         hold as that pool will (:meth:`held_rows`)."""
-        return (self.residual_mode and self.pad_end > 0 and not self.per_block and not self.lanes
+        return (self.residual_mode and self.starts.pad_end > 0 and not self.per_block and not self.lanes
                 and self.window is None and not self.ladder_tokens and not self.heavy_tokens
                 and not self.config.offload)  # fmt: skip
 
@@ -612,7 +595,7 @@ class LayerStore:
         (:attr:`per_row_flush`): ``R`` tokens (``residual_tokens``) after its first real token stay held, the
         rest is quantized ``residual_step`` tokens at a time."""
         R, step = self.residual_tokens, self.residual_step
-        return [r + max(0, (cache_pos - r - R) // step) * step if cache_pos > r else r for r in self._row_start_host]
+        return [r + max(0, (cache_pos - r - R) // step) * step if cache_pos > r else r for r in self.starts.host]
 
     def virtual_row_ends(self) -> list[int]:
         """Per row, where its pool would end if every row's static scales were fitted and its flush points were its
@@ -656,7 +639,8 @@ class LayerStore:
             base = self._held_cache.get(gi)
             done = 0 if base is None else base[0].shape[2]
             if done < pooled:  # quantize the tokens that reached the virtual pool since the last read
-                mk, mv = self.mask_sinks(xk[:, :, done:pooled], xv[:, :, done:pooled], q0 + done, group.per_block)
+                mk, mv = self.starts.mask_sinks(xk[:, :, done:pooled], xv[:, :, done:pooled], q0 + done,
+                                                group.per_block)
                 new = [self._pool_rows(s, group_rows(x, group)) for s, x in ((group.key, mk), (group.value, mv))]
                 base = tuple(y if base is None else torch.cat([base[i], y], dim=2) for i, y in enumerate(new))
                 self._held_cache[gi] = base
@@ -671,15 +655,15 @@ class LayerStore:
                     out[i][:, :, :pooled] = base[i][:, :, :pooled]
                 n1 = min(self.ladder_tokens, pooled) if s.quantizer.rung_parts(1) else 0
                 if n1:  # the age ladder's newest rows, refined
-                    x1 = self.mask_sinks(x[:, :, pooled - n1:pooled], x[:, :, pooled - n1:pooled], q0 + pooled - n1,
-                                          False)[0]
+                    x1 = x[:, :, pooled - n1:pooled]
+                    x1 = self.starts.mask_sinks(x1, x1, q0 + pooled - n1, False)[0]
                     out[i][:, :, pooled - n1:pooled] = self._ladder_rows(s, group_rows(x1, group))
             if self._held_scores is not None:  # heavy rows the held tokens will pick (as alone), refined
                 at, rows = self._held_heavy(group, xk, xv, pooled)
                 for i in range(2):
                     if rows[i] is not None:
                         out[i] = put_rows(out[i], rows[i], at, q0, q0 + n)
-        sel = self.sink_slots(q0, q0 + n)
+        sel = self.starts.sink_slots(q0, q0 + n)
         if sel is not None:  # sinks: read from the sink buffer (the dense dtype)
             r, o, _ = sel
             for i in range(2):
@@ -783,16 +767,10 @@ class LayerStore:
                 setattr(self, name, t.float())
 
     def _set_row_start(self, row_start: torch.Tensor | None) -> None:
-        if row_start is None:
-            self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
-        else:
-            if row_start.shape != (self.batch,):
-                raise ValueError(f"row_start: shape {tuple(row_start.shape)}, expected ({self.batch},)")
-            self.row_start = row_start.to(self.device, torch.long)
-        self._row_start_host = self.row_start.tolist()  # one read, at the first write
-        self.pad_end = max(self._row_start_host)
-        self.sink_end = self.pad_end + self.sink_tokens if self.sink_tokens else 0
-        shift = [-r % self.block_size for r in self._row_start_host]
+        """The first write: each row's first real token (:meth:`RowStarts.set`), and its own block grid when
+        :attr:`shifts_grid`."""
+        self.starts.set(row_start)
+        shift = [-r % self.block_size for r in self.starts.host]
         if any(shift) and self.shifts_grid:
             self.shift, self._slot_end = shift, 0
             self._shift_t = torch.tensor(shift, dtype=torch.long, device=self.device)
@@ -807,7 +785,7 @@ class LayerStore:
         qs = [q for g in self.groups for q in (g.key.quantizer, g.value.quantizer)]
         return (self.per_block and self.residual_step == self.block_size and not self.lanes and self.window is None
                 and not self.ladder_tokens and not self.heavy_tokens and not self.config.offload
-                and self.slot_real is None and not any(q.space for q in qs)
+                and self.starts.slot_real is None and not any(q.space for q in qs)
                 and (self._static_amax is not None or not any(q.static for q in qs)))  # fmt: skip
 
     def slot_ends(self, cache_pos: int) -> list[int]:
@@ -873,7 +851,7 @@ class LayerStore:
             if held is None:
                 ck = self._slot_chunk(self.res_k, q0, S, top)
                 cv = self._slot_chunk(self.res_v, q0, S, top)
-                ck, cv = self.mask_sinks(ck, cv, S, group.per_block, self._slot_starts())
+                ck, cv = self.starts.mask_sinks(ck, cv, S, group.per_block, self._slot_starts())
                 held = tuple(self._pool_rows(s, group_rows(x, group))
                              for s, x in ((group.key, ck), (group.value, cv)))
                 self._held_cache[key] = held
@@ -882,7 +860,7 @@ class LayerStore:
             for i in range(2):
                 y = held[i].gather(2, rel[:, None, :, None].expand(-1, held[i].shape[1], -1, held[i].shape[3]))
                 out[i] = torch.where(own[:, None, :, None], y, out[i])
-        sel = self.sink_slots(start, end)
+        sel = self.starts.sink_slots(start, end)
         if sel is not None:  # sinks: as held (the sink buffer holds the same values)
             r, o, _ = sel
             for i in range(2):
@@ -906,77 +884,18 @@ class LayerStore:
     def _slot_starts(self) -> torch.Tensor:
         """With :attr:`shift`: per row, the slot of its first real token (a block boundary)."""
         assert self._shift_t is not None
-        return self.row_start + self._shift_t
-
-    def real_tokens(self, start: int, end: int, starts: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, end - start]``: True where position ``start + t`` of a row is a real token (not left padding; in an
-        evicting layer, not an empty slot of its first write, :attr:`slot_real`). ``starts[B]``: each row's first
-        real one on another axis (the slots of per-row block grids, :meth:`_slot_starts`) instead of ``row_start``."""
-        pos = torch.arange(start, end, device=self.device)
-        real = pos[None, :] >= (self.row_start if starts is None else starts)[:, None]
-        if self.slot_real is not None and start < self.slot_real.shape[1]:
-            first = self.slot_real[:, start:end]
-            real = torch.cat([first, real[:, first.shape[1]:]], dim=1)
-        return real
-
-    def real_count(self, end: int) -> torch.Tensor:
-        """``[B]``: the real tokens (see :meth:`real_tokens`) of each row below position ``end``."""
-        if self.slot_real is None:
-            return (end - self.row_start).clamp_min(0)
-        S = self.slot_real.shape[1]
-        return self.slot_real[:, :min(end, S)].sum(dim=1) + max(0, end - S)
-
-    def sink_slots(
-        self, start: int, end: int, starts: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The sink tokens among positions ``[start, end)``: index tensors (row, offset from ``start``,
-        slot of the row's sink buffer), or None. A row's sinks are its first ``sink_tokens`` real tokens.
-        ``starts``: see :meth:`real_tokens`."""
-        if starts is None and start >= self.sink_end or not self.sink_tokens:
-            return None
-        first = self.row_start if starts is None else starts
-        slot = torch.arange(start, end, device=self.device)[None, :] - first[:, None]
-        rows, offs = ((slot >= 0) & (slot < self.sink_tokens)).nonzero(as_tuple=True)
-        return rows, offs, slot[rows, offs]
+        return self.starts.row_start + self._shift_t
 
     def _keep_sinks(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
         if self.sink_k is None:
             shape = (self.batch, self.num_heads, self.sink_tokens, self.head_dim)
             self.sink_k = torch.zeros(shape, dtype=self.dense_dtype, device=self.device)
             self.sink_v = torch.zeros_like(self.sink_k)
-        sel = self.sink_slots(past, past + keys.shape[2])
+        sel = self.starts.sink_slots(past, past + keys.shape[2])
         if sel is not None:
             rows, offs, slots = sel
             self.sink_k[rows, :, slots] = keys[rows, :, offs].to(self.dense_dtype)
             self.sink_v[rows, :, slots] = values[rows, :, offs].to(self.dense_dtype)
-
-    def mask_sinks(
-        self, keys: torch.Tensor, values: torch.Tensor, pos: int, copy: bool, starts: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunk at ``pos`` with its sink rows (read from the sink buffer, never from the pool) masked:
-        zeroed, or with ``copy`` replaced by the row's first real non-sink token of the chunk (zeros when
-        the chunk has none). ``starts``: see :meth:`real_tokens`.
-
-        Per-channel (``int*-channel``) blocks take ``copy``: a copy of a token quantized anyway widens
-        no channel's min / max, while a zero row widens every per-channel range of a key with a large
-        offset (q/k/v bias) in the sinks' block. Other quantizers take zeros: a zero row widens no
-        per-token or static scale, and counts as no clipped value."""
-        sel = self.sink_slots(pos, pos + keys.shape[2], starts)
-        if sel is None:
-            return keys, values
-        rows, offs, _ = sel
-        keys, values = keys.clone(), values.clone()
-        if copy:
-            keep = self.real_tokens(pos, pos + keys.shape[2], starts)
-            keep[rows, offs] = False
-            src = keep.to(torch.uint8).argmax(dim=1)[rows]  # first kept token of each sink's row
-            has = keep.any(dim=1)[rows][:, None, None]
-            keys[rows, :, offs] = torch.where(has, keys[rows, :, src], 0)
-            values[rows, :, offs] = torch.where(has, values[rows, :, src], 0)
-        else:
-            keys[rows, :, offs] = 0
-            values[rows, :, offs] = 0
-        return keys, values
 
     def _write_pool(
         self, keys: torch.Tensor, values: torch.Tensor, pos: int, scores: HeavyScores | None = None,
@@ -987,15 +906,16 @@ class LayerStore:
         :meth:`_pick_heavy`). ``slots``: the chunk holds slots ``[pos, pos + T)`` of per-row block grids
         (:attr:`shift`), not positions."""
         if self.lanes:
-            if self.lanes.overwrite_pending and pos == self.cache_pos and keys.shape[2] == 1 and pos >= self.sink_end:
+            sinks_done = pos >= self.starts.sink_end
+            if self.lanes.overwrite_pending and pos == self.cache_pos and keys.shape[2] == 1 and sinks_done:
                 self.lanes.overwrite_pending = False  # grow_lanes' token: overwrite() writes every head at its slot
                 self.q_end = pos + 1
                 return
-            self.lanes.write(*self.mask_sinks(keys, values, pos, False), pos)
+            self.lanes.write(*self.starts.mask_sinks(keys, values, pos, False), pos)
             return
         starts = self._slot_starts() if slots else None
-        masked = {c: self.mask_sinks(keys, values, pos, c, starts) for c in {g.per_block for g in self.groups}}
-        real = self.real_tokens(pos, pos + keys.shape[2], starts) if pos < self.pad_end or slots else None
+        masked = {c: self.starts.mask_sinks(keys, values, pos, c, starts) for c in {g.per_block for g in self.groups}}
+        real = self.starts.real_tokens(pos, pos + keys.shape[2], starts) if pos < self.starts.pad_end or slots else None
         quantized = []  # every group quantized (which may raise) before any block or table changes
         for g in self.groups:
             gk, gv = masked[g.per_block]
@@ -1025,7 +945,7 @@ class LayerStore:
         ``[B, H, n]`` (-1: none), pads and sinks excepted."""
         s0, sc, _ = scores
         p = torch.arange(lo, hi, device=self.device)
-        eligible = p[None, :] >= (self.row_start + self.sink_tokens)[:, None]  # [B, t]: not a pad, not a sink
+        eligible = p[None, :] >= (self.starts.row_start + self.sink_tokens)[:, None]  # [B, t]: not a pad, not a sink
         return pick_rows(sc[:, :, lo - s0:hi - s0].to(self.device), eligible, self.heavy_tokens)
 
     def _pick_heavy(self, masked: dict, quantized: list, pos: int, scores: HeavyScores) -> None:
@@ -1314,7 +1234,7 @@ class LayerStore:
         if self.cache_pos == 0:
             self._set_row_start(None)
         if self.space.center_keys and self.space.key_mean is None:
-            self.space.fix_key_mean(keys, self.fit_tokens(self.cache_pos, keys.shape[2]))
+            self.space.fix_key_mean(keys, self.starts.fit_tokens(self.cache_pos, keys.shape[2]))
         ks, vs = self.space.to_storage(keys, values)
         if not self.calibrated:
             self._calibrate(ks, vs, self.cache_pos)
@@ -1324,7 +1244,7 @@ class LayerStore:
                 x = src if g.all_heads else src.index_select(1, g.head_index)
                 y = s.quantizer.dequantize(s.quantizer.quantize(x, s.state), s.state, src.dtype)
                 dst[:, g.head_index] = y
-        sel = self.sink_slots(self.cache_pos, self.cache_pos + ks.shape[2])
+        sel = self.starts.sink_slots(self.cache_pos, self.cache_pos + ks.shape[2])
         if sel is not None:
             rows, offs, _ = sel
             k_out[rows, :, offs], v_out[rows, :, offs] = ks[rows, :, offs], vs[rows, :, offs]
@@ -1338,12 +1258,12 @@ class LayerStore:
         Each row's scale comes from its own real tokens: never from batch-mates or left padding. Sink
         tokens (read in full precision) are left out of the max when the chunk has other tokens.
         """
-        use = self.real_tokens(past, past + keys.shape[2])  # data-fitted state (codebook): real, non-sink tokens
+        use = self.starts.real_tokens(past, past + keys.shape[2])  # data-fitted state (codebook): real, non-sink tokens
         if self._static_amax is not None:
             k_amax = self._static_amax["key"].to(self.device).expand(self.batch, -1)
             v_amax = self._static_amax["value"].to(self.device).expand(self.batch, -1)
         else:
-            use = self.fit_tokens(past, keys.shape[2])
+            use = self.starts.fit_tokens(past, keys.shape[2])
             k_amax = safe_amax(row_amax(keys, use))
             v_amax = safe_amax(row_amax(values, use))
         fitted_states = []  # every group's K and V state, checked before any store changes
@@ -1425,9 +1345,9 @@ class LayerStore:
                 k, v = rk, rv
         else:
             k, v = self.read_pool(group, start, end)
-        if self.sink_k is not None and start < self.sink_end:
+        if self.sink_k is not None and start < self.starts.sink_end:
             # each row's sink tokens from the sink buffer, selected on the device (no host synchronisation)
-            slot = torch.arange(start, end, device=self.device)[None, :] - self.row_start[:, None]  # [B, t]
+            slot = torch.arange(start, end, device=self.device)[None, :] - self.starts.row_start[:, None]  # [B, t]
             is_sink = ((slot >= 0) & (slot < self.sink_tokens))[:, None, :, None]
             idx = slot.clamp(0, self.sink_tokens - 1)
             rows = torch.arange(self.batch, device=self.device)[:, None]
@@ -1458,8 +1378,8 @@ class LayerStore:
         pool_end = min(end, lanes_end)
         pool_end = min(pool_end, self.q_end - self.ladder_n)  # the ladder's young rows: read() refines them
         a = start
-        if a < pool_end and self.sink_k is not None and a < self.sink_end:  # sink rows: read() merges them
-            b = min(pool_end, -(-self.sink_end // self.block_size) * self.block_size)
+        if a < pool_end and self.sink_k is not None and a < self.starts.sink_end:  # sink rows: read() merges them
+            b = min(pool_end, -(-self.starts.sink_end // self.block_size) * self.block_size)
             k, v = self.read(group, a, b)
             pieces.append((a, b, Factored(k), Factored(v)))
             a = b
@@ -1591,12 +1511,11 @@ class LayerStore:
     def reset(self) -> None:
         """Forget all tokens and static scales; the blocks go back to the pool."""
         self.release()
-        self.cache_pos = self.q_end = self.sink_end = self.pad_end = self._slot_end = 0
+        self.cache_pos = self.q_end = self._slot_end = 0
         if self.host:
             self.host.reset()
         self.shift = self._shift_t = None
-        self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
-        self._row_start_host = [0] * self.batch
+        self.starts.reset(self.batch)
         self.calibrated = False
         self.calibrated_rows = [False] * self.batch
         self._held_cache = {}
@@ -1607,7 +1526,6 @@ class LayerStore:
         self.clear_ladder()
         self.heavy = []
         self.slots = None
-        self.slot_real = None
         if self.lanes:
             self.lanes.reset()
         for g in self.groups:
@@ -1648,6 +1566,7 @@ class LayerStore:
             t = getattr(self, name)
             setattr(new, name, None if t is None else t.clone())
         new.space = self.space.copy()
+        new.starts = self.starts.copy()
         new.slots = None if self.slots is None else self.slots.copy()
         new.ladder, new.ladder2 = list(self.ladder), list(self.ladder2)  # (ring tensors are replaced, never in place)
         new.heavy = list(self.heavy)  # (likewise)
@@ -1676,8 +1595,7 @@ class LayerStore:
             if t is not None:
                 setattr(self, name, t.index_select(0, idx))
         self.space.index_batch(idx)
-        self.row_start = self.row_start.index_select(0, idx)
-        self._row_start_host = [self._row_start_host[i] for i in rows]
+        self.starts.index_batch(idx, rows)
         if self.shift is not None and self._shift_t is not None:  # each row's block grid follows it
             self.shift, self._shift_t = [self.shift[i] for i in rows], self._shift_t.index_select(0, idx)
         if self._held_scores is not None:
@@ -1690,8 +1608,6 @@ class LayerStore:
                             else {n: t.index_select(0, idx) for n, t in x.items()} for x in h) for h in self.heavy]
         if self.slots is not None:  # each row's own kept tokens (per head) follow it
             self.slots.index_batch(idx)
-        if self.slot_real is not None:
-            self.slot_real = self.slot_real.index_select(0, idx)
         for g in self.groups:  # per-sequence static state (scales [B, H], codebook means ...) follows its rows
             for st in (g.key, g.value):
                 q = st.quantizer
@@ -1809,7 +1725,7 @@ class LayerStore:
         residual = None if self.res_k is None else ResidualRows(self.res_k.shape[2], self.residual_rows)
         heavy = max([0, *(at.shape[-1] for at, _, _ in self.heavy if at is not None)])
         return KVSnapshot(
-            self.batch, self.num_heads, self.head_dim, self.block_size, self.device, self.q_end, self.row_start,
+            self.batch, self.num_heads, self.head_dim, self.block_size, self.device, self.q_end, self.starts.row_start,
             self.table(), self.capacity, groups, space, self.has_dense_segments, sinks, residual, self.ladder_n, heavy,
             self.lanes, self.slots, self.tiles, self._staged_snapshot if self.has_host_blocks() else None, self.shift,
         )

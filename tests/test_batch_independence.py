@@ -77,7 +77,7 @@ def test_padded_row_keeps_its_first_real_tokens_as_sinks(stories):
     pads = int((enc["attention_mask"][1] == 0).sum())
     assert pads > 3
     for la, lb in zip(alone.layers, batched.layers, strict=True):
-        assert int(lb.store.row_start[1]) == pads and int(lb.store.row_start[0]) == 0
+        assert int(lb.store.starts.row_start[1]) == pads and int(lb.store.starts.row_start[0]) == 0
         torch.testing.assert_close(lb.store.sink_k[1], la.store.sink_k[0], atol=1e-5, rtol=0)
 
 

@@ -205,7 +205,7 @@ def test_cache_picks_by_the_prompt_and_sizes_them(model, batch, monkeypatch):
             model.generate(ids, attention_mask=mask, **cache_kw(cache), max_new_tokens=5, do_sample=False)
         for layer in cache.layers:
             store = layer.store
-            first = store.row_start.view(-1, 1, 1) + 4
+            first = store.starts.row_start.view(-1, 1, 1) + 4
             for at, _, _ in store.heavy:
                 assert at.shape[-1] == 10 and bool(((at >= first) & (at < 50 - 5 - 6)).all())
         shape = ModelShape.of(model)
