@@ -218,7 +218,7 @@ class QuantizedLayer(CacheLayerMixin):
         the query heads of its KV head (H2O's score), ``[B, H, T]``; else None."""
         store = self.store
         assert store is not None
-        if not store.heavy_tokens or store.heavy or keys.shape[2] < 2:
+        if not store.refine.heavy_tokens or store.refine.heavy or keys.shape[2] < 2:
             return None
         if context.get("queries") is None:
             raise ValueError(

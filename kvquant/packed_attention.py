@@ -37,7 +37,8 @@ def batchable(store: LayerStore) -> bool:
     one row, no padding, every token in the pool or in the dense sink / tail buffers, dynamic scales."""
     if store.batch != 1 or store.lanes or store.slots is not None or store.window is not None:
         return False
-    if store.ladder_n or store.ladder_tokens or store.heavy or store.heavy_tokens or store.space.transforms:
+    refine = store.refine
+    if refine.ladder_n or refine.ladder_tokens or refine.heavy or refine.heavy_tokens or store.space.transforms:
         return False
     if store.has_head_space or store.holds_fitted_rows or store.exact_k is not None or store.first_live:
         return False

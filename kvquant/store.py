@@ -60,13 +60,14 @@ from .blocks import LayerBlocks
 from .config import KVPrecision, KVQuantConfig
 from .errors import ArgumentError
 from .groups import HeadGroup, block_specs, group_rows, make_groups
-from .heavy import gather_parts, pick_rows, position_dtype, put_rows, take_rows
+from .heavy import put_rows
 from .host_tier import HostTier, has_host_blocks, stage_tables
 from .lanes import Lanes
 from .offload import host_id, is_host
 from .plan import LayerPlan, Plan, layer_plan
 from .quantizers import Quantizer
 from .quantizers.base import Factored, require_finite
+from .refine import HeavyScores, Refinement
 from .rows import RowStarts
 from .shape import held_dtype
 from .slots import SlotMap
@@ -77,12 +78,10 @@ from .tensor_store import (
     QuantizedTensorStore,
     StoredOverflow,
     WritePlan,
+    pool_rows,
     quantize_pair,
     stored_finite,
 )
-
-# heavy_tokens: (first position, key scores [B, H, T], pool end of the scored chunk's own write or None)
-HeavyScores = tuple[int, torch.Tensor, "int | None"]
 
 # Static (per-head) scales of a row are calibrated on at least this many of its own real tokens; until then
 # its tokens are held in full precision (a 1-token prompt says little about later magnitudes) ...
@@ -137,18 +136,6 @@ def merge_rows(
         else:
             out[n] = t
     return out
-
-
-def _rows(parts: dict[str, torch.Tensor], start: int) -> dict[str, torch.Tensor]:
-    """Parts ``[B, H, T, ...]`` from row ``start`` on."""
-    return {n: t[:, :, start:] for n, t in parts.items()}
-
-
-def _ring_push(prev: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor], cap: int) -> dict[str, torch.Tensor]:
-    """A ladder ring's parts with rows ``new`` appended after ``prev`` (None: a new ring), its newest ``cap`` kept."""
-    if prev is not None:
-        new = {n: torch.cat([prev[n], t], dim=2) for n, t in new.items()}
-    return {n: t[:, :, -cap:] for n, t in new.items()}
 
 
 class LayerStore:
@@ -261,20 +248,8 @@ class LayerStore:
                            self.residual_mode, config.check_finite, device) if plan.lanes else None  # fmt: skip
         if self.lanes:
             self.tables = [[] for _ in range(batch * self.num_heads)]
-        # the age ladder's ring (see the module doc): per group, K and V refinement parts [B, Hg, n, ...] of the
-        # n newest pool tokens (None: that side's quantizer has no embedded refinement)
-        self.ladder_tokens = plan.ladder_tokens
-        self.ladder: list[tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]] = []
-        self.ladder_n = 0
-        # the second rung's ring: the same layout, the ladder2_n newest pool tokens (None: no second rung there)
-        self.ladder2_tokens = plan.ladder2_tokens
-        self.ladder2: list[tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]] = []
-        self.ladder2_n = 0
-        # heavy rows (``heavy_tokens``, kvquant.heavy): per group, (positions [B, Hg, n] (-1: none), K and V
-        # first-rung parts [B, Hg, n, ...]) of the prompt rows its attention weighs most; empty until picked
-        self.heavy_tokens = plan.heavy_tokens
-        self.heavy: list[tuple[torch.Tensor | None, dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]]
-        self.heavy = []
+        # refinement rows (kvquant.refine): the age ladder's rings, the second rung, heavy rows
+        self.refine = Refinement(plan.ladder_tokens, plan.ladder2_tokens, plan.heavy_tokens, self.block_size, device)
         if capacity:
             self.reserve(capacity)
 
@@ -391,7 +366,7 @@ class LayerStore:
             self._keep_sinks(keys, values, past)
         held = self.res_k.shape[2] if self.res_k is not None and not self.calibrated else 0
         scores = None
-        if key_scores is not None and self.heavy_tokens and not self.heavy:
+        if key_scores is not None and self.refine.heavy_tokens and not self.refine.heavy:
             scores = (past, key_scores, None)
         if not self.calibrated and self._hold_for_calibration(keys, values, past):
             self.cache_pos = past + T
@@ -587,7 +562,7 @@ class LayerStore:
         The pool then ends at the earliest row's own flush point; a row past it reads the tokens its own pool would
         hold as that pool will (:meth:`held_rows`)."""
         return (self.residual_mode and self.starts.pad_end > 0 and not self.per_block and not self.lanes
-                and self.window is None and not self.ladder_tokens and not self.heavy_tokens
+                and self.window is None and not self.refine.ladder_tokens and not self.refine.heavy_tokens
                 and not self.config.offload)  # fmt: skip
 
     def row_pool_ends(self, cache_pos: int) -> list[int]:
@@ -641,7 +616,7 @@ class LayerStore:
             if done < pooled:  # quantize the tokens that reached the virtual pool since the last read
                 mk, mv = self.starts.mask_sinks(xk[:, :, done:pooled], xv[:, :, done:pooled], q0 + done,
                                                 group.per_block)
-                new = [self._pool_rows(s, group_rows(x, group)) for s, x in ((group.key, mk), (group.value, mv))]
+                new = [pool_rows(s, group_rows(x, group)) for s, x in ((group.key, mk), (group.value, mv))]
                 base = tuple(y if base is None else torch.cat([base[i], y], dim=2) for i, y in enumerate(new))
                 self._held_cache[gi] = base
             per_row = min(ends) != max(ends)
@@ -653,13 +628,17 @@ class LayerStore:
                     out[i][:, :, :pooled] = torch.where(own, base[i][:, :, :pooled], out[i][:, :, :pooled])
                 else:
                     out[i][:, :, :pooled] = base[i][:, :, :pooled]
-                n1 = min(self.ladder_tokens, pooled) if s.quantizer.rung_parts(1) else 0
+                n1 = min(self.refine.ladder_tokens, pooled) if s.quantizer.rung_parts(1) else 0
                 if n1:  # the age ladder's newest rows, refined
                     x1 = x[:, :, pooled - n1:pooled]
                     x1 = self.starts.mask_sinks(x1, x1, q0 + pooled - n1, False)[0]
-                    out[i][:, :, pooled - n1:pooled] = self._ladder_rows(s, group_rows(x1, group))
+                    out[i][:, :, pooled - n1:pooled] = self.refine.ladder_rows(s, group_rows(x1, group))
             if self._held_scores is not None:  # heavy rows the held tokens will pick (as alone), refined
-                at, rows = self._held_heavy(group, xk, xv, pooled)
+                key = ("heavy", group.key.group)  # (kept per group until a row's scales change)
+                if key not in self._held_cache:
+                    self._held_cache[key] = self.refine.held_heavy(group, xk, xv, pooled, q0, self._held_scores,
+                                                                   self._heavy_first())  # fmt: skip
+                at, rows = self._held_cache[key]
                 for i in range(2):
                     if rows[i] is not None:
                         out[i] = put_rows(out[i], rows[i], at, q0, q0 + n)
@@ -674,58 +653,6 @@ class LayerStore:
         fitted = torch.tensor(self.calibrated_rows, device=self.device).view(-1, 1, 1, 1)
         a, b = start - q0, end - q0
         return (torch.where(fitted, out[0], dense[0])[:, :, a:b], torch.where(fitted, out[1], dense[1])[:, :, a:b])
-
-    def _held_heavy(
-        self, group: HeadGroup, xk: torch.Tensor, xv: torch.Tensor, pooled: int
-    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """The heavy rows the held tokens ``[q_end, q_end + pooled)`` (``xk`` / ``xv``: what the pool will be
-        quantized from) pick when they reach the pool (:meth:`_pick_heavy`, by the held prompt's scores): their
-        positions ``[B, Hg, n]`` (-1: none) and, per side, their refined decode (float32 storage space; None: no
-        refinement). Kept per group until a row's scales change."""
-        key = ("heavy", group.key.group)
-        if key in self._held_cache:
-            return self._held_cache[key]
-        assert self._held_scores is not None
-        q0 = self.q_end
-        lo, hi = self._heavy_range(q0, pooled, self._held_scores)
-        at = torch.full((self.batch, len(group.heads), 1), -1, dtype=torch.long, device=self.device)
-        rows: list[torch.Tensor | None] = [None, None]
-        if hi > lo:
-            idx = self._heavy_picks(lo, hi, self._held_scores)
-            gidx = idx if group.all_heads else idx.index_select(1, group.head_index)
-            rel = torch.where(gidx >= 0, gidx + (lo - q0), -1)
-            at = torch.where(gidx >= 0, gidx + lo, -1)
-            for i, (s, x) in enumerate(((group.key, xk), (group.value, xv))):
-                q = s.quantizer
-                if q.rung_parts(1):
-                    r = take_rows(group_rows(x[:, :, :pooled], group), rel)
-                    parts = q.quantize(r, s.state)
-                    y = q.decode_refined(parts, q.refine(r, s.state, parts), s.state).float()
-                    rows[i] = q.from_space(y, s.state) if q.space else y
-        self._held_cache[key] = (at, rows)
-        return at, rows
-
-    @staticmethod
-    def _pool_rows(store: QuantizedTensorStore, x: torch.Tensor) -> torch.Tensor:
-        """Rows ``x[B, Hg, t, D]`` quantized and decoded with ``store``'s state, float32 storage space."""
-        q = store.quantizer
-        y = store.decode(q.quantize(x, store.state))
-        return q.from_space(y, store.state) if q.space else y.float()
-
-    def _ladder_rows(self, store: QuantizedTensorStore, x: torch.Tensor) -> torch.Tensor:
-        """The pool's newest rows ``x[B, Hg, n1, D]`` as the age ladder reads them (refined; the newest
-        ``ladder2_tokens`` through both rungs), float32 storage space."""
-        q = store.quantizer
-        parts = q.quantize(x, store.state)
-        r = q.refine(x, store.state, parts)
-        y = q.decode_refined(parts, r, store.state).float()
-        n1 = x.shape[2]
-        n2 = min(self.ladder2_tokens, n1) if q.rung_parts(2) else 0
-        if n2:
-            p2, r1 = _rows(parts, n1 - n2), _rows(r, n1 - n2)
-            y2 = q.add_rung2(y[:, :, n1 - n2:], p2, r1, q.refine2(x[:, :, n1 - n2:], store.state, p2, r1), store.state)
-            y = torch.cat([y[:, :, :n1 - n2], y2.float()], dim=2)
-        return q.from_space(y, store.state) if q.space else y
 
     def residual_rows(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The history ``[q_end, end)`` held in full precision, every KV head ``[B, H, t, D]``, as the attention
@@ -784,7 +711,7 @@ class LayerStore:
         (those keep the batch's grid, see docs/batch-independence.md)."""
         qs = [q for g in self.groups for q in (g.key.quantizer, g.value.quantizer)]
         return (self.per_block and self.residual_step == self.block_size and not self.lanes and self.window is None
-                and not self.ladder_tokens and not self.heavy_tokens and not self.config.offload
+                and not self.refine.ladder_tokens and not self.refine.heavy_tokens and not self.config.offload
                 and self.starts.slot_real is None and not any(q.space for q in qs)
                 and (self._static_amax is not None or not any(q.static for q in qs)))  # fmt: skip
 
@@ -852,7 +779,7 @@ class LayerStore:
                 ck = self._slot_chunk(self.res_k, q0, S, top)
                 cv = self._slot_chunk(self.res_v, q0, S, top)
                 ck, cv = self.starts.mask_sinks(ck, cv, S, group.per_block, self._slot_starts())
-                held = tuple(self._pool_rows(s, group_rows(x, group))
+                held = tuple(pool_rows(s, group_rows(x, group))
                              for s, x in ((group.key, ck), (group.value, cv)))
                 self._held_cache[key] = held
             own = (slot >= S) & (slot < torch.tensor(ends, device=self.device)[:, None])
@@ -897,13 +824,17 @@ class LayerStore:
             self.sink_k[rows, :, slots] = keys[rows, :, offs].to(self.dense_dtype)
             self.sink_v[rows, :, slots] = values[rows, :, offs].to(self.dense_dtype)
 
+    def _heavy_first(self) -> torch.Tensor:
+        """``[B]``: each row's first position a heavy row may be picked at (past its pads and sinks)."""
+        return self.starts.row_start + self.sink_tokens
+
     def _write_pool(
         self, keys: torch.Tensor, values: torch.Tensor, pos: int, scores: HeavyScores | None = None,
         slots: bool = False,
     ) -> None:
         """Quantize a chunk into the pool at ``pos`` (sink rows masked: they are read from the sink buffer).
         ``scores``: ``(first position, key scores [B, H, T], limit)`` of the append, to pick heavy rows by (see
-        :meth:`_pick_heavy`). ``slots``: the chunk holds slots ``[pos, pos + T)`` of per-row block grids
+        :meth:`Refinement.pick_heavy`). ``slots``: the chunk holds slots ``[pos, pos + T)`` of per-row block grids
         (:attr:`shift`), not positions."""
         if self.lanes:
             sinks_done = pos >= self.starts.sink_end
@@ -926,170 +857,11 @@ class LayerStore:
         for g, (qk, qv) in zip(self.groups, quantized, strict=True):
             g.key.commit(qk, plan)
             g.value.commit(qv, plan)
-        if self.ladder_tokens:
-            self._push_ladder(masked, quantized, pos)
-        if scores is not None and not self.heavy:
-            self._pick_heavy(masked, quantized, pos, scores)
+        if self.refine.ladder_tokens:
+            self.refine.push(self.groups, masked, quantized, pos, self.q_end)
+        if scores is not None and not self.refine.heavy:
+            self.refine.pick_heavy(self.groups, masked, quantized, pos, scores, self._heavy_first())
         self.q_end = pos + keys.shape[2]
-
-    def _heavy_range(self, pos: int, t: int, scores: HeavyScores) -> tuple[int, int]:
-        """The positions ``[lo, hi)`` among a pool write of ``t`` rows at ``pos`` that heavy rows are picked from:
-        scored ones, below the rows the ladder holds after the scored chunk's own write (``limit``: where that write
-        ends; None: this one)."""
-        s0, sc, limit = scores
-        end = pos + t if limit is None else min(pos + t, limit)
-        return max(pos, s0), min(end, s0 + sc.shape[2], end - self.ladder_tokens)
-
-    def _heavy_picks(self, lo: int, hi: int, scores: HeavyScores) -> torch.Tensor:
-        """Per (row, KV head), the ``heavy_tokens`` positions ``[lo, hi)`` of highest score, as offsets from ``lo``
-        ``[B, H, n]`` (-1: none), pads and sinks excepted."""
-        s0, sc, _ = scores
-        p = torch.arange(lo, hi, device=self.device)
-        eligible = p[None, :] >= (self.starts.row_start + self.sink_tokens)[:, None]  # [B, t]: not a pad, not a sink
-        return pick_rows(sc[:, :, lo - s0:hi - s0].to(self.device), eligible, self.heavy_tokens)
-
-    def _pick_heavy(self, masked: dict, quantized: list, pos: int, scores: HeavyScores) -> None:
-        """Pick the heavy rows among the chunk just written at ``pos`` (:mod:`kvquant.heavy`): per (row, KV head),
-        the ``heavy_tokens`` rows of highest score, sinks and the rows the ladder holds after the scored chunk's
-        write excepted (:meth:`_heavy_range`), and keep their first-rung refinement parts."""
-        t = next(iter(masked.values()))[0].shape[2]
-        lo, hi = self._heavy_range(pos, t, scores)
-        if hi <= lo:
-            return
-        idx = self._heavy_picks(lo, hi, scores)  # [B, H, n]
-        heavy = []
-        for g, q_kv in zip(self.groups, quantized, strict=True):
-            gidx = idx if g.all_heads else idx.index_select(1, g.head_index)
-            rel = torch.where(gidx >= 0, gidx + (lo - pos), -1)  # rows of the chunk
-            sides = []
-            for s, x, q in zip((g.key, g.value), masked[g.per_block], q_kv, strict=True):
-                if not s.quantizer.rung_parts(1):
-                    sides.append(None)
-                    continue
-                x = take_rows(x if g.all_heads else x.index_select(1, g.head_index), rel)
-                sides.append(s.quantizer.refine(x, s.state, {n: take_rows(v, rel) for n, v in q.parts.items()}))
-            at = None if all(x is None for x in sides) else torch.where(gidx >= 0, gidx + lo, -1).to(position_dtype(hi))
-            heavy.append((at, sides[0], sides[1]))
-        self.heavy = heavy
-
-    def heavy_rows(
-        self, group: HeadGroup, base: bool = False
-    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """``group``'s heavy rows (:mod:`kvquant.heavy`): their positions ``[B, Hg, n]`` (-1: none; None: the group
-        holds none) and, per side (K, V), their refined decode (float32, the space the attention reads; None: a side
-        without refinement) and, with ``base``, their base decode (what the pool's codes read; else None). Each
-        side's parts are gathered from the blocks once."""
-        at, kr, vr = self.heavy[group.key.group]
-        refined: list[torch.Tensor | None] = [None, None]
-        based: list[torch.Tensor | None] = [None, None]
-        if at is None:
-            return None, refined, based
-        tbl = self.table()
-        for i, (s, r) in enumerate(((group.key, kr), (group.value, vr))):
-            if r is None and not base:
-                continue
-            parts = gather_parts(s.parts, tbl, at)
-            if r is not None:
-                refined[i] = s.quantizer.decode_refined(parts, r, s.state).float()
-            if base:
-                based[i] = s.decode(parts)
-        return at, refined, based
-
-    def _put_heavy(self, group: HeadGroup, start: int, end: int, k: Any, v: Any) -> tuple[Any, Any]:
-        """``k``, ``v`` (tokens ``[start, end)`` of ``group``'s pool: tensors ``[B, Hg, t, D]`` or dense
-        :class:`Factored`) with the group's heavy rows among them read refined."""
-        at, rows, _ = self.heavy_rows(group)
-        out = []
-        for x, r in zip((k, v), rows, strict=True):
-            if r is not None:
-                x = Factored(put_rows(x.codes, r, at, start, end)) if isinstance(x, Factored) else \
-                    put_rows(x, r, at, start, end)
-            out.append(x)
-        return out[0], out[1]
-
-    def _push_ladder(self, masked: dict, quantized: list, pos: int) -> None:
-        """Add the refinement parts of the chunk just written at ``pos`` to the ladder's rings and keep their newest
-        ``ladder_tokens`` (``ladder2_tokens``) rows: the rings cover ``[q_end - ladder_n, q_end)`` and
-        ``[q_end - ladder2_n, q_end)``."""
-        if pos != self.q_end:  # (not a suffix of the pool: start the rings again)
-            self.clear_ladder()
-        none = [(None, None)] * len(self.groups)
-        ring1, ring2 = [], []
-        for g, (qk, qv), old1, old2 in zip(self.groups, quantized, self.ladder or none, self.ladder2 or none,
-                                           strict=True):  # fmt: skip
-            gk, gv = masked[g.per_block]
-            p1, p2 = [], []
-            for s, x, q, prev1, prev2 in zip((g.key, g.value), (gk, gv), (qk, qv), old1, old2, strict=True):
-                if not s.quantizer.rung_parts(1):
-                    p1.append(None)
-                    p2.append(None)
-                    continue
-                x = x if g.all_heads else x.index_select(1, g.head_index)
-                t0 = max(0, x.shape[2] - self.ladder_tokens)  # only the rows the ring keeps (a long prefill)
-                x, parts = x[:, :, t0:], _rows(q.parts, t0)
-                r = s.quantizer.refine(x, s.state, parts)
-                p1.append(_ring_push(prev1 if self.ladder_n else None, r, self.ladder_tokens))
-                if not (self.ladder2_tokens and s.quantizer.rung_parts(2)):
-                    p2.append(None)
-                    continue
-                t2 = max(0, x.shape[2] - self.ladder2_tokens)
-                r2 = s.quantizer.refine2(x[:, :, t2:], s.state, _rows(parts, t2), _rows(r, t2))
-                p2.append(_ring_push(prev2 if self.ladder2_n else None, r2, self.ladder2_tokens))
-            ring1.append((p1[0], p1[1]))
-            ring2.append((p2[0], p2[1]))
-        t = next(iter(masked.values()))[0].shape[2]
-        self.ladder = ring1
-        self.ladder_n = min(self.ladder_tokens, self.ladder_n + t)
-        if self.ladder2_tokens:
-            self.ladder2 = ring2
-            self.ladder2_n = min(self.ladder2_tokens, self.ladder2_n + t)
-
-    def clear_ladder(self) -> None:
-        """Drop the ladder's refinement rows (the pool's tokens then read at their base width)."""
-        self.ladder, self.ladder_n = [], 0
-        self.ladder2, self.ladder2_n = [], 0
-
-    def _map_rings(self, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
-        """Apply ``fn(tensor, rung)`` to every tensor of the ladder's rings (rung 1 or 2), replacing them."""
-        for rung in (1, 2):
-            rings = self.ladder if rung == 1 else self.ladder2
-            new = [tuple(None if r is None else {n: fn(t, rung) for n, t in r.items()} for r in pair) for pair in rings]
-            if rung == 1:
-                self.ladder = new
-            else:
-                self.ladder2 = new
-
-    def _ring_parts(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
-        """``(kind, parts)`` of every ring entry held (kind: ``keys`` / ``values``), both rungs."""
-        return [(kind, r) for pair in (*self.ladder, *self.ladder2)
-                for kind, r in zip(("keys", "values"), pair, strict=True) if r is not None]  # fmt: skip
-
-    def _read_ladder(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """K and V of ``group``'s young pool tokens ``[start, end)`` (inside the ladder's ring) decoded with their
-        refinement bits, float32 head space ``[B, Hg, t, D]`` (None: that side is read at its base width); rows
-        inside the second rung's ring ``[q_end - ladder2_n, q_end)`` with both rungs."""
-        gi = group.key.group  # (the index of the group in self.groups)
-        bs = self.block_size
-        j0, j1 = start // bs, -(-end // bs)
-        tbl = self.table()[:, j0:j1]
-        off = start - (self.q_end - self.ladder_n)
-        b2 = max(start, self.q_end - self.ladder2_n)  # the first row with a second rung (end: none)
-        rings2 = self.ladder2[gi] if self.ladder2_n and b2 < end else (None, None)
-        out = []
-        for s, ring, ring2 in zip((group.key, group.value), self.ladder[gi], rings2, strict=True):
-            if ring is None:
-                out.append(None)
-                continue
-            parts = s._window(tbl, start - j0 * bs, end - start, None, None)
-            rp = {n: t[:, :, off:off + end - start] for n, t in ring.items()}
-            y = s.quantizer.decode_refined(parts, rp, s.state).float()
-            if ring2 is not None:  # the youngest rows: through the second rung too
-                a, o2 = b2 - start, b2 - (self.q_end - self.ladder2_n)
-                r2 = {n: t[:, :, o2:o2 + end - b2] for n, t in ring2.items()}
-                y2 = s.quantizer.add_rung2(y[:, :, a:], _rows(parts, a), _rows(rp, a), r2, s.state).float()
-                y = torch.cat([y[:, :, :a], y2], dim=2)
-            out.append(y)
-        return out[0], out[1]
 
     def _place(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> WritePlan:
         """Choose a block for every (row, block) a write at ``pos`` touches, and update the tables.
@@ -1332,9 +1104,10 @@ class LayerStore:
 
     def read_quantized(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``group``'s pool tokens ``[start, end)`` (:meth:`read_pool`), sink rows from the sink buffer."""
-        a = max(start, self.q_end - self.ladder_n)  # (end <= q_end: read() splits at it)
-        if self.ladder_n and a < end:  # the ladder's young rows, refined (each row decoded once)
-            rk, rv = self._read_ladder(group, a, end)
+        ladder_n = self.refine.ladder_n
+        a = max(start, self.q_end - ladder_n)  # (end <= q_end: read() splits at it)
+        if ladder_n and a < end:  # the ladder's young rows, refined (each row decoded once)
+            rk, rv = self.refine.read_ladder(group, a, end, self.table(), self.q_end)
             if rk is None or rv is None:  # a side without refinement: its base rows
                 bk, bv = self.read_pool(group, a, end)
                 rk, rv = bk if rk is None else rk, bv if rv is None else rv
@@ -1376,7 +1149,7 @@ class LayerStore:
         pieces = []
         lanes_end = self.lanes.lane_top(group) if self.lanes and self.tail_lanes else self.q_end  # (kvquant.lanes)
         pool_end = min(end, lanes_end)
-        pool_end = min(pool_end, self.q_end - self.ladder_n)  # the ladder's young rows: read() refines them
+        pool_end = min(pool_end, self.q_end - self.refine.ladder_n)  # the ladder's young rows: read() refines them
         a = start
         if a < pool_end and self.sink_k is not None and a < self.starts.sink_end:  # sink rows: read() merges them
             b = min(pool_end, -(-self.starts.sink_end // self.block_size) * self.block_size)
@@ -1427,11 +1200,11 @@ class LayerStore:
                 raise AssertionError("read_pool(factored=True) starts in a released block")
             k = group.key.read_factored(tbl, start - j0 * bs, end - start, run=run, parts=kparts)
             v = group.value.read_factored(tbl, start - j0 * bs, end - start, run=run, parts=vparts)
-            return self._put_heavy(group, start, end, k, v) if self.heavy else (k, v)
+            return self.refine.put_heavy(group, start, end, k, v, self.table()) if self.refine.heavy else (k, v)
         k = group.key.read(tbl, start - j0 * bs, end - start, run=run, parts=kparts)
         v = group.value.read(tbl, start - j0 * bs, end - start, run=run, parts=vparts)
-        if self.heavy:
-            k, v = self._put_heavy(group, start, end, k, v)
+        if self.refine.heavy:
+            k, v = self.refine.put_heavy(group, start, end, k, v, self.table())
         dead = self.first_live * bs - start
         if dead > 0:
             k[:, :, :dead] = 0
@@ -1454,14 +1227,8 @@ class LayerStore:
             if tokens % self.block_size and self.host and self.host.bring_back(self.tables, tokens // self.block_size,
                                                                                 self.device):  # fmt: skip
                 self._table_cache = None
-            if self.ladder_n:  # the rings keep their rows below ``tokens``
-                cut = self.q_end - tokens
-                keep = [0, max(0, self.ladder_n - cut), max(0, self.ladder2_n - cut)]
-                self._map_rings(lambda t, rung: t[:, :, : keep[rung]])
-                self.ladder_n, self.ladder2_n = keep[1], keep[2]
+            self.refine.crop(tokens, self.q_end)  # (rings keep their rows below ``tokens``, heavy rows theirs)
             self.q_end = tokens
-            self.heavy = [(None if at is None else torch.where(at < tokens, at, -1).to(at.dtype), kr, vr)
-                          for at, kr, vr in self.heavy]  # rows cut off are no longer refined (-1)
             self._truncate(-(-tokens // self.block_size))
             if self.host:
                 self.host.crop(tokens // self.block_size)
@@ -1523,8 +1290,7 @@ class LayerStore:
         self.res_k = self.res_v = self.exact_k = self.exact_v = None
         self.sink_k = self.sink_v = None
         self.space.reset()
-        self.clear_ladder()
-        self.heavy = []
+        self.refine.reset()
         self.slots = None
         if self.lanes:
             self.lanes.reset()
@@ -1568,8 +1334,7 @@ class LayerStore:
         new.space = self.space.copy()
         new.starts = self.starts.copy()
         new.slots = None if self.slots is None else self.slots.copy()
-        new.ladder, new.ladder2 = list(self.ladder), list(self.ladder2)  # (ring tensors are replaced, never in place)
-        new.heavy = list(self.heavy)  # (likewise)
+        new.refine = self.refine.copy()
         return new
 
     def index_batch(self, idx: torch.Tensor) -> None:
@@ -1603,9 +1368,7 @@ class LayerStore:
             self._held_scores = (s0, sc.index_select(0, idx.to(sc.device)), limit)
         self.calibrated_rows = [self.calibrated_rows[i] for i in rows]
         self._held_cache = {}
-        self._map_rings(lambda t, _: t.index_select(0, idx))
-        self.heavy = [tuple(None if x is None else x.index_select(0, idx) if isinstance(x, torch.Tensor)
-                            else {n: t.index_select(0, idx) for n, t in x.items()} for x in h) for h in self.heavy]
+        self.refine.index_batch(idx)
         if self.slots is not None:  # each row's own kept tokens (per head) follow it
             self.slots.index_batch(idx)
         for g in self.groups:  # per-sequence static state (scales [B, H], codebook means ...) follows its rows
@@ -1686,22 +1449,8 @@ class LayerStore:
         out["scales"] += self.space.nbytes()
         for k, v in self.dense_buffers().values():
             out["dense"] += k.numel() * k.element_size() + v.numel() * v.element_size()
-        for kind, r in self._ring_parts():  # the ladder's refinement rows (both rungs)
-            out[kind] += sum(t.numel() * t.element_size() for t in r.values())
-        for at, kr, vr in self.heavy:  # heavy rows: their refinement parts and positions
-            for kind, r in (("keys", kr), ("values", vr)):
-                out[kind] += sum(t.numel() * t.element_size() for t in (r or {}).values())
-            out["index"] += 0 if at is None else at.numel() * at.element_size()
+        self.refine.count(out)  # the ladder's refinement rows (both rungs), heavy rows (parts and positions)
         return out
-
-    def heavy_bytes(self) -> int:
-        """Bytes of the heavy rows held: refinement parts and positions (0 without them)."""
-        return sum(t.numel() * t.element_size() for h in self.heavy for x in h if x is not None
-                   for t in (x.values() if isinstance(x, dict) else (x,)))  # fmt: skip
-
-    def ladder_bytes(self) -> int:
-        """Bytes of the age ladder's refinement rows held, both rungs (0 without a ladder)."""
-        return sum(t.numel() * t.element_size() for _, r in self._ring_parts() for t in r.values())
 
     def clipped(self) -> int:
         return sum(s.counts.totals()[0] for g in self.groups for s in (g.key, g.value))
@@ -1717,17 +1466,18 @@ class LayerStore:
         groups = tuple(
             GroupSnapshot(g.heads, g.head_index, g.all_heads, g.key.snapshot(), g.value.snapshot(),
                           functools.partial(self.read, g), functools.partial(self.read_factored, g),
-                          functools.partial(self.heavy_rows, g, True))
+                          lambda g=g: self.refine.heavy_rows(g, self.table(), True))
             for g in self.groups)  # fmt: skip
         space = self.space.snapshot(self.groups, self.num_heads, self.calibrated)
         sinks = None if self.sink_k is None or self.sink_v is None else SinkRows(self.sink_k, self.sink_v,
                                                                                  self.sink_tokens)  # fmt: skip
         residual = None if self.res_k is None else ResidualRows(self.res_k.shape[2], self.residual_rows)
-        heavy = max([0, *(at.shape[-1] for at, _, _ in self.heavy if at is not None)])
+        heavy = self.refine.heavy_width()
         return KVSnapshot(
             self.batch, self.num_heads, self.head_dim, self.block_size, self.device, self.q_end, self.starts.row_start,
-            self.table(), self.capacity, groups, space, self.has_dense_segments, sinks, residual, self.ladder_n, heavy,
-            self.lanes, self.slots, self.tiles, self._staged_snapshot if self.has_host_blocks() else None, self.shift,
+            self.table(), self.capacity, groups, space, self.has_dense_segments, sinks, residual, self.refine.ladder_n,
+            heavy, self.lanes is not None, self.slots, self.tiles,
+            self._staged_snapshot if self.has_host_blocks() else None, self.shift,
         )
 
     @contextlib.contextmanager

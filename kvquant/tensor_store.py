@@ -345,3 +345,11 @@ class WritePlan:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def pool_rows(store: QuantizedTensorStore, x: torch.Tensor) -> torch.Tensor:
+    """Rows ``x[B, Hg, t, D]`` quantized and decoded with ``store``'s state as its pool would read them (float32
+    storage space)."""
+    q = store.quantizer
+    y = store.decode(q.quantize(x, store.state))
+    return q.from_space(y, store.state) if q.space else y.float()

@@ -200,8 +200,8 @@ def test_short_batch_mate_heavy_rows_picked_as_alone(stories, story_rows):
         assert torch.equal(batched[b].argmax(-1), alone.argmax(-1)), f"row {b}: greedy tokens differ"
         pad = width - len(prompts[b])
         for lb, la in zip(caches[0].layers, caches[-1].layers, strict=True):
-            assert lb.store.heavy and la.store.heavy, f"row {b}: no heavy rows picked"
-            for (at_b, *sides_b), (at_a, *sides_a) in zip(lb.store.heavy, la.store.heavy, strict=True):
+            assert lb.store.refine.heavy and la.store.refine.heavy, f"row {b}: no heavy rows picked"
+            for (at_b, *sides_b), (at_a, *sides_a) in zip(lb.store.refine.heavy, la.store.refine.heavy, strict=True):
                 got = [sorted(p - pad for p in h if p >= 0) for h in at_b[b].tolist()]
                 assert got == [sorted(p for p in h if p >= 0) for h in at_a[0].tolist()], f"row {b}: other rows"
                 for xb, xa in zip(sides_b, sides_a, strict=True):

@@ -155,7 +155,7 @@ def test_greedy_codebook_ladder(model, monkeypatch):
     seq_k, logits_k, calls_k, cache_k = generate(model, ids, mask, "triton", monkeypatch, new_tokens=4)
     layers = model.config.num_hidden_layers
     assert len(calls_k) == layers * 4  # every call through the kernels
-    assert [layer.store.ladder_n for layer in cache_k.layers] == [5] * layers  # a full ring was read
+    assert [layer.store.refine.ladder_n for layer in cache_k.layers] == [5] * layers  # a full ring was read
     assert torch.equal(seq_t, seq_k)
     assert differing_codes(cache_t, cache_k) == 0, "a rounding-boundary flip: pick other fixed inputs"
     err = (logits_t - logits_k).abs().max().item()

@@ -32,7 +32,7 @@ def test_snapshot_holds_the_store_by_reference():
     snap = store.snapshot()
     assert isinstance(store, SnapshotSource) and as_snapshot(snap) is snap
     assert (snap.batch, snap.num_heads, snap.head_dim, snap.block_size) == (2, 2, 32, 16)
-    assert snap.q_end == store.q_end < 60 and snap.table is store.table() and snap.row_start is store.row_start
+    assert snap.q_end == store.q_end < 60 and snap.table is store.table() and snap.row_start is store.starts.row_start
     assert len(snap.groups) == len(store.groups) == 2
     for part, group in zip(snap.groups, store.groups, strict=True):
         assert part.heads == group.heads and part.head_index is group.head_index
