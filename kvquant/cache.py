@@ -514,7 +514,7 @@ class QuantizedKVCache(Cache):
             return
         store = self.layers[layer_idx].store
         bs = store.block_size
-        if store.batch != len(self._hashes) or store.shift is not None:
+        if store.batch != len(self._hashes) or store.grid is not None:
             return  # rows were reordered or expanded, or hold slots of their own grids: the ids do not describe them
         for j in range(old_q_end // bs, store.q_end // bs):
             for b, hashes in enumerate(self._hashes):

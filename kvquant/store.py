@@ -59,6 +59,7 @@ import torch
 from .blocks import LayerBlocks
 from .config import KVPrecision, KVQuantConfig
 from .errors import ArgumentError
+from .grid import RowGrid
 from .groups import HeadGroup, block_specs, group_rows, make_groups
 from .heavy import put_rows
 from .host_tier import HostTier, has_host_blocks, stage_tables
@@ -183,11 +184,7 @@ class LayerStore:
         self.cache_pos = 0
         self.q_end = 0  # tokens [0, q_end) are in the quantized pool
         self.starts = RowStarts(batch, plan.sink_tokens, device)  # each row's first real token, its sinks
-        # per-row block grids (see shifts_grid): row b's position p lives at slot p + shift[b] of its pool, so that
-        # its first real token starts a block; None: every row's slots are its positions
-        self.shift: list[int] | None = None
-        self._shift_t: torch.Tensor | None = None  # (shift on the device)
-        self._slot_end = 0  # with shift: the pool holds slots [0, _slot_end) of every row
+        self.grid: RowGrid | None = None  # per-row block grids (kvquant.grid), set by the first write
         self.calibrated = False  # every row's static scales are fitted (tokens then go to the pool)
         # per row: its static scales are fitted (on its own first real tokens) while a batch-mate still waits
         self.calibrated_rows = [False] * batch
@@ -311,8 +308,8 @@ class LayerStore:
             return 0
         if self.lanes and self.cache_pos:  # lanes each (row, head) may take: new ones, and a copy of a shared one
             return self.lanes.blocks_needed(tokens)
-        if self.shift is not None:  # per-row block grids: slots [_slot_end, the earliest row's own flush point)
-            return self.batch * max(0, min(self.slot_ends(self.cache_pos + tokens)) - self._slot_end) // self.block_size
+        if self.grid is not None:  # per-row block grids: slots up to the earliest row's own flush point
+            return self.grid.blocks_needed(self.batch, self.cache_pos + tokens)
         if self.residual_mode:
             pending = (self.res_k.shape[2] if self.res_k is not None else 0) + tokens
             flush = (pending - self.residual_tokens) // self.residual_step * self.residual_step
@@ -659,7 +656,7 @@ class LayerStore:
         reads it (storage space): the residual buffers, or while static scales wait for a row, :meth:`held_rows`."""
         assert self.res_k is not None and self.res_v is not None
         k, v = self.res_k[:, :, :end - self.q_end], self.res_v[:, :, :end - self.q_end]
-        if self.shift is not None:  # per-row block grids: each row's pool and next block as read()
+        if self.grid is not None:  # per-row block grids: each row's pool and next block as read()
             k, v = k.float().clone(), v.float().clone()
             for g in self.groups:
                 k[:, g.head_index], v[:, g.head_index] = self._read_shifted(g, self.q_end, end)
@@ -699,14 +696,13 @@ class LayerStore:
         self.starts.set(row_start)
         shift = [-r % self.block_size for r in self.starts.host]
         if any(shift) and self.shifts_grid:
-            self.shift, self._slot_end = shift, 0
-            self._shift_t = torch.tensor(shift, dtype=torch.long, device=self.device)
+            self.grid = RowGrid(shift, self.block_size, self.residual_tokens, self.device)
 
     @property
     def shifts_grid(self) -> bool:
         """True when a left-padded batch cuts this layer's blocks on each row's own grid, counted from its first real
-        token (:attr:`shift`), so that a row's per-channel key blocks hold the tokens they hold alone: a layer with
-        per-block (``int*-channel``) parts in residual mode whose blocks are flushed a block at a time, without
+        token (:mod:`kvquant.grid`), so that a row's per-channel key blocks hold the tokens they hold alone: a layer
+        with per-block (``int*-channel``) parts in residual mode whose blocks are flushed a block at a time, without
         static or codebook quantizers, lanes, a sliding window, the age ladder, heavy rows, eviction or offload
         (those keep the batch's grid, see docs/batch-independence.md)."""
         qs = [q for g in self.groups for q in (g.key.quantizer, g.value.quantizer)]
@@ -715,103 +711,32 @@ class LayerStore:
                 and self.starts.slot_real is None and not any(q.space for q in qs)
                 and (self._static_amax is not None or not any(q.static for q in qs)))  # fmt: skip
 
-    def slot_ends(self, cache_pos: int) -> list[int]:
-        """With :attr:`shift`: per row, the slot its own pool would end at with ``cache_pos`` tokens written (its
-        residual window counted from its first real token, whole blocks of its own grid, as alone)."""
-        assert self.shift is not None
-        bs, R = self.block_size, self.residual_tokens
-        return [max(self._slot_end, (cache_pos + d - R) // bs * bs) for d in self.shift]
-
-    def _slot_chunk(self, x: torch.Tensor, base: int, s0: int, s1: int) -> torch.Tensor:
-        """Slots ``[s0, s1)`` of every row (:attr:`shift`) from ``x[B, H, t, D]``, which holds positions
-        ``[base, base + t)``; slots before a row's position 0 are zeros (slots past ``x``: any of its rows)."""
-        assert self._shift_t is not None
-        B, H, _, D = x.shape
-        idx = torch.arange(s0, s1, device=x.device)[None, :] - self._shift_t.to(x.device)[:, None] - base  # [B, F]
-        out = x.gather(2, idx.clamp(0, x.shape[2] - 1)[:, None, :, None].expand(B, H, s1 - s0, D))
-        return torch.where((idx >= 0)[:, None, :, None], out, torch.zeros((), dtype=x.dtype, device=x.device))
-
     def _append_shifted(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Residual mode on per-row block grids (:attr:`shift`): the residual holds positions ``[q_end, cache_pos)``
-        of every row (a row's first ones may be in its pool already: its slots there are below the pool's end);
-        the slots ``[_slot_end, e)`` that every row's own flush point ``e`` has passed are quantized, a block of
-        each row's own grid at a time. A row whose own flush point is further reads its next block as its pool
-        will (:meth:`_read_shifted`)."""
-        assert self.shift is not None
+        """Residual mode on per-row block grids (:mod:`kvquant.grid`): the residual holds positions ``[q_end,
+        cache_pos)`` of every row (a row's first ones may be in its pool already: its slots there are below the
+        pool's end); the slots that every row's own flush point has passed are quantized, a block of each row's own
+        grid at a time. A row whose own flush point is further reads its next block as its pool will."""
+        assert self.grid is not None
         dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
         if self.res_k is not None and self.res_k.shape[2]:
             dk, dv = torch.cat([self.res_k, dk], dim=2), torch.cat([self.res_v, dv], dim=2)
-        s0, q0 = self._slot_end, self.q_end
-        s1 = min(self.slot_ends(self.cache_pos + keys.shape[2]))
+        s0, q0 = self.grid.slot_end, self.q_end
+        s1 = min(self.grid.slot_ends(self.cache_pos + keys.shape[2]))
         if s1 > s0:
-            ck, cv = self._slot_chunk(dk, q0, s0, s1), self._slot_chunk(dv, q0, s0, s1)
+            ck, cv = self.grid.slot_chunk(dk, q0, s0, s1), self.grid.slot_chunk(dv, q0, s0, s1)
             self._write_pool(ck.to(keys.dtype), cv.to(values.dtype), s0, slots=True)
-            self._slot_end = s1
-            q_end = max(0, s1 - max(self.shift))  # every row holds its positions below it in the pool
+            self.grid.slot_end = s1
+            q_end = self.grid.pool_end()  # every row holds its positions below it in the pool
             dk, dv = dk[:, :, q_end - q0:], dv[:, :, q_end - q0:]
             self.q_end = q_end
         self._held_cache = {}
         self.res_k, self.res_v = dk.contiguous(), dv.contiguous()
 
     def _read_shifted(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``group`` for positions ``[start, end)``, ``start >= q_end``, with :attr:`shift`: per row from
-        its pool where its slot is below the pool's end, quantized as its pool will hold it where its own flush
-        point has passed the slot (:meth:`slot_ends`), else (and its sink tokens) as held (float32)."""
-        assert self.shift is not None and self._shift_t is not None and self.res_k is not None
-        bs, q0, S = self.block_size, self.q_end, self._slot_end
-        dense = [group_rows(x[:, :, start - q0:end - q0], group).float() for x in (self.res_k, self.res_v)]
-        slot = torch.arange(start, end, device=self.device)[None, :] + self._shift_t[:, None]  # [B, t]
-        out = [d.clone() for d in dense]
-        if start + min(self.shift) < S:  # some rows' first ones are in their pool
-            j0 = (start + min(self.shift)) // bs
-            tbl = self.table()[:, j0:S // bs]
-            rel = (slot - j0 * bs).clamp(0, (S // bs - j0) * bs - 1)
-            for i, s in enumerate((group.key, group.value)):
-                y = s.read(tbl, 0, (S // bs - j0) * bs)
-                y = y.gather(2, rel[:, None, :, None].expand(-1, y.shape[1], -1, y.shape[3]))
-                out[i] = torch.where((slot < S)[:, None, :, None], y, out[i])
-        ends = self.slot_ends(self.cache_pos)
-        top = max(ends)
-        if top > S:  # rows past their own flush point: their next block as their pool will hold it
-            key = ("shift", group.key.group, S, top)
-            held = self._held_cache.get(key)
-            if held is None:
-                ck = self._slot_chunk(self.res_k, q0, S, top)
-                cv = self._slot_chunk(self.res_v, q0, S, top)
-                ck, cv = self.starts.mask_sinks(ck, cv, S, group.per_block, self._slot_starts())
-                held = tuple(pool_rows(s, group_rows(x, group))
-                             for s, x in ((group.key, ck), (group.value, cv)))
-                self._held_cache[key] = held
-            own = (slot >= S) & (slot < torch.tensor(ends, device=self.device)[:, None])
-            rel = (slot - S).clamp(0, top - S - 1)
-            for i in range(2):
-                y = held[i].gather(2, rel[:, None, :, None].expand(-1, held[i].shape[1], -1, held[i].shape[3]))
-                out[i] = torch.where(own[:, None, :, None], y, out[i])
-        sel = self.starts.sink_slots(start, end)
-        if sel is not None:  # sinks: as held (the sink buffer holds the same values)
-            r, o, _ = sel
-            for i in range(2):
-                out[i][r, :, o] = dense[i][r, :, o]
-        return out[0], out[1]
-
-    def _read_pool_shifted(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized K and V of ``group``'s pool positions ``[start, end)`` (``end <= q_end``) with :attr:`shift`:
-        each row's slots ``[start + shift, end + shift)``, read as whole blocks and gathered per row (float32)."""
-        assert self.shift is not None and self._shift_t is not None
-        bs = self.block_size
-        j0, j1 = start // bs, -(-(end + max(self.shift)) // bs)
-        tbl = self.table()[:, j0:j1]
-        rel = torch.arange(start - j0 * bs, end - j0 * bs, device=self.device)[None, :] + self._shift_t[:, None]
-        out = []
-        for s in (group.key, group.value):
-            y = s.read(tbl, 0, (j1 - j0) * bs)
-            out.append(y.gather(2, rel[:, None, :, None].expand(-1, y.shape[1], -1, y.shape[3])))
-        return out[0], out[1]
-
-    def _slot_starts(self) -> torch.Tensor:
-        """With :attr:`shift`: per row, the slot of its first real token (a block boundary)."""
-        assert self._shift_t is not None
-        return self.starts.row_start + self._shift_t
+        """K and V of ``group``'s held positions ``[start, end)`` on per-row block grids (:meth:`RowGrid.read_held`)."""
+        assert self.grid is not None and self.res_k is not None and self.res_v is not None
+        return self.grid.read_held(group, start, end, (self.res_k, self.res_v), self.q_end, self.cache_pos,
+                                   self.table(), self.starts, self._held_cache)  # fmt: skip
 
     def _keep_sinks(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
         if self.sink_k is None:
@@ -835,7 +760,7 @@ class LayerStore:
         """Quantize a chunk into the pool at ``pos`` (sink rows masked: they are read from the sink buffer).
         ``scores``: ``(first position, key scores [B, H, T], limit)`` of the append, to pick heavy rows by (see
         :meth:`Refinement.pick_heavy`). ``slots``: the chunk holds slots ``[pos, pos + T)`` of per-row block grids
-        (:attr:`shift`), not positions."""
+        (:mod:`kvquant.grid`), not positions."""
         if self.lanes:
             sinks_done = pos >= self.starts.sink_end
             if self.lanes.overwrite_pending and pos == self.cache_pos and keys.shape[2] == 1 and sinks_done:
@@ -844,7 +769,7 @@ class LayerStore:
                 return
             self.lanes.write(*self.starts.mask_sinks(keys, values, pos, False), pos)
             return
-        starts = self._slot_starts() if slots else None
+        starts = self.grid.slot_starts(self.starts.row_start) if slots and self.grid else None
         masked = {c: self.starts.mask_sinks(keys, values, pos, c, starts) for c in {g.per_block for g in self.groups}}
         real = self.starts.real_tokens(pos, pos + keys.shape[2], starts) if pos < self.starts.pad_end or slots else None
         quantized = []  # every group quantized (which may raise) before any block or table changes
@@ -980,7 +905,7 @@ class LayerStore:
         if self.lanes:  # each head its own tail (kvquant.lanes)
             self.lanes.append_tails(keys, values)
             return
-        if self.shift is not None:  # each row's own block grid
+        if self.grid is not None:  # each row's own block grid
             self._append_shifted(keys, values)
             return
         dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
@@ -1092,7 +1017,7 @@ class LayerStore:
             return torch.cat([k1, k2], dim=2), torch.cat([v1, v2], dim=2)
         if start >= self.q_end and self.tail_lanes:  # each head's lanes, then its own tail
             return self.lanes.read_tails(group, start, end)
-        if start >= self.q_end and self.shift is not None:  # per-row block grids: see _read_shifted
+        if start >= self.q_end and self.grid is not None:  # per-row block grids: see _read_shifted
             return self._read_shifted(group, start, end)
         if start >= self.q_end:  # residual buffer (dense)
             if self.reads_held:  # some rows fitted, a batch-mate not yet, or past their own flush: see held_rows
@@ -1171,9 +1096,9 @@ class LayerStore:
         """Dequantized K and V of ``group``'s pool tokens ``[start, end)`` (float32 ``[B, Hg, t, D]``),
         read through the block tables; released blocks read as 0. ``factored``: as :class:`Factored` pieces
         (tokens of released blocks are not read: ``start`` must be at or after the first live block). With per-row
-        block grids (:attr:`shift`) the rows are gathered per row and ``factored`` gives them dequantized."""
-        if self.shift is not None:
-            k, v = self._read_pool_shifted(group, start, end)
+        block grids (:mod:`kvquant.grid`) the rows are gathered per row and ``factored`` gives them dequantized."""
+        if self.grid is not None:
+            k, v = self.grid.read_pool(group, start, end, self.table())
             return (Factored(k), Factored(v)) if factored else (k, v)
         bs = self.block_size
         j0, j1 = start // bs, -(-end // bs)
@@ -1249,10 +1174,10 @@ class LayerStore:
             raise ValueError("crop: this layer evicts tokens (its store holds kept tokens, not a prefix); "
                              "it cannot be cropped")
         tokens = max(0, min(tokens, self.cache_pos))
-        if self.shift is not None and tokens < self._slot_end - min(self.shift):
+        if self.grid is not None and tokens < self.grid.crop_floor():
             raise ValueError(
                 f"crop: keeping {tokens} tokens would cut a quantized per-channel block of a left-padded row (each "
-                f"row's blocks start at its own first real token); keep at least {self._slot_end - min(self.shift)}"
+                f"row's blocks start at its own first real token); keep at least {self.grid.crop_floor()}"
             )
         if tokens < self.first_live * self.block_size:
             raise ValueError(f"crop: tokens before {self.first_live * self.block_size} left the sliding window")
@@ -1278,10 +1203,10 @@ class LayerStore:
     def reset(self) -> None:
         """Forget all tokens and static scales; the blocks go back to the pool."""
         self.release()
-        self.cache_pos = self.q_end = self._slot_end = 0
+        self.cache_pos = self.q_end = 0
         if self.host:
             self.host.reset()
-        self.shift = self._shift_t = None
+        self.grid = None
         self.starts.reset(self.batch)
         self.calibrated = False
         self.calibrated_rows = [False] * self.batch
@@ -1333,6 +1258,7 @@ class LayerStore:
             setattr(new, name, None if t is None else t.clone())
         new.space = self.space.copy()
         new.starts = self.starts.copy()
+        new.grid = None if self.grid is None else self.grid.copy()
         new.slots = None if self.slots is None else self.slots.copy()
         new.refine = self.refine.copy()
         return new
@@ -1361,8 +1287,8 @@ class LayerStore:
                 setattr(self, name, t.index_select(0, idx))
         self.space.index_batch(idx)
         self.starts.index_batch(idx, rows)
-        if self.shift is not None and self._shift_t is not None:  # each row's block grid follows it
-            self.shift, self._shift_t = [self.shift[i] for i in rows], self._shift_t.index_select(0, idx)
+        if self.grid is not None:  # each row's block grid follows it
+            self.grid.index_batch(idx, rows)
         if self._held_scores is not None:
             s0, sc, limit = self._held_scores
             self._held_scores = (s0, sc.index_select(0, idx.to(sc.device)), limit)
@@ -1477,7 +1403,8 @@ class LayerStore:
             self.batch, self.num_heads, self.head_dim, self.block_size, self.device, self.q_end, self.starts.row_start,
             self.table(), self.capacity, groups, space, self.has_dense_segments, sinks, residual, self.refine.ladder_n,
             heavy, self.lanes is not None, self.slots, self.tiles,
-            self._staged_snapshot if self.has_host_blocks() else None, self.shift,
+            self._staged_snapshot if self.has_host_blocks() else None,
+            None if self.grid is None else self.grid.shift,
         )
 
     @contextlib.contextmanager

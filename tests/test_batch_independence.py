@@ -257,13 +257,12 @@ def _all_configs():
 @pytest.mark.slow
 @pytest.mark.parametrize("config", _all_configs())
 def test_three_very_different_lengths_every_config(stories, story_rows, fp32_floor, config):
-    """60 vs 3 vs 440 real tokens in one left-padded batch (the 3-token row padded by 437), teacher-forced in two
-    chunks of 8 (the 3-token row is fitted in the second), every precision and preset: every row at the fp32
-    floor or with the same greedy token at every position.
-
-    Per-channel key blocks (``int*-channel``) are cut on each row's own grid, counted from its first real token
-    (``LayerStore.shift``), so a padded row's blocks hold the tokens they hold alone. The trellis precisions
-    (``tqt*``: a Viterbi search per row, ~10x the time of the others on CPU) run the 60 vs 3 tokens rows only."""
+    """60 vs 3 vs 440 real tokens in one left-padded batch (the 3-token row padded by 437), teacher-forced in two chunks of
+    8 (the 3-token row is fitted in the second), every precision and preset: every row at the fp32 floor or with the
+    same greedy token at every position. Per-channel key blocks (``int*-channel``) are cut on each row's own grid,
+    counted from its first real token (``LayerStore.grid``, :mod:`kvquant.grid`), so a padded row's blocks hold the
+    tokens they hold alone. The trellis precisions (``tqt*``: a Viterbi search per row, ~10x the time of the others on
+    CPU) run the 60 vs 3 tokens rows only."""
     model, _ = stories
     prompts, follow = story_rows
     if config.default.key.startswith("tqt"):
@@ -429,7 +428,8 @@ def test_store_per_channel_blocks_on_each_rows_grid(name, extra):
     batched.append(k[:, :, :W], v[:, :, :W], row_start=rs)
     for b, n in enumerate(lens):
         alone[b].append(k[b:b + 1, :, W - n:W], v[b:b + 1, :, W - n:W])
-    assert batched.shift == [0, 7]  # (-57) mod 16: the short row's first real token starts a block
+    # (-57) mod 16: the short row's first real token starts a block
+    assert batched.grid is not None and batched.grid.shift == [0, 7]
     for t in range(W, W + steps + 1):
         past = batched.cache_pos
         for b, s in enumerate(alone):
@@ -487,7 +487,7 @@ def test_per_channel_crop_into_a_shifted_row_is_refused():
     store = LayerStore([cfg.default], cfg, 8, 2, torch.device("cpu"))
     k = torch.randn(2, 1, 70, 8)
     store.append(k, k, row_start=torch.tensor([0, 57]))
-    assert store.shift == [0, 7]
+    assert store.grid is not None and store.grid.shift == [0, 7]
     with pytest.raises(ValueError, match="left-padded row"):
         store.check_crop(60)
     before = store.read(store.groups[0], 0, 70)
