@@ -257,12 +257,14 @@ def _all_configs():
 @pytest.mark.slow
 @pytest.mark.parametrize("config", _all_configs())
 def test_three_very_different_lengths_every_config(stories, story_rows, fp32_floor, config):
-    """60 vs 3 vs 440 real tokens in one left-padded batch (the 3-token row padded by 437), teacher-forced in two chunks of
-    8 (the 3-token row is fitted in the second), every precision and preset: every row at the fp32 floor or with the
-    same greedy token at every position. Per-channel key blocks (``int*-channel``) are cut on each row's own grid,
-    counted from its first real token (``LayerStore.grid``, :mod:`kvquant.grid`), so a padded row's blocks hold the
-    tokens they hold alone. The trellis precisions (``tqt*``: a Viterbi search per row, ~10x the time of the others on
-    CPU) run the 60 vs 3 tokens rows only."""
+    """60 vs 3 vs 440 real tokens in one left-padded batch (the 3-token row padded by 437), teacher-forced in two
+    chunks of 8 (the 3-token row is fitted in the second), every precision and preset: every row at the fp32
+    floor or with the same greedy token at every position.
+
+    Per-channel key blocks (``int*-channel``) are cut on each row's own grid, counted from its first real token
+    (``LayerStore.grid``, :mod:`kvquant.grid`), so a padded row's blocks hold the tokens they hold alone. The trellis
+    precisions (``tqt*``: a Viterbi search per row, ~10x the time of the others on CPU) run the 60 vs 3 tokens rows
+    only."""
     model, _ = stories
     prompts, follow = story_rows
     if config.default.key.startswith("tqt"):
