@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from .blocks import LayerBlocks
+from .dense import DenseRows
 from .groups import HeadGroup
 from .quantizers.base import Factored
 from .rows import RowStarts
@@ -46,12 +47,9 @@ class LaneHost(Protocol):
     groups: list[HeadGroup]
     q_end: int  # slots below it are in every head's lanes
     cache_pos: int
-    calibrated: bool
     starts: RowStarts  # each row's first real token and its sinks
     bytes_moved: int
-    res_k: torch.Tensor | None  # the tails (residual mode) or the held tokens (calibration wait), [B, H, W, D]
-    res_v: torch.Tensor | None
-    dense_dtype: torch.dtype | None
+    dense: DenseRows  # its res_k / res_v hold the tails (residual mode) or the held tokens (calibration wait)
 
     def table(self) -> torch.Tensor: ...
 
@@ -65,9 +63,6 @@ class LaneHost(Protocol):
         self, group: HeadGroup, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def write_held(
-        self, keys: torch.Tensor, values: torch.Tensor, b: torch.Tensor, h: torch.Tensor, t: torch.Tensor
-    ) -> None: ...
 
 
 class Lanes:
@@ -201,13 +196,14 @@ class Lanes:
     def _tail_room(self) -> None:
         """Widen the tails to the longest one (zeros), so that every head's next slot has a place."""
         width = max((n for r in self.tail_lengths() for n in r), default=0)
-        have = 0 if self.host.res_k is None else self.host.res_k.shape[2]
+        have = 0 if self.host.dense.res_k is None else self.host.dense.res_k.shape[2]
         if width <= have:
             return
         shape = (self.batch, self.num_heads, width - have, self.head_dim)
-        pad = torch.zeros(shape, dtype=self.host.dense_dtype, device=self.device)
-        self.host.res_k = pad if self.host.res_k is None else torch.cat([self.host.res_k, pad], dim=2)
-        self.host.res_v = pad.clone() if self.host.res_v is None else torch.cat([self.host.res_v, pad], dim=2)
+        pad = torch.zeros(shape, dtype=self.host.dense.dtype, device=self.device)
+        dense = self.host.dense
+        dense.res_k = pad if dense.res_k is None else torch.cat([dense.res_k, pad], dim=2)
+        dense.res_v = pad.clone() if dense.res_v is None else torch.cat([dense.res_v, pad], dim=2)
 
     def lanes_to_add(self, b: int, h: int, tokens: int) -> int:
         """New lanes (row ``b``, head ``h``) takes when ``tokens`` more tokens reach it (flushed tail blocks)."""
@@ -216,14 +212,14 @@ class Lanes:
 
     def _flush_counts(self) -> list[list[int]]:
         """Blocks each (row, head) quantizes now (0 while static scales wait for calibration)."""
-        if not self.host.calibrated:
+        if not self.host.dense.calibrated:
             return [[0] * self.num_heads for _ in range(self.batch)]
         return [[self.lanes_to_add(b, h, 0) for h in range(self.num_heads)] for b in range(self.batch)]
 
     def flush_ranges(self, grows: list[list[bool]] | None = None) -> dict[tuple[int, int], tuple[int, int]]:
         """The slot ranges of the lanes the next flush writes (``grows[b][h]``: that head's tail takes one more
         token first), for :meth:`plan` to reserve before anything changes."""
-        if not self.host.calibrated:
+        if not self.host.dense.calibrated:
             return {}
         bs, out = self.block_size, {}
         for b in range(self.batch):
@@ -241,12 +237,12 @@ class Lanes:
             return
         if any(q != self.host.q_end for r in self.qfill for q in r):
             raise AssertionError("lanes: a chunk joins the tails only while every head's tail starts at one slot")
-        dk, dv = keys.to(self.host.dense_dtype), values.to(self.host.dense_dtype)
+        dk, dv = keys.to(self.host.dense.dtype), values.to(self.host.dense.dtype)
         held = self.host.cache_pos - self.host.q_end
-        if self.host.res_k is not None and held:
-            dk = torch.cat([self.host.res_k[:, :, :held], dk], dim=2)
-            dv = torch.cat([self.host.res_v[:, :, :held], dv], dim=2)
-        self.host.res_k, self.host.res_v = dk.contiguous(), dv.contiguous()
+        if self.host.dense.res_k is not None and held:
+            dk = torch.cat([self.host.dense.res_k[:, :, :held], dk], dim=2)
+            dv = torch.cat([self.host.dense.res_v[:, :, :held], dv], dim=2)
+        self.host.dense.res_k, self.host.dense.res_v = dk.contiguous(), dv.contiguous()
         first = not any(self.host.tables)  # nothing in lanes yet: identical prompt rows share their lanes
         self.flush_tails(self.identical_heads(dk, dv, dk.shape[2]) if first else [])
 
@@ -259,8 +255,8 @@ class Lanes:
         B, H = target.shape
         D = keys.shape[-1]
         in_tail = target >= base
-        idx = (target - base).clamp(0, self.host.res_k.shape[2] - 1).view(B, H, 1, 1).expand(B, H, 1, D)
-        for buf, x in ((self.host.res_k, keys), (self.host.res_v, values)):
+        idx = (target - base).clamp(0, self.host.dense.res_k.shape[2] - 1).view(B, H, 1, 1).expand(B, H, 1, D)
+        for buf, x in ((self.host.dense.res_k, keys), (self.host.dense.res_v, values)):
             old = buf.gather(2, idx)
             buf.scatter_(2, idx, torch.where(in_tail.view(B, H, 1, 1), x.to(buf.dtype), old))
         grows = self.grows
@@ -286,7 +282,7 @@ class Lanes:
         use = torch.arange(M * bs).view(1, 1, -1) < (wt * bs).unsqueeze(-1)  # [B, H, M * bs]: tokens written
         buse = torch.arange(M).view(1, 1, -1) < wt.unsqueeze(-1)  # [B, H, M]: blocks written
         qf = torch.tensor(self.qfill)
-        k, v = self.host.res_k[:, :, :M * bs], self.host.res_v[:, :, :M * bs]
+        k, v = self.host.dense.res_k[:, :, :M * bs], self.host.dense.res_v[:, :, :M * bs]
         table, L = self.host.table(), self.blocks.lanes_per_block
         for gi, g in enumerate(self.host.groups):
             sel = (lambda t: t) if g.all_heads else (lambda t, i=g.head_index: t.index_select(1, i))
@@ -307,11 +303,12 @@ class Lanes:
         # shift: each head's tail now starts m[b][h] blocks later
         qfill = [[q + x * bs for q, x in zip(qr, mr, strict=True)] for qr, mr in zip(self.qfill, m, strict=True)]
         width = max(f - q for fr, qr in zip(self.fill, qfill, strict=True) for f, q in zip(fr, qr, strict=True))
-        have = self.host.res_k.shape[2]
+        have = self.host.dense.res_k.shape[2]
         mt = torch.tensor(m, dtype=torch.long, device=dev)  # [B, H] blocks flushed
         idx = (torch.arange(width, device=dev).view(1, 1, -1) + mt.unsqueeze(-1) * bs).clamp_max(max(have - 1, 0))
-        idx = idx.unsqueeze(-1).expand(B, H, width, self.host.res_k.shape[3])
-        self.host.res_k, self.host.res_v = self.host.res_k.gather(2, idx), self.host.res_v.gather(2, idx)
+        idx = idx.unsqueeze(-1).expand(B, H, width, self.host.dense.res_k.shape[3])
+        dense = self.host.dense
+        dense.res_k, dense.res_v = dense.res_k.gather(2, idx), dense.res_v.gather(2, idx)
         self.set_qfill(qfill)
 
     def _mask_tail_sinks(
@@ -332,13 +329,13 @@ class Lanes:
     def _tail_rows(self, group: HeadGroup, start: int, end: int, out: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Write each (row, head)'s tail rows of ``group`` that fall in slots ``[start, end)`` into ``out`` (K and V,
         float32 ``[B, Hg, end - start + 1, D]``: the last row takes the tail rows outside the range) at their slots."""
-        W = 0 if self.host.res_k is None else self.host.res_k.shape[2]
+        W = 0 if self.host.dense.res_k is None else self.host.dense.res_k.shape[2]
         if not W:
             return
         sel = (lambda t: t) if group.all_heads else (lambda t, i=group.head_index: t.index_select(1, i))
         base = sel(self.tail_base())
         B, Hg, t = base.shape[0], base.shape[1], end - start
-        dk, dv = self.host.dense_to_group_space(group, sel(self.host.res_k), sel(self.host.res_v))
+        dk, dv = self.host.dense_to_group_space(group, sel(self.host.dense.res_k), sel(self.host.dense.res_v))
         at = base.unsqueeze(-1) + torch.arange(W, device=base.device) - start  # [B, Hg, W]: each tail row's slot
         at = torch.where((at >= 0) & (at < t), at, t).unsqueeze(-1).expand(B, Hg, W, self.head_dim)
         out[0].scatter_(2, at, dk)
@@ -516,7 +513,7 @@ class Lanes:
             ranges = self.flush_ranges(grows)
         else:  # (slots past q_end are held dense while static scales wait for calibration: lanes when flushed)
             ranges = {(b, h): (self.fill[b][h], self.fill[b][h] + 1) for b in range(B) for h in range(H)
-                      if grows[b][h] and (self.host.calibrated or self.fill[b][h] < self.host.q_end)}  # fmt: skip
+                      if grows[b][h] and (self.host.dense.calibrated or self.fill[b][h] < self.host.q_end)}  # fmt: skip
         replace = victim is not None and not all(all(r) for r in grows)
         if replace and any(self.blocks.lane_refs[e] > 1 for t in self.host.tables for e in t):
             vt = victim.tolist()  # a shared lane may be written: copy it first (host read only then)
@@ -550,7 +547,7 @@ class Lanes:
         if self.host.q_end < self.host.cache_pos:  # static scales not calibrated yet: slots past q_end are held dense
             dense = t >= self.host.q_end
             b, h = dense.nonzero(as_tuple=True)
-            self.host.write_held(keys, values, b, h, t[b, h])
+            self.host.dense.write_held(keys, values, b, h, t[b, h], self.host.q_end)
             pool = ~dense
             t = torch.where(dense, 0, t)
         if self.host.tables and max(len(x) for x in self.host.tables):

@@ -50,9 +50,9 @@ class LayerLayout:
 
 def layouts(shape: ModelShape, config: KVQuantConfig) -> list[LayerLayout]:
     """Each layer's :class:`LayerLayout` under ``config`` (builds each precision's quantizer once)."""
+    from .dense import CALIB_MIN_TOKENS
     from .quantizers import make_quantizer  # (config -> quantizer: the quantizers know their own layouts)
     from .quantizers.base import spec_bits
-    from .store import CALIB_MIN_TOKENS
 
     D, bs = shape.head_dim, config.block_size
     made: dict[str, tuple[Any, tuple[int, int]]] = {}
@@ -103,7 +103,7 @@ def sequence_bytes(
     * ``total``: their sum. Not modelled: eviction (``evict`` keeps fewer tokens), sliding-window layers and per-head
       lanes (no ladder there), and blocks shared between sequences (prefix reuse, beams).
     """
-    from .store import CALIB_MIN_TOKENS
+    from .dense import CALIB_MIN_TOKENS
 
     out = {"pool": 0, "dense": 0, "ladder": 0, "heavy": 0, "state": 0}
     if tokens <= 0:

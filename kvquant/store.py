@@ -58,15 +58,14 @@ import torch
 
 from .blocks import LayerBlocks
 from .config import KVPrecision, KVQuantConfig
+from .dense import DenseRows
 from .errors import ArgumentError
 from .grid import RowGrid
 from .groups import HeadGroup, block_specs, group_rows, make_groups
-from .heavy import put_rows
 from .host_tier import HostTier, has_host_blocks, stage_tables
 from .lanes import Lanes
 from .offload import host_id, is_host
 from .plan import LayerPlan, Plan, layer_plan
-from .quantizers import Quantizer
 from .quantizers.base import Factored, require_finite
 from .refine import HeavyScores, Refinement
 from .rows import RowStarts
@@ -77,32 +76,9 @@ from .space import Space, dense_to_group_space, has_head_space
 from .tensor_store import (
     ClipCounts,
     QuantizedTensorStore,
-    StoredOverflow,
     WritePlan,
-    pool_rows,
     quantize_pair,
-    stored_finite,
 )
-
-# Static (per-head) scales of a row are calibrated on at least this many of its own real tokens; until then
-# its tokens are held in full precision (a 1-token prompt says little about later magnitudes) ...
-CALIB_MIN_TOKENS = 16
-# ... and while a (row, head) has only seen zeros, up to this many tokens: then its scale falls back to
-# the row's largest calibrated max (1.0 if every value was zero), and clipping is counted and reported.
-CALIB_MAX_TOKENS = 512
-
-
-def row_amax(x: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
-    """``|x|`` max per (row, head) of ``x[B, H, T, D]`` over the tokens where ``use[B, T]`` is True."""
-    return torch.where(use[:, None, :, None], x.detach().float().abs(), 0.0).amax(dim=(2, 3))
-
-
-def safe_amax(amax: torch.Tensor) -> torch.Tensor:
-    """Calibrated maxima ``[B, H]`` (or ``[H]``) with zeros (a head that only saw zeros) replaced by the largest
-    one of the same row, or 1.0 when all of that row are zero: a scale of 0 would turn every later value into 0.
-    Each row is filled from its own heads only (never from a batch-mate)."""
-    top = amax.amax(dim=-1, keepdim=True)
-    return torch.where(amax > 0, amax, torch.where(top > 0, top, torch.ones_like(top)))
 
 
 def row_index(idx: Any, batch: int, name: str) -> torch.Tensor:
@@ -122,21 +98,6 @@ def row_index(idx: Any, batch: int, name: str) -> torch.Tensor:
         bad = lo if lo < 0 else hi
         raise ArgumentError(f"{name}: row index {bad} is out of range for a batch of {batch} rows (0 .. {batch - 1})")
     return t
-
-
-def merge_rows(
-    quantizer: Quantizer, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], rows: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """A static state whose per-sequence entries (:meth:`Quantizer.per_sequence`) are ``new``'s in ``rows[B]``
-    and ``old``'s elsewhere; shared entries (one per head, not fitted on the data) are ``new``'s."""
-    out = {}
-    for n, t in new.items():
-        if quantizer.per_sequence(n, t) and n in old:
-            sel = rows.to(t.device).view(-1, *([1] * (t.dim() - 1)))
-            out[n] = torch.where(sel, t, old[n].to(t.dtype))
-        else:
-            out[n] = t
-    return out
 
 
 class LayerStore:
@@ -185,10 +146,6 @@ class LayerStore:
         self.q_end = 0  # tokens [0, q_end) are in the quantized pool
         self.starts = RowStarts(batch, plan.sink_tokens, device)  # each row's first real token, its sinks
         self.grid: RowGrid | None = None  # per-row block grids (kvquant.grid), set by the first write
-        self.calibrated = False  # every row's static scales are fitted (tokens then go to the pool)
-        # per row: its static scales are fitted (on its own first real tokens) while a batch-mate still waits
-        self.calibrated_rows = [False] * batch
-        self._static_amax = static_amax
         self.space = Space(plan.rotate_keys, plan.rotate_values, plan.center_keys)  # rotation, key centering
         self.sink_tokens = plan.sink_tokens
         self.window = plan.window
@@ -204,10 +161,6 @@ class LayerStore:
         # the host tier of cold blocks (``offload``, kvquant.host_tier)
         self.host = HostTier(blocks, config.offload["keep_recent_blocks"]) if plan.offload else None
         self._table_cache: torch.Tensor | None = None
-        self._held_cache: dict[Any, Any] = {}  # held_rows: K, V base decode (and heavy rows) per group
-        # heavy_tokens: (first position, key scores [B, H, T], pool end the scored chunk's write would have reached)
-        # of a prompt held for calibration: its write picks the heavy rows when the held tokens reach the pool
-        self._held_scores: tuple[int, torch.Tensor, int] | None = None
         self.slots: SlotMap | None = None  # an evicting layer: its token axis holds slots (see kvquant.slots)
         self.groups: list[HeadGroup] = []
         for gi, (pair, heads, kq, vq) in enumerate(made):
@@ -233,13 +186,13 @@ class LayerStore:
         # residual mode: newest tokens in full precision, quantized a whole block at a time
         self.residual_tokens = plan.residual_tokens
         self.residual_mode = plan.residual_tokens > 0 or per_block
-        # tokens quantized at a time past the window (block_size: KIVI's whole blocks; 1: the window holds exactly R)
         self.residual_step = plan.residual_step
-        self.dense_dtype: torch.dtype | None = None
-        self.sink_k = self.sink_v = self.res_k = self.res_v = None
-        # while static scales wait for some rows: what the rows fitted already will be quantized from (held_rows)
-        self.exact_k: torch.Tensor | None = None
-        self.exact_v: torch.Tensor | None = None
+        # sinks, the residual window, the calibration hold (kvquant.dense); flush points per row only without
+        # per-channel blocks, lanes, a sliding window, the age ladder, heavy rows or offload
+        row_flush = not (per_block or plan.lanes or plan.window is not None or plan.ladder_tokens or plan.heavy_tokens
+                         or plan.offload)  # fmt: skip
+        self.dense = DenseRows(self.groups, static_amax, plan.sink_tokens, plan.residual_tokens, plan.residual_step,
+                               self.residual_mode, row_flush, config.headroom, config.share_kv_scale, batch, device)
         # per-head block lanes (AdaKV, kvquant.lanes): ``tables[b * H + h]`` holds the lane ids of (row b, KV head h)
         self.lanes = Lanes(self, blocks, self.groups, batch, self.num_heads, head_dim, self.residual_tokens,
                            self.residual_mode, config.check_finite, device) if plan.lanes else None  # fmt: skip
@@ -255,6 +208,19 @@ class LayerStore:
         """True when some history is read from full-precision buffers (sinks, residual, or tokens held
         while static-scale calibration is deferred)."""
         return self.sink_tokens > 0 or self.residual_mode or self.q_end < self.cache_pos
+
+    def _reads_held(self) -> bool:
+        """Some row reads held tokens as its pool will (:meth:`DenseRows.reads_held`)."""
+        return self.dense.reads_held(self.cache_pos, self.q_end, self.starts, self.tail_lanes)
+
+    def _held_rows(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``group``'s held tokens ``[start, end)`` as each row reads them (:meth:`DenseRows.held_rows`)."""
+        return self.dense.held_rows(group, start, end, self.q_end, self.cache_pos, self.starts, self.refine)
+
+    @property
+    def holds_fitted_rows(self) -> bool:
+        """True while some rows' static scales are fitted and a batch-mate's are not (:meth:`DenseRows.held_rows`)."""
+        return self.dense.holds_fitted_rows(self.tail_lanes)
 
     @property
     def tail_lanes(self) -> bool:
@@ -311,10 +277,10 @@ class LayerStore:
         if self.grid is not None:  # per-row block grids: slots up to the earliest row's own flush point
             return self.grid.blocks_needed(self.batch, self.cache_pos + tokens)
         if self.residual_mode:
-            pending = (self.res_k.shape[2] if self.res_k is not None else 0) + tokens
+            pending = (self.dense.res_k.shape[2] if self.dense.res_k is not None else 0) + tokens
             flush = (pending - self.residual_tokens) // self.residual_step * self.residual_step
-            if self.per_row_flush:
-                flush = min(self.row_pool_ends(self.q_end + pending)) - self.q_end
+            if self.dense.per_row_flush(self.starts.pad_end):
+                flush = min(self.dense.row_pool_ends(self.q_end + pending, self.starts)) - self.q_end
             if flush <= 0:
                 return 0
             start, end = self.q_end, self.q_end + flush
@@ -355,32 +321,33 @@ class LayerStore:
             keys, values = self.space.to_storage(keys, values)
             largest = None  # (a rotation or centering changes the magnitudes)
         T = keys.shape[2]
-        if self.dense_dtype is None:
-            self.dense_dtype = held_dtype(keys.dtype)
-        if self.config.check_finite and (self.has_dense_segments or not self.calibrated):
-            self._fit_dense(keys, values, largest)
+        if self.dense.dtype is None:
+            self.dense.dtype = held_dtype(keys.dtype)
+        if self.config.check_finite and (self.has_dense_segments or not self.dense.calibrated):
+            self.dense.fit(keys, values, largest)
         if past < self.starts.sink_end:
-            self._keep_sinks(keys, values, past)
-        held = self.res_k.shape[2] if self.res_k is not None and not self.calibrated else 0
+            self.dense.keep_sinks(keys, values, past, self.starts)
+        held = self.dense.res_k.shape[2] if self.dense.res_k is not None and not self.dense.calibrated else 0
         scores = None
         if key_scores is not None and self.refine.heavy_tokens and not self.refine.heavy:
             scores = (past, key_scores, None)
-        if not self.calibrated and self._hold_for_calibration(keys, values, past):
+        if not self.dense.calibrated and self.dense.hold(self.groups, keys, values, past, self.q_end, self.starts):
             self.cache_pos = past + T
-            if scores is not None and self._held_scores is None:  # picked when the held tokens reach the pool
-                self._held_scores = (past, key_scores, self.virtual_q_end())
+            if scores is not None and self.dense.held_scores is None:  # picked when the held tokens reach the pool
+                self.dense.held_scores = (past, key_scores, self.dense.virtual_q_end(self.cache_pos, self.q_end))
             return past
         self.release_window()
-        saved, self._held_scores = self._held_scores, None
+        saved, self.dense.held_scores = self.dense.held_scores, None
         if self.residual_mode:
             self._append_residual(keys, values, saved or scores)
         else:
             if held:  # tokens held while calibration was deferred go to the pool first (see _hold_for_calibration)
-                if self.exact_k is not None and self.exact_v is not None:
-                    self._write_pool(self.exact_k, self.exact_v, self.q_end, saved)
+                if self.dense.exact_k is not None and self.dense.exact_v is not None:
+                    self._write_pool(self.dense.exact_k, self.dense.exact_v, self.q_end, saved)
                 else:
-                    self._write_pool(self.res_k.to(keys.dtype), self.res_v.to(values.dtype), self.q_end, saved)
-                self.res_k = self.res_v = self.exact_k = self.exact_v = None
+                    dense = self.dense
+                    self._write_pool(dense.res_k.to(keys.dtype), dense.res_v.to(values.dtype), self.q_end, saved)
+                self.dense.res_k = self.dense.res_v = self.dense.exact_k = self.dense.exact_v = None
                 ln = self.lanes
                 if ln and ln.overwrite_pending and ln.grows is not None:  # this step's token (written by
                     # overwrite()) may start a lane that grow_lanes did not plan while the layer was held
@@ -397,7 +364,7 @@ class LayerStore:
         changes, and they all reject NaN / Inf themselves (:attr:`Quantizer.checks_finite`, CPU): no
         separate pass over it is needed. Calibration, sink, residual, dense-segment, key-mean and lane
         writes keep raw values first, so they are checked up front."""
-        return self._quantizers_check and self.calibrated and not (self.lanes or self.has_dense_segments)
+        return self._quantizers_check and self.dense.calibrated and not (self.lanes or self.has_dense_segments)
 
     def append_kept(
         self, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, row_start: torch.Tensor | None = None,
@@ -465,7 +432,7 @@ class LayerStore:
         pool = [p for p in pairs if p[2] < self.q_end]
         if dense:
             b, h, t = (torch.tensor(x, device=self.device) for x in zip(*dense, strict=True))
-            self.write_held(keys, values, b, h, t)
+            self.dense.write_held(keys, values, b, h, t, self.q_end)
         if not pool:
             return
         bs = self.block_size
@@ -489,206 +456,23 @@ class LayerStore:
             g.key.write_heads(k, rows, heads, blk, off, self.config.check_finite)
             g.value.write_heads(v, rows, heads, blk, off, self.config.check_finite)
 
-    def write_held(
-        self, keys: torch.Tensor, values: torch.Tensor, b: torch.Tensor, h: torch.Tensor, t: torch.Tensor
-    ) -> None:
-        """Write the one-token ``keys/values[B, H, 1, D]`` of (row ``b[i]``, head ``h[i]``) over its held slot
-        ``t[i] >= q_end`` (decode-time eviction): into the held buffer and, while some rows are fitted already, the
-        exact values their pool will be quantized from (:meth:`held_rows` then decodes the held tokens again)."""
-        self.res_k[b, h, t - self.q_end] = keys[b, h, 0].to(self.res_k.dtype)
-        self.res_v[b, h, t - self.q_end] = values[b, h, 0].to(self.res_v.dtype)
-        if self.exact_k is not None and self.exact_v is not None:
-            self.exact_k[b, h, t - self.q_end] = keys[b, h, 0].to(self.exact_k.dtype)
-            self.exact_v[b, h, t - self.q_end] = values[b, h, 0].to(self.exact_v.dtype)
-        self._held_cache = {}
-
-    def _hold_for_calibration(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> bool:
-        """Fit the static scales of every row that is ready, each on its own real tokens so far (held ones and
-        this chunk's), and return True (this chunk held in full precision too) while some row is not.
-
-        A row is ready once it has ``CALIB_MIN_TOKENS`` real tokens and a nonzero value in every head, or
-        ``CALIB_MAX_TOKENS`` real tokens. So a row's scales never depend on its batch-mates: a long row is
-        fitted on its prompt at once, as alone, while a short batch-mate waits for its own tokens. Until the
-        last row is fitted the layer holds every row's tokens in full precision (``res_k``, the dense dtype,
-        as alone) and, while some rows are fitted already, also the values those rows' pool will be quantized
-        from (``exact_k``: the model's dtype from each row's calibration chunk on, as alone); those rows are
-        read as their pool would read them (:meth:`held_rows`)."""
-        static = any(q.static for g in self.groups for q in (g.key.quantizer, g.value.quantizer))
-        if not static or self._static_amax is not None:  # nothing fitted on the data: one calibration, no wait
-            self._calibrate(keys, values, past)
-            return False
-        end = past + keys.shape[2]
-        held = self.res_k.shape[2] if self.res_k is not None else 0
-        start, ks, vs = past, keys, values
-        if held:  # the held tokens [q_end, past) (as held: rounded to the dense dtype) and this chunk
-            start = self.q_end
-            ks = torch.cat([self.res_k.to(keys.dtype), keys], dim=2)
-            vs = torch.cat([self.res_v.to(values.dtype), values], dim=2)
-        use = self.starts.real_tokens(start, end)
-        seen = self.starts.real_count(end)  # real tokens per row, this chunk included
-        nonzero = ((row_amax(ks, use) > 0) & (row_amax(vs, use) > 0)).all(dim=1)
-        ready = ((seen >= CALIB_MIN_TOKENS) & nonzero) | (seen >= CALIB_MAX_TOKENS)
-        new = ready.cpu() & ~torch.tensor(self.calibrated_rows, dtype=torch.bool)
-        if bool(new.any()):
-            self._calibrate(ks, vs, start, rows=new)
-            self._held_cache = {}  # (held_rows: those rows now read quantized)
-            if self.exact_k is not None and self.exact_v is not None and held:
-                # these rows' tokens before this chunk were held rounded, as alone: their pool is quantized from that
-                r = new.to(self.device).view(-1, 1, 1, 1)
-                self.exact_k = torch.where(r, self.res_k.to(self.exact_k.dtype), self.exact_k)
-                self.exact_v = torch.where(r, self.res_v.to(self.exact_v.dtype), self.exact_v)
-        if all(self.calibrated_rows):
-            return False
-        if any(self.calibrated_rows) and not self.residual_mode:  # (residual: quantized from res)
-            if self.exact_k is None:
-                self.exact_k, self.exact_v = (ks, vs) if ks is not keys else (keys.clone(), values.clone())
-            else:
-                self.exact_k = torch.cat([self.exact_k, keys], dim=2)
-                self.exact_v = torch.cat([self.exact_v, values], dim=2)
-        dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
-        if held:
-            dk, dv = torch.cat([self.res_k, dk], dim=2), torch.cat([self.res_v, dv], dim=2)
-        self.res_k, self.res_v = dk, dv
-        return True
-
-    @property
-    def per_row_flush(self) -> bool:
-        """True when the residual window's flush points are counted per row, from its own first real token (as
-        alone): a left-padded batch in residual mode with per-token quantization (per-channel blocks, lanes, the
-        age ladder, heavy rows, a sliding window and offload keep the batch's grid, see docs/batch-independence.md).
-        The pool then ends at the earliest row's own flush point; a row past it reads the tokens its own pool would
-        hold as that pool will (:meth:`held_rows`)."""
-        return (self.residual_mode and self.starts.pad_end > 0 and not self.per_block and not self.lanes
-                and self.window is None and not self.refine.ladder_tokens and not self.refine.heavy_tokens
-                and not self.config.offload)  # fmt: skip
-
-    def row_pool_ends(self, cache_pos: int) -> list[int]:
-        """Per row, where its pool ends with ``cache_pos`` tokens written when its flush points are its own
-        (:attr:`per_row_flush`): ``R`` tokens (``residual_tokens``) after its first real token stay held, the
-        rest is quantized ``residual_step`` tokens at a time."""
-        R, step = self.residual_tokens, self.residual_step
-        return [r + max(0, (cache_pos - r - R) // step) * step if cache_pos > r else r for r in self.starts.host]
-
-    def virtual_row_ends(self) -> list[int]:
-        """Per row, where its pool would end if every row's static scales were fitted and its flush points were its
-        own: the tokens below it are read quantized by a fitted row (:meth:`held_rows`)."""
-        if self.per_row_flush:
-            return [max(e, self.q_end) for e in self.row_pool_ends(self.cache_pos)]
-        return [self.virtual_q_end()] * self.batch
-
-    @property
-    def reads_held(self) -> bool:
-        """True when some row reads held tokens as its pool will (:meth:`held_rows`): its static scales are fitted
-        while a batch-mate's are not, or its own flush points are past the pool's end (:attr:`per_row_flush`)."""
-        if self.holds_fitted_rows:
-            return True
-        return self.calibrated and self.per_row_flush and max(self.row_pool_ends(self.cache_pos)) > self.q_end
-
-    def virtual_q_end(self) -> int:
-        """Where the pool would end if every row's static scales were fitted: the tokens below it are read
-        quantized by a row already fitted while a batch-mate still waits (:meth:`held_rows`)."""
-        if not self.residual_mode:
-            return self.cache_pos
-        flush = (self.cache_pos - self.q_end - self.residual_tokens) // self.residual_step * self.residual_step
-        return self.q_end + max(0, flush)
-
-    def held_rows(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``group`` for held tokens ``[start, end)`` (``start >= q_end``, static scales of some row
-        not fitted yet) as float32 storage-space rows ``[B, Hg, t, D]``: a row not fitted yet as held; a row
-        fitted already as it would be read with every row fitted, i.e. as alone: tokens below
-        :meth:`virtual_q_end` quantized with its own scales (the age ladder's newest rows refined), the rest
-        and its sink tokens as held. Each held token is quantized once (the base decode is kept per group
-        until a row's scales change)."""
-        assert self.res_k is not None and self.res_v is not None
-        q0, n = self.q_end, self.res_k.shape[2]
-        ends = self.virtual_row_ends()
-        pooled = max(ends) - q0  # held tokens the pool would hold (of the row whose pool would hold most)
-        dense = group_rows(self.res_k, group).float(), group_rows(self.res_v, group).float()
-        out = [dense[0].clone(), dense[1].clone()]
-        xk, xv = (self.exact_k, self.exact_v) if self.exact_k is not None else (self.res_k, self.res_v)
-        if pooled > 0:
-            gi = group.key.group
-            base = self._held_cache.get(gi)
-            done = 0 if base is None else base[0].shape[2]
-            if done < pooled:  # quantize the tokens that reached the virtual pool since the last read
-                mk, mv = self.starts.mask_sinks(xk[:, :, done:pooled], xv[:, :, done:pooled], q0 + done,
-                                                group.per_block)
-                new = [pool_rows(s, group_rows(x, group)) for s, x in ((group.key, mk), (group.value, mv))]
-                base = tuple(y if base is None else torch.cat([base[i], y], dim=2) for i, y in enumerate(new))
-                self._held_cache[gi] = base
-            per_row = min(ends) != max(ends)
-            if per_row:  # each row's own flush points: [B, 1, pooled, 1] True below its own pool end
-                own = (torch.arange(pooled, device=self.device)[None, :]
-                       < torch.tensor(ends, device=self.device)[:, None] - q0)[:, None, :, None]
-            for i, (s, x) in enumerate(((group.key, xk), (group.value, xv))):
-                if per_row:
-                    out[i][:, :, :pooled] = torch.where(own, base[i][:, :, :pooled], out[i][:, :, :pooled])
-                else:
-                    out[i][:, :, :pooled] = base[i][:, :, :pooled]
-                n1 = min(self.refine.ladder_tokens, pooled) if s.quantizer.rung_parts(1) else 0
-                if n1:  # the age ladder's newest rows, refined
-                    x1 = x[:, :, pooled - n1:pooled]
-                    x1 = self.starts.mask_sinks(x1, x1, q0 + pooled - n1, False)[0]
-                    out[i][:, :, pooled - n1:pooled] = self.refine.ladder_rows(s, group_rows(x1, group))
-            if self._held_scores is not None:  # heavy rows the held tokens will pick (as alone), refined
-                key = ("heavy", group.key.group)  # (kept per group until a row's scales change)
-                if key not in self._held_cache:
-                    self._held_cache[key] = self.refine.held_heavy(group, xk, xv, pooled, q0, self._held_scores,
-                                                                   self._heavy_first())  # fmt: skip
-                at, rows = self._held_cache[key]
-                for i in range(2):
-                    if rows[i] is not None:
-                        out[i] = put_rows(out[i], rows[i], at, q0, q0 + n)
-        sel = self.starts.sink_slots(q0, q0 + n)
-        if sel is not None:  # sinks: read from the sink buffer (the dense dtype)
-            r, o, _ = sel
-            for i in range(2):
-                out[i][r, :, o] = dense[i][r, :, o]
-        if self.calibrated:  # (per-row flush points: every row fitted)
-            a, b = start - q0, end - q0
-            return out[0][:, :, a:b], out[1][:, :, a:b]
-        fitted = torch.tensor(self.calibrated_rows, device=self.device).view(-1, 1, 1, 1)
-        a, b = start - q0, end - q0
-        return (torch.where(fitted, out[0], dense[0])[:, :, a:b], torch.where(fitted, out[1], dense[1])[:, :, a:b])
-
     def residual_rows(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The history ``[q_end, end)`` held in full precision, every KV head ``[B, H, t, D]``, as the attention
         reads it (storage space): the residual buffers, or while static scales wait for a row, :meth:`held_rows`."""
-        assert self.res_k is not None and self.res_v is not None
-        k, v = self.res_k[:, :, :end - self.q_end], self.res_v[:, :, :end - self.q_end]
+        assert self.dense.res_k is not None and self.dense.res_v is not None
+        k, v = self.dense.res_k[:, :, :end - self.q_end], self.dense.res_v[:, :, :end - self.q_end]
         if self.grid is not None:  # per-row block grids: each row's pool and next block as read()
             k, v = k.float().clone(), v.float().clone()
             for g in self.groups:
                 k[:, g.head_index], v[:, g.head_index] = self._read_shifted(g, self.q_end, end)
             return k, v
-        if not self.reads_held:
+        if not self._reads_held():
             return k, v
         k, v = k.float().clone(), v.float().clone()
         for g in self.groups:
-            hk, hv = self.held_rows(g, self.q_end, end)
+            hk, hv = self._held_rows(g, self.q_end, end)
             k[:, g.head_index], v[:, g.head_index] = hk, hv
         return k, v
-
-    @property
-    def holds_fitted_rows(self) -> bool:
-        """True while some rows' static scales are fitted and a batch-mate's are not (see :meth:`held_rows`; lanes
-        with full-precision tails read their held tokens from the tails, as held)."""
-        return not self.calibrated and any(self.calibrated_rows) and not self.tail_lanes
-
-    def _fit_dense(self, keys: torch.Tensor, values: torch.Tensor, largest: float | None = None) -> None:
-        """fp16 sink / residual buffers (fp32 models) become fp32 when a value would overflow fp16.
-        ``largest``: max |K|, |V| when already known (:func:`require_finite` on CPU)."""
-        if self.dense_dtype != torch.float16:
-            return
-        if largest is None:
-            largest = float(torch.maximum(keys.abs().amax(), values.abs().amax()))
-        if largest <= torch.finfo(torch.float16).max:
-            return
-        self.dense_dtype = torch.float32
-        for name in ("sink_k", "sink_v", "res_k", "res_v"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.float())
 
     def _set_row_start(self, row_start: torch.Tensor | None) -> None:
         """The first write: each row's first real token (:meth:`RowStarts.set`), and its own block grid when
@@ -709,7 +493,7 @@ class LayerStore:
         return (self.per_block and self.residual_step == self.block_size and not self.lanes and self.window is None
                 and not self.refine.ladder_tokens and not self.refine.heavy_tokens and not self.config.offload
                 and self.starts.slot_real is None and not any(q.space for q in qs)
-                and (self._static_amax is not None or not any(q.static for q in qs)))  # fmt: skip
+                and (self.dense.static_amax is not None or not any(q.static for q in qs)))  # fmt: skip
 
     def _append_shifted(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Residual mode on per-row block grids (:mod:`kvquant.grid`): the residual holds positions ``[q_end,
@@ -717,9 +501,9 @@ class LayerStore:
         pool's end); the slots that every row's own flush point has passed are quantized, a block of each row's own
         grid at a time. A row whose own flush point is further reads its next block as its pool will."""
         assert self.grid is not None
-        dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
-        if self.res_k is not None and self.res_k.shape[2]:
-            dk, dv = torch.cat([self.res_k, dk], dim=2), torch.cat([self.res_v, dv], dim=2)
+        dk, dv = keys.to(self.dense.dtype), values.to(self.dense.dtype)
+        if self.dense.res_k is not None and self.dense.res_k.shape[2]:
+            dk, dv = torch.cat([self.dense.res_k, dk], dim=2), torch.cat([self.dense.res_v, dv], dim=2)
         s0, q0 = self.grid.slot_end, self.q_end
         s1 = min(self.grid.slot_ends(self.cache_pos + keys.shape[2]))
         if s1 > s0:
@@ -729,25 +513,14 @@ class LayerStore:
             q_end = self.grid.pool_end()  # every row holds its positions below it in the pool
             dk, dv = dk[:, :, q_end - q0:], dv[:, :, q_end - q0:]
             self.q_end = q_end
-        self._held_cache = {}
-        self.res_k, self.res_v = dk.contiguous(), dv.contiguous()
+        self.dense.memo = {}
+        self.dense.res_k, self.dense.res_v = dk.contiguous(), dv.contiguous()
 
     def _read_shifted(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``group``'s held positions ``[start, end)`` on per-row block grids (:meth:`RowGrid.read_held`)."""
-        assert self.grid is not None and self.res_k is not None and self.res_v is not None
-        return self.grid.read_held(group, start, end, (self.res_k, self.res_v), self.q_end, self.cache_pos,
-                                   self.table(), self.starts, self._held_cache)  # fmt: skip
-
-    def _keep_sinks(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
-        if self.sink_k is None:
-            shape = (self.batch, self.num_heads, self.sink_tokens, self.head_dim)
-            self.sink_k = torch.zeros(shape, dtype=self.dense_dtype, device=self.device)
-            self.sink_v = torch.zeros_like(self.sink_k)
-        sel = self.starts.sink_slots(past, past + keys.shape[2])
-        if sel is not None:
-            rows, offs, slots = sel
-            self.sink_k[rows, :, slots] = keys[rows, :, offs].to(self.dense_dtype)
-            self.sink_v[rows, :, slots] = values[rows, :, offs].to(self.dense_dtype)
+        assert self.grid is not None and self.dense.res_k is not None and self.dense.res_v is not None
+        return self.grid.read_held(group, start, end, (self.dense.res_k, self.dense.res_v), self.q_end, self.cache_pos,
+                                   self.table(), self.starts, self.dense.memo)  # fmt: skip
 
     def _heavy_first(self) -> torch.Tensor:
         """``[B]``: each row's first position a heavy row may be picked at (past its pads and sinks)."""
@@ -908,19 +681,12 @@ class LayerStore:
         if self.grid is not None:  # each row's own block grid
             self._append_shifted(keys, values)
             return
-        dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
-        if self.res_k is not None and self.res_k.shape[2]:
-            dk = torch.cat([self.res_k, dk], dim=2)  # bounded: the residual holds < R + block tokens
-            dv = torch.cat([self.res_v, dv], dim=2)
-        pending = dk.shape[2]
-        flush = (pending - self.residual_tokens) // self.residual_step * self.residual_step
-        if self.per_row_flush:  # the pool ends at the earliest row's own flush point (see per_row_flush)
-            flush = min(self.row_pool_ends(self.q_end + pending)) - self.q_end
-            self._held_cache = {} if flush > 0 else self._held_cache  # (held_rows: the residual shifts)
+        dk, dv, flush = self.dense.append_residual(keys, values, self.q_end, self.starts)
         if flush > 0:
             # tokens reach the pool through the residual buffer's dtype (exact for 16-bit models)
             self._write_pool(dk[:, :, :flush].to(keys.dtype), dv[:, :, :flush].to(values.dtype), self.q_end, scores)
-        self.res_k, self.res_v = dk[:, :, max(flush, 0):].contiguous(), dv[:, :, max(flush, 0):].contiguous()
+        keep = max(flush, 0)
+        self.dense.res_k, self.dense.res_v = dk[:, :, keep:].contiguous(), dv[:, :, keep:].contiguous()
 
     def fake_quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize-then-dequantize ``keys/values[B, H, T, D]`` without storing them (``simulated`` protocol).
@@ -933,8 +699,8 @@ class LayerStore:
         if self.space.center_keys and self.space.key_mean is None:
             self.space.fix_key_mean(keys, self.starts.fit_tokens(self.cache_pos, keys.shape[2]))
         ks, vs = self.space.to_storage(keys, values)
-        if not self.calibrated:
-            self._calibrate(ks, vs, self.cache_pos)
+        if not self.dense.calibrated:
+            self.dense.calibrate(self.groups, ks, vs, self.cache_pos, self.starts)
         k_out, v_out = torch.empty_like(ks), torch.empty_like(vs)
         for g in self.groups:
             for src, dst, s in ((ks, k_out, g.key), (vs, v_out, g.value)):
@@ -948,56 +714,16 @@ class LayerStore:
         self.cache_pos += ks.shape[2]
         return self.space.from_storage(k_out, v_out)
 
-    def _calibrate(self, keys: torch.Tensor, values: torch.Tensor, past: int, rows: torch.Tensor | None = None) -> None:
-        """Set the static scales per (sequence, KV head), from a scales file or from the chunk ``keys/values``
-        at ``past`` (``rows[B]``: only those rows', the others keep theirs; None: every row).
-
-        Each row's scale comes from its own real tokens: never from batch-mates or left padding. Sink
-        tokens (read in full precision) are left out of the max when the chunk has other tokens.
-        """
-        use = self.starts.real_tokens(past, past + keys.shape[2])  # data-fitted state (codebook): real, non-sink tokens
-        if self._static_amax is not None:
-            k_amax = self._static_amax["key"].to(self.device).expand(self.batch, -1)
-            v_amax = self._static_amax["value"].to(self.device).expand(self.batch, -1)
-        else:
-            use = self.starts.fit_tokens(past, keys.shape[2])
-            k_amax = safe_amax(row_amax(keys, use))
-            v_amax = safe_amax(row_amax(values, use))
-        fitted_states = []  # every group's K and V state, checked before any store changes
-        for g in self.groups:
-            ka, va = k_amax[:, g.head_index], v_amax[:, g.head_index]
-            both_int8 = g.key.quantizer.name == g.value.quantizer.name == "int8"
-            if both_int8 and self.config.share_kv_scale:
-                ka = va = torch.maximum(ka, va)
-            for s, x, amax in ((g.key, keys, ka), (g.value, values, va)):
-                fitted = s.quantizer.fit(group_rows(x, g), use) if s.quantizer.space else None
-                state = fitted if fitted is not None else s.quantizer.calibrate(amax)
-                mine = state if rows is None else {n: t[rows.to(t.device)] if s.quantizer.per_sequence(n, t) else t
-                                                   for n, t in state.items()}  # (the rows fitted now)
-                if not stored_finite(mine):
-                    raise StoredOverflow(
-                        f"headroom: {self.config.headroom!r} times the calibrated max overflows the static "
-                        f"{s.quantizer.name} scale (float32)"
-                    )
-                fitted_states.append((s, state))
-        for s, state in fitted_states:
-            s.state = state if rows is None or not s.state else merge_rows(s.quantizer, s.state, state, rows)
-        if rows is not None:
-            self.calibrated_rows = [a or b for a, b in zip(self.calibrated_rows, rows.tolist(), strict=True)]
-        else:
-            self.calibrated_rows = [True] * self.batch
-        self.calibrated = all(self.calibrated_rows)
-
     @property
     def has_head_space(self) -> bool:
         """True when some head's K or V is read in a rotated head space (:func:`kvquant.space.has_head_space`)."""
-        return has_head_space(self.groups, self.calibrated)
+        return has_head_space(self.groups, self.dense.calibrated)
 
     def dense_to_group_space(
         self, group: HeadGroup, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-precision rows of ``group`` -> its head space (float32)."""
-        return dense_to_group_space(group, k, v, self.calibrated)
+        return dense_to_group_space(group, k, v, self.dense.calibrated)
 
     # ---------------------------------------------------------------- reading (storage space)
     def tiles(self, past_len: int, size: int) -> list[tuple[int, int]]:
@@ -1020,10 +746,10 @@ class LayerStore:
         if start >= self.q_end and self.grid is not None:  # per-row block grids: see _read_shifted
             return self._read_shifted(group, start, end)
         if start >= self.q_end:  # residual buffer (dense)
-            if self.reads_held:  # some rows fitted, a batch-mate not yet, or past their own flush: see held_rows
-                return self.dense_to_group_space(group, *self.held_rows(group, start, end))  # (as the residual)
+            if self._reads_held():  # some rows fitted, a batch-mate not yet, or past their own flush: see held_rows
+                return self.dense_to_group_space(group, *self._held_rows(group, start, end))  # (as the residual)
             a, b = start - self.q_end, end - self.q_end
-            k, v = self.res_k[:, :, a:b], self.res_v[:, :, a:b]
+            k, v = self.dense.res_k[:, :, a:b], self.dense.res_v[:, :, a:b]
             return self.dense_to_group_space(group, group_rows(k, group), group_rows(v, group))
         return self.read_quantized(group, start, end)
 
@@ -1043,13 +769,13 @@ class LayerStore:
                 k, v = rk, rv
         else:
             k, v = self.read_pool(group, start, end)
-        if self.sink_k is not None and start < self.starts.sink_end:
+        if self.dense.sink_k is not None and start < self.starts.sink_end:
             # each row's sink tokens from the sink buffer, selected on the device (no host synchronisation)
             slot = torch.arange(start, end, device=self.device)[None, :] - self.starts.row_start[:, None]  # [B, t]
             is_sink = ((slot >= 0) & (slot < self.sink_tokens))[:, None, :, None]
             idx = slot.clamp(0, self.sink_tokens - 1)
             rows = torch.arange(self.batch, device=self.device)[:, None]
-            sk, sv = self.sink_k[rows, :, idx].transpose(1, 2), self.sink_v[rows, :, idx].transpose(1, 2)
+            sk, sv = self.dense.sink_k[rows, :, idx].transpose(1, 2), self.dense.sink_v[rows, :, idx].transpose(1, 2)
             sk, sv = self.dense_to_group_space(group, group_rows(sk, group), group_rows(sv, group))
             k, v = torch.where(is_sink, sk.float(), k), torch.where(is_sink, sv.float(), v)
         return k, v
@@ -1076,7 +802,7 @@ class LayerStore:
         pool_end = min(end, lanes_end)
         pool_end = min(pool_end, self.q_end - self.refine.ladder_n)  # the ladder's young rows: read() refines them
         a = start
-        if a < pool_end and self.sink_k is not None and a < self.starts.sink_end:  # sink rows: read() merges them
+        if a < pool_end and self.dense.sink_k is not None and a < self.starts.sink_end:  # sink rows: read() merges them
             b = min(pool_end, -(-self.starts.sink_end // self.block_size) * self.block_size)
             k, v = self.read(group, a, b)
             pieces.append((a, b, Factored(k), Factored(v)))
@@ -1157,14 +883,7 @@ class LayerStore:
             self._truncate(-(-tokens // self.block_size))
             if self.host:
                 self.host.crop(tokens // self.block_size)
-        if self.res_k is not None:
-            keep = tokens - self.q_end
-            self.res_k, self.res_v = self.res_k[:, :, :keep], self.res_v[:, :, :keep]
-            if self.exact_k is not None and self.exact_v is not None:
-                self.exact_k, self.exact_v = self.exact_k[:, :, :keep], self.exact_v[:, :, :keep]
-            self._held_cache = {}
-        if self._held_scores is not None and tokens < self._held_scores[2]:  # the scored rows are cut: no picks
-            self._held_scores = None
+        self.dense.crop(tokens - self.q_end, tokens)
         self.cache_pos = tokens
 
     def check_crop(self, tokens: int) -> int:
@@ -1208,12 +927,7 @@ class LayerStore:
             self.host.reset()
         self.grid = None
         self.starts.reset(self.batch)
-        self.calibrated = False
-        self.calibrated_rows = [False] * self.batch
-        self._held_cache = {}
-        self._held_scores = None
-        self.res_k = self.res_v = self.exact_k = self.exact_v = None
-        self.sink_k = self.sink_v = None
+        self.dense.reset(self.batch)
         self.space.reset()
         self.refine.reset()
         self.slots = None
@@ -1241,8 +955,7 @@ class LayerStore:
             self._incref(t)
         new.lanes = None if self.lanes is None else self.lanes.copy(new)
         new._table_cache = None
-        new._held_cache = {}
-        new.calibrated_rows = list(self.calibrated_rows)
+        new.dense = self.dense.copy()
         new.host = None if self.host is None else self.host.copy()
         new.groups = []
         for g in self.groups:
@@ -1253,9 +966,6 @@ class LayerStore:
                 c.counts = s.counts.copy()
                 kv.append(c)
             new.groups.append(HeadGroup(g.precision, g.heads, kv[0], kv[1], g.head_index, g.all_heads))
-        for name in ("sink_k", "sink_v", "res_k", "res_v", "exact_k", "exact_v"):
-            t = getattr(self, name)
-            setattr(new, name, None if t is None else t.clone())
         new.space = self.space.copy()
         new.starts = self.starts.copy()
         new.grid = None if self.grid is None else self.grid.copy()
@@ -1281,19 +991,11 @@ class LayerStore:
         if self.host:
             self.host.history_changed()
         idx = idx.to(self.device)
-        for name in ("sink_k", "sink_v", "res_k", "res_v", "exact_k", "exact_v"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.index_select(0, idx))
+        self.dense.index_batch(idx, rows)
         self.space.index_batch(idx)
         self.starts.index_batch(idx, rows)
         if self.grid is not None:  # each row's block grid follows it
             self.grid.index_batch(idx, rows)
-        if self._held_scores is not None:
-            s0, sc, limit = self._held_scores
-            self._held_scores = (s0, sc.index_select(0, idx.to(sc.device)), limit)
-        self.calibrated_rows = [self.calibrated_rows[i] for i in rows]
-        self._held_cache = {}
         self.refine.index_batch(idx)
         if self.slots is not None:  # each row's own kept tokens (per head) follow it
             self.slots.index_batch(idx)
@@ -1328,15 +1030,9 @@ class LayerStore:
         """The distinct host-tier blocks of all rows (``offload``), as host ids."""
         return sorted({host_id(b) for t in self.tables for b in t if is_host(b)})
 
-    def dense_buffers(self) -> dict[str, torch.Tensor]:
-        out = {}
-        if self.sink_k is not None:
-            out["sinks"] = (self.sink_k, self.sink_v)
-        if self.res_k is not None:
-            out["residual"] = (self.res_k, self.res_v)
-        if self.exact_k is not None:  # rows fitted while a batch-mate waits for its calibration tokens
-            out["held"] = (self.exact_k, self.exact_v)
-        return out
+    def dense_buffers(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The full-precision buffers held (:meth:`DenseRows.buffers`)."""
+        return self.dense.buffers()
 
     def memory(self) -> dict[str, int]:
         """Bytes held (each distinct block once, + scales state + full-precision buffers), shared and reserved.
@@ -1394,10 +1090,11 @@ class LayerStore:
                           functools.partial(self.read, g), functools.partial(self.read_factored, g),
                           lambda g=g: self.refine.heavy_rows(g, self.table(), True))
             for g in self.groups)  # fmt: skip
-        space = self.space.snapshot(self.groups, self.num_heads, self.calibrated)
-        sinks = None if self.sink_k is None or self.sink_v is None else SinkRows(self.sink_k, self.sink_v,
+        space = self.space.snapshot(self.groups, self.num_heads, self.dense.calibrated)
+        dense = self.dense
+        sinks = None if dense.sink_k is None or dense.sink_v is None else SinkRows(dense.sink_k, dense.sink_v,
                                                                                  self.sink_tokens)  # fmt: skip
-        residual = None if self.res_k is None else ResidualRows(self.res_k.shape[2], self.residual_rows)
+        residual = None if self.dense.res_k is None else ResidualRows(self.dense.res_k.shape[2], self.residual_rows)
         heavy = self.refine.heavy_width()
         return KVSnapshot(
             self.batch, self.num_heads, self.head_dim, self.block_size, self.device, self.q_end, self.starts.row_start,

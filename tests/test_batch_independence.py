@@ -78,7 +78,7 @@ def test_padded_row_keeps_its_first_real_tokens_as_sinks(stories):
     assert pads > 3
     for la, lb in zip(alone.layers, batched.layers, strict=True):
         assert int(lb.store.starts.row_start[1]) == pads and int(lb.store.starts.row_start[0]) == 0
-        torch.testing.assert_close(lb.store.sink_k[1], la.store.sink_k[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(lb.store.dense.sink_k[1], la.store.dense.sink_k[0], atol=1e-5, rtol=0)
 
 
 def test_store_sinks_per_row():
@@ -316,7 +316,7 @@ def test_store_fits_each_row_on_its_own_first_tokens():
     """LayerStore: a row with enough real tokens is fitted at once on them, a short row later on its own first
     CALIB_MIN_TOKENS real tokens; the scales equal those of each row alone (fed the same chunks), bit for bit,
     whatever the other row holds."""
-    from kvquant.store import CALIB_MIN_TOKENS
+    from kvquant.dense import CALIB_MIN_TOKENS
 
     cfg = _cfg("int8", headroom=1.0)
     g = torch.Generator().manual_seed(1)
@@ -326,23 +326,23 @@ def test_store_fits_each_row_on_its_own_first_tokens():
     k[1, :, :pad] = 1e3  # pads: never seen by a scale
     batched = LayerStore([KVPrecision("int8", "int8")] * 2, cfg, 32, 2, torch.device("cpu"))
     batched.append(k[:, :, :T], v[:, :, :T], row_start=torch.tensor([0, pad]))
-    assert batched.calibrated_rows == [True, False] and not batched.calibrated
+    assert batched.dense.calibrated_rows == [True, False] and not batched.dense.calibrated
     for t in range(T, T + CALIB_MIN_TOKENS):
         batched.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
-    assert batched.calibrated and batched.q_end == batched.cache_pos
+    assert batched.dense.calibrated and batched.q_end == batched.cache_pos
     for b, first in ((0, 0), (1, pad)):
         alone = LayerStore([KVPrecision("int8", "int8")] * 2, cfg, 32, 1, torch.device("cpu"))
         alone.append(k[b:b + 1, :, first:T], v[b:b + 1, :, first:T])  # the prompt's real tokens, then one by one
         for t in range(T, T + CALIB_MIN_TOKENS):
             alone.append(k[b:b + 1, :, t:t + 1], v[b:b + 1, :, t:t + 1])
-        assert alone.calibrated
+        assert alone.dense.calibrated
         torch.testing.assert_close(batched.groups[0].key.state["scale"][b], alone.groups[0].key.state["scale"][0],
                                    rtol=0, atol=0)
 
 
 def test_store_zero_head_falls_back_within_its_row():
     """A head that saw only zeros takes its own row's largest max, never a batch-mate's."""
-    from kvquant.store import safe_amax
+    from kvquant.dense import safe_amax
 
     amax = torch.tensor([[0.0, 2.0], [0.0, 0.0], [5.0, 0.0]])
     assert safe_amax(amax).tolist() == [[2.0, 2.0], [1.0, 1.0], [5.0, 5.0]]

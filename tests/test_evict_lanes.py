@@ -334,7 +334,7 @@ def test_static_scales_held_dense_until_calibrated(monkeypatch):
         keep[0, 1, :9] = True
         gen = torch.Generator().manual_seed(6)
         st.append_kept(torch.randn(1, 2, T, 32, generator=gen), torch.randn(1, 2, T, 32, generator=gen), keep)
-        assert st.q_end == 0 and not st.calibrated
+        assert st.q_end == 0 and not st.dense.calibrated
         for _ in range(20):
             x, y = torch.randn(1, 2, 1, 32, generator=gen), torch.randn(1, 2, 1, 32, generator=gen)
             if lanes:
@@ -343,7 +343,7 @@ def test_static_scales_held_dense_until_calibrated(monkeypatch):
                 st.append(x, y)
         stores.append(st)
     st, rs = stores
-    assert st.lanes and st.calibrated and st.q_end == st.cache_pos == 29 and st.lanes.fill == [[24, 29]]
+    assert st.lanes and st.dense.calibrated and st.q_end == st.cache_pos == 29 and st.lanes.fill == [[24, 29]]
     assert [len(t) for t in st.tables] == [2, 2]
     k, v = dequantize_history(st, st.cache_pos)
     rk, rv = dequantize_history(rs, rs.cache_pos)

@@ -39,7 +39,7 @@ def test_snapshot_holds_the_store_by_reference():
         for p, s in ((part.key, group.key), (part.value, group.value)):
             assert p.quantizer is s.quantizer and p.state is s.state
             assert all(p.parts[n] is t for n, t in s.parts.items())
-    assert snap.sinks is not None and snap.sinks.k is store.sink_k and snap.sinks.tokens == 4
+    assert snap.sinks is not None and snap.sinks.k is store.dense.sink_k and snap.sinks.tokens == 4
     assert snap.residual is not None and snap.residual.held == 60 - store.q_end
     assert snap.has_dense_segments and snap.ladder_n == 0 and snap.heavy_rows == 0 and snap.slots is None
     with pytest.raises(AttributeError):
