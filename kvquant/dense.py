@@ -167,12 +167,31 @@ class DenseRows:
         if self.res_k is not None and self.res_v is not None and self.res_k.shape[2]:
             dk = torch.cat([self.res_k, dk], dim=2)  # bounded: the residual holds < R + block tokens
             dv = torch.cat([self.res_v, dv], dim=2)
-        pending = dk.shape[2]
-        flush = (pending - self.residual_tokens) // self.residual_step * self.residual_step
-        if self.per_row_flush(starts.pad_end):  # the pool ends at the earliest row's own flush point
-            flush = min(self.row_pool_ends(q_end + pending, starts)) - q_end
-            self.memo = {} if flush > 0 else self.memo  # (held_rows: the residual shifts)
+        flush = self.flush_len(dk.shape[2], q_end, starts)
+        if self.per_row_flush(starts.pad_end) and flush > 0:
+            self.memo = {}  # (held_rows: the residual shifts)
         return dk, dv, flush
+
+    def flush_len(self, pending: int, q_end: int, starts: RowStarts) -> int:
+        """Tokens of a residual window holding ``pending`` tokens past the pool's end ``q_end`` that reach the pool
+        (``residual_step`` at a time past ``residual_tokens``, or the earliest row's own flush point,
+        :meth:`per_row_flush`; <= 0: none)."""
+        if self.per_row_flush(starts.pad_end):
+            return min(self.row_pool_ends(q_end + pending, starts)) - q_end
+        return (pending - self.residual_tokens) // self.residual_step * self.residual_step
+
+    def sink_rows(
+        self, start: int, end: int, row_start: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Positions ``[start, end)`` of every row read from the sink buffer, selected on the device (no host
+        synchronisation): ``[B, 1, t, 1]`` True at a row's sink token (its first real ones, from ``row_start[B]``),
+        and K, V ``[B, H, t, D]`` from the buffer (any row elsewhere)."""
+        assert self.sink_k is not None and self.sink_v is not None
+        slot = torch.arange(start, end, device=self.device)[None, :] - row_start[:, None]  # [B, t]
+        is_sink = ((slot >= 0) & (slot < self.sink_tokens))[:, None, :, None]
+        idx = slot.clamp(0, self.sink_tokens - 1)
+        rows = torch.arange(row_start.shape[0], device=self.device)[:, None]
+        return is_sink, self.sink_k[rows, :, idx].transpose(1, 2), self.sink_v[rows, :, idx].transpose(1, 2)
 
     def write_held(
         self, keys: torch.Tensor, values: torch.Tensor, b: torch.Tensor, h: torch.Tensor, t: torch.Tensor, q_end: int

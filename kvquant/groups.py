@@ -7,10 +7,13 @@ the layer's blocks, whose tensors :func:`block_specs` describes.
 
 from __future__ import annotations
 
+import copy as _copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from .blocks import LayerBlocks
 from .config import KVPrecision, KVQuantConfig
 from .quantizers import Quantizer, make_quantizer
 from .quantizers.base import PartSpec
@@ -39,6 +42,45 @@ def group_rows(x: torch.Tensor, group: HeadGroup) -> torch.Tensor:
     return x if group.all_heads else x.index_select(1, group.head_index)
 
 
+def build_groups(
+    made: list[tuple[KVPrecision, list[int], Quantizer, Quantizer]], blocks: LayerBlocks, num_heads: int, batch: int,
+    device: torch.device,
+) -> list[HeadGroup]:
+    """The head groups of :func:`make_groups`'s ``made``, their K and V stored in ``blocks`` (group ``gi`` at index
+    ``gi``), for ``batch`` rows of a layer of ``num_heads`` KV heads."""
+    groups = []
+    for gi, (pair, heads, kq, vq) in enumerate(made):
+        key, value = QuantizedTensorStore(kq, blocks, gi, "key"), QuantizedTensorStore(vq, blocks, gi, "value")
+        key.batch = value.batch = batch
+        groups.append(HeadGroup(pair, heads, key, value, torch.tensor(heads, dtype=torch.long, device=device),
+                                heads == list(range(num_heads))))  # fmt: skip
+    return groups
+
+
+def copy_groups(groups: list[HeadGroup]) -> list[HeadGroup]:
+    """Copies of ``groups`` sharing their blocks, each K / V store with its own static state and clip counts."""
+    out = []
+    for g in groups:
+        kv = []
+        for s in (g.key, g.value):
+            c = _copy.copy(s)
+            c.state = dict(s.state)
+            c.counts = s.counts.copy()
+            kv.append(c)
+        out.append(HeadGroup(g.precision, g.heads, kv[0], kv[1], g.head_index, g.all_heads))
+    return out
+
+
+def index_groups(groups: list[HeadGroup], idx: torch.Tensor) -> None:
+    """Rows reordered / selected / repeated (``idx`` on the device): each K / V store's per-sequence static state
+    (scales ``[B, H]``, codebook means ...) follows its rows."""
+    for g in groups:
+        for st in (g.key, g.value):
+            q = st.quantizer
+            st.state = {n: t.index_select(0, idx) if q.per_sequence(n, t) else t for n, t in st.state.items()}
+            st.batch = int(idx.numel())
+
+
 def make_groups(
     row: list[KVPrecision], config: KVQuantConfig, head_dim: int
 ) -> list[tuple[KVPrecision, list[int], Quantizer, Quantizer]]:
@@ -63,3 +105,15 @@ def block_specs(
     """``(heads, key part specs, value part specs)`` per group: what :class:`~kvquant.blocks.LayerBlocks`
     allocates."""
     return [(len(heads), kq.parts(), vq.parts()) for _, heads, kq, vq in groups]
+
+
+def count_parts(
+    groups: list[HeadGroup], out: dict[str, int], held: Callable[[int, QuantizedTensorStore, int], int]
+) -> None:
+    """Add to ``out`` (``keys`` / ``values`` / ``scales``) the bytes of every part of ``groups`` held
+    (``held(group index, K or V store, bytes of one block of the part)``) and their static states."""
+    for gi, g in enumerate(groups):
+        for kind, s in (("keys", g.key), ("values", g.value)):
+            for name, b in s.block_nbytes().items():
+                out["scales" if name in ("scale", "zero", "norm") else kind] += held(gi, s, b)
+            out["scales"] += s.state_nbytes()

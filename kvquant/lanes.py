@@ -34,7 +34,7 @@ import torch
 
 from .blocks import LayerBlocks
 from .dense import DenseRows
-from .groups import HeadGroup
+from .groups import HeadGroup, group_rows
 from .quantizers.base import Factored
 from .rows import RowStarts
 from .tensor_store import LanePlan, write_pair
@@ -587,6 +587,17 @@ class Lanes:
                 return None
         width = max(len(t) for t in self.host.tables)
         return run if run is not None and run + width <= self.blocks.num_blocks else None
+
+    def pool_table(self, group: HeadGroup, lt: torch.Tensor, j0: int) -> tuple[Any, int | None]:
+        """What ``group``'s pool read takes for lane blocks ``lt`` (``[B, H, nb]``, from block ``j0``): ``(the head's
+        first lane's block, run)`` for one sequence whose lanes lie in a run (read in place), else ``((block, head
+        slot) of every (row, head, block), None)``."""
+        run = self.runs[group.key.group]
+        if run is not None:
+            return lt[:, 0], run + j0
+        lt = group_rows(lt, group)
+        L = self.blocks.lanes_per_block
+        return (lt // L, lt % L - self.lane_offset[group.key.group]), None
 
     def lane_counts(self, lanes: list[int]) -> tuple[list[int], int]:
         """Of the distinct lanes ``lanes``: how many each group holds, and the bytes of those referenced more than

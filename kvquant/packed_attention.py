@@ -115,7 +115,8 @@ def attend_batched(
         dv.append(torch.cat([st.dense.sink_v for st in stores]).float())
     if rmax:  # every tail in one row, then gathered padded (a short tail repeats a token of its own, masked)
         for side, out_list in (("res_k", dk), ("res_v", dv)):
-            flat = torch.cat([getattr(st.dense, side)[0, :, :r] for st, r in zip(stores, res_n, strict=True) if r], dim=1)
+            flat = torch.cat([getattr(st.dense, side)[0, :, :r] for st, r in zip(stores, res_n, strict=True) if r],
+                             dim=1)
             out_list.append(flat.index_select(1, idx).view(Hkv, N, rmax, D).transpose(0, 1).float())
     dense_k = torch.cat([*dk, fresh_k.float()], dim=2)
     dense_v = torch.cat([*dv, fresh_v.float()], dim=2)

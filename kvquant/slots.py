@@ -19,6 +19,25 @@ import copy as _copy
 import torch
 
 
+def compact_kept(
+    keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens ``keep[B, H, T]`` selects of ``keys/values[B, H, T, D]``, compacted onto slots ``[0, S)`` in their
+    original order (``S``: the most any head keeps; a head that keeps fewer leaves its last slots zero-filled):
+    ``(K, V [B, H, S, D], kept counts [B, H], kept positions [B, H, S], filled [B, H, S])``."""
+    B, H, T, D = keys.shape
+    n = keep.sum(dim=-1)  # [B, H]
+    S = max(1, int(n.max()))
+    t = torch.arange(T, device=keys.device)
+    order = torch.where(keep, t, T + t).argsort(dim=-1)[..., :S]  # kept positions first, in order
+    filled = torch.arange(S, device=keys.device) < n.unsqueeze(-1)  # [B, H, S]
+    idx = order.unsqueeze(-1).expand(B, H, S, D)
+    z = filled.unsqueeze(-1)
+    ck = torch.where(z, keys.gather(2, idx), torch.zeros((), dtype=keys.dtype, device=keys.device))
+    cv = torch.where(z, values.gather(2, idx), torch.zeros((), dtype=values.dtype, device=values.device))
+    return ck, cv, n, order, filled
+
+
 class SlotMap:
     """Slot -> position map (``pos[B, H, S]`` int32, -1 = empty) of one evicting layer, and its scores."""
 

@@ -13,35 +13,16 @@ block that is shared copies it first (copy-on-write). A layer whose KV heads kee
 (``LayerStore(lanes=True)``, :mod:`kvquant.blocks`, :mod:`kvquant.lanes`): each head holds
 ``ceil(n_h / block_size)`` lanes (with per-channel keys or a residual window: whole lanes and its own tail).
 
-Outlier options (all in the config, composable with per-head precision):
+The store is a small core (the block tables and the ``cache_pos`` / ``q_end`` cursor; append, read, crop, copy,
+reorder; the attention's :class:`~kvquant.snapshot.KVSnapshot`) that owns one component per job, each built from
+the layer's :class:`~kvquant.plan.LayerPlan`:
 
-* ``rotate``: K (and V) are stored Hadamard-rotated (:mod:`kvquant.rotation`); the attention
-  rotates the queries alike and un-rotates the output, so scores are unchanged.
-* ``center_keys`` (default with ``rotate``): one per-channel key mean per (sequence, KV head),
-  ``key_mean``, taken from the first chunk written (the prefill, sink tokens left out), is
-  subtracted from every key before rotation and quantization. Every key a query sees is shifted
-  by the same ``mu``, so each score moves by the same ``q.mu`` and softmax is unchanged; a large
-  per-channel offset (q/k/v bias) is then neither spread over every channel by the rotation nor
-  spent in the quantization range.
-* ``sink_tokens = N``: the first N tokens are also kept in full precision (fp16; the model's
-  dtype if that is 16-bit) and read from there; their quantized rows are masked so that they do
-  not widen any scale (zeroed, or for per-channel blocks a copy of the row's first non-sink token).
-* ``residual_tokens = R`` (and per-channel key precisions): new tokens first go to a full-precision
-  residual buffer; once it holds ``R + block_size`` tokens, its oldest block is quantized, once
-  (``residual_step``: that many tokens at a time instead of a block; 1 keeps exactly ``R``).
-  The pool then holds ``[0, q_end)``, the residual ``[q_end, cache_pos)``.
-* ``ladder_tokens = N`` (an age ladder, codebook K/V): the ``n <= N`` newest pool tokens ``[q_end - n, q_end)``
-  also keep the refinement bits of their embedded code (``Quantizer.refine``) in a small ring per head group
-  (``ladder``), and are read refined (``decode_refined``); a token that ages past them drops its bits and is
-  read at the base width, as stored. The attention walks the pool up to ``q_end - n`` and reads the young
-  rows as one more small segment (:meth:`LayerStore.read`). ``ladder2_tokens = N2 <= N`` (a second rung): the
-  ``n2`` newest of them also keep a second bit per coordinate (``SecondRung.refine2``) in a second ring
-  (``ladder2``) and are read through both (``decode_refined2``); past them a row reads refined once.
-* Per-row block grids (per-channel layers of a left-padded batch, :attr:`LayerStore.shifts_grid`): row ``b``'s
-  position ``p`` lives at slot ``p + shift[b]`` of its blocks, so that its first real token starts a block; the pool
-  holds slots ``[0, _slot_end)`` of every row, ``q_end = _slot_end - max(shift)`` (0 while no block is written)
-  is where every row's pool positions end, and the residual holds positions ``[q_end, cache_pos)`` of every row
-  (a row's first ones may be its pool's already; reads take them from there).
+* :class:`~kvquant.rows.RowStarts`: each row's first real token, its sink tokens, an evicting layer's real slots;
+* :class:`~kvquant.space.Space`: the storage space (rotation, key centering; codebook head spaces);
+* :class:`~kvquant.dense.DenseRows`: the dense segments (sinks, residual window, the calibration hold);
+* :class:`~kvquant.refine.Refinement`: refinement rows (the age ladder, its second rung, heavy rows);
+* table strategies: per-row blocks (:mod:`kvquant.tables`; on each row's own grid, :class:`~kvquant.grid.RowGrid`),
+  per-head lanes (:class:`~kvquant.lanes.Lanes`), the host tier for offload (:class:`~kvquant.host_tier.HostTier`).
 """
 
 from __future__ import annotations
@@ -50,7 +31,7 @@ import contextlib
 import copy as _copy
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -61,7 +42,16 @@ from .config import KVPrecision, KVQuantConfig
 from .dense import DenseRows
 from .errors import ArgumentError
 from .grid import RowGrid
-from .groups import HeadGroup, block_specs, group_rows, make_groups
+from .groups import (
+    HeadGroup,
+    block_specs,
+    build_groups,
+    copy_groups,
+    count_parts,
+    group_rows,
+    index_groups,
+    make_groups,
+)
 from .host_tier import HostTier, has_host_blocks, stage_tables
 from .lanes import Lanes
 from .offload import host_id, is_host
@@ -70,34 +60,14 @@ from .quantizers.base import Factored, require_finite
 from .refine import HeavyScores, Refinement
 from .rows import RowStarts
 from .shape import held_dtype
-from .slots import SlotMap
+from .slots import SlotMap, compact_kept
 from .snapshot import GroupSnapshot, KVSnapshot, ResidualRows, SinkRows
 from .space import Space, dense_to_group_space, has_head_space
+from .tables import block_ids, place, row_index, write_pairs, write_targets
 from .tensor_store import (
-    ClipCounts,
     QuantizedTensorStore,
-    WritePlan,
     quantize_pair,
 )
-
-
-def row_index(idx: Any, batch: int, name: str) -> torch.Tensor:
-    """``idx`` as a 1-D int64 CPU tensor of row numbers in ``[0, batch)`` (at least one), or
-    :class:`~kvquant.errors.ArgumentError` naming ``name``: a reorder / select is checked before anything moves."""
-    try:
-        t = torch.as_tensor(idx)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise ArgumentError(f"{name}: not a tensor of row indices ({e})") from None
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise ArgumentError(f"{name}: row indices must be integers, got {t.dtype}")
-    if t.dim() != 1 or t.numel() == 0:
-        raise ArgumentError(f"{name}: must be a 1-D tensor of at least one row index, got shape {list(t.shape)}")
-    t = t.to("cpu", torch.long)
-    lo, hi = int(t.min()), int(t.max())
-    if lo < 0 or hi >= batch:
-        bad = lo if lo < 0 else hi
-        raise ArgumentError(f"{name}: row index {bad} is out of range for a batch of {batch} rows (0 .. {batch - 1})")
-    return t
 
 
 class LayerStore:
@@ -162,20 +132,7 @@ class LayerStore:
         self.host = HostTier(blocks, config.offload["keep_recent_blocks"]) if plan.offload else None
         self._table_cache: torch.Tensor | None = None
         self.slots: SlotMap | None = None  # an evicting layer: its token axis holds slots (see kvquant.slots)
-        self.groups: list[HeadGroup] = []
-        for gi, (pair, heads, kq, vq) in enumerate(made):
-            self.groups.append(
-                HeadGroup(
-                    precision=pair,
-                    heads=heads,
-                    key=QuantizedTensorStore(kq, blocks, gi, "key"),
-                    value=QuantizedTensorStore(vq, blocks, gi, "value"),
-                    head_index=torch.tensor(heads, dtype=torch.long, device=device),
-                    all_heads=heads == list(range(self.num_heads)),
-                )
-            )
-        for g in self.groups:
-            g.key.batch = g.value.batch = batch
+        self.groups = build_groups(made, blocks, self.num_heads, batch, device)
         # CPU, and every quantizer rejects NaN / Inf while quantizing (see _checked_by_quantizers)
         self._quantizers_check = device.type == "cpu" and all(
             s.quantizer.checks_finite for g in self.groups for s in (g.key, g.value))
@@ -278,9 +235,7 @@ class LayerStore:
             return self.grid.blocks_needed(self.batch, self.cache_pos + tokens)
         if self.residual_mode:
             pending = (self.dense.res_k.shape[2] if self.dense.res_k is not None else 0) + tokens
-            flush = (pending - self.residual_tokens) // self.residual_step * self.residual_step
-            if self.dense.per_row_flush(self.starts.pad_end):
-                flush = min(self.dense.row_pool_ends(self.q_end + pending, self.starts)) - self.q_end
+            flush = self.dense.flush_len(pending, self.q_end, self.starts)
             if flush <= 0:
                 return 0
             start, end = self.q_end, self.q_end + flush
@@ -290,7 +245,7 @@ class LayerStore:
         if self.batch == 1 and start % self.block_size and not self.residual_mode:
             t = self.tables[0]
             if j0 < len(t) and t[j0] >= 0 and self.blocks.refs[t[j0]] == 1:
-                return j1 - j0 - 1  # the partial block is this row's own: written in place (see _place)
+                return j1 - j0 - 1  # the partial block is this row's own: written in place (see kvquant.tables.place)
         return self.batch * (j1 - j0)  # new blocks, or a copy of a shared partial block
 
     # ---------------------------------------------------------------- writing
@@ -379,16 +334,8 @@ class LayerStore:
         decoding."""
         if self.cache_pos or self.slots is not None:
             raise AssertionError("append_kept: the first write of an empty store")
-        B, H, T, D = keys.shape
-        n = keep.sum(dim=-1)  # [B, H]
-        S = max(1, int(n.max()))
-        t = torch.arange(T, device=keys.device)
-        order = torch.where(keep, t, T + t).argsort(dim=-1)[..., :S]  # kept positions first, in order
-        filled = torch.arange(S, device=keys.device) < n.unsqueeze(-1)  # [B, H, S]
-        idx = order.unsqueeze(-1).expand(B, H, S, D)
-        z = filled.unsqueeze(-1)
-        ck = torch.where(z, keys.gather(2, idx), torch.zeros((), dtype=keys.dtype, device=keys.device))
-        cv = torch.where(z, values.gather(2, idx), torch.zeros((), dtype=values.dtype, device=values.device))
+        B, T = keys.shape[0], keys.shape[2]
+        ck, cv, n, order, filled = compact_kept(keys, values, keep)
         if self.lanes:  # each (row, head) holds the lanes of its own kept count
             self.lanes.keep(n.tolist(), None if cap is None else cap.tolist())
         self.starts.slot_real = filled.any(dim=1).to(self.device)  # a short row's empty slots: not real tokens
@@ -413,18 +360,7 @@ class LayerStore:
             self.lanes.overwrite(keys, values, target)
             return
         if self.q_end == self.cache_pos and all(b >= 0 and self.blocks.refs[b] == 1 for t in self.tables for b in t):
-            bs, B = self.block_size, target.shape[0]
-            table = self.table()
-            for g in self.groups:
-                n = len(g.heads)
-                t = (target if g.all_heads else target.index_select(1, g.head_index)).reshape(-1)
-                rows = torch.arange(B, device=self.device).repeat_interleave(n)
-                heads = torch.arange(n, device=self.device).repeat(B)
-                k = keys if g.all_heads else keys.index_select(1, g.head_index)
-                v = values if g.all_heads else values.index_select(1, g.head_index)
-                blk, off = table[rows, t // bs], t % bs
-                g.key.write_heads(k, rows, heads, blk, off, self.config.check_finite)
-                g.value.write_heads(v, rows, heads, blk, off, self.config.check_finite)
+            write_targets(self.groups, self.table(), keys, values, target, self.block_size, self.config.check_finite)
             return
         tl, wl = target.tolist(), write.tolist()
         pairs = [(b, h, tl[b][h]) for b in range(len(tl)) for h in range(len(tl[b])) if wl[b][h]]
@@ -435,26 +371,11 @@ class LayerStore:
             self.dense.write_held(keys, values, b, h, t, self.q_end)
         if not pool:
             return
-        bs = self.block_size
-        shared = sorted({(b, t // bs) for b, _, t in pool if self.blocks.refs[self.tables[b][t // bs]] > 1})
-        self.blocks.ensure_free(len(shared))  # may raise KVCacheFull: nothing changed yet
-        for b, j in shared:  # copy-on-write (beams share blocks after a reorder)
-            old = self.tables[b][j]
-            self.tables[b][j] = self.blocks.copy(old)
-            self.blocks.decref([old])
-            self.bytes_moved += self.blocks.bytes_per_block
-        if shared:
+        moved = write_pairs(self.tables, self.blocks, self.groups, keys, values, pool, self.config.check_finite,
+                            self.device)  # (copy-on-write of shared blocks first)
+        self.bytes_moved += moved
+        if moved:
             self._table_cache = None
-        for g in self.groups:
-            local = {h: i for i, h in enumerate(g.heads)}
-            sel = [(b, local[h], self.tables[b][t // bs], t % bs) for b, h, t in pool if h in local]
-            if not sel:
-                continue
-            rows, heads, blk, off = (torch.tensor(x, device=self.device) for x in zip(*sel, strict=True))
-            k = keys if g.all_heads else keys.index_select(1, g.head_index)
-            v = values if g.all_heads else values.index_select(1, g.head_index)
-            g.key.write_heads(k, rows, heads, blk, off, self.config.check_finite)
-            g.value.write_heads(v, rows, heads, blk, off, self.config.check_finite)
 
     def residual_rows(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The history ``[q_end, end)`` held in full precision, every KV head ``[B, H, t, D]``, as the attention
@@ -551,7 +472,11 @@ class LayerStore:
             k = gk if g.all_heads else gk.index_select(1, g.head_index)
             v = gv if g.all_heads else gv.index_select(1, g.head_index)
             quantized.append(quantize_pair(g.key, g.value, k, v, self.config.check_finite, real))
-        plan = self._place(*next(iter(masked.values())), pos)  # rows that differ only in sinks share blocks
+        plan, changed, moved = place(self.tables, self.blocks, *next(iter(masked.values())), pos, self.has_block_parts,
+                                     self.per_block, self.device)  # (rows that differ only in sinks share blocks)
+        self.bytes_moved += moved
+        if changed:
+            self._table_cache = None
         for g, (qk, qv) in zip(self.groups, quantized, strict=True):
             g.key.commit(qk, plan)
             g.value.commit(qv, plan)
@@ -560,94 +485,6 @@ class LayerStore:
         if scores is not None and not self.refine.heavy:
             self.refine.pick_heavy(self.groups, masked, quantized, pos, scores, self._heavy_first())
         self.q_end = pos + keys.shape[2]
-
-    def _place(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> WritePlan:
-        """Choose a block for every (row, block) a write at ``pos`` touches, and update the tables.
-
-        Rows whose tables agree up to a block and whose new tokens for it are equal share one block
-        (beam search's identical prompts: written once). A shared partial block is copied before it
-        is written (copy-on-write); a block held only by the writing rows is written in place. All
-        blocks are reserved before any table changes, so :class:`KVCacheFull` leaves everything as it was.
-        """
-        bs, T = self.block_size, keys.shape[2]
-        if T == 1 and self.batch == 1 and not self.has_block_parts:  # decode of one sequence ...
-            t, j = self.tables[0], pos // bs
-            if j < len(t) and t[j] >= 0 and self.blocks.refs[t[j]] == 1:  # ... into its own partial block
-                return WritePlan.one(0, 0, t[j], pos - j * bs)
-        end = pos + T
-        j0, j1 = pos // bs, -(-end // bs)
-        if self.per_block and (pos % bs or T % bs):
-            raise AssertionError("per-channel quantizers write whole, aligned blocks")
-        # 1) classes of rows per block: same table prefix (and block), same new tokens
-        work = []  # (j, a, c, existing block or -1, [rows], in_place)
-        new = 0
-        for j in range(j0, j1):
-            a, c = max(pos, j * bs) - pos, min(end, (j + 1) * bs) - pos
-            by_prefix: dict[tuple[int, ...], list[int]] = {}
-            if self.batch == 1:  # nothing to share with
-                t = self.tables[0]
-                by_prefix[(t[j] if j < len(t) else -1,)] = [0]
-            for b in range(self.batch if self.batch > 1 else 0):
-                t = self.tables[b]
-                key = tuple(t[:j + 1]) if j < len(t) else (*t[:j], -1)
-                by_prefix.setdefault(key, []).append(b)
-            for key, rows in by_prefix.items():
-                existing = key[-1]
-                classes: list[list[int]] = []
-                for b in rows:
-                    for cls in classes:
-                        r = cls[0]
-                        same = torch.equal(keys[b, :, a:c], keys[r, :, a:c])
-                        if same and torch.equal(values[b, :, a:c], values[r, :, a:c]):
-                            cls.append(b)
-                            break
-                    else:
-                        classes.append([b])
-                for i, cls in enumerate(classes):
-                    in_place = existing >= 0 and i == 0 and self.blocks.refs[existing] == len(rows)
-                    new += not in_place
-                    work.append((j, a, c, existing, cls, in_place))
-        self.blocks.ensure_free(new)  # may raise KVCacheFull: nothing changed yet
-        # 2) allocate / copy, update the tables, and list the scatter
-        src_b, src_t, dst_blk, dst_off, bsrc_b, bsrc_j, bdst = [], [], [], [], [], [], []
-        changed = False
-        for j, a, c, existing, cls, in_place in work:
-            if in_place:
-                bid = existing
-            elif existing >= 0:
-                bid = self.blocks.copy(existing, refs=len(cls))
-                self.blocks.decref([existing] * len(cls))
-                self.bytes_moved += self.blocks.bytes_per_block
-            else:
-                bid = self.blocks.allocate(refs=len(cls))
-            for b in cls:
-                t = self.tables[b]
-                if j < len(t):
-                    changed |= t[j] != bid
-                    t[j] = bid
-                else:
-                    t.append(bid)
-                    changed = True
-            r = cls[0]
-            n = c - a
-            src_b += [r] * n
-            src_t += range(a, c)
-            dst_blk += [bid] * n
-            dst_off += range(pos + a - j * bs, pos + c - j * bs)
-            if n == bs:
-                bsrc_b.append(r)
-                bsrc_j.append(j - j0)
-                bdst.append(bid)
-        if changed:
-            self._table_cache = None
-        if len(src_b) == 1 and not bdst:  # one token of one row (decode): basic indexing, no index tensors
-            return WritePlan.one(src_b[0], src_t[0], dst_blk[0], dst_off[0])
-        tok = torch.tensor([src_b, src_t, dst_blk, dst_off], dtype=torch.long).to(self.device)
-        if self.has_block_parts and bdst:
-            blk = torch.tensor([bsrc_b, bsrc_j, bdst], dtype=torch.long).to(self.device)
-        else:
-            blk = torch.empty((3, 0), dtype=torch.long, device=self.device)
-        return WritePlan(tok[0], tok[1], tok[2], tok[3], blk[0], blk[1], blk[2])
 
     def _incref(self, ids: list[int]) -> None:
         (self.blocks.incref_lanes if self.lanes else self.blocks.incref)(ids)
@@ -769,13 +606,8 @@ class LayerStore:
                 k, v = rk, rv
         else:
             k, v = self.read_pool(group, start, end)
-        if self.dense.sink_k is not None and start < self.starts.sink_end:
-            # each row's sink tokens from the sink buffer, selected on the device (no host synchronisation)
-            slot = torch.arange(start, end, device=self.device)[None, :] - self.starts.row_start[:, None]  # [B, t]
-            is_sink = ((slot >= 0) & (slot < self.sink_tokens))[:, None, :, None]
-            idx = slot.clamp(0, self.sink_tokens - 1)
-            rows = torch.arange(self.batch, device=self.device)[:, None]
-            sk, sv = self.dense.sink_k[rows, :, idx].transpose(1, 2), self.dense.sink_v[rows, :, idx].transpose(1, 2)
+        if self.dense.sink_k is not None and start < self.starts.sink_end:  # each row's sinks from the sink buffer
+            is_sink, sk, sv = self.dense.sink_rows(start, end, self.starts.row_start)
             sk, sv = self.dense_to_group_space(group, group_rows(sk, group), group_rows(sv, group))
             k, v = torch.where(is_sink, sk.float(), k), torch.where(is_sink, sv.float(), v)
         return k, v
@@ -829,15 +661,8 @@ class LayerStore:
         bs = self.block_size
         j0, j1 = start // bs, -(-end // bs)
         run = kparts = vparts = None
-        if self.lanes:  # per-head lanes: (block, head slot) of every (row, head, block)
-            lt = self.table()[:, :, j0:j1]
-            lane_run = self.lanes.runs[group.key.group]
-            if lane_run is not None:  # one sequence, lanes laid out as runs: in place
-                run, tbl = lane_run + j0, lt[:, 0]
-            else:
-                lt = lt if group.all_heads else lt.index_select(1, group.head_index)
-                L = self.blocks.lanes_per_block
-                tbl = (lt // L, lt % L - self.lanes.lane_offset[group.key.group])
+        if self.lanes:  # per-head lanes: (block, head slot) of every (row, head, block), or a run read in place
+            tbl, run = self.lanes.pool_table(group, self.table()[:, :, j0:j1], j0)
         elif self.host and self.has_host_blocks(j0, j1):  # offload: the tile staged from the host tier
             tbl, kparts, vparts = self.host.fetch(self.tables, group.key.group, j0, j1, self.q_end, self.device)
         else:
@@ -935,8 +760,7 @@ class LayerStore:
             self.lanes.reset()
         for g in self.groups:
             for s in (g.key, g.value):
-                s.counts = ClipCounts(s.device)
-                s.state = {}
+                s.reset()
 
     def adopt(self, tables: list[list[int]], tokens: int) -> None:
         """Start from shared whole blocks (prefix reuse): ``tables[b]`` holds ``tokens / block_size`` ids
@@ -957,15 +781,7 @@ class LayerStore:
         new._table_cache = None
         new.dense = self.dense.copy()
         new.host = None if self.host is None else self.host.copy()
-        new.groups = []
-        for g in self.groups:
-            kv = []
-            for s in (g.key, g.value):
-                c = _copy.copy(s)
-                c.state = dict(s.state)
-                c.counts = s.counts.copy()
-                kv.append(c)
-            new.groups.append(HeadGroup(g.precision, g.heads, kv[0], kv[1], g.head_index, g.all_heads))
+        new.groups = copy_groups(self.groups)
         new.space = self.space.copy()
         new.starts = self.starts.copy()
         new.grid = None if self.grid is None else self.grid.copy()
@@ -999,23 +815,21 @@ class LayerStore:
         self.refine.index_batch(idx)
         if self.slots is not None:  # each row's own kept tokens (per head) follow it
             self.slots.index_batch(idx)
-        for g in self.groups:  # per-sequence static state (scales [B, H], codebook means ...) follows its rows
-            for st in (g.key, g.value):
-                q = st.quantizer
-                st.state = {n: t.index_select(0, idx) if q.per_sequence(n, t) else t for n, t in st.state.items()}
-                st.batch = int(idx.numel())
+        index_groups(self.groups, idx)  # per-sequence static state (scales [B, H], codebook means ...) follows
         self.batch = int(idx.numel())
 
     # ---------------------------------------------------------------- accounting
     def block_ids(self) -> list[int]:
         """The distinct live device blocks of all rows (a shared block once; lanes: the blocks holding them)."""
-        if self.lanes:
-            return sorted({e // self.blocks.lanes_per_block for t in self.tables for e in t})
-        return sorted({b for t in self.tables for b in t if b >= 0})
+        return block_ids(self.tables, self.blocks.lanes_per_block if self.lanes else None)
 
     def lane_ids(self) -> list[int]:
         """Lanes: the distinct lanes of all (row, head) pairs (a shared lane once); empty without lanes."""
         return sorted({e for t in self.tables for e in t}) if self.lanes else []
+
+    def host_block_ids(self) -> list[int]:
+        """The distinct host-tier blocks of all rows (``offload``), as host ids."""
+        return sorted({host_id(b) for t in self.tables for b in t if is_host(b)})
 
     def held_bytes(self, store: QuantizedTensorStore) -> int:
         """Bytes of the blocks (lanes: of the lanes of its group) that this layer holds in one K or V store's
@@ -1025,10 +839,6 @@ class LayerStore:
             lanes = sum(self.blocks.lane_where(e)[1] == store.group for e in self.lane_ids())
             return per_block // store.heads * lanes + store.state_nbytes()
         return per_block * (len(self.block_ids()) + len(self.host_block_ids())) + store.state_nbytes()
-
-    def host_block_ids(self) -> list[int]:
-        """The distinct host-tier blocks of all rows (``offload``), as host ids."""
-        return sorted({host_id(b) for t in self.tables for b in t if is_host(b)})
 
     def dense_buffers(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The full-precision buffers held (:meth:`DenseRows.buffers`)."""
@@ -1040,34 +850,23 @@ class LayerStore:
         ``shared``: bytes of blocks referenced more than once (by several rows, caches or the prefix index).
         ``reserved``: the layer's whole device arena (for a pool, shared with its other caches). ``host``: the
         bytes of the blocks held in the host tier (``offload``; included in keys / values / scales), ``blocks_host``
-        their number, ``moved_to_host`` the bytes moved there so far."""
-        if self.lanes:  # every distinct lane once (lanes: their number, blocks: the blocks they lie in)
-            per_group, shared_lanes = self.lanes.lane_counts(self.lane_ids())
+        their number, ``moved_to_host`` the bytes moved there so far. Lanes: every distinct lane once (``lanes``:
+        their number, ``blocks``: the blocks they lie in, ``shared``: lanes held more than once)."""
+        index = self.slots.nbytes() if self.slots is not None else 0
+        if self.lanes:
+            per_group, shared = self.lanes.lane_counts(self.lane_ids())
             out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "blocks": len(self.block_ids()),
-                   "lanes": sum(per_group), "blocks_host": 0, "host": 0, "moved_to_host": 0, "shared": shared_lanes,
-                   "reserved": self.blocks.nbytes(), "index": self.slots.nbytes() if self.slots is not None else 0}
-            return self._count_parts(out, lambda gi, s, b: b // s.heads * per_group[gi])
-        ids, hids = self.block_ids(), self.host_block_ids()
-        n = len(ids) + len(hids)
-        host = self.blocks.host
-        shared = sum(self.blocks.refs[b] > 1 for b in ids) + sum(host.refs[h] > 1 for h in hids)  # type: ignore[union-attr]
-        out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "blocks": n, "blocks_host": len(hids),
-               "host": len(hids) * self.blocks.bytes_per_block,
-               "moved_to_host": self.host.bytes_offloaded if self.host else 0,
-               "index": self.slots.nbytes() if self.slots is not None else 0,
-               "shared": shared * self.blocks.bytes_per_block, "reserved": self.blocks.nbytes()}  # fmt: skip
-        return self._count_parts(out, lambda gi, s, b: b * n)
-
-    def _count_parts(
-        self, out: dict[str, int], held: Callable[[int, QuantizedTensorStore, int], int]
-    ) -> dict[str, int]:
-        """Add to ``out`` the bytes of every part held (``held(group index, K or V store, bytes of one block of
-        the part)``), the static states, the key mean and the dense (sink / residual) buffers."""
-        for gi, g in enumerate(self.groups):
-            for kind, s in (("keys", g.key), ("values", g.value)):
-                for name, b in s.block_nbytes().items():
-                    out["scales" if name in ("scale", "zero", "norm") else kind] += held(gi, s, b)
-                out["scales"] += s.state_nbytes()
+                   "lanes": sum(per_group), "blocks_host": 0, "host": 0, "moved_to_host": 0, "shared": shared,
+                   "reserved": self.blocks.nbytes(), "index": index}  # fmt: skip
+            count_parts(self.groups, out, lambda gi, s, b: b // s.heads * per_group[gi])
+        else:
+            ids, hids, bpb = self.block_ids(), self.host_block_ids(), self.blocks.bytes_per_block
+            n, host = len(ids) + len(hids), self.blocks.host
+            shared = sum(self.blocks.refs[b] > 1 for b in ids) + sum(host.refs[h] > 1 for h in hids)  # type: ignore[union-attr]
+            out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "blocks": n, "blocks_host": len(hids),
+                   "host": len(hids) * bpb, "moved_to_host": self.host.bytes_offloaded if self.host else 0,
+                   "index": index, "shared": shared * bpb, "reserved": self.blocks.nbytes()}  # fmt: skip
+            count_parts(self.groups, out, lambda gi, s, b: b * n)
         out["scales"] += self.space.nbytes()
         for k, v in self.dense_buffers().values():
             out["dense"] += k.numel() * k.element_size() + v.numel() * v.element_size()
