@@ -17,6 +17,7 @@ calibration state; the store's cursor, head groups, row starts and refinement ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -156,6 +157,21 @@ class DenseRows:
         if self.exact_k is not None and self.exact_v is not None:
             out["held"] = (self.exact_k, self.exact_v)
         return out
+
+    def residual_rows(
+        self, groups: list[HeadGroup], q_end: int, end: int,
+        read: Callable[[HeadGroup, int, int], tuple[torch.Tensor, torch.Tensor]] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held positions ``[q_end, end)`` of every KV head ``[B, H, t, D]``: as held, or (``read``) each group's
+        rows as ``read(group, q_end, end)`` gives them (float32)."""
+        assert self.res_k is not None and self.res_v is not None
+        k, v = self.res_k[:, :, :end - q_end], self.res_v[:, :, :end - q_end]
+        if read is None:
+            return k, v
+        k, v = k.float().clone(), v.float().clone()
+        for g in groups:
+            k[:, g.head_index], v[:, g.head_index] = read(g, q_end, end)
+        return k, v
 
     def append_residual(
         self, keys: torch.Tensor, values: torch.Tensor, q_end: int, starts: RowStarts

@@ -18,8 +18,21 @@ from typing import Any
 import torch
 
 from .groups import HeadGroup, group_rows
+from .plan import LayerPlan
 from .rows import RowStarts
 from .tensor_store import pool_rows
+
+
+def shifts_grid(groups: list[HeadGroup], plan: LayerPlan, scales_file: bool) -> bool:
+    """True when a left-padded batch cuts this layer's blocks on each row's own grid (see the module doc): a layer
+    with per-block (``int*-channel``) parts in residual mode whose blocks are flushed a block at a time, without
+    static scales fitted on the data (``scales_file``: they come from a file) or codebook quantizers, lanes, a
+    sliding window, the age ladder, heavy rows or offload (those keep the batch's grid, and so does an evicting
+    layer's first write; see docs/batch-independence.md)."""
+    qs = [q for g in groups for q in (g.key.quantizer, g.value.quantizer)]
+    return (any(q.per_block for q in qs) and plan.residual_step == groups[0].key.block_size and not plan.lanes
+            and plan.window is None and not plan.ladder_tokens and not plan.heavy_tokens and not plan.offload
+            and not any(q.space for q in qs) and (scales_file or not any(q.static for q in qs)))  # fmt: skip
 
 
 class RowGrid:
@@ -58,6 +71,14 @@ class RowGrid:
         """The fewest tokens a crop may keep (fewer would cut a quantized block of some row)."""
         return self.slot_end - min(self.shift)
 
+    def check_crop(self, tokens: int) -> None:
+        """The ValueError a crop to ``tokens`` raises when it would cut a quantized block of some row."""
+        if tokens < self.crop_floor():
+            raise ValueError(
+                f"crop: keeping {tokens} tokens would cut a quantized per-channel block of a left-padded row (each "
+                f"row's blocks start at its own first real token); keep at least {self.crop_floor()}"
+            )
+
     def slot_ends(self, cache_pos: int) -> list[int]:
         """Per row, the slot its own pool would end at with ``cache_pos`` tokens written (its residual window counted
         from its first real token, whole blocks of its own grid, as alone)."""
@@ -80,6 +101,20 @@ class RowGrid:
         idx = torch.arange(s0, s1, device=x.device)[None, :] - self.shift_t.to(x.device)[:, None] - base  # [B, F]
         out = x.gather(2, idx.clamp(0, x.shape[2] - 1)[:, None, :, None].expand(B, H, s1 - s0, D))
         return torch.where((idx >= 0)[:, None, :, None], out, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    def flush(
+        self, dk: torch.Tensor, dv: torch.Tensor, q0: int, cache_pos: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """The residual ``dk/dv`` (positions ``[q0, cache_pos)`` of every row; a row's first ones may be in its pool
+        already) past every row's own flush point: ``(its slots [slot_end, s1) of every row, K and V, slot_end, the
+        pool's end after them)``, the slot end moved to ``s1``; None while some row's flush point is not past the
+        slot end. A row whose own flush point is further reads its next block as its pool will (:meth:`read_held`)."""
+        s0, s1 = self.slot_end, min(self.slot_ends(cache_pos))
+        if s1 <= s0:
+            return None
+        ck, cv = self.slot_chunk(dk, q0, s0, s1), self.slot_chunk(dv, q0, s0, s1)
+        self.slot_end = s1
+        return ck, cv, s0, self.pool_end()  # (every row holds its positions below the pool's end in the pool)
 
     def read_pool(
         self, group: HeadGroup, start: int, end: int, table: torch.Tensor

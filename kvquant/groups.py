@@ -117,3 +117,16 @@ def count_parts(
             for name, b in s.block_nbytes().items():
                 out["scales" if name in ("scale", "zero", "norm") else kind] += held(gi, s, b)
             out["scales"] += s.state_nbytes()
+
+
+def fake_quantize_groups(
+    groups: list[HeadGroup], keys: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keys/values[B, H, T, D]`` (storage space) quantized and dequantized with each group's quantizers and state,
+    nothing stored."""
+    k_out, v_out = torch.empty_like(keys), torch.empty_like(values)
+    for g in groups:
+        for src, dst, s in ((keys, k_out, g.key), (values, v_out, g.value)):
+            y = s.quantizer.dequantize(s.quantizer.quantize(group_rows(src, g), s.state), s.state, src.dtype)
+            dst[:, g.head_index] = y
+    return k_out, v_out

@@ -41,6 +41,20 @@ def compact_kept(
 class SlotMap:
     """Slot -> position map (``pos[B, H, S]`` int32, -1 = empty) of one evicting layer, and its scores."""
 
+    @classmethod
+    def of_kept(
+        cls, order: torch.Tensor, filled: torch.Tensor, seen: int, row_start: torch.Tensor | None,
+        score: torch.Tensor | None, tracking: str | None, cap: torch.Tensor | None, device: torch.device,
+    ) -> SlotMap:
+        """The map of a first write that kept positions ``order[B, H, S]`` where ``filled`` (:func:`compact_kept`)
+        of ``seen`` (``row_start[B]``: each row's first real position; ``score[B, H, T]``: the policy's scores, kept
+        for ``tracking``; ``cap[B, H]``: the tokens each head keeps while decoding)."""
+        B = order.shape[0]
+        first = torch.zeros(B, dtype=torch.long, device=order.device) if row_start is None else row_start.long()
+        pos = torch.where(filled, order, -1).to(torch.int32)
+        kept = None if score is None else score.float().gather(2, order).masked_fill(~filled, 0.0)
+        return cls(pos, seen, first.to(device), tracking, kept, cap)
+
     def __init__(
         self, pos: torch.Tensor, seen: int, first: torch.Tensor, tracking: str | None = None,
         score: torch.Tensor | None = None, cap: torch.Tensor | None = None,

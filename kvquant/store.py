@@ -1,17 +1,10 @@
 """Block-granular quantized KV storage for one layer.
 
-Layout: the KV heads of a layer are split into *head groups*, one per distinct (key precision,
-value precision) pair. Each group stores its K and V as the parts of its quantizers, in the
-layer's block tensors (:mod:`kvquant.blocks`: ``[num_blocks, heads_in_group, block_size, ...]``,
-one row per block for per-block parts). Each batch row has a *block table*: the ids of the blocks
-that hold its tokens ``[j * block_size, (j + 1) * block_size)``. Blocks are taken from the arena
-on demand, so memory follows the real length, never a max_seq_len; rows (beams) and caches (a
-:class:`~kvquant.PagedKVPool`'s requests) share whole blocks by reference. A full block is
-immutable (a token is written once, quantized once, never re-quantized); writing into a partial
-block that is shared copies it first (copy-on-write). A layer whose KV heads keep different token counts
-(AdaKV) holds *lanes* instead, one head's rows of one block, through one table per (row, KV head)
-(``LayerStore(lanes=True)``, :mod:`kvquant.blocks`, :mod:`kvquant.lanes`): each head holds
-``ceil(n_h / block_size)`` lanes (with per-channel keys or a residual window: whole lanes and its own tail).
+Layout: the KV heads of a layer are split into *head groups* (:mod:`kvquant.groups`), one per (key, value)
+precision pair, each storing its K and V as the parts of its quantizers in the layer's blocks (:mod:`kvquant.blocks`).
+Each batch row has a *block table*; blocks are taken on demand (memory follows the real length), shared by reference
+between rows (beams) and caches (a :class:`~kvquant.PagedKVPool`'s requests), written once (a full block is
+immutable) and copied before a shared partial block is written (copy-on-write).
 
 The store is a small core (the block tables and the ``cache_pos`` / ``q_end`` cursor; append, read, crop, copy,
 reorder; the attention's :class:`~kvquant.snapshot.KVSnapshot`) that owns one component per job, each built from
@@ -41,13 +34,14 @@ from .blocks import LayerBlocks
 from .config import KVPrecision, KVQuantConfig
 from .dense import DenseRows
 from .errors import ArgumentError
-from .grid import RowGrid
+from .grid import RowGrid, shifts_grid
 from .groups import (
     HeadGroup,
     block_specs,
     build_groups,
     copy_groups,
     count_parts,
+    fake_quantize_groups,
     group_rows,
     index_groups,
     make_groups,
@@ -63,7 +57,7 @@ from .shape import held_dtype
 from .slots import SlotMap, compact_kept
 from .snapshot import GroupSnapshot, KVSnapshot, ResidualRows, SinkRows
 from .space import Space, dense_to_group_space, has_head_space
-from .tables import block_ids, place, row_index, write_pairs, write_targets
+from .tables import block_ids, blocks_for, place, release_blocks, row_index, write_pairs, write_targets
 from .tensor_store import (
     QuantizedTensorStore,
     quantize_pair,
@@ -148,6 +142,7 @@ class LayerStore:
         # per-channel blocks, lanes, a sliding window, the age ladder, heavy rows or offload
         row_flush = not (per_block or plan.lanes or plan.window is not None or plan.ladder_tokens or plan.heavy_tokens
                          or plan.offload)  # fmt: skip
+        self._grids = shifts_grid(self.groups, plan, static_amax is not None)  # (kvquant.grid)
         self.dense = DenseRows(self.groups, static_amax, plan.sink_tokens, plan.residual_tokens, plan.residual_step,
                                self.residual_mode, row_flush, config.headroom, config.share_kv_scale, batch, device)
         # per-head block lanes (AdaKV, kvquant.lanes): ``tables[b * H + h]`` holds the lane ids of (row b, KV head h)
@@ -199,14 +194,12 @@ class LayerStore:
         if not self.has_host_blocks():
             yield
             return
-        saved = self.tables
+        saved, self._table_cache = self.tables, None
         self.tables, dev = stage_tables(self.blocks, saved, self.device)
-        self._table_cache = None
         try:
             yield
         finally:
-            self.tables = saved
-            self._table_cache = None
+            self.tables, self._table_cache = saved, None
             self.blocks.decref(dev)
 
     # ---------------------------------------------------------------- capacity
@@ -241,12 +234,7 @@ class LayerStore:
             start, end = self.q_end, self.q_end + flush
         else:
             start, end = self.cache_pos, self.cache_pos + tokens
-        j0, j1 = start // self.block_size, -(-end // self.block_size)
-        if self.batch == 1 and start % self.block_size and not self.residual_mode:
-            t = self.tables[0]
-            if j0 < len(t) and t[j0] >= 0 and self.blocks.refs[t[j0]] == 1:
-                return j1 - j0 - 1  # the partial block is this row's own: written in place (see kvquant.tables.place)
-        return self.batch * (j1 - j0)  # new blocks, or a copy of a shared partial block
+        return blocks_for(self.tables, self.blocks, self.batch, start, end, in_place=not self.residual_mode)
 
     # ---------------------------------------------------------------- writing
     def append(
@@ -334,16 +322,12 @@ class LayerStore:
         decoding."""
         if self.cache_pos or self.slots is not None:
             raise AssertionError("append_kept: the first write of an empty store")
-        B, T = keys.shape[0], keys.shape[2]
         ck, cv, n, order, filled = compact_kept(keys, values, keep)
         if self.lanes:  # each (row, head) holds the lanes of its own kept count
             self.lanes.keep(n.tolist(), None if cap is None else cap.tolist())
         self.starts.slot_real = filled.any(dim=1).to(self.device)  # a short row's empty slots: not real tokens
         self.append(ck, cv, None)
-        first = torch.zeros(B, dtype=torch.long, device=keys.device) if row_start is None else row_start.long()
-        pos = torch.where(filled, order, -1).to(torch.int32)
-        kept_score = None if score is None else score.float().gather(2, order).masked_fill(~filled, 0.0)
-        self.slots = SlotMap(pos, T, first.to(self.device), tracking, kept_score, cap)
+        self.slots = SlotMap.of_kept(order, filled, keys.shape[2], row_start, score, tracking, cap, self.device)
 
     def overwrite(self, keys: torch.Tensor, values: torch.Tensor, target: torch.Tensor, write: torch.Tensor) -> None:
         """Write the one-token ``keys/values[B, H, 1, D]`` of (row ``b``, head ``h``) at slot ``target[b, h]``
@@ -379,59 +363,31 @@ class LayerStore:
 
     def residual_rows(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The history ``[q_end, end)`` held in full precision, every KV head ``[B, H, t, D]``, as the attention
-        reads it (storage space): the residual buffers, or while static scales wait for a row, :meth:`held_rows`."""
-        assert self.dense.res_k is not None and self.dense.res_v is not None
-        k, v = self.dense.res_k[:, :, :end - self.q_end], self.dense.res_v[:, :, :end - self.q_end]
-        if self.grid is not None:  # per-row block grids: each row's pool and next block as read()
-            k, v = k.float().clone(), v.float().clone()
-            for g in self.groups:
-                k[:, g.head_index], v[:, g.head_index] = self._read_shifted(g, self.q_end, end)
-            return k, v
-        if not self._reads_held():
-            return k, v
-        k, v = k.float().clone(), v.float().clone()
-        for g in self.groups:
-            hk, hv = self._held_rows(g, self.q_end, end)
-            k[:, g.head_index], v[:, g.head_index] = hk, hv
-        return k, v
+        reads it (storage space): the residual buffers, or each row's pool and next block on per-row block grids,
+        or while static scales wait for a row, :meth:`DenseRows.held_rows`."""
+        read = self._read_shifted if self.grid is not None else self._held_rows if self._reads_held() else None
+        return self.dense.residual_rows(self.groups, self.q_end, end, read)
 
     def _set_row_start(self, row_start: torch.Tensor | None) -> None:
-        """The first write: each row's first real token (:meth:`RowStarts.set`), and its own block grid when
-        :attr:`shifts_grid`."""
+        """The first write: each row's first real token (:meth:`RowStarts.set`), and a left-padded batch's own
+        block grids where the layer takes them (:func:`~kvquant.grid.shifts_grid`; not an evicting layer)."""
         self.starts.set(row_start)
         shift = [-r % self.block_size for r in self.starts.host]
-        if any(shift) and self.shifts_grid:
+        if any(shift) and self._grids and self.starts.slot_real is None:
             self.grid = RowGrid(shift, self.block_size, self.residual_tokens, self.device)
 
-    @property
-    def shifts_grid(self) -> bool:
-        """True when a left-padded batch cuts this layer's blocks on each row's own grid, counted from its first real
-        token (:mod:`kvquant.grid`), so that a row's per-channel key blocks hold the tokens they hold alone: a layer
-        with per-block (``int*-channel``) parts in residual mode whose blocks are flushed a block at a time, without
-        static or codebook quantizers, lanes, a sliding window, the age ladder, heavy rows, eviction or offload
-        (those keep the batch's grid, see docs/batch-independence.md)."""
-        qs = [q for g in self.groups for q in (g.key.quantizer, g.value.quantizer)]
-        return (self.per_block and self.residual_step == self.block_size and not self.lanes and self.window is None
-                and not self.refine.ladder_tokens and not self.refine.heavy_tokens and not self.config.offload
-                and self.starts.slot_real is None and not any(q.space for q in qs)
-                and (self.dense.static_amax is not None or not any(q.static for q in qs)))  # fmt: skip
-
     def _append_shifted(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Residual mode on per-row block grids (:mod:`kvquant.grid`): the residual holds positions ``[q_end,
-        cache_pos)`` of every row (a row's first ones may be in its pool already: its slots there are below the
-        pool's end); the slots that every row's own flush point has passed are quantized, a block of each row's own
-        grid at a time. A row whose own flush point is further reads its next block as its pool will."""
+        """Residual mode on per-row block grids: the slots every row's own flush point has passed reach the pool
+        (:meth:`RowGrid.flush`)."""
         assert self.grid is not None
         dk, dv = keys.to(self.dense.dtype), values.to(self.dense.dtype)
-        if self.dense.res_k is not None and self.dense.res_k.shape[2]:
+        if self.dense.res_k is not None and self.dense.res_v is not None and self.dense.res_k.shape[2]:
             dk, dv = torch.cat([self.dense.res_k, dk], dim=2), torch.cat([self.dense.res_v, dv], dim=2)
-        s0, q0 = self.grid.slot_end, self.q_end
-        s1 = min(self.grid.slot_ends(self.cache_pos + keys.shape[2]))
-        if s1 > s0:
-            ck, cv = self.grid.slot_chunk(dk, q0, s0, s1), self.grid.slot_chunk(dv, q0, s0, s1)
+        q0 = self.q_end
+        flushed = self.grid.flush(dk, dv, q0, self.cache_pos + keys.shape[2])
+        if flushed is not None:
+            ck, cv, s0, q_end = flushed
             self._write_pool(ck.to(keys.dtype), cv.to(values.dtype), s0, slots=True)
-            self.grid.slot_end = s1
-            q_end = self.grid.pool_end()  # every row holds its positions below it in the pool
             dk, dv = dk[:, :, q_end - q0:], dv[:, :, q_end - q0:]
             self.q_end = q_end
         self.dense.memo = {}
@@ -486,12 +442,6 @@ class LayerStore:
             self.refine.pick_heavy(self.groups, masked, quantized, pos, scores, self._heavy_first())
         self.q_end = pos + keys.shape[2]
 
-    def _incref(self, ids: list[int]) -> None:
-        (self.blocks.incref_lanes if self.lanes else self.blocks.incref)(ids)
-
-    def _decref(self, ids: list[int]) -> None:
-        (self.blocks.decref_lanes if self.lanes else self.blocks.decref)(ids)
-
     def release_window(self) -> None:
         """Sliding window: release the blocks no later query can see.
 
@@ -501,13 +451,10 @@ class LayerStore:
         if self.window is None:
             return
         dead = min(self.cache_pos - self.window + 1, self.q_end) // self.block_size
-        if dead <= self.first_live:
-            return
-        for t in self.tables:
-            self.blocks.decref(t[self.first_live:dead])
-            t[self.first_live:dead] = [-1] * (dead - self.first_live)
-        self.first_live = dead
-        self._table_cache = None
+        if dead > self.first_live:
+            release_blocks(self.tables, self.blocks, self.first_live, dead)
+            self.first_live = dead
+            self._table_cache = None
 
     def _append_residual(self, keys: torch.Tensor, values: torch.Tensor, scores: HeavyScores | None = None) -> None:
         """Residual mode: keep the newest tokens dense; quantize whole blocks beyond ``residual_tokens``
@@ -538,12 +485,7 @@ class LayerStore:
         ks, vs = self.space.to_storage(keys, values)
         if not self.dense.calibrated:
             self.dense.calibrate(self.groups, ks, vs, self.cache_pos, self.starts)
-        k_out, v_out = torch.empty_like(ks), torch.empty_like(vs)
-        for g in self.groups:
-            for src, dst, s in ((ks, k_out, g.key), (vs, v_out, g.value)):
-                x = src if g.all_heads else src.index_select(1, g.head_index)
-                y = s.quantizer.dequantize(s.quantizer.quantize(x, s.state), s.state, src.dtype)
-                dst[:, g.head_index] = y
+        k_out, v_out = fake_quantize_groups(self.groups, ks, vs)
         sel = self.starts.sink_slots(self.cache_pos, self.cache_pos + ks.shape[2])
         if sel is not None:
             rows, offs, _ = sel
@@ -718,11 +660,8 @@ class LayerStore:
             raise ValueError("crop: this layer evicts tokens (its store holds kept tokens, not a prefix); "
                              "it cannot be cropped")
         tokens = max(0, min(tokens, self.cache_pos))
-        if self.grid is not None and tokens < self.grid.crop_floor():
-            raise ValueError(
-                f"crop: keeping {tokens} tokens would cut a quantized per-channel block of a left-padded row (each "
-                f"row's blocks start at its own first real token); keep at least {self.grid.crop_floor()}"
-            )
+        if self.grid is not None:
+            self.grid.check_crop(tokens)
         if tokens < self.first_live * self.block_size:
             raise ValueError(f"crop: tokens before {self.first_live * self.block_size} left the sliding window")
         if tokens < self.q_end and self.per_block and tokens % self.block_size:
@@ -735,7 +674,7 @@ class LayerStore:
 
     def _truncate(self, blocks: int) -> None:
         for t in self.tables:
-            self._decref(t[blocks:])
+            (self.blocks.decref_lanes if self.lanes else self.blocks.decref)(t[blocks:])
             del t[blocks:]
         self._table_cache = None
 
@@ -776,7 +715,7 @@ class LayerStore:
         new = _copy.copy(self)
         new.tables = [list(t) for t in self.tables]
         for t in new.tables:
-            self._incref(t)
+            (self.blocks.incref_lanes if self.lanes else self.blocks.incref)(t)
         new.lanes = None if self.lanes is None else self.lanes.copy(new)
         new._table_cache = None
         new.dense = self.dense.copy()
@@ -800,9 +739,9 @@ class LayerStore:
         else:
             self.tables = [list(old[i]) for i in rows]
         for t in self.tables:
-            self._incref(t)
+            (self.blocks.incref_lanes if self.lanes else self.blocks.incref)(t)
         for t in old:
-            self._decref(t)
+            (self.blocks.decref_lanes if self.lanes else self.blocks.decref)(t)
         self._table_cache = None
         if self.host:
             self.host.history_changed()

@@ -180,3 +180,25 @@ def block_ids(tables: list[list[int]], lanes_per_block: int | None = None) -> li
     if lanes_per_block is not None:
         return sorted({e // lanes_per_block for t in tables for e in t})
     return sorted({b for t in tables for b in t if b >= 0})
+
+
+def release_blocks(tables: list[list[int]], blocks: LayerBlocks, first: int, dead: int) -> None:
+    """Release blocks ``[first, dead)`` of every row of ``tables`` (a sliding window passed them: entries -1)."""
+    for t in tables:
+        blocks.decref(t[first:dead])
+        t[first:dead] = [-1] * (dead - first)
+
+
+def blocks_for(
+    tables: list[list[int]], blocks: LayerBlocks, batch: int, start: int, end: int, in_place: bool
+) -> int:
+    """Free blocks a write of positions ``[start, end)`` of each of ``batch`` rows may need (an upper bound, no
+    dedup): new blocks, or a copy of a shared partial block; one row's own partial block (``tables[0]``) is written
+    in place (:func:`place`) when ``in_place``."""
+    bs = blocks.block_size
+    j0, j1 = start // bs, -(-end // bs)
+    if batch == 1 and start % bs and in_place:
+        t = tables[0]
+        if j0 < len(t) and t[j0] >= 0 and blocks.refs[t[j0]] == 1:
+            return j1 - j0 - 1  # the partial block is this row's own: written in place
+    return batch * (j1 - j0)
