@@ -27,6 +27,7 @@ from .heavy import put_rows
 from .quantizers import Quantizer
 from .refine import Refinement
 from .rows import RowStarts
+from .snapshot import ResidualRows, SinkRows
 from .tensor_store import StoredOverflow, pool_rows, stored_finite
 
 # Static (per-head) scales of a row are calibrated on at least this many of its own real tokens; until then
@@ -172,6 +173,14 @@ class DenseRows:
         for g in groups:
             k[:, g.head_index], v[:, g.head_index] = read(g, q_end, end)
         return k, v
+
+    def snapshot(
+        self, residual_rows: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[SinkRows | None, ResidualRows | None]:
+        """The attention's view of the sink buffer and of the held rows (read through ``residual_rows(end)``)."""
+        sinks = None if self.sink_k is None or self.sink_v is None else SinkRows(self.sink_k, self.sink_v,
+                                                                                 self.sink_tokens)  # fmt: skip
+        return sinks, None if self.res_k is None else ResidualRows(self.res_k.shape[2], residual_rows)
 
     def append_residual(
         self, keys: torch.Tensor, values: torch.Tensor, q_end: int, starts: RowStarts

@@ -37,6 +37,7 @@ from .dense import DenseRows
 from .groups import HeadGroup, group_rows
 from .quantizers.base import Factored
 from .rows import RowStarts
+from .space import dense_to_group_space
 from .tensor_store import LanePlan, write_pair
 
 
@@ -59,9 +60,6 @@ class LaneHost(Protocol):
 
     def read_quantized(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def dense_to_group_space(
-        self, group: HeadGroup, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 
@@ -335,7 +333,8 @@ class Lanes:
         sel = (lambda t: t) if group.all_heads else (lambda t, i=group.head_index: t.index_select(1, i))
         base = sel(self.tail_base())
         B, Hg, t = base.shape[0], base.shape[1], end - start
-        dk, dv = self.host.dense_to_group_space(group, sel(self.host.dense.res_k), sel(self.host.dense.res_v))
+        dense = self.host.dense
+        dk, dv = dense_to_group_space(group, sel(dense.res_k), sel(dense.res_v), dense.calibrated)
         at = base.unsqueeze(-1) + torch.arange(W, device=base.device) - start  # [B, Hg, W]: each tail row's slot
         at = torch.where((at >= 0) & (at < t), at, t).unsqueeze(-1).expand(B, Hg, W, self.head_dim)
         out[0].scatter_(2, at, dk)

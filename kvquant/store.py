@@ -55,7 +55,7 @@ from .refine import HeavyScores, Refinement
 from .rows import RowStarts
 from .shape import held_dtype
 from .slots import SlotMap, compact_kept
-from .snapshot import GroupSnapshot, KVSnapshot, ResidualRows, SinkRows
+from .snapshot import GroupSnapshot, KVSnapshot
 from .space import Space, dense_to_group_space, has_head_space
 from .tables import block_ids, blocks_for, place, release_blocks, row_index, write_pairs, write_targets
 from .tensor_store import (
@@ -498,12 +498,6 @@ class LayerStore:
         """True when some head's K or V is read in a rotated head space (:func:`kvquant.space.has_head_space`)."""
         return has_head_space(self.groups, self.dense.calibrated)
 
-    def dense_to_group_space(
-        self, group: HeadGroup, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full-precision rows of ``group`` -> its head space (float32)."""
-        return dense_to_group_space(group, k, v, self.dense.calibrated)
-
     # ---------------------------------------------------------------- reading (storage space)
     def tiles(self, past_len: int, size: int) -> list[tuple[int, int]]:
         """Key ranges covering ``[0, past_len)`` that never straddle the pool / residual boundary."""
@@ -525,11 +519,11 @@ class LayerStore:
         if start >= self.q_end and self.grid is not None:  # per-row block grids: see _read_shifted
             return self._read_shifted(group, start, end)
         if start >= self.q_end:  # residual buffer (dense)
-            if self._reads_held():  # some rows fitted, a batch-mate not yet, or past their own flush: see held_rows
-                return self.dense_to_group_space(group, *self._held_rows(group, start, end))  # (as the residual)
+            if self._reads_held():  # some rows fitted, a batch-mate not yet, or past their own flush: as the residual
+                return dense_to_group_space(group, *self._held_rows(group, start, end), self.dense.calibrated)
             a, b = start - self.q_end, end - self.q_end
             k, v = self.dense.res_k[:, :, a:b], self.dense.res_v[:, :, a:b]
-            return self.dense_to_group_space(group, group_rows(k, group), group_rows(v, group))
+            return dense_to_group_space(group, group_rows(k, group), group_rows(v, group), self.dense.calibrated)
         return self.read_quantized(group, start, end)
 
     def read_quantized(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -550,7 +544,7 @@ class LayerStore:
             k, v = self.read_pool(group, start, end)
         if self.dense.sink_k is not None and start < self.starts.sink_end:  # each row's sinks from the sink buffer
             is_sink, sk, sv = self.dense.sink_rows(start, end, self.starts.row_start)
-            sk, sv = self.dense_to_group_space(group, group_rows(sk, group), group_rows(sv, group))
+            sk, sv = dense_to_group_space(group, group_rows(sk, group), group_rows(sv, group), self.dense.calibrated)
             k, v = torch.where(is_sink, sk.float(), k), torch.where(is_sink, sv.float(), v)
         return k, v
 
@@ -829,10 +823,7 @@ class LayerStore:
                           lambda g=g: self.refine.heavy_rows(g, self.table(), True))
             for g in self.groups)  # fmt: skip
         space = self.space.snapshot(self.groups, self.num_heads, self.dense.calibrated)
-        dense = self.dense
-        sinks = None if dense.sink_k is None or dense.sink_v is None else SinkRows(dense.sink_k, dense.sink_v,
-                                                                                 self.sink_tokens)  # fmt: skip
-        residual = None if self.dense.res_k is None else ResidualRows(self.dense.res_k.shape[2], self.residual_rows)
+        sinks, residual = self.dense.snapshot(self.residual_rows)
         heavy = self.refine.heavy_width()
         return KVSnapshot(
             self.batch, self.num_heads, self.head_dim, self.block_size, self.device, self.q_end, self.starts.row_start,
