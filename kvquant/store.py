@@ -74,9 +74,9 @@ class LayerStore:
             the window of every later query are released.
         lanes: the layer's KV heads keep different token counts (an AdaKV budget): hold per-head block lanes,
             one table per (row, KV head), so that each head holds ``ceil(n_h / block_size)`` lanes of its own
-            (see :meth:`grow_lanes`); with a full-precision residual window or per-channel keys, whole lanes
-            and a full-precision tail per (row, head) (:mod:`kvquant.lanes`). Ignored (per-row blocks, sized by
-            the largest head) with a sliding window or ``offload``.
+            (:meth:`kvquant.lanes.Lanes.grow`); with a full-precision residual window or per-channel keys, whole
+            lanes and a full-precision tail per (row, head) (:mod:`kvquant.lanes`). Ignored (per-row blocks, sized
+            by the largest head) with a sliding window or ``offload``.
     """
 
     def __init__(
