@@ -17,6 +17,7 @@ calibration state; the store's cursor, head groups, row starts and refinement ro
 
 from __future__ import annotations
 
+import copy as _copy
 from collections.abc import Callable
 from typing import Any
 
@@ -117,8 +118,7 @@ class DenseRows:
 
     def copy(self) -> DenseRows:
         """A copy with its own buffers and calibration state."""
-        new = DenseRows.__new__(DenseRows)
-        new.__dict__.update(self.__dict__)
+        new = _copy.copy(self)
         for name in _BUFFERS:
             t = getattr(self, name)
             setattr(new, name, None if t is None else t.clone())

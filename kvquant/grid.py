@@ -13,6 +13,7 @@ what it reads of the store (the table tensor, the held rows, each row's starts) 
 
 from __future__ import annotations
 
+import copy as _copy
 from typing import Any
 
 import torch
@@ -54,8 +55,7 @@ class RowGrid:
 
     def copy(self) -> RowGrid:
         """A copy with its own shifts (tensors are replaced, never written in place)."""
-        new = RowGrid.__new__(RowGrid)
-        new.__dict__.update(self.__dict__)
+        new = _copy.copy(self)
         new.shift = list(self.shift)
         return new
 

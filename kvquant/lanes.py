@@ -28,6 +28,7 @@ residual buffers) and its pool reads.
 
 from __future__ import annotations
 
+import copy as _copy
 from typing import Any, Protocol
 
 import torch
@@ -102,8 +103,7 @@ class Lanes:
 
     def copy(self, host: LaneHost) -> Lanes:
         """A copy for the store ``host`` (a copy of this one's): its own fills and budgets."""
-        new = Lanes.__new__(Lanes)
-        new.__dict__.update(self.__dict__)
+        new = _copy.copy(self)
         new.host = host
         new.fill = [list(r) for r in self.fill]
         new.qfill = [list(r) for r in self.qfill]

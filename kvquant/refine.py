@@ -17,6 +17,7 @@ row's first eligible position) comes as arguments.
 
 from __future__ import annotations
 
+import copy as _copy
 from collections.abc import Callable
 from typing import Any
 
@@ -81,8 +82,7 @@ class Refinement:
 
     def copy(self) -> Refinement:
         """A copy with its own lists (ring and heavy tensors are replaced, never written in place)."""
-        new = Refinement.__new__(Refinement)
-        new.__dict__.update(self.__dict__)
+        new = _copy.copy(self)
         new.ladder, new.ladder2, new.heavy = list(self.ladder), list(self.ladder2), list(self.heavy)
         return new
 

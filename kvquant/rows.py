@@ -12,6 +12,8 @@ write, following the rows through reorders); every other part asks it.
 
 from __future__ import annotations
 
+import copy as _copy
+
 import torch
 
 
@@ -49,8 +51,7 @@ class RowStarts:
 
     def copy(self) -> RowStarts:
         """A copy (tensors shared: they are replaced, never written in place)."""
-        new = RowStarts.__new__(RowStarts)
-        new.__dict__.update(self.__dict__)
+        new = _copy.copy(self)
         new.host = list(self.host)
         return new
 
