@@ -668,7 +668,7 @@ class LayerStore:
 
     def _truncate(self, blocks: int) -> None:
         for t in self.tables:
-            (self.blocks.decref_lanes if self.lanes else self.blocks.decref)(t[blocks:])
+            self.blocks.decref_entries(t[blocks:], self.lanes is not None)
             del t[blocks:]
         self._table_cache = None
 
@@ -709,7 +709,7 @@ class LayerStore:
         new = _copy.copy(self)
         new.tables = [list(t) for t in self.tables]
         for t in new.tables:
-            (self.blocks.incref_lanes if self.lanes else self.blocks.incref)(t)
+            self.blocks.incref_entries(t, self.lanes is not None)
         new.lanes = None if self.lanes is None else self.lanes.copy(new)
         new._table_cache = None
         new.dense = self.dense.copy()
@@ -733,9 +733,9 @@ class LayerStore:
         else:
             self.tables = [list(old[i]) for i in rows]
         for t in self.tables:
-            (self.blocks.incref_lanes if self.lanes else self.blocks.incref)(t)
+            self.blocks.incref_entries(t, self.lanes is not None)
         for t in old:
-            (self.blocks.decref_lanes if self.lanes else self.blocks.decref)(t)
+            self.blocks.decref_entries(t, self.lanes is not None)
         self._table_cache = None
         if self.host:
             self.host.history_changed()
