@@ -407,6 +407,7 @@ class DenseRows:
 
 
     def keep_sinks(self, keys: torch.Tensor, values: torch.Tensor, past: int, starts: RowStarts) -> None:
+        """Copy the sink tokens among the chunk ``keys/values`` at ``past`` into the sink buffer (made on first use)."""
         if self.sink_k is None:
             shape = (keys.shape[0], keys.shape[1], self.sink_tokens, keys.shape[3])
             self.sink_k = torch.zeros(shape, dtype=self.dtype, device=self.device)

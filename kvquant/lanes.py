@@ -186,6 +186,7 @@ class Lanes:
         return self._tail_base_cache
 
     def set_qfill(self, qfill: list[list[int]]) -> None:
+        """Slots each (row, head) holds in lanes; with tails the store's pool ends at the smallest."""
         self.qfill = qfill
         self._tail_base_cache = None
         if self.tails:
