@@ -65,7 +65,7 @@ def held(model, config: dict, ids: torch.Tensor, prefill: int) -> tuple[dict, di
     lane_layers = [la.store for la in cache.layers if la.store is not None and la.store.lanes]
     end["lanes"] = sum(s.memory()["lanes"] for s in lane_layers)
     end["lanes_exact"] = sum(expected_lanes(s, int(n)) for s in lane_layers for n in s.slots.counts().flatten())
-    end["tail_tokens"] = sum(n for s in lane_layers if s.tail_lanes for r in s.tail_lengths() for n in r)
+    end["tail_tokens"] = sum(n for s in lane_layers if s.tail_lanes for r in s.lanes.tail_lengths() for n in r)
     return after_prefill, end
 
 

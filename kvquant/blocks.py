@@ -203,6 +203,14 @@ class LayerBlocks:
         self.refs[e // L] += 1
         return e
 
+    def incref_entries(self, ids: Iterable[int], lanes: bool) -> None:
+        """One more reference to each table entry of ``ids``: lanes (:meth:`incref_lanes`) or blocks."""
+        (self.incref_lanes if lanes else self.incref)(ids)
+
+    def decref_entries(self, ids: Iterable[int], lanes: bool) -> None:
+        """One reference less to each table entry of ``ids``: lanes (:meth:`decref_lanes`) or blocks."""
+        (self.decref_lanes if lanes else self.decref)(ids)
+
     def incref_lanes(self, ids: Iterable[int]) -> None:
         """One more reference to each lane id."""
         for e in ids:

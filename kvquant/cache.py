@@ -218,7 +218,7 @@ class QuantizedLayer(CacheLayerMixin):
         the query heads of its KV head (H2O's score), ``[B, H, T]``; else None."""
         store = self.store
         assert store is not None
-        if not store.heavy_tokens or store.heavy or keys.shape[2] < 2:
+        if not store.refine.heavy_tokens or store.refine.heavy or keys.shape[2] < 2:
             return None
         if context.get("queries") is None:
             raise ValueError(
@@ -269,7 +269,7 @@ class QuantizedLayer(CacheLayerMixin):
                 victim = None if not policy.tracking or T != 1 else choose_slots(
                     slots.pos, slots.score, slots.cap, slots.first, slots.seen + 1, b.sinks, b.window)
                 S = slots.slots
-                target, appended = store.grow_lanes(victim)
+                target, appended = store.lanes.grow(victim)
                 if appended:
                     store.append(k, v)
                 store.overwrite(k, v, target, target < S)
@@ -514,7 +514,7 @@ class QuantizedKVCache(Cache):
             return
         store = self.layers[layer_idx].store
         bs = store.block_size
-        if store.batch != len(self._hashes) or store.shift is not None:
+        if store.batch != len(self._hashes) or store.grid is not None:
             return  # rows were reordered or expanded, or hold slots of their own grids: the ids do not describe them
         for j in range(old_q_end // bs, store.q_end // bs):
             for b, hashes in enumerate(self._hashes):
@@ -674,7 +674,8 @@ class QuantizedKVCache(Cache):
                 # AdaKV lanes: one table of lane ids per (row, KV head), rows first; shared = lanes held twice
                 "lanes": st.lanes,
                 "block_tables": [list(t) for t in st.tables],
-                "tail_tokens": st.tail_lengths() if st.tail_lanes else None,  # per-head tails (kvquant.lanes)
+                # per-head tails (kvquant.lanes)
+                "tail_tokens": st.lanes.tail_lengths() if st.lanes and st.tail_lanes else None,
                 "shared_blocks": ([e for e in st.lane_ids() if st.blocks.lane_refs[e] > 1] if st.lanes
                                   else [b for b in st.block_ids() if st.blocks.refs[b] > 1]),
                 "static_scales": scales,

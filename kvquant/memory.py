@@ -50,9 +50,9 @@ class LayerLayout:
 
 def layouts(shape: ModelShape, config: KVQuantConfig) -> list[LayerLayout]:
     """Each layer's :class:`LayerLayout` under ``config`` (builds each precision's quantizer once)."""
+    from .dense import CALIB_MIN_TOKENS
     from .quantizers import make_quantizer  # (config -> quantizer: the quantizers know their own layouts)
     from .quantizers.base import spec_bits
-    from .store import CALIB_MIN_TOKENS
 
     D, bs = shape.head_dim, config.block_size
     made: dict[str, tuple[Any, tuple[int, int]]] = {}
@@ -103,7 +103,7 @@ def sequence_bytes(
     * ``total``: their sum. Not modelled: eviction (``evict`` keeps fewer tokens), sliding-window layers and per-head
       lanes (no ladder there), and blocks shared between sequences (prefix reuse, beams).
     """
-    from .store import CALIB_MIN_TOKENS
+    from .dense import CALIB_MIN_TOKENS
 
     out = {"pool": 0, "dense": 0, "ladder": 0, "heavy": 0, "state": 0}
     if tokens <= 0:
@@ -186,11 +186,12 @@ def memory_report(cache: Any) -> dict[str, Any]:
         for what, (k, _v) in store.dense_buffers().items():
             name = f"{str(k.dtype).removeprefix('torch.')} ({what})"
             per_precision[name] = per_precision.get(name, 0) + k.numel() * k.element_size() * 2
-        if store.ladder_n:  # the age ladder's refinement rows (in keys / values above)
-            per_precision["refinement (ladder)"] = per_precision.get("refinement (ladder)", 0) + store.ladder_bytes()
-        if store.heavy:  # heavy rows' refinement parts and positions (in keys / values / index above)
+        if store.refine.ladder_n:  # the age ladder's refinement rows (in keys / values above)
+            per_precision["refinement (ladder)"] = (per_precision.get("refinement (ladder)", 0)
+                                                    + store.refine.ladder_bytes())
+        if store.refine.heavy:  # heavy rows' refinement parts and positions (in keys / values / index above)
             per_precision["refinement (heavy rows)"] = per_precision.get("refinement (heavy rows)", 0) + \
-                store.heavy_bytes()
+                store.refine.heavy_bytes()
     tokens = cache.get_seq_length()
     total = totals["keys"] + totals["values"] + totals["scales"] + totals["dense"] + totals["index"]
     fp16_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2

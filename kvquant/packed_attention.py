@@ -41,11 +41,12 @@ def batchable(store: LayerStore) -> bool:
     one row, no padding, every token in the pool or in the dense sink / tail buffers, dynamic scales."""
     if store.batch != 1 or store.lanes or store.slots is not None or store.window is not None:
         return False
-    if store.ladder_n or store.ladder_tokens or store.heavy or store.heavy_tokens or store.transforms:
+    refine = store.refine
+    if refine.ladder_n or refine.ladder_tokens or refine.heavy or refine.heavy_tokens or store.space.transforms:
         return False
-    if store.has_head_space or store.holds_fitted_rows or store.exact_k is not None or store.first_live:
+    if store.has_head_space or store.holds_fitted_rows or store.dense.exact_k is not None or store.first_live:
         return False
-    if store.config.offload is not None or int(store.pad_end) != 0:
+    if store.config.offload is not None or int(store.starts.pad_end) != 0:
         return False
     return all(not s.quantizer.static and not s.quantizer.space and not s.state
                for g in store.groups for s in (g.key, g.value))  # fmt: skip
@@ -105,24 +106,26 @@ def attend_batched(
     rep = Hq // Hkv
     R = rep * T
     q_end = [min(st.q_end, p) for st, p in zip(stores, past_lens, strict=True)]  # history read from the pool
-    sink_lo = [min(st.sink_end, e) if st.sink_k is not None else 0 for st, e in zip(stores, q_end, strict=True)]
+    sink_lo = [min(st.starts.sink_end, e) if st.dense.sink_k is not None else 0
+               for st, e in zip(stores, q_end, strict=True)]
     res_n = [max(0, p - st.q_end) for st, p in zip(stores, past_lens, strict=True)]  # from the dense tail
     # the pool's blocks of every sequence, one padded table (missing entries: block 0, masked)
     nb = -(-max(q_end) // bs)
     table = torch.tensor([st.tables[0][:nb] + [0] * (nb - len(st.tables[0][:nb])) for st in stores],
                          dtype=torch.long, device=dev)  # fmt: skip
     tile = max(1, WORKSPACE_BYTES // (4 * N * Hkv * bs * D))  # blocks per tile
-    S = s0.sink_tokens if s0.sink_k is not None else 0
+    S = s0.sink_tokens if s0.dense.sink_k is not None else 0
     rmax = max(res_n)
     hide_pool, hide_dense, see_all, idx = _masks(tuple(q_end), tuple(sink_lo), tuple(res_n), nb * bs, S, T, rep, dev)
     # dense keys after the pool: sinks, the unfilled tails (padded to the longest), the fresh chunk
     dk, dv = [], []
     if S:
-        dk.append(torch.cat([st.sink_k for st in stores]).float())
-        dv.append(torch.cat([st.sink_v for st in stores]).float())
+        dk.append(torch.cat([st.dense.sink_k for st in stores]).float())
+        dv.append(torch.cat([st.dense.sink_v for st in stores]).float())
     if rmax:  # every tail in one row, then gathered padded (a short tail repeats a token of its own, masked)
         for side, out_list in (("res_k", dk), ("res_v", dv)):
-            flat = torch.cat([getattr(st, side)[0, :, :r] for st, r in zip(stores, res_n, strict=True) if r], dim=1)
+            flat = torch.cat([getattr(st.dense, side)[0, :, :r] for st, r in zip(stores, res_n, strict=True) if r],
+                             dim=1)
             out_list.append(flat.index_select(1, idx).view(Hkv, N, rmax, D).transpose(0, 1).float())
     dense_k = torch.cat([*dk, fresh_k.float()], dim=2)
     dense_v = torch.cat([*dv, fresh_v.float()], dim=2)

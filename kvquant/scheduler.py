@@ -555,7 +555,7 @@ def _dense_held(store: LayerStore) -> int:
 
 def _dense_token(store: LayerStore) -> int:
     """Bytes one token takes in ``store``'s full-precision buffers (K and V of every head)."""
-    itemsize = 2 if store.dense_dtype is None else torch.empty((), dtype=store.dense_dtype).element_size()
+    itemsize = 2 if store.dense.dtype is None else torch.empty((), dtype=store.dense.dtype).element_size()
     return 2 * store.batch * store.num_heads * store.head_dim * itemsize
 
 
@@ -565,8 +565,8 @@ def _dense_after(store: LayerStore, tokens: int) -> int:
     per = _dense_token(store)
     held = _dense_held(store)
     if "held" in store.dense_buffers() or not store.residual_mode:
-        return held + (store.sink_tokens * per if store.sink_tokens and store.sink_k is None else 0)
+        return held + (store.sink_tokens * per if store.sink_tokens and store.dense.sink_k is None else 0)
     sinks = store.sink_tokens * per if store.sink_tokens else 0
-    pending = (store.res_k.shape[2] if store.res_k is not None else 0) + tokens
+    pending = (store.dense.res_k.shape[2] if store.dense.res_k is not None else 0) + tokens
     flush = (pending - store.residual_tokens) // store.residual_step * store.residual_step
     return sinks + (pending - max(flush, 0)) * per

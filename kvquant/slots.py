@@ -19,8 +19,41 @@ import copy as _copy
 import torch
 
 
+def compact_kept(
+    keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens ``keep[B, H, T]`` selects of ``keys/values[B, H, T, D]``, compacted onto slots ``[0, S)`` in their
+    original order (``S``: the most any head keeps; a head that keeps fewer leaves its last slots zero-filled):
+    ``(K, V [B, H, S, D], kept counts [B, H], kept positions [B, H, S], filled [B, H, S])``."""
+    B, H, T, D = keys.shape
+    n = keep.sum(dim=-1)  # [B, H]
+    S = max(1, int(n.max()))
+    t = torch.arange(T, device=keys.device)
+    order = torch.where(keep, t, T + t).argsort(dim=-1)[..., :S]  # kept positions first, in order
+    filled = torch.arange(S, device=keys.device) < n.unsqueeze(-1)  # [B, H, S]
+    idx = order.unsqueeze(-1).expand(B, H, S, D)
+    z = filled.unsqueeze(-1)
+    ck = torch.where(z, keys.gather(2, idx), torch.zeros((), dtype=keys.dtype, device=keys.device))
+    cv = torch.where(z, values.gather(2, idx), torch.zeros((), dtype=values.dtype, device=values.device))
+    return ck, cv, n, order, filled
+
+
 class SlotMap:
     """Slot -> position map (``pos[B, H, S]`` int32, -1 = empty) of one evicting layer, and its scores."""
+
+    @classmethod
+    def of_kept(
+        cls, order: torch.Tensor, filled: torch.Tensor, seen: int, row_start: torch.Tensor | None,
+        score: torch.Tensor | None, tracking: str | None, cap: torch.Tensor | None, device: torch.device,
+    ) -> SlotMap:
+        """The map of a first write that kept positions ``order[B, H, S]`` where ``filled`` (:func:`compact_kept`)
+        of ``seen`` (``row_start[B]``: each row's first real position; ``score[B, H, T]``: the policy's scores, kept
+        for ``tracking``; ``cap[B, H]``: the tokens each head keeps while decoding)."""
+        B = order.shape[0]
+        first = torch.zeros(B, dtype=torch.long, device=order.device) if row_start is None else row_start.long()
+        pos = torch.where(filled, order, -1).to(torch.int32)
+        kept = None if score is None else score.float().gather(2, order).masked_fill(~filled, 0.0)
+        return cls(pos, seen, first.to(device), tracking, kept, cap)
 
     def __init__(
         self, pos: torch.Tensor, seen: int, first: torch.Tensor, tracking: str | None = None,

@@ -1,47 +1,21 @@
 """Block-granular quantized KV storage for one layer.
 
-Layout: the KV heads of a layer are split into *head groups*, one per distinct (key precision,
-value precision) pair. Each group stores its K and V as the parts of its quantizers, in the
-layer's block tensors (:mod:`kvquant.blocks`: ``[num_blocks, heads_in_group, block_size, ...]``,
-one row per block for per-block parts). Each batch row has a *block table*: the ids of the blocks
-that hold its tokens ``[j * block_size, (j + 1) * block_size)``. Blocks are taken from the arena
-on demand, so memory follows the real length, never a max_seq_len; rows (beams) and caches (a
-:class:`~kvquant.PagedKVPool`'s requests) share whole blocks by reference. A full block is
-immutable (a token is written once, quantized once, never re-quantized); writing into a partial
-block that is shared copies it first (copy-on-write). A layer whose KV heads keep different token counts
-(AdaKV) holds *lanes* instead, one head's rows of one block, through one table per (row, KV head)
-(``LayerStore(lanes=True)``, :mod:`kvquant.blocks`, :mod:`kvquant.lanes`): each head holds
-``ceil(n_h / block_size)`` lanes (with per-channel keys or a residual window: whole lanes and its own tail).
+Layout: the KV heads of a layer are split into *head groups* (:mod:`kvquant.groups`), one per (key, value)
+precision pair, each storing its K and V as the parts of its quantizers in the layer's blocks (:mod:`kvquant.blocks`).
+Each batch row has a *block table*; blocks are taken on demand (memory follows the real length), shared by reference
+between rows (beams) and caches (a :class:`~kvquant.PagedKVPool`'s requests), written once (a full block is
+immutable) and copied before a shared partial block is written (copy-on-write).
 
-Outlier options (all in the config, composable with per-head precision):
+The store is a small core (the block tables and the ``cache_pos`` / ``q_end`` cursor; append, read, crop, copy,
+reorder; the attention's :class:`~kvquant.snapshot.KVSnapshot`) that owns one component per job, each built from
+the layer's :class:`~kvquant.plan.LayerPlan`:
 
-* ``rotate``: K (and V) are stored Hadamard-rotated (:mod:`kvquant.rotation`); the attention
-  rotates the queries alike and un-rotates the output, so scores are unchanged.
-* ``center_keys`` (default with ``rotate``): one per-channel key mean per (sequence, KV head),
-  ``key_mean``, taken from the first chunk written (the prefill, sink tokens left out), is
-  subtracted from every key before rotation and quantization. Every key a query sees is shifted
-  by the same ``mu``, so each score moves by the same ``q.mu`` and softmax is unchanged; a large
-  per-channel offset (q/k/v bias) is then neither spread over every channel by the rotation nor
-  spent in the quantization range.
-* ``sink_tokens = N``: the first N tokens are also kept in full precision (fp16; the model's
-  dtype if that is 16-bit) and read from there; their quantized rows are masked so that they do
-  not widen any scale (zeroed, or for per-channel blocks a copy of the row's first non-sink token).
-* ``residual_tokens = R`` (and per-channel key precisions): new tokens first go to a full-precision
-  residual buffer; once it holds ``R + block_size`` tokens, its oldest block is quantized, once
-  (``residual_step``: that many tokens at a time instead of a block; 1 keeps exactly ``R``).
-  The pool then holds ``[0, q_end)``, the residual ``[q_end, cache_pos)``.
-* ``ladder_tokens = N`` (an age ladder, codebook K/V): the ``n <= N`` newest pool tokens ``[q_end - n, q_end)``
-  also keep the refinement bits of their embedded code (``Quantizer.refine``) in a small ring per head group
-  (``ladder``), and are read refined (``decode_refined``); a token that ages past them drops its bits and is
-  read at the base width, as stored. The attention walks the pool up to ``q_end - n`` and reads the young
-  rows as one more small segment (:meth:`LayerStore.read`). ``ladder2_tokens = N2 <= N`` (a second rung): the
-  ``n2`` newest of them also keep a second bit per coordinate (``SecondRung.refine2``) in a second ring
-  (``ladder2``) and are read through both (``decode_refined2``); past them a row reads refined once.
-* Per-row block grids (per-channel layers of a left-padded batch, :attr:`LayerStore.shifts_grid`): row ``b``'s
-  position ``p`` lives at slot ``p + shift[b]`` of its blocks, so that its first real token starts a block; the pool
-  holds slots ``[0, _slot_end)`` of every row, ``q_end = _slot_end - max(shift)`` (0 while no block is written)
-  is where every row's pool positions end, and the residual holds positions ``[q_end, cache_pos)`` of every row
-  (a row's first ones may be its pool's already; reads take them from there).
+* :class:`~kvquant.rows.RowStarts`: each row's first real token, its sink tokens, an evicting layer's real slots;
+* :class:`~kvquant.space.Space`: the storage space (rotation, key centering; codebook head spaces);
+* :class:`~kvquant.dense.DenseRows`: the dense segments (sinks, residual window, the calibration hold);
+* :class:`~kvquant.refine.Refinement`: refinement rows (the age ladder, its second rung, heavy rows);
+* table strategies: per-row blocks (:mod:`kvquant.tables`; on each row's own grid, :class:`~kvquant.grid.RowGrid`),
+  per-head lanes (:class:`~kvquant.lanes.Lanes`), the host tier for offload (:class:`~kvquant.host_tier.HostTier`).
 """
 
 from __future__ import annotations
@@ -50,147 +24,47 @@ import contextlib
 import copy as _copy
 import functools
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from .blocks import LayerBlocks
 from .config import KVPrecision, KVQuantConfig
+from .dense import DenseRows
 from .errors import ArgumentError
-from .heavy import gather_parts, pick_rows, position_dtype, put_rows, take_rows
-from .lanes import LaneLayer
-from .offload import OffloadedStore, Prefetcher, host_id, is_host
+from .grid import RowGrid, shifts_grid
+from .groups import (
+    HeadGroup,
+    block_specs,
+    build_groups,
+    copy_groups,
+    count_parts,
+    fake_quantize_groups,
+    group_rows,
+    index_groups,
+    make_groups,
+)
+from .host_tier import HostTier, has_host_blocks, stage_tables
+from .lanes import Lanes
+from .offload import host_id, is_host
 from .plan import LayerPlan, Plan, layer_plan
-from .quantizers import Quantizer, make_quantizer
-from .quantizers.base import Factored, PartSpec, require_finite
-from .rotation import fwht
+from .quantizers.base import Factored, require_finite
+from .refine import HeavyScores, Refinement
+from .rows import RowStarts
 from .shape import held_dtype
-from .slots import SlotMap
-from .snapshot import GroupSnapshot, KVSnapshot, ResidualRows, SinkRows, StorageSpace
+from .slots import SlotMap, compact_kept
+from .snapshot import GroupSnapshot, KVSnapshot
+from .space import Space, dense_to_group_space, has_head_space
+from .tables import block_ids, blocks_for, place, release_blocks, row_index, write_pairs, write_targets
 from .tensor_store import (
-    ClipCounts,
     QuantizedTensorStore,
-    StoredOverflow,
-    WritePlan,
     quantize_pair,
-    stored_finite,
 )
 
-# heavy_tokens: (first position, key scores [B, H, T], pool end of the scored chunk's own write or None)
-HeavyScores = tuple[int, torch.Tensor, "int | None"]
 
-# Static (per-head) scales of a row are calibrated on at least this many of its own real tokens; until then
-# its tokens are held in full precision (a 1-token prompt says little about later magnitudes) ...
-CALIB_MIN_TOKENS = 16
-# ... and while a (row, head) has only seen zeros, up to this many tokens: then its scale falls back to
-# the row's largest calibrated max (1.0 if every value was zero), and clipping is counted and reported.
-CALIB_MAX_TOKENS = 512
-
-
-def row_amax(x: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
-    """``|x|`` max per (row, head) of ``x[B, H, T, D]`` over the tokens where ``use[B, T]`` is True."""
-    return torch.where(use[:, None, :, None], x.detach().float().abs(), 0.0).amax(dim=(2, 3))
-
-
-def safe_amax(amax: torch.Tensor) -> torch.Tensor:
-    """Calibrated maxima ``[B, H]`` (or ``[H]``) with zeros (a head that only saw zeros) replaced by the largest
-    one of the same row, or 1.0 when all of that row are zero: a scale of 0 would turn every later value into 0.
-    Each row is filled from its own heads only (never from a batch-mate)."""
-    top = amax.amax(dim=-1, keepdim=True)
-    return torch.where(amax > 0, amax, torch.where(top > 0, top, torch.ones_like(top)))
-
-
-def row_index(idx: Any, batch: int, name: str) -> torch.Tensor:
-    """``idx`` as a 1-D int64 CPU tensor of row numbers in ``[0, batch)`` (at least one), or
-    :class:`~kvquant.errors.ArgumentError` naming ``name``: a reorder / select is checked before anything moves."""
-    try:
-        t = torch.as_tensor(idx)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise ArgumentError(f"{name}: not a tensor of row indices ({e})") from None
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise ArgumentError(f"{name}: row indices must be integers, got {t.dtype}")
-    if t.dim() != 1 or t.numel() == 0:
-        raise ArgumentError(f"{name}: must be a 1-D tensor of at least one row index, got shape {list(t.shape)}")
-    t = t.to("cpu", torch.long)
-    lo, hi = int(t.min()), int(t.max())
-    if lo < 0 or hi >= batch:
-        bad = lo if lo < 0 else hi
-        raise ArgumentError(f"{name}: row index {bad} is out of range for a batch of {batch} rows (0 .. {batch - 1})")
-    return t
-
-
-def merge_rows(
-    quantizer: Quantizer, old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], rows: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """A static state whose per-sequence entries (:meth:`Quantizer.per_sequence`) are ``new``'s in ``rows[B]``
-    and ``old``'s elsewhere; shared entries (one per head, not fitted on the data) are ``new``'s."""
-    out = {}
-    for n, t in new.items():
-        if quantizer.per_sequence(n, t) and n in old:
-            sel = rows.to(t.device).view(-1, *([1] * (t.dim() - 1)))
-            out[n] = torch.where(sel, t, old[n].to(t.dtype))
-        else:
-            out[n] = t
-    return out
-
-
-def make_groups(
-    row: list[KVPrecision], config: KVQuantConfig, head_dim: int
-) -> list[tuple[KVPrecision, list[int], Quantizer, Quantizer]]:
-    """Split a layer's KV heads by (key, value) precision: ``(pair, heads, key quantizer, value quantizer)``."""
-    gs = config.effective_group_size(head_dim)
-    by_pair: dict[KVPrecision, list[int]] = {}
-    for h, p in enumerate(row):
-        by_pair.setdefault(p, []).append(h)
-    return [
-        (pair, heads,
-         make_quantizer(pair.key, head_dim, gs, config.headroom, config.block_size, config.codebook_gain,
-                        config.codebook_search),
-         make_quantizer(pair.value, head_dim, gs, config.headroom, config.block_size, config.codebook_gain,
-                        config.codebook_search))
-        for pair, heads in by_pair.items()
-    ]  # fmt: skip
-
-
-def block_specs(
-    groups: list[tuple[KVPrecision, list[int], Quantizer, Quantizer]],
-) -> list[tuple[int, dict[str, PartSpec], dict[str, PartSpec]]]:
-    """``(heads, key part specs, value part specs)`` per group: what :class:`LayerBlocks` allocates."""
-    return [(len(heads), kq.parts(), vq.parts()) for _, heads, kq, vq in groups]
-
-
-def _rows(parts: dict[str, torch.Tensor], start: int) -> dict[str, torch.Tensor]:
-    """Parts ``[B, H, T, ...]`` from row ``start`` on."""
-    return {n: t[:, :, start:] for n, t in parts.items()}
-
-
-def _ring_push(prev: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor], cap: int) -> dict[str, torch.Tensor]:
-    """A ladder ring's parts with rows ``new`` appended after ``prev`` (None: a new ring), its newest ``cap`` kept."""
-    if prev is not None:
-        new = {n: torch.cat([prev[n], t], dim=2) for n, t in new.items()}
-    return {n: t[:, :, -cap:] for n, t in new.items()}
-
-
-@dataclass
-class HeadGroup:
-    """KV heads of one layer that share a (key precision, value precision) pair."""
-
-    precision: KVPrecision
-    heads: list[int]
-    key: QuantizedTensorStore
-    value: QuantizedTensorStore
-    head_index: torch.Tensor = field(repr=False)
-    all_heads: bool = False  # the group holds every head, in order (no gather needed)
-
-    @property
-    def per_block(self) -> bool:
-        """True when the group's K or V has per-block (per-channel) scales."""
-        return bool(self.key.quantizer.per_block or self.value.quantizer.per_block)
-
-
-class LayerStore(LaneLayer, OffloadedStore):
+class LayerStore:
     """All K/V of one layer of one cache: head groups, one block table per batch row over the layer's
     :class:`~kvquant.blocks.LayerBlocks` (shared with other caches of a pool), the ``cache_pos`` cursor.
 
@@ -200,9 +74,9 @@ class LayerStore(LaneLayer, OffloadedStore):
             the window of every later query are released.
         lanes: the layer's KV heads keep different token counts (an AdaKV budget): hold per-head block lanes,
             one table per (row, KV head), so that each head holds ``ceil(n_h / block_size)`` lanes of its own
-            (see :meth:`grow_lanes`); with a full-precision residual window or per-channel keys, whole lanes
-            and a full-precision tail per (row, head) (:mod:`kvquant.lanes`). Ignored (per-row blocks, sized by
-            the largest head) with a sliding window or ``offload``.
+            (:meth:`kvquant.lanes.Lanes.grow`); with a full-precision residual window or per-channel keys, whole
+            lanes and a full-precision tail per (row, head) (:mod:`kvquant.lanes`). Ignored (per-row blocks, sized
+            by the largest head) with a sliding window or ``offload``.
     """
 
     def __init__(
@@ -234,24 +108,9 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.device = device
         self.cache_pos = 0
         self.q_end = 0  # tokens [0, q_end) are in the quantized pool
-        # per row, the position of its first real token (left padding before it), set by the first append
-        self.row_start = torch.zeros(batch, dtype=torch.long, device=device)
-        self._row_start_host = [0] * batch  # (row_start on the host: flush points per row)
-        self.sink_end = 0  # sink tokens lie below this position in every row
-        # per-row block grids (see shifts_grid): row b's position p lives at slot p + shift[b] of its pool, so that
-        # its first real token starts a block; None: every row's slots are its positions
-        self.shift: list[int] | None = None
-        self._shift_t: torch.Tensor | None = None  # (shift on the device)
-        self._slot_end = 0  # with shift: the pool holds slots [0, _slot_end) of every row
-        self.pad_end = 0  # left padding lies below this position in every row
-        self.calibrated = False  # every row's static scales are fitted (tokens then go to the pool)
-        # per row: its static scales are fitted (on its own first real tokens) while a batch-mate still waits
-        self.calibrated_rows = [False] * batch
-        self._static_amax = static_amax
-        self.rotate_keys = plan.rotate_keys
-        self.rotate_values = plan.rotate_values
-        self.center_keys = plan.center_keys
-        self.key_mean: torch.Tensor | None = None  # [B, H, 1, D] float32, set by the first write
+        self.starts = RowStarts(batch, plan.sink_tokens, device)  # each row's first real token, its sinks
+        self.grid: RowGrid | None = None  # per-row block grids (kvquant.grid), set by the first write
+        self.space = Space(plan.rotate_keys, plan.rotate_values, plan.center_keys)  # rotation, key centering
         self.sink_tokens = plan.sink_tokens
         self.window = plan.window
         made = make_groups(row, config, head_dim)
@@ -263,33 +122,11 @@ class LayerStore(LaneLayer, OffloadedStore):
         self.tables: list[list[int]] = [[] for _ in range(batch)]  # block ids per row (-1: released)
         self.first_live = 0  # blocks [0, first_live) of every row were released (sliding window)
         self.bytes_moved = 0  # quantized bytes copied by copy-on-write (beam reorders, shared partial blocks)
-        self.bytes_offloaded = 0  # quantized bytes moved to the host tier (``offload``)
-        self.offload_from = 0  # blocks below this index were considered for offload already
-        self.prefetcher: Prefetcher | None = None  # host -> device tile copies (``offload``), made on first use
+        # the host tier of cold blocks (``offload``, kvquant.host_tier)
+        self.host = HostTier(blocks, config.offload["keep_recent_blocks"]) if plan.offload else None
         self._table_cache: torch.Tensor | None = None
-        self._held_cache: dict[Any, Any] = {}  # held_rows: K, V base decode (and heavy rows) per group
-        # heavy_tokens: (first position, key scores [B, H, T], pool end the scored chunk's write would have reached)
-        # of a prompt held for calibration: its write picks the heavy rows when the held tokens reach the pool
-        self._held_scores: tuple[int, torch.Tensor, int] | None = None
-        self._lane_runs: list[int | None] = []  # lanes: per group, the in-place run of one sequence (see table())
         self.slots: SlotMap | None = None  # an evicting layer: its token axis holds slots (see kvquant.slots)
-        # an evicting layer's first write: [B, S] True where a row's slot holds a kept token (of some head); its
-        # empty slots are no real tokens (slots past S, appended later, are)
-        self.slot_real: torch.Tensor | None = None
-        self.groups: list[HeadGroup] = []
-        for gi, (pair, heads, kq, vq) in enumerate(made):
-            self.groups.append(
-                HeadGroup(
-                    precision=pair,
-                    heads=heads,
-                    key=QuantizedTensorStore(kq, blocks, gi, "key"),
-                    value=QuantizedTensorStore(vq, blocks, gi, "value"),
-                    head_index=torch.tensor(heads, dtype=torch.long, device=device),
-                    all_heads=heads == list(range(self.num_heads)),
-                )
-            )
-        for g in self.groups:
-            g.key.batch = g.value.batch = batch
+        self.groups = build_groups(made, blocks, self.num_heads, batch, device)
         # CPU, and every quantizer rejects NaN / Inf while quantizing (see _checked_by_quantizers)
         self._quantizers_check = device.type == "cpu" and all(
             s.quantizer.checks_finite for g in self.groups for s in (g.key, g.value))
@@ -300,41 +137,21 @@ class LayerStore(LaneLayer, OffloadedStore):
         # residual mode: newest tokens in full precision, quantized a whole block at a time
         self.residual_tokens = plan.residual_tokens
         self.residual_mode = plan.residual_tokens > 0 or per_block
-        # tokens quantized at a time past the window (block_size: KIVI's whole blocks; 1: the window holds exactly R)
         self.residual_step = plan.residual_step
-        self.dense_dtype: torch.dtype | None = None
-        self.sink_k = self.sink_v = self.res_k = self.res_v = None
-        # while static scales wait for some rows: what the rows fitted already will be quantized from (held_rows)
-        self.exact_k: torch.Tensor | None = None
-        self.exact_v: torch.Tensor | None = None
-        # per-head block lanes (AdaKV): ``tables[b * H + h]`` holds the lane ids of (row b, KV head h)
-        self._lane_step = False  # append_kept / grow_lanes set the fills of this append
-        self._lane_overwrite = False  # grow_lanes: overwrite() writes this step's token (append need not)
-        self.lanes = plan.lanes
-        self.fill: list[list[int]] = [[0] * self.num_heads for _ in range(batch)]  # lanes: slots per (row, head)
-        # lanes in residual mode: of which in lanes (the rest in the head's tail, see kvquant.lanes)
-        self.qfill: list[list[int]] = [[0] * self.num_heads for _ in range(batch)]
-        self._tail_base_cache: torch.Tensor | None = None
-        self._lane_grows: list[list[bool]] | None = None  # grow_lanes: the heads that take their next slot
-        self.cap_host: list[list[int]] | None = None  # lanes: decode budget per (row, head) (H2O / TOVA)
-        self.lane_offset = [blocks.lane_of.index((gi, 0)) for gi in range(len(self.groups))]
-        self.head_lane = {h: (gi, i) for gi, g in enumerate(self.groups) for i, h in enumerate(g.heads)}
+        # sinks, the residual window, the calibration hold (kvquant.dense); flush points per row only without
+        # per-channel blocks, lanes, a sliding window, the age ladder, heavy rows or offload
+        row_flush = not (per_block or plan.lanes or plan.window is not None or plan.ladder_tokens or plan.heavy_tokens
+                         or plan.offload)  # fmt: skip
+        self._grids = shifts_grid(self.groups, plan, static_amax is not None)  # (kvquant.grid)
+        self.dense = DenseRows(self.groups, static_amax, plan.sink_tokens, plan.residual_tokens, plan.residual_step,
+                               self.residual_mode, row_flush, config.headroom, config.share_kv_scale, batch, device)
+        # per-head block lanes (AdaKV, kvquant.lanes): ``tables[b * H + h]`` holds the lane ids of (row b, KV head h)
+        self.lanes = Lanes(self, blocks, self.groups, batch, self.num_heads, head_dim, self.residual_tokens,
+                           self.residual_mode, config.check_finite, device) if plan.lanes else None  # fmt: skip
         if self.lanes:
             self.tables = [[] for _ in range(batch * self.num_heads)]
-        # the age ladder's ring (see the module doc): per group, K and V refinement parts [B, Hg, n, ...] of the
-        # n newest pool tokens (None: that side's quantizer has no embedded refinement)
-        self.ladder_tokens = plan.ladder_tokens
-        self.ladder: list[tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]] = []
-        self.ladder_n = 0
-        # the second rung's ring: the same layout, the ladder2_n newest pool tokens (None: no second rung there)
-        self.ladder2_tokens = plan.ladder2_tokens
-        self.ladder2: list[tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]] = []
-        self.ladder2_n = 0
-        # heavy rows (``heavy_tokens``, kvquant.heavy): per group, (positions [B, Hg, n] (-1: none), K and V
-        # first-rung parts [B, Hg, n, ...]) of the prompt rows its attention weighs most; empty until picked
-        self.heavy_tokens = plan.heavy_tokens
-        self.heavy: list[tuple[torch.Tensor | None, dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]]
-        self.heavy = []
+        # refinement rows (kvquant.refine): the age ladder's rings, the second rung, heavy rows
+        self.refine = Refinement(plan.ladder_tokens, plan.ladder2_tokens, plan.heavy_tokens, self.block_size, device)
         if capacity:
             self.reserve(capacity)
 
@@ -343,6 +160,47 @@ class LayerStore(LaneLayer, OffloadedStore):
         """True when some history is read from full-precision buffers (sinks, residual, or tokens held
         while static-scale calibration is deferred)."""
         return self.sink_tokens > 0 or self.residual_mode or self.q_end < self.cache_pos
+
+    def _reads_held(self) -> bool:
+        """Some row reads held tokens as its pool will (:meth:`DenseRows.reads_held`)."""
+        return self.dense.reads_held(self.cache_pos, self.q_end, self.starts, self.tail_lanes)
+
+    def _held_rows(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``group``'s held tokens ``[start, end)`` as each row reads them (:meth:`DenseRows.held_rows`)."""
+        return self.dense.held_rows(group, start, end, self.q_end, self.cache_pos, self.starts, self.refine)
+
+    @property
+    def holds_fitted_rows(self) -> bool:
+        """True while some rows' static scales are fitted and a batch-mate's are not (:meth:`DenseRows.held_rows`)."""
+        return self.dense.holds_fitted_rows(self.tail_lanes)
+
+    @property
+    def tail_lanes(self) -> bool:
+        """True when this is a lane layer whose heads keep their own full-precision tails (:mod:`kvquant.lanes`)."""
+        return self.lanes is not None and self.lanes.tails
+
+    def tables_changed(self) -> None:
+        """The block tables changed: the table tensor is built again on the next :meth:`table`."""
+        self._table_cache = None
+
+    def has_host_blocks(self, j0: int = 0, j1: int | None = None) -> bool:
+        """True when some row's blocks ``[j0, j1)`` are in the host tier (``offload``, :mod:`kvquant.host_tier`)."""
+        return has_host_blocks(self.blocks, self.tables, j0, j1)
+
+    @contextlib.contextmanager
+    def staged(self) -> Iterator[None]:
+        """For kernels that read the arena through :meth:`table` (Triton): copy every host block of the rows into
+        free device blocks and point the tables at them for the duration of the block; then release them."""
+        if not self.has_host_blocks():
+            yield
+            return
+        saved, self._table_cache = self.tables, None
+        self.tables, dev = stage_tables(self.blocks, saved, self.device)
+        try:
+            yield
+        finally:
+            self.tables, self._table_cache = saved, None
+            self.blocks.decref(dev)
 
     # ---------------------------------------------------------------- capacity
     @property
@@ -365,67 +223,20 @@ class LayerStore(LaneLayer, OffloadedStore):
         if tokens <= 0:
             return 0
         if self.lanes and self.cache_pos:  # lanes each (row, head) may take: new ones, and a copy of a shared one
-            bs, H = self.block_size, self.num_heads
-            need = [0] * len(self.groups)
-            for b, row in enumerate(self.fill):
-                for h, f in enumerate(row):
-                    t = self.tables[b * H + h]
-                    shared = any(self.blocks.lane_refs[e] > 1 for e in t)
-                    new = self.lanes_to_add(b, h, tokens) if self.tail_lanes else -(-(f + tokens) // bs) - len(t)
-                    need[self.head_lane[h][0]] += max(0, new) + shared
-            return max(0, *(-(-(n - len(self.blocks.lane_free[g])) // len(self.groups[g].heads))
-                            for g, n in enumerate(need)))  # fmt: skip
-        if self.shift is not None:  # per-row block grids: slots [_slot_end, the earliest row's own flush point)
-            return self.batch * max(0, min(self.slot_ends(self.cache_pos + tokens)) - self._slot_end) // self.block_size
+            return self.lanes.blocks_needed(tokens)
+        if self.grid is not None:  # per-row block grids: slots up to the earliest row's own flush point
+            return self.grid.blocks_needed(self.batch, self.cache_pos + tokens)
         if self.residual_mode:
-            pending = (self.res_k.shape[2] if self.res_k is not None else 0) + tokens
-            flush = (pending - self.residual_tokens) // self.residual_step * self.residual_step
-            if self.per_row_flush:
-                flush = min(self.row_pool_ends(self.q_end + pending)) - self.q_end
+            pending = (self.dense.res_k.shape[2] if self.dense.res_k is not None else 0) + tokens
+            flush = self.dense.flush_len(pending, self.q_end, self.starts)
             if flush <= 0:
                 return 0
             start, end = self.q_end, self.q_end + flush
         else:
             start, end = self.cache_pos, self.cache_pos + tokens
-        j0, j1 = start // self.block_size, -(-end // self.block_size)
-        if self.batch == 1 and start % self.block_size and not self.residual_mode:
-            t = self.tables[0]
-            if j0 < len(t) and t[j0] >= 0 and self.blocks.refs[t[j0]] == 1:
-                return j1 - j0 - 1  # the partial block is this row's own: written in place (see _place)
-        return self.batch * (j1 - j0)  # new blocks, or a copy of a shared partial block
+        return blocks_for(self.tables, self.blocks, self.batch, start, end, in_place=not self.residual_mode)
 
     # ---------------------------------------------------------------- writing
-    @property
-    def transforms(self) -> bool:
-        """True when K or V are stored transformed (rotated and/or centered): fresh K/V must be mapped too."""
-        return self.rotate_keys or self.rotate_values or self.center_keys
-
-    def fit_tokens(self, past: int, T: int) -> torch.Tensor:
-        """``[B, T]`` bool: the tokens of positions ``past .. past + T`` a row's fitted state is taken from: its
-        own real tokens (never its left padding), its sink tokens left out when the chunk holds others."""
-        use = self.real_tokens(past, past + T)
-        sel = self.sink_slots(past, past + T)
-        if sel is not None:
-            not_sink = torch.ones_like(use)
-            not_sink[sel[0], sel[1]] = False
-            use = torch.where((use & not_sink).any(dim=1, keepdim=True), use & not_sink, use)
-        return use
-
-    def _set_key_mean(self, keys: torch.Tensor, past: int) -> None:
-        """Fix the per-channel key mean of each sequence and head from its first chunk: over the row's own real
-        tokens (never its left padding), its sink tokens left out when it has others (a row without a real
-        token in the chunk: over the whole chunk)."""
-        use = self.fit_tokens(past, keys.shape[2])
-        use = torch.where(use.any(dim=1, keepdim=True), use, torch.ones_like(use))
-        w = use[:, None, :, None].float()
-        self.key_mean = (keys.detach().float() * w).sum(dim=2, keepdim=True) / w.sum(dim=2, keepdim=True)
-
-    def to_storage_space(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Apply the configured key centering and Hadamard rotation (identity when both are off)."""
-        if self.key_mean is not None:
-            keys = (keys.float() - self.key_mean).to(keys.dtype)
-        return (fwht(keys) if self.rotate_keys else keys), (fwht(values) if self.rotate_values else values)
-
     def append(
         self, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor | None = None,
         key_scores: torch.Tensor | None = None,
@@ -443,54 +254,52 @@ class LayerStore(LaneLayer, OffloadedStore):
         largest = None  # max |K|, |V| when the finiteness check found it (CPU)
         if self.config.check_finite and not self._checked_by_quantizers():
             largest = require_finite(keys, values)
-        if self.lanes and self._lane_step:  # the fills were set by append_kept / grow_lanes
-            self._lane_step = False
-        elif self.lanes:  # a plain append: every head holds the chunk
-            if any(f != past for r in self.fill for f in r):
-                raise AssertionError("append: new tokens of a per-head-lane layer whose heads hold different counts "
-                                     "go through grow_lanes (each head at its own next slot)")
-            self.fill = [[past + keys.shape[2]] * self.num_heads for _ in range(self.batch)]
+        if self.lanes:  # the fills set by append_kept / grow_lanes, or every head holds the chunk
+            self.lanes.begin_append(past, keys.shape[2])
         if past == 0:
             self._set_row_start(row_start)
-        if self.center_keys and self.key_mean is None:
-            self._set_key_mean(keys, past)
-        if self.transforms:
-            keys, values = self.to_storage_space(keys, values)
+        if self.space.center_keys and self.space.key_mean is None:
+            self.space.fix_key_mean(keys, self.starts.fit_tokens(past, keys.shape[2]))
+        if self.space.transforms:
+            keys, values = self.space.to_storage(keys, values)
             largest = None  # (a rotation or centering changes the magnitudes)
         T = keys.shape[2]
-        if self.dense_dtype is None:
-            self.dense_dtype = held_dtype(keys.dtype)
-        if self.config.check_finite and (self.has_dense_segments or not self.calibrated):
-            self._fit_dense(keys, values, largest)
-        if past < self.sink_end:
-            self._keep_sinks(keys, values, past)
-        held = self.res_k.shape[2] if self.res_k is not None and not self.calibrated else 0
+        if self.dense.dtype is None:
+            self.dense.dtype = held_dtype(keys.dtype)
+        if self.config.check_finite and (self.has_dense_segments or not self.dense.calibrated):
+            self.dense.fit(keys, values, largest)
+        if past < self.starts.sink_end:
+            self.dense.keep_sinks(keys, values, past, self.starts)
+        held = self.dense.res_k.shape[2] if self.dense.res_k is not None and not self.dense.calibrated else 0
         scores = None
-        if key_scores is not None and self.heavy_tokens and not self.heavy:
+        if key_scores is not None and self.refine.heavy_tokens and not self.refine.heavy:
             scores = (past, key_scores, None)
-        if not self.calibrated and self._hold_for_calibration(keys, values, past):
+        if not self.dense.calibrated and self.dense.hold(self.groups, keys, values, past, self.q_end, self.starts):
             self.cache_pos = past + T
-            if scores is not None and self._held_scores is None:  # picked when the held tokens reach the pool
-                self._held_scores = (past, key_scores, self.virtual_q_end())
+            if scores is not None and self.dense.held_scores is None:  # picked when the held tokens reach the pool
+                self.dense.held_scores = (past, key_scores, self.dense.virtual_q_end(self.cache_pos, self.q_end))
             return past
         self.release_window()
-        saved, self._held_scores = self._held_scores, None
+        saved, self.dense.held_scores = self.dense.held_scores, None
         if self.residual_mode:
             self._append_residual(keys, values, saved or scores)
         else:
             if held:  # tokens held while calibration was deferred go to the pool first (see _hold_for_calibration)
-                if self.exact_k is not None and self.exact_v is not None:
-                    self._write_pool(self.exact_k, self.exact_v, self.q_end, saved)
+                if self.dense.exact_k is not None and self.dense.exact_v is not None:
+                    self._write_pool(self.dense.exact_k, self.dense.exact_v, self.q_end, saved)
                 else:
-                    self._write_pool(self.res_k.to(keys.dtype), self.res_v.to(values.dtype), self.q_end, saved)
-                self.res_k = self.res_v = self.exact_k = self.exact_v = None
-                if self._lane_overwrite and self._lane_grows is not None:  # this step's token (written by
+                    dense = self.dense
+                    self._write_pool(dense.res_k.to(keys.dtype), dense.res_v.to(values.dtype), self.q_end, saved)
+                self.dense.res_k = self.dense.res_v = self.dense.exact_k = self.dense.exact_v = None
+                ln = self.lanes
+                if ln and ln.overwrite_pending and ln.grows is not None:  # this step's token (written by
                     # overwrite()) may start a lane that grow_lanes did not plan while the layer was held
-                    self._lane_plan({(b, h): (self.fill[b][h] - 1, self.fill[b][h])
-                                     for b, row in enumerate(self._lane_grows) for h, grow in enumerate(row) if grow})
+                    ln.plan({(b, h): (ln.fill[b][h] - 1, ln.fill[b][h])
+                             for b, row in enumerate(ln.grows) for h, grow in enumerate(row) if grow})
             self._write_pool(keys, values, past, scores)
         self.cache_pos = past + T
-        self.offload_cold()
+        if self.host and self.host.offload_cold(self.tables, self.q_end, self.first_live, self.starts.sink_end):
+            self._table_cache = None
         return past
 
     def _checked_by_quantizers(self) -> bool:
@@ -498,7 +307,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         changes, and they all reject NaN / Inf themselves (:attr:`Quantizer.checks_finite`, CPU): no
         separate pass over it is needed. Calibration, sink, residual, dense-segment, key-mean and lane
         writes keep raw values first, so they are checked up front."""
-        return self._quantizers_check and self.calibrated and not (self.lanes or self.has_dense_segments)
+        return self._quantizers_check and self.dense.calibrated and not (self.lanes or self.has_dense_segments)
 
     def append_kept(
         self, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, row_start: torch.Tensor | None = None,
@@ -513,26 +322,12 @@ class LayerStore(LaneLayer, OffloadedStore):
         decoding."""
         if self.cache_pos or self.slots is not None:
             raise AssertionError("append_kept: the first write of an empty store")
-        B, H, T, D = keys.shape
-        n = keep.sum(dim=-1)  # [B, H]
-        S = max(1, int(n.max()))
-        t = torch.arange(T, device=keys.device)
-        order = torch.where(keep, t, T + t).argsort(dim=-1)[..., :S]  # kept positions first, in order
-        filled = torch.arange(S, device=keys.device) < n.unsqueeze(-1)  # [B, H, S]
-        idx = order.unsqueeze(-1).expand(B, H, S, D)
-        z = filled.unsqueeze(-1)
-        ck = torch.where(z, keys.gather(2, idx), torch.zeros((), dtype=keys.dtype, device=keys.device))
-        cv = torch.where(z, values.gather(2, idx), torch.zeros((), dtype=values.dtype, device=values.device))
+        ck, cv, n, order, filled = compact_kept(keys, values, keep)
         if self.lanes:  # each (row, head) holds the lanes of its own kept count
-            self.fill = n.tolist()
-            self.cap_host = None if cap is None else cap.tolist()
-            self._lane_step = True
-        self.slot_real = filled.any(dim=1).to(self.device)  # a short row's empty slots: not real tokens
+            self.lanes.keep(n.tolist(), None if cap is None else cap.tolist())
+        self.starts.slot_real = filled.any(dim=1).to(self.device)  # a short row's empty slots: not real tokens
         self.append(ck, cv, None)
-        first = torch.zeros(B, dtype=torch.long, device=keys.device) if row_start is None else row_start.long()
-        pos = torch.where(filled, order, -1).to(torch.int32)
-        kept_score = None if score is None else score.float().gather(2, order).masked_fill(~filled, 0.0)
-        self.slots = SlotMap(pos, T, first.to(self.device), tracking, kept_score, cap)
+        self.slots = SlotMap.of_kept(order, filled, keys.shape[2], row_start, score, tracking, cap, self.device)
 
     def overwrite(self, keys: torch.Tensor, values: torch.Tensor, target: torch.Tensor, write: torch.Tensor) -> None:
         """Write the one-token ``keys/values[B, H, 1, D]`` of (row ``b``, head ``h``) at slot ``target[b, h]``
@@ -544,23 +339,12 @@ class LayerStore(LaneLayer, OffloadedStore):
         slots still held in full precision (``[q_end, cache_pos)``) are written there. When every slot is
         quantized and no row shares a block (one sequence, or beams before a reorder), the write is one
         scatter per part with no host synchronisation (the targets stay on the device)."""
-        keys, values = self.to_storage_space(keys, values)
+        keys, values = self.space.to_storage(keys, values)
         if self.lanes:
-            self._overwrite_lanes(keys, values, target)
+            self.lanes.overwrite(keys, values, target)
             return
         if self.q_end == self.cache_pos and all(b >= 0 and self.blocks.refs[b] == 1 for t in self.tables for b in t):
-            bs, B = self.block_size, target.shape[0]
-            table = self.table()
-            for g in self.groups:
-                n = len(g.heads)
-                t = (target if g.all_heads else target.index_select(1, g.head_index)).reshape(-1)
-                rows = torch.arange(B, device=self.device).repeat_interleave(n)
-                heads = torch.arange(n, device=self.device).repeat(B)
-                k = keys if g.all_heads else keys.index_select(1, g.head_index)
-                v = values if g.all_heads else values.index_select(1, g.head_index)
-                blk, off = table[rows, t // bs], t % bs
-                g.key.write_heads(k, rows, heads, blk, off, self.config.check_finite)
-                g.value.write_heads(v, rows, heads, blk, off, self.config.check_finite)
+            write_targets(self.groups, self.table(), keys, values, target, self.block_size, self.config.check_finite)
             return
         tl, wl = target.tolist(), write.tolist()
         pairs = [(b, h, tl[b][h]) for b in range(len(tl)) for h in range(len(tl[b])) if wl[b][h]]
@@ -568,473 +352,56 @@ class LayerStore(LaneLayer, OffloadedStore):
         pool = [p for p in pairs if p[2] < self.q_end]
         if dense:
             b, h, t = (torch.tensor(x, device=self.device) for x in zip(*dense, strict=True))
-            self.write_held(keys, values, b, h, t)
+            self.dense.write_held(keys, values, b, h, t, self.q_end)
         if not pool:
             return
-        bs = self.block_size
-        shared = sorted({(b, t // bs) for b, _, t in pool if self.blocks.refs[self.tables[b][t // bs]] > 1})
-        self.blocks.ensure_free(len(shared))  # may raise KVCacheFull: nothing changed yet
-        for b, j in shared:  # copy-on-write (beams share blocks after a reorder)
-            old = self.tables[b][j]
-            self.tables[b][j] = self.blocks.copy(old)
-            self.blocks.decref([old])
-            self.bytes_moved += self.blocks.bytes_per_block
-        if shared:
+        moved = write_pairs(self.tables, self.blocks, self.groups, keys, values, pool, self.config.check_finite,
+                            self.device)  # (copy-on-write of shared blocks first)
+        self.bytes_moved += moved
+        if moved:
             self._table_cache = None
-        for g in self.groups:
-            local = {h: i for i, h in enumerate(g.heads)}
-            sel = [(b, local[h], self.tables[b][t // bs], t % bs) for b, h, t in pool if h in local]
-            if not sel:
-                continue
-            rows, heads, blk, off = (torch.tensor(x, device=self.device) for x in zip(*sel, strict=True))
-            k = keys if g.all_heads else keys.index_select(1, g.head_index)
-            v = values if g.all_heads else values.index_select(1, g.head_index)
-            g.key.write_heads(k, rows, heads, blk, off, self.config.check_finite)
-            g.value.write_heads(v, rows, heads, blk, off, self.config.check_finite)
-
-    def write_held(
-        self, keys: torch.Tensor, values: torch.Tensor, b: torch.Tensor, h: torch.Tensor, t: torch.Tensor
-    ) -> None:
-        """Write the one-token ``keys/values[B, H, 1, D]`` of (row ``b[i]``, head ``h[i]``) over its held slot
-        ``t[i] >= q_end`` (decode-time eviction): into the held buffer and, while some rows are fitted already, the
-        exact values their pool will be quantized from (:meth:`held_rows` then decodes the held tokens again)."""
-        self.res_k[b, h, t - self.q_end] = keys[b, h, 0].to(self.res_k.dtype)
-        self.res_v[b, h, t - self.q_end] = values[b, h, 0].to(self.res_v.dtype)
-        if self.exact_k is not None and self.exact_v is not None:
-            self.exact_k[b, h, t - self.q_end] = keys[b, h, 0].to(self.exact_k.dtype)
-            self.exact_v[b, h, t - self.q_end] = values[b, h, 0].to(self.exact_v.dtype)
-        self._held_cache = {}
-
-    def _hold_for_calibration(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> bool:
-        """Fit the static scales of every row that is ready, each on its own real tokens so far (held ones and
-        this chunk's), and return True (this chunk held in full precision too) while some row is not.
-
-        A row is ready once it has ``CALIB_MIN_TOKENS`` real tokens and a nonzero value in every head, or
-        ``CALIB_MAX_TOKENS`` real tokens. So a row's scales never depend on its batch-mates: a long row is
-        fitted on its prompt at once, as alone, while a short batch-mate waits for its own tokens. Until the
-        last row is fitted the layer holds every row's tokens in full precision (``res_k``, the dense dtype,
-        as alone) and, while some rows are fitted already, also the values those rows' pool will be quantized
-        from (``exact_k``: the model's dtype from each row's calibration chunk on, as alone); those rows are
-        read as their pool would read them (:meth:`held_rows`)."""
-        static = any(q.static for g in self.groups for q in (g.key.quantizer, g.value.quantizer))
-        if not static or self._static_amax is not None:  # nothing fitted on the data: one calibration, no wait
-            self._calibrate(keys, values, past)
-            return False
-        end = past + keys.shape[2]
-        held = self.res_k.shape[2] if self.res_k is not None else 0
-        start, ks, vs = past, keys, values
-        if held:  # the held tokens [q_end, past) (as held: rounded to the dense dtype) and this chunk
-            start = self.q_end
-            ks = torch.cat([self.res_k.to(keys.dtype), keys], dim=2)
-            vs = torch.cat([self.res_v.to(values.dtype), values], dim=2)
-        use = self.real_tokens(start, end)
-        seen = self.real_count(end)  # real tokens per row, this chunk included
-        nonzero = ((row_amax(ks, use) > 0) & (row_amax(vs, use) > 0)).all(dim=1)
-        ready = ((seen >= CALIB_MIN_TOKENS) & nonzero) | (seen >= CALIB_MAX_TOKENS)
-        new = ready.cpu() & ~torch.tensor(self.calibrated_rows, dtype=torch.bool)
-        if bool(new.any()):
-            self._calibrate(ks, vs, start, rows=new)
-            self._held_cache = {}  # (held_rows: those rows now read quantized)
-            if self.exact_k is not None and self.exact_v is not None and held:
-                # these rows' tokens before this chunk were held rounded, as alone: their pool is quantized from that
-                r = new.to(self.device).view(-1, 1, 1, 1)
-                self.exact_k = torch.where(r, self.res_k.to(self.exact_k.dtype), self.exact_k)
-                self.exact_v = torch.where(r, self.res_v.to(self.exact_v.dtype), self.exact_v)
-        if all(self.calibrated_rows):
-            return False
-        if any(self.calibrated_rows) and not self.residual_mode:  # (residual: quantized from res)
-            if self.exact_k is None:
-                self.exact_k, self.exact_v = (ks, vs) if ks is not keys else (keys.clone(), values.clone())
-            else:
-                self.exact_k = torch.cat([self.exact_k, keys], dim=2)
-                self.exact_v = torch.cat([self.exact_v, values], dim=2)
-        dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
-        if held:
-            dk, dv = torch.cat([self.res_k, dk], dim=2), torch.cat([self.res_v, dv], dim=2)
-        self.res_k, self.res_v = dk, dv
-        return True
-
-    @property
-    def per_row_flush(self) -> bool:
-        """True when the residual window's flush points are counted per row, from its own first real token (as
-        alone): a left-padded batch in residual mode with per-token quantization (per-channel blocks, lanes, the
-        age ladder, heavy rows, a sliding window and offload keep the batch's grid, see docs/batch-independence.md).
-        The pool then ends at the earliest row's own flush point; a row past it reads the tokens its own pool would
-        hold as that pool will (:meth:`held_rows`)."""
-        return (self.residual_mode and self.pad_end > 0 and not self.per_block and not self.lanes
-                and self.window is None and not self.ladder_tokens and not self.heavy_tokens
-                and not self.config.offload)  # fmt: skip
-
-    def row_pool_ends(self, cache_pos: int) -> list[int]:
-        """Per row, where its pool ends with ``cache_pos`` tokens written when its flush points are its own
-        (:attr:`per_row_flush`): ``R`` tokens (``residual_tokens``) after its first real token stay held, the
-        rest is quantized ``residual_step`` tokens at a time."""
-        R, step = self.residual_tokens, self.residual_step
-        return [r + max(0, (cache_pos - r - R) // step) * step if cache_pos > r else r for r in self._row_start_host]
-
-    def virtual_row_ends(self) -> list[int]:
-        """Per row, where its pool would end if every row's static scales were fitted and its flush points were its
-        own: the tokens below it are read quantized by a fitted row (:meth:`held_rows`)."""
-        if self.per_row_flush:
-            return [max(e, self.q_end) for e in self.row_pool_ends(self.cache_pos)]
-        return [self.virtual_q_end()] * self.batch
-
-    @property
-    def reads_held(self) -> bool:
-        """True when some row reads held tokens as its pool will (:meth:`held_rows`): its static scales are fitted
-        while a batch-mate's are not, or its own flush points are past the pool's end (:attr:`per_row_flush`)."""
-        if self.holds_fitted_rows:
-            return True
-        return self.calibrated and self.per_row_flush and max(self.row_pool_ends(self.cache_pos)) > self.q_end
-
-    def virtual_q_end(self) -> int:
-        """Where the pool would end if every row's static scales were fitted: the tokens below it are read
-        quantized by a row already fitted while a batch-mate still waits (:meth:`held_rows`)."""
-        if not self.residual_mode:
-            return self.cache_pos
-        flush = (self.cache_pos - self.q_end - self.residual_tokens) // self.residual_step * self.residual_step
-        return self.q_end + max(0, flush)
-
-    def held_rows(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``group`` for held tokens ``[start, end)`` (``start >= q_end``, static scales of some row
-        not fitted yet) as float32 storage-space rows ``[B, Hg, t, D]``: a row not fitted yet as held; a row
-        fitted already as it would be read with every row fitted, i.e. as alone: tokens below
-        :meth:`virtual_q_end` quantized with its own scales (the age ladder's newest rows refined), the rest
-        and its sink tokens as held. Each held token is quantized once (the base decode is kept per group
-        until a row's scales change)."""
-        assert self.res_k is not None and self.res_v is not None
-        q0, n = self.q_end, self.res_k.shape[2]
-        ends = self.virtual_row_ends()
-        pooled = max(ends) - q0  # held tokens the pool would hold (of the row whose pool would hold most)
-        dense = self._group_rows(self.res_k, group).float(), self._group_rows(self.res_v, group).float()
-        out = [dense[0].clone(), dense[1].clone()]
-        xk, xv = (self.exact_k, self.exact_v) if self.exact_k is not None else (self.res_k, self.res_v)
-        if pooled > 0:
-            gi = group.key.group
-            base = self._held_cache.get(gi)
-            done = 0 if base is None else base[0].shape[2]
-            if done < pooled:  # quantize the tokens that reached the virtual pool since the last read
-                mk, mv = self._mask_sinks(xk[:, :, done:pooled], xv[:, :, done:pooled], q0 + done, group.per_block)
-                new = [self._pool_rows(s, self._group_rows(x, group)) for s, x in ((group.key, mk), (group.value, mv))]
-                base = tuple(y if base is None else torch.cat([base[i], y], dim=2) for i, y in enumerate(new))
-                self._held_cache[gi] = base
-            per_row = min(ends) != max(ends)
-            if per_row:  # each row's own flush points: [B, 1, pooled, 1] True below its own pool end
-                own = (torch.arange(pooled, device=self.device)[None, :]
-                       < torch.tensor(ends, device=self.device)[:, None] - q0)[:, None, :, None]
-            for i, (s, x) in enumerate(((group.key, xk), (group.value, xv))):
-                if per_row:
-                    out[i][:, :, :pooled] = torch.where(own, base[i][:, :, :pooled], out[i][:, :, :pooled])
-                else:
-                    out[i][:, :, :pooled] = base[i][:, :, :pooled]
-                n1 = min(self.ladder_tokens, pooled) if s.quantizer.rung_parts(1) else 0
-                if n1:  # the age ladder's newest rows, refined
-                    x1 = self._mask_sinks(x[:, :, pooled - n1:pooled], x[:, :, pooled - n1:pooled], q0 + pooled - n1,
-                                          False)[0]
-                    out[i][:, :, pooled - n1:pooled] = self._ladder_rows(s, self._group_rows(x1, group))
-            if self._held_scores is not None:  # heavy rows the held tokens will pick (as alone), refined
-                at, rows = self._held_heavy(group, xk, xv, pooled)
-                for i in range(2):
-                    if rows[i] is not None:
-                        out[i] = put_rows(out[i], rows[i], at, q0, q0 + n)
-        sel = self.sink_slots(q0, q0 + n)
-        if sel is not None:  # sinks: read from the sink buffer (the dense dtype)
-            r, o, _ = sel
-            for i in range(2):
-                out[i][r, :, o] = dense[i][r, :, o]
-        if self.calibrated:  # (per-row flush points: every row fitted)
-            a, b = start - q0, end - q0
-            return out[0][:, :, a:b], out[1][:, :, a:b]
-        fitted = torch.tensor(self.calibrated_rows, device=self.device).view(-1, 1, 1, 1)
-        a, b = start - q0, end - q0
-        return (torch.where(fitted, out[0], dense[0])[:, :, a:b], torch.where(fitted, out[1], dense[1])[:, :, a:b])
-
-    def _held_heavy(
-        self, group: HeadGroup, xk: torch.Tensor, xv: torch.Tensor, pooled: int
-    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """The heavy rows the held tokens ``[q_end, q_end + pooled)`` (``xk`` / ``xv``: what the pool will be
-        quantized from) pick when they reach the pool (:meth:`_pick_heavy`, by the held prompt's scores): their
-        positions ``[B, Hg, n]`` (-1: none) and, per side, their refined decode (float32 storage space; None: no
-        refinement). Kept per group until a row's scales change."""
-        key = ("heavy", group.key.group)
-        if key in self._held_cache:
-            return self._held_cache[key]
-        assert self._held_scores is not None
-        q0 = self.q_end
-        lo, hi = self._heavy_range(q0, pooled, self._held_scores)
-        at = torch.full((self.batch, len(group.heads), 1), -1, dtype=torch.long, device=self.device)
-        rows: list[torch.Tensor | None] = [None, None]
-        if hi > lo:
-            idx = self._heavy_picks(lo, hi, self._held_scores)
-            gidx = idx if group.all_heads else idx.index_select(1, group.head_index)
-            rel = torch.where(gidx >= 0, gidx + (lo - q0), -1)
-            at = torch.where(gidx >= 0, gidx + lo, -1)
-            for i, (s, x) in enumerate(((group.key, xk), (group.value, xv))):
-                q = s.quantizer
-                if q.rung_parts(1):
-                    r = take_rows(self._group_rows(x[:, :, :pooled], group), rel)
-                    parts = q.quantize(r, s.state)
-                    y = q.decode_refined(parts, q.refine(r, s.state, parts), s.state).float()
-                    rows[i] = q.from_space(y, s.state) if q.space else y
-        self._held_cache[key] = (at, rows)
-        return at, rows
-
-    @staticmethod
-    def _pool_rows(store: QuantizedTensorStore, x: torch.Tensor) -> torch.Tensor:
-        """Rows ``x[B, Hg, t, D]`` quantized and decoded with ``store``'s state, float32 storage space."""
-        q = store.quantizer
-        y = store.decode(q.quantize(x, store.state))
-        return q.from_space(y, store.state) if q.space else y.float()
-
-    def _ladder_rows(self, store: QuantizedTensorStore, x: torch.Tensor) -> torch.Tensor:
-        """The pool's newest rows ``x[B, Hg, n1, D]`` as the age ladder reads them (refined; the newest
-        ``ladder2_tokens`` through both rungs), float32 storage space."""
-        q = store.quantizer
-        parts = q.quantize(x, store.state)
-        r = q.refine(x, store.state, parts)
-        y = q.decode_refined(parts, r, store.state).float()
-        n1 = x.shape[2]
-        n2 = min(self.ladder2_tokens, n1) if q.rung_parts(2) else 0
-        if n2:
-            p2, r1 = _rows(parts, n1 - n2), _rows(r, n1 - n2)
-            y2 = q.add_rung2(y[:, :, n1 - n2:], p2, r1, q.refine2(x[:, :, n1 - n2:], store.state, p2, r1), store.state)
-            y = torch.cat([y[:, :, :n1 - n2], y2.float()], dim=2)
-        return q.from_space(y, store.state) if q.space else y
 
     def residual_rows(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The history ``[q_end, end)`` held in full precision, every KV head ``[B, H, t, D]``, as the attention
-        reads it (storage space): the residual buffers, or while static scales wait for a row, :meth:`held_rows`."""
-        assert self.res_k is not None and self.res_v is not None
-        k, v = self.res_k[:, :, :end - self.q_end], self.res_v[:, :, :end - self.q_end]
-        if self.shift is not None:  # per-row block grids: each row's pool and next block as read()
-            k, v = k.float().clone(), v.float().clone()
-            for g in self.groups:
-                k[:, g.head_index], v[:, g.head_index] = self._read_shifted(g, self.q_end, end)
-            return k, v
-        if not self.reads_held:
-            return k, v
-        k, v = k.float().clone(), v.float().clone()
-        for g in self.groups:
-            hk, hv = self.held_rows(g, self.q_end, end)
-            k[:, g.head_index], v[:, g.head_index] = hk, hv
-        return k, v
-
-    @property
-    def holds_fitted_rows(self) -> bool:
-        """True while some rows' static scales are fitted and a batch-mate's are not (see :meth:`held_rows`; lanes
-        with full-precision tails read their held tokens from the tails, as held)."""
-        return not self.calibrated and any(self.calibrated_rows) and not self.tail_lanes
-
-    def _fit_dense(self, keys: torch.Tensor, values: torch.Tensor, largest: float | None = None) -> None:
-        """fp16 sink / residual buffers (fp32 models) become fp32 when a value would overflow fp16.
-        ``largest``: max |K|, |V| when already known (:func:`require_finite` on CPU)."""
-        if self.dense_dtype != torch.float16:
-            return
-        if largest is None:
-            largest = float(torch.maximum(keys.abs().amax(), values.abs().amax()))
-        if largest <= torch.finfo(torch.float16).max:
-            return
-        self.dense_dtype = torch.float32
-        for name in ("sink_k", "sink_v", "res_k", "res_v"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.float())
+        reads it (storage space): the residual buffers, or each row's pool and next block on per-row block grids,
+        or while static scales wait for a row, :meth:`DenseRows.held_rows`."""
+        read = self._read_shifted if self.grid is not None else self._held_rows if self._reads_held() else None
+        return self.dense.residual_rows(self.groups, self.q_end, end, read)
 
     def _set_row_start(self, row_start: torch.Tensor | None) -> None:
-        if row_start is None:
-            self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
-        else:
-            if row_start.shape != (self.batch,):
-                raise ValueError(f"row_start: shape {tuple(row_start.shape)}, expected ({self.batch},)")
-            self.row_start = row_start.to(self.device, torch.long)
-        self._row_start_host = self.row_start.tolist()  # one read, at the first write
-        self.pad_end = max(self._row_start_host)
-        self.sink_end = self.pad_end + self.sink_tokens if self.sink_tokens else 0
-        shift = [-r % self.block_size for r in self._row_start_host]
-        if any(shift) and self.shifts_grid:
-            self.shift, self._slot_end = shift, 0
-            self._shift_t = torch.tensor(shift, dtype=torch.long, device=self.device)
-
-    @property
-    def shifts_grid(self) -> bool:
-        """True when a left-padded batch cuts this layer's blocks on each row's own grid, counted from its first real
-        token (:attr:`shift`), so that a row's per-channel key blocks hold the tokens they hold alone: a layer with
-        per-block (``int*-channel``) parts in residual mode whose blocks are flushed a block at a time, without
-        static or codebook quantizers, lanes, a sliding window, the age ladder, heavy rows, eviction or offload
-        (those keep the batch's grid, see docs/batch-independence.md)."""
-        qs = [q for g in self.groups for q in (g.key.quantizer, g.value.quantizer)]
-        return (self.per_block and self.residual_step == self.block_size and not self.lanes and self.window is None
-                and not self.ladder_tokens and not self.heavy_tokens and not self.config.offload
-                and self.slot_real is None and not any(q.space for q in qs)
-                and (self._static_amax is not None or not any(q.static for q in qs)))  # fmt: skip
-
-    def slot_ends(self, cache_pos: int) -> list[int]:
-        """With :attr:`shift`: per row, the slot its own pool would end at with ``cache_pos`` tokens written (its
-        residual window counted from its first real token, whole blocks of its own grid, as alone)."""
-        assert self.shift is not None
-        bs, R = self.block_size, self.residual_tokens
-        return [max(self._slot_end, (cache_pos + d - R) // bs * bs) for d in self.shift]
-
-    def _slot_chunk(self, x: torch.Tensor, base: int, s0: int, s1: int) -> torch.Tensor:
-        """Slots ``[s0, s1)`` of every row (:attr:`shift`) from ``x[B, H, t, D]``, which holds positions
-        ``[base, base + t)``; slots before a row's position 0 are zeros (slots past ``x``: any of its rows)."""
-        assert self._shift_t is not None
-        B, H, _, D = x.shape
-        idx = torch.arange(s0, s1, device=x.device)[None, :] - self._shift_t.to(x.device)[:, None] - base  # [B, F]
-        out = x.gather(2, idx.clamp(0, x.shape[2] - 1)[:, None, :, None].expand(B, H, s1 - s0, D))
-        return torch.where((idx >= 0)[:, None, :, None], out, torch.zeros((), dtype=x.dtype, device=x.device))
+        """The first write: each row's first real token (:meth:`RowStarts.set`), and a left-padded batch's own
+        block grids where the layer takes them (:func:`~kvquant.grid.shifts_grid`; not an evicting layer)."""
+        self.starts.set(row_start)
+        shift = [-r % self.block_size for r in self.starts.host]
+        if any(shift) and self._grids and self.starts.slot_real is None:
+            self.grid = RowGrid(shift, self.block_size, self.residual_tokens, self.device)
 
     def _append_shifted(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Residual mode on per-row block grids (:attr:`shift`): the residual holds positions ``[q_end, cache_pos)``
-        of every row (a row's first ones may be in its pool already: its slots there are below the pool's end);
-        the slots ``[_slot_end, e)`` that every row's own flush point ``e`` has passed are quantized, a block of
-        each row's own grid at a time. A row whose own flush point is further reads its next block as its pool
-        will (:meth:`_read_shifted`)."""
-        assert self.shift is not None
-        dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
-        if self.res_k is not None and self.res_k.shape[2]:
-            dk, dv = torch.cat([self.res_k, dk], dim=2), torch.cat([self.res_v, dv], dim=2)
-        s0, q0 = self._slot_end, self.q_end
-        s1 = min(self.slot_ends(self.cache_pos + keys.shape[2]))
-        if s1 > s0:
-            ck, cv = self._slot_chunk(dk, q0, s0, s1), self._slot_chunk(dv, q0, s0, s1)
+        """Residual mode on per-row block grids: the slots every row's own flush point has passed reach the pool
+        (:meth:`RowGrid.flush`)."""
+        assert self.grid is not None
+        dk, dv = keys.to(self.dense.dtype), values.to(self.dense.dtype)
+        if self.dense.res_k is not None and self.dense.res_v is not None and self.dense.res_k.shape[2]:
+            dk, dv = torch.cat([self.dense.res_k, dk], dim=2), torch.cat([self.dense.res_v, dv], dim=2)
+        q0 = self.q_end
+        flushed = self.grid.flush(dk, dv, q0, self.cache_pos + keys.shape[2])
+        if flushed is not None:
+            ck, cv, s0, q_end = flushed
             self._write_pool(ck.to(keys.dtype), cv.to(values.dtype), s0, slots=True)
-            self._slot_end = s1
-            q_end = max(0, s1 - max(self.shift))  # every row holds its positions below it in the pool
             dk, dv = dk[:, :, q_end - q0:], dv[:, :, q_end - q0:]
             self.q_end = q_end
-        self._held_cache = {}
-        self.res_k, self.res_v = dk.contiguous(), dv.contiguous()
+        self.dense.memo = {}
+        self.dense.res_k, self.dense.res_v = dk.contiguous(), dv.contiguous()
 
     def _read_shifted(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``group`` for positions ``[start, end)``, ``start >= q_end``, with :attr:`shift`: per row from
-        its pool where its slot is below the pool's end, quantized as its pool will hold it where its own flush
-        point has passed the slot (:meth:`slot_ends`), else (and its sink tokens) as held (float32)."""
-        assert self.shift is not None and self._shift_t is not None and self.res_k is not None
-        bs, q0, S = self.block_size, self.q_end, self._slot_end
-        dense = [self._group_rows(x[:, :, start - q0:end - q0], group).float() for x in (self.res_k, self.res_v)]
-        slot = torch.arange(start, end, device=self.device)[None, :] + self._shift_t[:, None]  # [B, t]
-        out = [d.clone() for d in dense]
-        if start + min(self.shift) < S:  # some rows' first ones are in their pool
-            j0 = (start + min(self.shift)) // bs
-            tbl = self.table()[:, j0:S // bs]
-            rel = (slot - j0 * bs).clamp(0, (S // bs - j0) * bs - 1)
-            for i, s in enumerate((group.key, group.value)):
-                y = s.read(tbl, 0, (S // bs - j0) * bs)
-                y = y.gather(2, rel[:, None, :, None].expand(-1, y.shape[1], -1, y.shape[3]))
-                out[i] = torch.where((slot < S)[:, None, :, None], y, out[i])
-        ends = self.slot_ends(self.cache_pos)
-        top = max(ends)
-        if top > S:  # rows past their own flush point: their next block as their pool will hold it
-            key = ("shift", group.key.group, S, top)
-            held = self._held_cache.get(key)
-            if held is None:
-                ck = self._slot_chunk(self.res_k, q0, S, top)
-                cv = self._slot_chunk(self.res_v, q0, S, top)
-                ck, cv = self._mask_sinks(ck, cv, S, group.per_block, self._slot_starts())
-                held = tuple(self._pool_rows(s, self._group_rows(x, group))
-                             for s, x in ((group.key, ck), (group.value, cv)))
-                self._held_cache[key] = held
-            own = (slot >= S) & (slot < torch.tensor(ends, device=self.device)[:, None])
-            rel = (slot - S).clamp(0, top - S - 1)
-            for i in range(2):
-                y = held[i].gather(2, rel[:, None, :, None].expand(-1, held[i].shape[1], -1, held[i].shape[3]))
-                out[i] = torch.where(own[:, None, :, None], y, out[i])
-        sel = self.sink_slots(start, end)
-        if sel is not None:  # sinks: as held (the sink buffer holds the same values)
-            r, o, _ = sel
-            for i in range(2):
-                out[i][r, :, o] = dense[i][r, :, o]
-        return out[0], out[1]
+        """K and V of ``group``'s held positions ``[start, end)`` on per-row block grids (:meth:`RowGrid.read_held`)."""
+        assert self.grid is not None and self.dense.res_k is not None and self.dense.res_v is not None
+        return self.grid.read_held(group, start, end, (self.dense.res_k, self.dense.res_v), self.q_end, self.cache_pos,
+                                   self.table(), self.starts, self.dense.memo)  # fmt: skip
 
-    def _read_pool_shifted(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized K and V of ``group``'s pool positions ``[start, end)`` (``end <= q_end``) with :attr:`shift`:
-        each row's slots ``[start + shift, end + shift)``, read as whole blocks and gathered per row (float32)."""
-        assert self.shift is not None and self._shift_t is not None
-        bs = self.block_size
-        j0, j1 = start // bs, -(-(end + max(self.shift)) // bs)
-        tbl = self.table()[:, j0:j1]
-        rel = torch.arange(start - j0 * bs, end - j0 * bs, device=self.device)[None, :] + self._shift_t[:, None]
-        out = []
-        for s in (group.key, group.value):
-            y = s.read(tbl, 0, (j1 - j0) * bs)
-            out.append(y.gather(2, rel[:, None, :, None].expand(-1, y.shape[1], -1, y.shape[3])))
-        return out[0], out[1]
-
-    def _slot_starts(self) -> torch.Tensor:
-        """With :attr:`shift`: per row, the slot of its first real token (a block boundary)."""
-        assert self._shift_t is not None
-        return self.row_start + self._shift_t
-
-    def real_tokens(self, start: int, end: int, starts: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, end - start]``: True where position ``start + t`` of a row is a real token (not left padding; in an
-        evicting layer, not an empty slot of its first write, :attr:`slot_real`). ``starts[B]``: each row's first
-        real one on another axis (the slots of per-row block grids, :meth:`_slot_starts`) instead of ``row_start``."""
-        pos = torch.arange(start, end, device=self.device)
-        real = pos[None, :] >= (self.row_start if starts is None else starts)[:, None]
-        if self.slot_real is not None and start < self.slot_real.shape[1]:
-            first = self.slot_real[:, start:end]
-            real = torch.cat([first, real[:, first.shape[1]:]], dim=1)
-        return real
-
-    def real_count(self, end: int) -> torch.Tensor:
-        """``[B]``: the real tokens (see :meth:`real_tokens`) of each row below position ``end``."""
-        if self.slot_real is None:
-            return (end - self.row_start).clamp_min(0)
-        S = self.slot_real.shape[1]
-        return self.slot_real[:, :min(end, S)].sum(dim=1) + max(0, end - S)
-
-    def sink_slots(
-        self, start: int, end: int, starts: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The sink tokens among positions ``[start, end)``: index tensors (row, offset from ``start``,
-        slot of the row's sink buffer), or None. A row's sinks are its first ``sink_tokens`` real tokens.
-        ``starts``: see :meth:`real_tokens`."""
-        if starts is None and start >= self.sink_end or not self.sink_tokens:
-            return None
-        first = self.row_start if starts is None else starts
-        slot = torch.arange(start, end, device=self.device)[None, :] - first[:, None]
-        rows, offs = ((slot >= 0) & (slot < self.sink_tokens)).nonzero(as_tuple=True)
-        return rows, offs, slot[rows, offs]
-
-    def _keep_sinks(self, keys: torch.Tensor, values: torch.Tensor, past: int) -> None:
-        if self.sink_k is None:
-            shape = (self.batch, self.num_heads, self.sink_tokens, self.head_dim)
-            self.sink_k = torch.zeros(shape, dtype=self.dense_dtype, device=self.device)
-            self.sink_v = torch.zeros_like(self.sink_k)
-        sel = self.sink_slots(past, past + keys.shape[2])
-        if sel is not None:
-            rows, offs, slots = sel
-            self.sink_k[rows, :, slots] = keys[rows, :, offs].to(self.dense_dtype)
-            self.sink_v[rows, :, slots] = values[rows, :, offs].to(self.dense_dtype)
-
-    def _mask_sinks(
-        self, keys: torch.Tensor, values: torch.Tensor, pos: int, copy: bool, starts: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunk at ``pos`` with its sink rows (read from the sink buffer, never from the pool) masked:
-        zeroed, or with ``copy`` replaced by the row's first real non-sink token of the chunk (zeros when
-        the chunk has none). ``starts``: see :meth:`real_tokens`.
-
-        Per-channel (``int*-channel``) blocks take ``copy``: a copy of a token quantized anyway widens
-        no channel's min / max, while a zero row widens every per-channel range of a key with a large
-        offset (q/k/v bias) in the sinks' block. Other quantizers take zeros: a zero row widens no
-        per-token or static scale, and counts as no clipped value."""
-        sel = self.sink_slots(pos, pos + keys.shape[2], starts)
-        if sel is None:
-            return keys, values
-        rows, offs, _ = sel
-        keys, values = keys.clone(), values.clone()
-        if copy:
-            keep = self.real_tokens(pos, pos + keys.shape[2], starts)
-            keep[rows, offs] = False
-            src = keep.to(torch.uint8).argmax(dim=1)[rows]  # first kept token of each sink's row
-            has = keep.any(dim=1)[rows][:, None, None]
-            keys[rows, :, offs] = torch.where(has, keys[rows, :, src], 0)
-            values[rows, :, offs] = torch.where(has, values[rows, :, src], 0)
-        else:
-            keys[rows, :, offs] = 0
-            values[rows, :, offs] = 0
-        return keys, values
+    def _heavy_first(self) -> torch.Tensor:
+        """``[B]``: each row's first position a heavy row may be picked at (past its pads and sinks)."""
+        return self.starts.row_start + self.sink_tokens
 
     def _write_pool(
         self, keys: torch.Tensor, values: torch.Tensor, pos: int, scores: HeavyScores | None = None,
@@ -1042,286 +409,38 @@ class LayerStore(LaneLayer, OffloadedStore):
     ) -> None:
         """Quantize a chunk into the pool at ``pos`` (sink rows masked: they are read from the sink buffer).
         ``scores``: ``(first position, key scores [B, H, T], limit)`` of the append, to pick heavy rows by (see
-        :meth:`_pick_heavy`). ``slots``: the chunk holds slots ``[pos, pos + T)`` of per-row block grids
-        (:attr:`shift`), not positions."""
+        :meth:`Refinement.pick_heavy`). ``slots``: the chunk holds slots ``[pos, pos + T)`` of per-row block grids
+        (:mod:`kvquant.grid`), not positions."""
         if self.lanes:
-            if self._lane_overwrite and pos == self.cache_pos and keys.shape[2] == 1 and pos >= self.sink_end:
-                self._lane_overwrite = False  # grow_lanes' token: overwrite() writes every head at its slot
+            sinks_done = pos >= self.starts.sink_end
+            if self.lanes.overwrite_pending and pos == self.cache_pos and keys.shape[2] == 1 and sinks_done:
+                self.lanes.overwrite_pending = False  # grow_lanes' token: overwrite() writes every head at its slot
                 self.q_end = pos + 1
                 return
-            self._write_lanes(*self._mask_sinks(keys, values, pos, False), pos)
+            self.lanes.write(*self.starts.mask_sinks(keys, values, pos, False), pos)
             return
-        starts = self._slot_starts() if slots else None
-        masked = {c: self._mask_sinks(keys, values, pos, c, starts) for c in {g.per_block for g in self.groups}}
-        real = self.real_tokens(pos, pos + keys.shape[2], starts) if pos < self.pad_end or slots else None
+        starts = self.grid.slot_starts(self.starts.row_start) if slots and self.grid else None
+        masked = {c: self.starts.mask_sinks(keys, values, pos, c, starts) for c in {g.per_block for g in self.groups}}
+        real = self.starts.real_tokens(pos, pos + keys.shape[2], starts) if pos < self.starts.pad_end or slots else None
         quantized = []  # every group quantized (which may raise) before any block or table changes
         for g in self.groups:
             gk, gv = masked[g.per_block]
             k = gk if g.all_heads else gk.index_select(1, g.head_index)
             v = gv if g.all_heads else gv.index_select(1, g.head_index)
             quantized.append(quantize_pair(g.key, g.value, k, v, self.config.check_finite, real))
-        plan = self._place(*next(iter(masked.values())), pos)  # rows that differ only in sinks share blocks
+        plan, changed, moved = place(self.tables, self.blocks, *next(iter(masked.values())), pos, self.has_block_parts,
+                                     self.per_block, self.device)  # (rows that differ only in sinks share blocks)
+        self.bytes_moved += moved
+        if changed:
+            self._table_cache = None
         for g, (qk, qv) in zip(self.groups, quantized, strict=True):
             g.key.commit(qk, plan)
             g.value.commit(qv, plan)
-        if self.ladder_tokens:
-            self._push_ladder(masked, quantized, pos)
-        if scores is not None and not self.heavy:
-            self._pick_heavy(masked, quantized, pos, scores)
+        if self.refine.ladder_tokens:
+            self.refine.push(self.groups, masked, quantized, pos, self.q_end)
+        if scores is not None and not self.refine.heavy:
+            self.refine.pick_heavy(self.groups, masked, quantized, pos, scores, self._heavy_first())
         self.q_end = pos + keys.shape[2]
-
-    def _heavy_range(self, pos: int, t: int, scores: HeavyScores) -> tuple[int, int]:
-        """The positions ``[lo, hi)`` among a pool write of ``t`` rows at ``pos`` that heavy rows are picked from:
-        scored ones, below the rows the ladder holds after the scored chunk's own write (``limit``: where that write
-        ends; None: this one)."""
-        s0, sc, limit = scores
-        end = pos + t if limit is None else min(pos + t, limit)
-        return max(pos, s0), min(end, s0 + sc.shape[2], end - self.ladder_tokens)
-
-    def _heavy_picks(self, lo: int, hi: int, scores: HeavyScores) -> torch.Tensor:
-        """Per (row, KV head), the ``heavy_tokens`` positions ``[lo, hi)`` of highest score, as offsets from ``lo``
-        ``[B, H, n]`` (-1: none), pads and sinks excepted."""
-        s0, sc, _ = scores
-        p = torch.arange(lo, hi, device=self.device)
-        eligible = p[None, :] >= (self.row_start + self.sink_tokens)[:, None]  # [B, t]: not a pad, not a sink
-        return pick_rows(sc[:, :, lo - s0:hi - s0].to(self.device), eligible, self.heavy_tokens)
-
-    def _pick_heavy(self, masked: dict, quantized: list, pos: int, scores: HeavyScores) -> None:
-        """Pick the heavy rows among the chunk just written at ``pos`` (:mod:`kvquant.heavy`): per (row, KV head),
-        the ``heavy_tokens`` rows of highest score, sinks and the rows the ladder holds after the scored chunk's
-        write excepted (:meth:`_heavy_range`), and keep their first-rung refinement parts."""
-        t = next(iter(masked.values()))[0].shape[2]
-        lo, hi = self._heavy_range(pos, t, scores)
-        if hi <= lo:
-            return
-        idx = self._heavy_picks(lo, hi, scores)  # [B, H, n]
-        heavy = []
-        for g, q_kv in zip(self.groups, quantized, strict=True):
-            gidx = idx if g.all_heads else idx.index_select(1, g.head_index)
-            rel = torch.where(gidx >= 0, gidx + (lo - pos), -1)  # rows of the chunk
-            sides = []
-            for s, x, q in zip((g.key, g.value), masked[g.per_block], q_kv, strict=True):
-                if not s.quantizer.rung_parts(1):
-                    sides.append(None)
-                    continue
-                x = take_rows(x if g.all_heads else x.index_select(1, g.head_index), rel)
-                sides.append(s.quantizer.refine(x, s.state, {n: take_rows(v, rel) for n, v in q.parts.items()}))
-            at = None if all(x is None for x in sides) else torch.where(gidx >= 0, gidx + lo, -1).to(position_dtype(hi))
-            heavy.append((at, sides[0], sides[1]))
-        self.heavy = heavy
-
-    def heavy_rows(
-        self, group: HeadGroup, base: bool = False
-    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """``group``'s heavy rows (:mod:`kvquant.heavy`): their positions ``[B, Hg, n]`` (-1: none; None: the group
-        holds none) and, per side (K, V), their refined decode (float32, the space the attention reads; None: a side
-        without refinement) and, with ``base``, their base decode (what the pool's codes read; else None). Each
-        side's parts are gathered from the blocks once."""
-        at, kr, vr = self.heavy[group.key.group]
-        refined: list[torch.Tensor | None] = [None, None]
-        based: list[torch.Tensor | None] = [None, None]
-        if at is None:
-            return None, refined, based
-        tbl = self.table()
-        for i, (s, r) in enumerate(((group.key, kr), (group.value, vr))):
-            if r is None and not base:
-                continue
-            parts = gather_parts(s.parts, tbl, at)
-            if r is not None:
-                refined[i] = s.quantizer.decode_refined(parts, r, s.state).float()
-            if base:
-                based[i] = s.decode(parts)
-        return at, refined, based
-
-    def _put_heavy(self, group: HeadGroup, start: int, end: int, k: Any, v: Any) -> tuple[Any, Any]:
-        """``k``, ``v`` (tokens ``[start, end)`` of ``group``'s pool: tensors ``[B, Hg, t, D]`` or dense
-        :class:`Factored`) with the group's heavy rows among them read refined."""
-        at, rows, _ = self.heavy_rows(group)
-        out = []
-        for x, r in zip((k, v), rows, strict=True):
-            if r is not None:
-                x = Factored(put_rows(x.codes, r, at, start, end)) if isinstance(x, Factored) else \
-                    put_rows(x, r, at, start, end)
-            out.append(x)
-        return out[0], out[1]
-
-    def _push_ladder(self, masked: dict, quantized: list, pos: int) -> None:
-        """Add the refinement parts of the chunk just written at ``pos`` to the ladder's rings and keep their newest
-        ``ladder_tokens`` (``ladder2_tokens``) rows: the rings cover ``[q_end - ladder_n, q_end)`` and
-        ``[q_end - ladder2_n, q_end)``."""
-        if pos != self.q_end:  # (not a suffix of the pool: start the rings again)
-            self.clear_ladder()
-        none = [(None, None)] * len(self.groups)
-        ring1, ring2 = [], []
-        for g, (qk, qv), old1, old2 in zip(self.groups, quantized, self.ladder or none, self.ladder2 or none,
-                                           strict=True):  # fmt: skip
-            gk, gv = masked[g.per_block]
-            p1, p2 = [], []
-            for s, x, q, prev1, prev2 in zip((g.key, g.value), (gk, gv), (qk, qv), old1, old2, strict=True):
-                if not s.quantizer.rung_parts(1):
-                    p1.append(None)
-                    p2.append(None)
-                    continue
-                x = x if g.all_heads else x.index_select(1, g.head_index)
-                t0 = max(0, x.shape[2] - self.ladder_tokens)  # only the rows the ring keeps (a long prefill)
-                x, parts = x[:, :, t0:], _rows(q.parts, t0)
-                r = s.quantizer.refine(x, s.state, parts)
-                p1.append(_ring_push(prev1 if self.ladder_n else None, r, self.ladder_tokens))
-                if not (self.ladder2_tokens and s.quantizer.rung_parts(2)):
-                    p2.append(None)
-                    continue
-                t2 = max(0, x.shape[2] - self.ladder2_tokens)
-                r2 = s.quantizer.refine2(x[:, :, t2:], s.state, _rows(parts, t2), _rows(r, t2))
-                p2.append(_ring_push(prev2 if self.ladder2_n else None, r2, self.ladder2_tokens))
-            ring1.append((p1[0], p1[1]))
-            ring2.append((p2[0], p2[1]))
-        t = next(iter(masked.values()))[0].shape[2]
-        self.ladder = ring1
-        self.ladder_n = min(self.ladder_tokens, self.ladder_n + t)
-        if self.ladder2_tokens:
-            self.ladder2 = ring2
-            self.ladder2_n = min(self.ladder2_tokens, self.ladder2_n + t)
-
-    def clear_ladder(self) -> None:
-        """Drop the ladder's refinement rows (the pool's tokens then read at their base width)."""
-        self.ladder, self.ladder_n = [], 0
-        self.ladder2, self.ladder2_n = [], 0
-
-    def _map_rings(self, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
-        """Apply ``fn(tensor, rung)`` to every tensor of the ladder's rings (rung 1 or 2), replacing them."""
-        for rung in (1, 2):
-            rings = self.ladder if rung == 1 else self.ladder2
-            new = [tuple(None if r is None else {n: fn(t, rung) for n, t in r.items()} for r in pair) for pair in rings]
-            if rung == 1:
-                self.ladder = new
-            else:
-                self.ladder2 = new
-
-    def _ring_parts(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
-        """``(kind, parts)`` of every ring entry held (kind: ``keys`` / ``values``), both rungs."""
-        return [(kind, r) for pair in (*self.ladder, *self.ladder2)
-                for kind, r in zip(("keys", "values"), pair, strict=True) if r is not None]  # fmt: skip
-
-    def _read_ladder(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """K and V of ``group``'s young pool tokens ``[start, end)`` (inside the ladder's ring) decoded with their
-        refinement bits, float32 head space ``[B, Hg, t, D]`` (None: that side is read at its base width); rows
-        inside the second rung's ring ``[q_end - ladder2_n, q_end)`` with both rungs."""
-        gi = group.key.group  # (the index of the group in self.groups)
-        bs = self.block_size
-        j0, j1 = start // bs, -(-end // bs)
-        tbl = self.table()[:, j0:j1]
-        off = start - (self.q_end - self.ladder_n)
-        b2 = max(start, self.q_end - self.ladder2_n)  # the first row with a second rung (end: none)
-        rings2 = self.ladder2[gi] if self.ladder2_n and b2 < end else (None, None)
-        out = []
-        for s, ring, ring2 in zip((group.key, group.value), self.ladder[gi], rings2, strict=True):
-            if ring is None:
-                out.append(None)
-                continue
-            parts = s._window(tbl, start - j0 * bs, end - start, None, None)
-            rp = {n: t[:, :, off:off + end - start] for n, t in ring.items()}
-            y = s.quantizer.decode_refined(parts, rp, s.state).float()
-            if ring2 is not None:  # the youngest rows: through the second rung too
-                a, o2 = b2 - start, b2 - (self.q_end - self.ladder2_n)
-                r2 = {n: t[:, :, o2:o2 + end - b2] for n, t in ring2.items()}
-                y2 = s.quantizer.add_rung2(y[:, :, a:], _rows(parts, a), _rows(rp, a), r2, s.state).float()
-                y = torch.cat([y[:, :, :a], y2], dim=2)
-            out.append(y)
-        return out[0], out[1]
-
-    def _place(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> WritePlan:
-        """Choose a block for every (row, block) a write at ``pos`` touches, and update the tables.
-
-        Rows whose tables agree up to a block and whose new tokens for it are equal share one block
-        (beam search's identical prompts: written once). A shared partial block is copied before it
-        is written (copy-on-write); a block held only by the writing rows is written in place. All
-        blocks are reserved before any table changes, so :class:`KVCacheFull` leaves everything as it was.
-        """
-        bs, T = self.block_size, keys.shape[2]
-        if T == 1 and self.batch == 1 and not self.has_block_parts:  # decode of one sequence ...
-            t, j = self.tables[0], pos // bs
-            if j < len(t) and t[j] >= 0 and self.blocks.refs[t[j]] == 1:  # ... into its own partial block
-                return WritePlan.one(0, 0, t[j], pos - j * bs)
-        end = pos + T
-        j0, j1 = pos // bs, -(-end // bs)
-        if self.per_block and (pos % bs or T % bs):
-            raise AssertionError("per-channel quantizers write whole, aligned blocks")
-        # 1) classes of rows per block: same table prefix (and block), same new tokens
-        work = []  # (j, a, c, existing block or -1, [rows], in_place)
-        new = 0
-        for j in range(j0, j1):
-            a, c = max(pos, j * bs) - pos, min(end, (j + 1) * bs) - pos
-            by_prefix: dict[tuple[int, ...], list[int]] = {}
-            if self.batch == 1:  # nothing to share with
-                t = self.tables[0]
-                by_prefix[(t[j] if j < len(t) else -1,)] = [0]
-            for b in range(self.batch if self.batch > 1 else 0):
-                t = self.tables[b]
-                key = tuple(t[:j + 1]) if j < len(t) else (*t[:j], -1)
-                by_prefix.setdefault(key, []).append(b)
-            for key, rows in by_prefix.items():
-                existing = key[-1]
-                classes: list[list[int]] = []
-                for b in rows:
-                    for cls in classes:
-                        r = cls[0]
-                        same = torch.equal(keys[b, :, a:c], keys[r, :, a:c])
-                        if same and torch.equal(values[b, :, a:c], values[r, :, a:c]):
-                            cls.append(b)
-                            break
-                    else:
-                        classes.append([b])
-                for i, cls in enumerate(classes):
-                    in_place = existing >= 0 and i == 0 and self.blocks.refs[existing] == len(rows)
-                    new += not in_place
-                    work.append((j, a, c, existing, cls, in_place))
-        self.blocks.ensure_free(new)  # may raise KVCacheFull: nothing changed yet
-        # 2) allocate / copy, update the tables, and list the scatter
-        src_b, src_t, dst_blk, dst_off, bsrc_b, bsrc_j, bdst = [], [], [], [], [], [], []
-        changed = False
-        for j, a, c, existing, cls, in_place in work:
-            if in_place:
-                bid = existing
-            elif existing >= 0:
-                bid = self.blocks.copy(existing, refs=len(cls))
-                self.blocks.decref([existing] * len(cls))
-                self.bytes_moved += self.blocks.bytes_per_block
-            else:
-                bid = self.blocks.allocate(refs=len(cls))
-            for b in cls:
-                t = self.tables[b]
-                if j < len(t):
-                    changed |= t[j] != bid
-                    t[j] = bid
-                else:
-                    t.append(bid)
-                    changed = True
-            r = cls[0]
-            n = c - a
-            src_b += [r] * n
-            src_t += range(a, c)
-            dst_blk += [bid] * n
-            dst_off += range(pos + a - j * bs, pos + c - j * bs)
-            if n == bs:
-                bsrc_b.append(r)
-                bsrc_j.append(j - j0)
-                bdst.append(bid)
-        if changed:
-            self._table_cache = None
-        if len(src_b) == 1 and not bdst:  # one token of one row (decode): basic indexing, no index tensors
-            return WritePlan.one(src_b[0], src_t[0], dst_blk[0], dst_off[0])
-        tok = torch.tensor([src_b, src_t, dst_blk, dst_off], dtype=torch.long).to(self.device)
-        if self.has_block_parts and bdst:
-            blk = torch.tensor([bsrc_b, bsrc_j, bdst], dtype=torch.long).to(self.device)
-        else:
-            blk = torch.empty((3, 0), dtype=torch.long, device=self.device)
-        return WritePlan(tok[0], tok[1], tok[2], tok[3], blk[0], blk[1], blk[2])
-
-    def _incref(self, ids: list[int]) -> None:
-        (self.blocks.incref_lanes if self.lanes else self.blocks.incref)(ids)
-
-    def _decref(self, ids: list[int]) -> None:
-        (self.blocks.decref_lanes if self.lanes else self.blocks.decref)(ids)
 
     def release_window(self) -> None:
         """Sliding window: release the blocks no later query can see.
@@ -1332,36 +451,26 @@ class LayerStore(LaneLayer, OffloadedStore):
         if self.window is None:
             return
         dead = min(self.cache_pos - self.window + 1, self.q_end) // self.block_size
-        if dead <= self.first_live:
-            return
-        for t in self.tables:
-            self.blocks.decref(t[self.first_live:dead])
-            t[self.first_live:dead] = [-1] * (dead - self.first_live)
-        self.first_live = dead
-        self._table_cache = None
+        if dead > self.first_live:
+            release_blocks(self.tables, self.blocks, self.first_live, dead)
+            self.first_live = dead
+            self._table_cache = None
 
     def _append_residual(self, keys: torch.Tensor, values: torch.Tensor, scores: HeavyScores | None = None) -> None:
         """Residual mode: keep the newest tokens dense; quantize whole blocks beyond ``residual_tokens``
         (``scores``: see :meth:`_write_pool`)."""
         if self.lanes:  # each head its own tail (kvquant.lanes)
-            self._append_tails(keys, values)
+            self.lanes.append_tails(keys, values)
             return
-        if self.shift is not None:  # each row's own block grid
+        if self.grid is not None:  # each row's own block grid
             self._append_shifted(keys, values)
             return
-        dk, dv = keys.to(self.dense_dtype), values.to(self.dense_dtype)
-        if self.res_k is not None and self.res_k.shape[2]:
-            dk = torch.cat([self.res_k, dk], dim=2)  # bounded: the residual holds < R + block tokens
-            dv = torch.cat([self.res_v, dv], dim=2)
-        pending = dk.shape[2]
-        flush = (pending - self.residual_tokens) // self.residual_step * self.residual_step
-        if self.per_row_flush:  # the pool ends at the earliest row's own flush point (see per_row_flush)
-            flush = min(self.row_pool_ends(self.q_end + pending)) - self.q_end
-            self._held_cache = {} if flush > 0 else self._held_cache  # (held_rows: the residual shifts)
+        dk, dv, flush = self.dense.append_residual(keys, values, self.q_end, self.starts)
         if flush > 0:
             # tokens reach the pool through the residual buffer's dtype (exact for 16-bit models)
             self._write_pool(dk[:, :, :flush].to(keys.dtype), dv[:, :, :flush].to(values.dtype), self.q_end, scores)
-        self.res_k, self.res_v = dk[:, :, max(flush, 0):].contiguous(), dv[:, :, max(flush, 0):].contiguous()
+        keep = max(flush, 0)
+        self.dense.res_k, self.dense.res_v = dk[:, :, keep:].contiguous(), dv[:, :, keep:].contiguous()
 
     def fake_quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize-then-dequantize ``keys/values[B, H, T, D]`` without storing them (``simulated`` protocol).
@@ -1371,128 +480,23 @@ class LayerStore(LaneLayer, OffloadedStore):
         """
         if self.cache_pos == 0:
             self._set_row_start(None)
-        if self.center_keys and self.key_mean is None:
-            self._set_key_mean(keys, self.cache_pos)
-        ks, vs = self.to_storage_space(keys, values)
-        if not self.calibrated:
-            self._calibrate(ks, vs, self.cache_pos)
-        k_out, v_out = torch.empty_like(ks), torch.empty_like(vs)
-        for g in self.groups:
-            for src, dst, s in ((ks, k_out, g.key), (vs, v_out, g.value)):
-                x = src if g.all_heads else src.index_select(1, g.head_index)
-                y = s.quantizer.dequantize(s.quantizer.quantize(x, s.state), s.state, src.dtype)
-                dst[:, g.head_index] = y
-        sel = self.sink_slots(self.cache_pos, self.cache_pos + ks.shape[2])
+        if self.space.center_keys and self.space.key_mean is None:
+            self.space.fix_key_mean(keys, self.starts.fit_tokens(self.cache_pos, keys.shape[2]))
+        ks, vs = self.space.to_storage(keys, values)
+        if not self.dense.calibrated:
+            self.dense.calibrate(self.groups, ks, vs, self.cache_pos, self.starts)
+        k_out, v_out = fake_quantize_groups(self.groups, ks, vs)
+        sel = self.starts.sink_slots(self.cache_pos, self.cache_pos + ks.shape[2])
         if sel is not None:
             rows, offs, _ = sel
             k_out[rows, :, offs], v_out[rows, :, offs] = ks[rows, :, offs], vs[rows, :, offs]
         self.cache_pos += ks.shape[2]
-        k_out = fwht(k_out) if self.rotate_keys else k_out
-        v_out = fwht(v_out) if self.rotate_values else v_out
-        if self.key_mean is not None:
-            k_out = (k_out.float() + self.key_mean).to(k_out.dtype)
-        return k_out, v_out
-
-    def _calibrate(self, keys: torch.Tensor, values: torch.Tensor, past: int, rows: torch.Tensor | None = None) -> None:
-        """Set the static scales per (sequence, KV head), from a scales file or from the chunk ``keys/values``
-        at ``past`` (``rows[B]``: only those rows', the others keep theirs; None: every row).
-
-        Each row's scale comes from its own real tokens: never from batch-mates or left padding. Sink
-        tokens (read in full precision) are left out of the max when the chunk has other tokens.
-        """
-        use = self.real_tokens(past, past + keys.shape[2])  # data-fitted state (codebook): real, non-sink tokens
-        if self._static_amax is not None:
-            k_amax = self._static_amax["key"].to(self.device).expand(self.batch, -1)
-            v_amax = self._static_amax["value"].to(self.device).expand(self.batch, -1)
-        else:
-            use = self.fit_tokens(past, keys.shape[2])
-            k_amax = safe_amax(row_amax(keys, use))
-            v_amax = safe_amax(row_amax(values, use))
-        fitted_states = []  # every group's K and V state, checked before any store changes
-        for g in self.groups:
-            ka, va = k_amax[:, g.head_index], v_amax[:, g.head_index]
-            both_int8 = g.key.quantizer.name == g.value.quantizer.name == "int8"
-            if both_int8 and self.config.share_kv_scale:
-                ka = va = torch.maximum(ka, va)
-            for s, x, amax in ((g.key, keys, ka), (g.value, values, va)):
-                fitted = s.quantizer.fit(self._group_rows(x, g), use) if s.quantizer.space else None
-                state = fitted if fitted is not None else s.quantizer.calibrate(amax)
-                mine = state if rows is None else {n: t[rows.to(t.device)] if s.quantizer.per_sequence(n, t) else t
-                                                   for n, t in state.items()}  # (the rows fitted now)
-                if not stored_finite(mine):
-                    raise StoredOverflow(
-                        f"headroom: {self.config.headroom!r} times the calibrated max overflows the static "
-                        f"{s.quantizer.name} scale (float32)"
-                    )
-                fitted_states.append((s, state))
-        for s, state in fitted_states:
-            s.state = state if rows is None or not s.state else merge_rows(s.quantizer, s.state, state, rows)
-        if rows is not None:
-            self.calibrated_rows = [a or b for a, b in zip(self.calibrated_rows, rows.tolist(), strict=True)]
-        else:
-            self.calibrated_rows = [True] * self.batch
-        self.calibrated = all(self.calibrated_rows)
-
-    # ---------------------------------------------------------------- head spaces (codebook heads)
-    @staticmethod
-    def _group_rows(x: torch.Tensor, group: HeadGroup) -> torch.Tensor:
-        return x if group.all_heads else x.index_select(1, group.head_index)
+        return self.space.from_storage(k_out, v_out)
 
     @property
     def has_head_space(self) -> bool:
-        """True when some head's K or V is read in a rotated head space (codebook quantizers; once fitted:
-        while calibration is deferred every token is held dense, in storage space)."""
-        return self.calibrated and any(g.key.quantizer.space or g.value.quantizer.space for g in self.groups)
-
-    @property
-    def centered_keys(self) -> bool:
-        """True when some head's keys are stored with a per-channel mean removed (codebook quantizers)."""
-        return any(g.key.quantizer.space and getattr(g.key.quantizer, "center", False) for g in self.groups)
-
-    def _map_heads(self, x: torch.Tensor, side: str, method: str) -> torch.Tensor:
-        """Apply the ``side`` (``key``/``value``) quantizer's ``method`` (``to_space``, ...) to the heads of
-        ``x[B, Hkv, ...]`` whose K/V has a head space; other heads are returned unchanged."""
-        out = x
-        for g in self.groups:
-            s = getattr(g, side)
-            if not s.quantizer.space:
-                continue
-            y = getattr(s.quantizer, method)(self._group_rows(x, g), s.state).to(x.dtype)
-            if g.all_heads:
-                return y
-            out = x.clone() if out is x else out
-            out.index_copy_(1, g.head_index, y)
-        return out
-
-    def kv_to_head_space(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full-precision ``keys/values[B, Hkv, T, D]`` (storage space) -> each head's K / V space."""
-        return self._map_heads(keys, "key", "to_space"), self._map_heads(values, "value", "to_space")
-
-    def kv_from_head_space(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inverse of :meth:`kv_to_head_space` (tests and debugging)."""
-        return self._map_heads(keys, "key", "from_space"), self._map_heads(values, "value", "from_space")
-
-    def query_to_head_space(self, query: torch.Tensor) -> torch.Tensor:
-        """Queries ``[B, Hq, T, D]`` -> each KV head's key space (rotated once per step, never the keys)."""
-        B, Hq, T, D = query.shape
-        q5 = query.reshape(B, self.num_heads, Hq // self.num_heads, T, D)
-        return self._map_heads(q5, "key", "query_to_space").reshape(B, Hq, T, D)
-
-    def output_from_head_space(self, out: torch.Tensor) -> torch.Tensor:
-        """Attention output ``[B, Hq, T, D]`` in each head's value space -> storage space (once per step)."""
-        B, Hq, T, D = out.shape
-        o5 = out.reshape(B, self.num_heads, Hq // self.num_heads, T, D)
-        return self._map_heads(o5, "value", "from_space").reshape(B, Hq, T, D)
-
-    def _dense_to_group_space(
-        self, group: HeadGroup, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full-precision rows of ``group`` -> its head space (float32)."""
-        if not self.calibrated:
-            return k.float(), v.float()
-        k = group.key.quantizer.to_space(k, group.key.state) if group.key.quantizer.space else k.float()
-        v = group.value.quantizer.to_space(v, group.value.state) if group.value.quantizer.space else v.float()
-        return k, v
+        """True when some head's K or V is read in a rotated head space (:func:`kvquant.space.has_head_space`)."""
+        return has_head_space(self.groups, self.dense.calibrated)
 
     # ---------------------------------------------------------------- reading (storage space)
     def tiles(self, past_len: int, size: int) -> list[tuple[int, int]]:
@@ -1511,22 +515,23 @@ class LayerStore(LaneLayer, OffloadedStore):
             k2, v2 = self.read(group, self.q_end, end)
             return torch.cat([k1, k2], dim=2), torch.cat([v1, v2], dim=2)
         if start >= self.q_end and self.tail_lanes:  # each head's lanes, then its own tail
-            return self._read_tails(group, start, end)
-        if start >= self.q_end and self.shift is not None:  # per-row block grids: see _read_shifted
+            return self.lanes.read_tails(group, start, end)
+        if start >= self.q_end and self.grid is not None:  # per-row block grids: see _read_shifted
             return self._read_shifted(group, start, end)
         if start >= self.q_end:  # residual buffer (dense)
-            if self.reads_held:  # some rows fitted, a batch-mate not yet, or past their own flush: see held_rows
-                return self._dense_to_group_space(group, *self.held_rows(group, start, end))  # (as the residual)
+            if self._reads_held():  # some rows fitted, a batch-mate not yet, or past their own flush: as the residual
+                return dense_to_group_space(group, *self._held_rows(group, start, end), self.dense.calibrated)
             a, b = start - self.q_end, end - self.q_end
-            k, v = self.res_k[:, :, a:b], self.res_v[:, :, a:b]
-            return self._dense_to_group_space(group, self._group_rows(k, group), self._group_rows(v, group))
-        return self._read_quantized(group, start, end)
+            k, v = self.dense.res_k[:, :, a:b], self.dense.res_v[:, :, a:b]
+            return dense_to_group_space(group, group_rows(k, group), group_rows(v, group), self.dense.calibrated)
+        return self.read_quantized(group, start, end)
 
-    def _read_quantized(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_quantized(self, group: HeadGroup, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``group``'s pool tokens ``[start, end)`` (:meth:`read_pool`), sink rows from the sink buffer."""
-        a = max(start, self.q_end - self.ladder_n)  # (end <= q_end: read() splits at it)
-        if self.ladder_n and a < end:  # the ladder's young rows, refined (each row decoded once)
-            rk, rv = self._read_ladder(group, a, end)
+        ladder_n = self.refine.ladder_n
+        a = max(start, self.q_end - ladder_n)  # (end <= q_end: read() splits at it)
+        if ladder_n and a < end:  # the ladder's young rows, refined (each row decoded once)
+            rk, rv = self.refine.read_ladder(group, a, end, self.table(), self.q_end)
             if rk is None or rv is None:  # a side without refinement: its base rows
                 bk, bv = self.read_pool(group, a, end)
                 rk, rv = bk if rk is None else rk, bv if rv is None else rv
@@ -1537,14 +542,9 @@ class LayerStore(LaneLayer, OffloadedStore):
                 k, v = rk, rv
         else:
             k, v = self.read_pool(group, start, end)
-        if self.sink_k is not None and start < self.sink_end:
-            # each row's sink tokens from the sink buffer, selected on the device (no host synchronisation)
-            slot = torch.arange(start, end, device=self.device)[None, :] - self.row_start[:, None]  # [B, t]
-            is_sink = ((slot >= 0) & (slot < self.sink_tokens))[:, None, :, None]
-            idx = slot.clamp(0, self.sink_tokens - 1)
-            rows = torch.arange(self.batch, device=self.device)[:, None]
-            sk, sv = self.sink_k[rows, :, idx].transpose(1, 2), self.sink_v[rows, :, idx].transpose(1, 2)
-            sk, sv = self._dense_to_group_space(group, self._group_rows(sk, group), self._group_rows(sv, group))
+        if self.dense.sink_k is not None and start < self.starts.sink_end:  # each row's sinks from the sink buffer
+            is_sink, sk, sv = self.dense.sink_rows(start, end, self.starts.row_start)
+            sk, sv = dense_to_group_space(group, group_rows(sk, group), group_rows(sv, group), self.dense.calibrated)
             k, v = torch.where(is_sink, sk.float(), k), torch.where(is_sink, sv.float(), v)
         return k, v
 
@@ -1553,14 +553,7 @@ class LayerStore(LaneLayer, OffloadedStore):
         missing entries point at block 0: they are never visible). Lanes: the lane ids of every (row, head),
         ``[B, H, max_lanes]`` (missing entries point at the head's first lane: never visible)."""
         if self._table_cache is None and self.lanes:
-            width = self._table_width()
-            rows = []
-            for i, t in enumerate(self.tables):
-                pad = t[0] if t else self.lane_offset[self.head_lane[i % self.num_heads][0]]
-                rows.append(t + [pad] * (width - len(t)))
-            self._table_cache = torch.tensor(rows, dtype=torch.long, device=self.device).view(
-                self.batch, self.num_heads, width)
-            self._lane_runs = [self._lane_run(gi) for gi in range(len(self.groups))]
+            self._table_cache = self.lanes.table(self._table_width())
         if self._table_cache is None:
             width = self._table_width()
             rows = [[max(b, 0) for b in t] + [0] * (width - len(t)) for t in self.tables]
@@ -1573,17 +566,18 @@ class LayerStore(LaneLayer, OffloadedStore):
         scales queries or probabilities, not the history), sink and residual tokens dequantized. Same values
         as :meth:`read`."""
         pieces = []
-        pool_end = min(end, self.lane_top(group) if self.tail_lanes else self.q_end)  # (tails: see kvquant.lanes)
-        pool_end = min(pool_end, self.q_end - self.ladder_n)  # the ladder's young rows: read() refines them
+        lanes_end = self.lanes.lane_top(group) if self.lanes and self.tail_lanes else self.q_end  # (kvquant.lanes)
+        pool_end = min(end, lanes_end)
+        pool_end = min(pool_end, self.q_end - self.refine.ladder_n)  # the ladder's young rows: read() refines them
         a = start
-        if a < pool_end and self.sink_k is not None and a < self.sink_end:  # sink rows: read() merges them
-            b = min(pool_end, -(-self.sink_end // self.block_size) * self.block_size)
+        if a < pool_end and self.dense.sink_k is not None and a < self.starts.sink_end:  # sink rows: read() merges them
+            b = min(pool_end, -(-self.starts.sink_end // self.block_size) * self.block_size)
             k, v = self.read(group, a, b)
             pieces.append((a, b, Factored(k), Factored(v)))
             a = b
         if a < pool_end:  # (offloaded blocks: read_pool stages them, as for read)
             if self.tail_lanes and pool_end > self.q_end:  # heads whose lanes end sooner: their tails merged in
-                pieces.append((a, pool_end, *self._factored_tails(group, a, pool_end)))
+                pieces.append((a, pool_end, *self.lanes.factored_tails(group, a, pool_end)))
             else:
                 pieces.append((a, pool_end, *self.read_pool(group, a, pool_end, factored=True)))
             a = pool_end
@@ -1596,23 +590,17 @@ class LayerStore(LaneLayer, OffloadedStore):
         """Dequantized K and V of ``group``'s pool tokens ``[start, end)`` (float32 ``[B, Hg, t, D]``),
         read through the block tables; released blocks read as 0. ``factored``: as :class:`Factored` pieces
         (tokens of released blocks are not read: ``start`` must be at or after the first live block). With per-row
-        block grids (:attr:`shift`) the rows are gathered per row and ``factored`` gives them dequantized."""
-        if self.shift is not None:
-            k, v = self._read_pool_shifted(group, start, end)
+        block grids (:mod:`kvquant.grid`) the rows are gathered per row and ``factored`` gives them dequantized."""
+        if self.grid is not None:
+            k, v = self.grid.read_pool(group, start, end, self.table())
             return (Factored(k), Factored(v)) if factored else (k, v)
         bs = self.block_size
         j0, j1 = start // bs, -(-end // bs)
         run = kparts = vparts = None
-        if self.lanes:  # per-head lanes: (block, head slot) of every (row, head, block)
-            lt = self.table()[:, :, j0:j1]
-            if self._lane_runs[group.key.group] is not None:  # one sequence, lanes laid out as runs: in place
-                run, tbl = self._lane_runs[group.key.group] + j0, lt[:, 0]
-            else:
-                lt = lt if group.all_heads else lt.index_select(1, group.head_index)
-                L = self.blocks.lanes_per_block
-                tbl = (lt // L, lt % L - self.lane_offset[group.key.group])
-        elif self.has_host_blocks(j0, j1):  # offload: the tile staged from the host tier
-            tbl, kparts, vparts = self._fetch_offloaded(group, j0, j1)
+        if self.lanes:  # per-head lanes: (block, head slot) of every (row, head, block), or a run read in place
+            tbl, run = self.lanes.pool_table(group, self.table()[:, :, j0:j1], j0)
+        elif self.host and self.has_host_blocks(j0, j1):  # offload: the tile staged from the host tier
+            tbl, kparts, vparts = self.host.fetch(self.tables, group.key.group, j0, j1, self.q_end, self.device)
         else:
             tbl = self.table()[:, j0:j1]
             if self.batch == 1:  # one row whose blocks are consecutive: read them in place
@@ -1624,11 +612,11 @@ class LayerStore(LaneLayer, OffloadedStore):
                 raise AssertionError("read_pool(factored=True) starts in a released block")
             k = group.key.read_factored(tbl, start - j0 * bs, end - start, run=run, parts=kparts)
             v = group.value.read_factored(tbl, start - j0 * bs, end - start, run=run, parts=vparts)
-            return self._put_heavy(group, start, end, k, v) if self.heavy else (k, v)
+            return self.refine.put_heavy(group, start, end, k, v, self.table()) if self.refine.heavy else (k, v)
         k = group.key.read(tbl, start - j0 * bs, end - start, run=run, parts=kparts)
         v = group.value.read(tbl, start - j0 * bs, end - start, run=run, parts=vparts)
-        if self.heavy:
-            k, v = self._put_heavy(group, start, end, k, v)
+        if self.refine.heavy:
+            k, v = self.refine.put_heavy(group, start, end, k, v, self.table())
         dead = self.first_live * bs - start
         if dead > 0:
             k[:, :, :dead] = 0
@@ -1647,26 +635,16 @@ class LayerStore(LaneLayer, OffloadedStore):
         """
         tokens = self.check_crop(tokens)
         if tokens < self.q_end:
-            if tokens % self.block_size:  # (offload: may raise KVCacheFull, before anything changed)
-                self._bring_back(tokens // self.block_size)
-            if self.ladder_n:  # the rings keep their rows below ``tokens``
-                cut = self.q_end - tokens
-                keep = [0, max(0, self.ladder_n - cut), max(0, self.ladder2_n - cut)]
-                self._map_rings(lambda t, rung: t[:, :, : keep[rung]])
-                self.ladder_n, self.ladder2_n = keep[1], keep[2]
+            # (offload: may raise KVCacheFull, before anything changed)
+            if tokens % self.block_size and self.host and self.host.bring_back(self.tables, tokens // self.block_size,
+                                                                                self.device):  # fmt: skip
+                self._table_cache = None
+            self.refine.crop(tokens, self.q_end)  # (rings keep their rows below ``tokens``, heavy rows theirs)
             self.q_end = tokens
-            self.heavy = [(None if at is None else torch.where(at < tokens, at, -1).to(at.dtype), kr, vr)
-                          for at, kr, vr in self.heavy]  # rows cut off are no longer refined (-1)
             self._truncate(-(-tokens // self.block_size))
-            self.offload_from = min(self.offload_from, tokens // self.block_size)
-        if self.res_k is not None:
-            keep = tokens - self.q_end
-            self.res_k, self.res_v = self.res_k[:, :, :keep], self.res_v[:, :, :keep]
-            if self.exact_k is not None and self.exact_v is not None:
-                self.exact_k, self.exact_v = self.exact_k[:, :, :keep], self.exact_v[:, :, :keep]
-            self._held_cache = {}
-        if self._held_scores is not None and tokens < self._held_scores[2]:  # the scored rows are cut: no picks
-            self._held_scores = None
+            if self.host:
+                self.host.crop(tokens // self.block_size)
+        self.dense.crop(tokens - self.q_end, tokens)
         self.cache_pos = tokens
 
     def check_crop(self, tokens: int) -> int:
@@ -1676,11 +654,8 @@ class LayerStore(LaneLayer, OffloadedStore):
             raise ValueError("crop: this layer evicts tokens (its store holds kept tokens, not a prefix); "
                              "it cannot be cropped")
         tokens = max(0, min(tokens, self.cache_pos))
-        if self.shift is not None and tokens < self._slot_end - min(self.shift):
-            raise ValueError(
-                f"crop: keeping {tokens} tokens would cut a quantized per-channel block of a left-padded row (each "
-                f"row's blocks start at its own first real token); keep at least {self._slot_end - min(self.shift)}"
-            )
+        if self.grid is not None:
+            self.grid.check_crop(tokens)
         if tokens < self.first_live * self.block_size:
             raise ValueError(f"crop: tokens before {self.first_live * self.block_size} left the sliding window")
         if tokens < self.q_end and self.per_block and tokens % self.block_size:
@@ -1693,7 +668,7 @@ class LayerStore(LaneLayer, OffloadedStore):
 
     def _truncate(self, blocks: int) -> None:
         for t in self.tables:
-            self._decref(t[blocks:])
+            self.blocks.decref_entries(t[blocks:], self.lanes is not None)
             del t[blocks:]
         self._table_cache = None
 
@@ -1705,29 +680,20 @@ class LayerStore(LaneLayer, OffloadedStore):
     def reset(self) -> None:
         """Forget all tokens and static scales; the blocks go back to the pool."""
         self.release()
-        self.cache_pos = self.q_end = self.sink_end = self.pad_end = self.offload_from = self._slot_end = 0
-        self.shift = self._shift_t = None
-        self.row_start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
-        self._row_start_host = [0] * self.batch
-        self.calibrated = False
-        self.calibrated_rows = [False] * self.batch
-        self._held_cache = {}
-        self._held_scores = None
-        self.res_k = self.res_v = self.exact_k = self.exact_v = None
-        self.sink_k = self.sink_v = None
-        self.key_mean = None
-        self.clear_ladder()
-        self.heavy = []
+        self.cache_pos = self.q_end = 0
+        if self.host:
+            self.host.reset()
+        self.grid = None
+        self.starts.reset(self.batch)
+        self.dense.reset(self.batch)
+        self.space.reset()
+        self.refine.reset()
         self.slots = None
-        self.slot_real = None
-        self.fill = [[0] * self.num_heads for _ in range(self.batch)]
-        self._set_qfill([[0] * self.num_heads for _ in range(self.batch)])
-        self.cap_host = None
-        self._lane_step = False
+        if self.lanes:
+            self.lanes.reset()
         for g in self.groups:
             for s in (g.key, g.value):
-                s.counts = ClipCounts(s.device)
-                s.state = {}
+                s.reset()
 
     def adopt(self, tables: list[list[int]], tokens: int) -> None:
         """Start from shared whole blocks (prefix reuse): ``tables[b]`` holds ``tokens / block_size`` ids
@@ -1743,29 +709,17 @@ class LayerStore(LaneLayer, OffloadedStore):
         new = _copy.copy(self)
         new.tables = [list(t) for t in self.tables]
         for t in new.tables:
-            self._incref(t)
-        new.fill = [list(r) for r in self.fill]
-        new.qfill = [list(r) for r in self.qfill]
-        new.cap_host = None if self.cap_host is None else [list(r) for r in self.cap_host]
+            self.blocks.incref_entries(t, self.lanes is not None)
+        new.lanes = None if self.lanes is None else self.lanes.copy(new)
         new._table_cache = None
-        new._held_cache = {}
-        new.calibrated_rows = list(self.calibrated_rows)
-        new.prefetcher = None
-        new.groups = []
-        for g in self.groups:
-            kv = []
-            for s in (g.key, g.value):
-                c = _copy.copy(s)
-                c.state = dict(s.state)
-                c.counts = s.counts.copy()
-                kv.append(c)
-            new.groups.append(HeadGroup(g.precision, g.heads, kv[0], kv[1], g.head_index, g.all_heads))
-        for name in ("sink_k", "sink_v", "res_k", "res_v", "exact_k", "exact_v", "key_mean"):
-            t = getattr(self, name)
-            setattr(new, name, None if t is None else t.clone())
+        new.dense = self.dense.copy()
+        new.host = None if self.host is None else self.host.copy()
+        new.groups = copy_groups(self.groups)
+        new.space = self.space.copy()
+        new.starts = self.starts.copy()
+        new.grid = None if self.grid is None else self.grid.copy()
         new.slots = None if self.slots is None else self.slots.copy()
-        new.ladder, new.ladder2 = list(self.ladder), list(self.ladder2)  # (ring tensors are replaced, never in place)
-        new.heavy = list(self.heavy)  # (likewise)
+        new.refine = self.refine.copy()
         return new
 
     def index_batch(self, idx: torch.Tensor) -> None:
@@ -1775,59 +729,40 @@ class LayerStore(LaneLayer, OffloadedStore):
         old = self.tables
         rows = idx.tolist()
         if self.lanes:  # one table per (row, head): rows move with all their heads' tables
-            H = self.num_heads
-            self.tables = [list(old[i * H + h]) for i in rows for h in range(H)]
-            self.fill = [list(self.fill[i]) for i in rows]
-            self._set_qfill([list(self.qfill[i]) for i in rows])
-            if self.cap_host is not None:
-                self.cap_host = [list(self.cap_host[i]) for i in rows]
+            self.tables = self.lanes.index_batch(rows)
         else:
             self.tables = [list(old[i]) for i in rows]
         for t in self.tables:
-            self._incref(t)
+            self.blocks.incref_entries(t, self.lanes is not None)
         for t in old:
-            self._decref(t)
+            self.blocks.decref_entries(t, self.lanes is not None)
         self._table_cache = None
-        if self.prefetcher is not None:
-            self.prefetcher.clear()
+        if self.host:
+            self.host.history_changed()
         idx = idx.to(self.device)
-        for name in ("sink_k", "sink_v", "res_k", "res_v", "exact_k", "exact_v", "key_mean"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.index_select(0, idx))
-        self.row_start = self.row_start.index_select(0, idx)
-        self._row_start_host = [self._row_start_host[i] for i in rows]
-        if self.shift is not None and self._shift_t is not None:  # each row's block grid follows it
-            self.shift, self._shift_t = [self.shift[i] for i in rows], self._shift_t.index_select(0, idx)
-        if self._held_scores is not None:
-            s0, sc, limit = self._held_scores
-            self._held_scores = (s0, sc.index_select(0, idx.to(sc.device)), limit)
-        self.calibrated_rows = [self.calibrated_rows[i] for i in rows]
-        self._held_cache = {}
-        self._map_rings(lambda t, _: t.index_select(0, idx))
-        self.heavy = [tuple(None if x is None else x.index_select(0, idx) if isinstance(x, torch.Tensor)
-                            else {n: t.index_select(0, idx) for n, t in x.items()} for x in h) for h in self.heavy]
+        self.dense.index_batch(idx, rows)
+        self.space.index_batch(idx)
+        self.starts.index_batch(idx, rows)
+        if self.grid is not None:  # each row's block grid follows it
+            self.grid.index_batch(idx, rows)
+        self.refine.index_batch(idx)
         if self.slots is not None:  # each row's own kept tokens (per head) follow it
             self.slots.index_batch(idx)
-        if self.slot_real is not None:
-            self.slot_real = self.slot_real.index_select(0, idx)
-        for g in self.groups:  # per-sequence static state (scales [B, H], codebook means ...) follows its rows
-            for st in (g.key, g.value):
-                q = st.quantizer
-                st.state = {n: t.index_select(0, idx) if q.per_sequence(n, t) else t for n, t in st.state.items()}
-                st.batch = int(idx.numel())
+        index_groups(self.groups, idx)  # per-sequence static state (scales [B, H], codebook means ...) follows
         self.batch = int(idx.numel())
 
     # ---------------------------------------------------------------- accounting
     def block_ids(self) -> list[int]:
         """The distinct live device blocks of all rows (a shared block once; lanes: the blocks holding them)."""
-        if self.lanes:
-            return sorted({e // self.blocks.lanes_per_block for t in self.tables for e in t})
-        return sorted({b for t in self.tables for b in t if b >= 0})
+        return block_ids(self.tables, self.blocks.lanes_per_block if self.lanes else None)
 
     def lane_ids(self) -> list[int]:
         """Lanes: the distinct lanes of all (row, head) pairs (a shared lane once); empty without lanes."""
         return sorted({e for t in self.tables for e in t}) if self.lanes else []
+
+    def host_block_ids(self) -> list[int]:
+        """The distinct host-tier blocks of all rows (``offload``), as host ids."""
+        return sorted({host_id(b) for t in self.tables for b in t if is_host(b)})
 
     def held_bytes(self, store: QuantizedTensorStore) -> int:
         """Bytes of the blocks (lanes: of the lanes of its group) that this layer holds in one K or V store's
@@ -1838,19 +773,9 @@ class LayerStore(LaneLayer, OffloadedStore):
             return per_block // store.heads * lanes + store.state_nbytes()
         return per_block * (len(self.block_ids()) + len(self.host_block_ids())) + store.state_nbytes()
 
-    def host_block_ids(self) -> list[int]:
-        """The distinct host-tier blocks of all rows (``offload``), as host ids."""
-        return sorted({host_id(b) for t in self.tables for b in t if is_host(b)})
-
-    def dense_buffers(self) -> dict[str, torch.Tensor]:
-        out = {}
-        if self.sink_k is not None:
-            out["sinks"] = (self.sink_k, self.sink_v)
-        if self.res_k is not None:
-            out["residual"] = (self.res_k, self.res_v)
-        if self.exact_k is not None:  # rows fitted while a batch-mate waits for its calibration tokens
-            out["held"] = (self.exact_k, self.exact_v)
-        return out
+    def dense_buffers(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The full-precision buffers held (:meth:`DenseRows.buffers`)."""
+        return self.dense.buffers()
 
     def memory(self) -> dict[str, int]:
         """Bytes held (each distinct block once, + scales state + full-precision buffers), shared and reserved.
@@ -1858,49 +783,28 @@ class LayerStore(LaneLayer, OffloadedStore):
         ``shared``: bytes of blocks referenced more than once (by several rows, caches or the prefix index).
         ``reserved``: the layer's whole device arena (for a pool, shared with its other caches). ``host``: the
         bytes of the blocks held in the host tier (``offload``; included in keys / values / scales), ``blocks_host``
-        their number, ``moved_to_host`` the bytes moved there so far."""
+        their number, ``moved_to_host`` the bytes moved there so far. Lanes: every distinct lane once (``lanes``:
+        their number, ``blocks``: the blocks they lie in, ``shared``: lanes held more than once)."""
+        index = self.slots.nbytes() if self.slots is not None else 0
         if self.lanes:
-            return self._lane_memory()
-        ids, hids = self.block_ids(), self.host_block_ids()
-        n = len(ids) + len(hids)
-        host = self.blocks.host
-        shared = sum(self.blocks.refs[b] > 1 for b in ids) + sum(host.refs[h] > 1 for h in hids)  # type: ignore[union-attr]
-        out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "blocks": n, "blocks_host": len(hids),
-               "host": len(hids) * self.blocks.bytes_per_block, "moved_to_host": self.bytes_offloaded,
-               "index": self.slots.nbytes() if self.slots is not None else 0,
-               "shared": shared * self.blocks.bytes_per_block, "reserved": self.blocks.nbytes()}  # fmt: skip
-        return self._count_parts(out, lambda gi, s, b: b * n)
-
-    def _count_parts(
-        self, out: dict[str, int], held: Callable[[int, QuantizedTensorStore, int], int]
-    ) -> dict[str, int]:
-        """Add to ``out`` the bytes of every part held (``held(group index, K or V store, bytes of one block of
-        the part)``), the static states, the key mean and the dense (sink / residual) buffers."""
-        for gi, g in enumerate(self.groups):
-            for kind, s in (("keys", g.key), ("values", g.value)):
-                for name, b in s.block_nbytes().items():
-                    out["scales" if name in ("scale", "zero", "norm") else kind] += held(gi, s, b)
-                out["scales"] += s.state_nbytes()
-        if self.key_mean is not None:
-            out["scales"] += self.key_mean.numel() * self.key_mean.element_size()
+            per_group, shared = self.lanes.lane_counts(self.lane_ids())
+            out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "blocks": len(self.block_ids()),
+                   "lanes": sum(per_group), "blocks_host": 0, "host": 0, "moved_to_host": 0, "shared": shared,
+                   "reserved": self.blocks.nbytes(), "index": index}  # fmt: skip
+            count_parts(self.groups, out, lambda gi, s, b: b // s.heads * per_group[gi])
+        else:
+            ids, hids, bpb = self.block_ids(), self.host_block_ids(), self.blocks.bytes_per_block
+            n, host = len(ids) + len(hids), self.blocks.host
+            shared = sum(self.blocks.refs[b] > 1 for b in ids) + sum(host.refs[h] > 1 for h in hids)  # type: ignore[union-attr]
+            out = {"keys": 0, "values": 0, "scales": 0, "dense": 0, "blocks": n, "blocks_host": len(hids),
+                   "host": len(hids) * bpb, "moved_to_host": self.host.bytes_offloaded if self.host else 0,
+                   "index": index, "shared": shared * bpb, "reserved": self.blocks.nbytes()}  # fmt: skip
+            count_parts(self.groups, out, lambda gi, s, b: b * n)
+        out["scales"] += self.space.nbytes()
         for k, v in self.dense_buffers().values():
             out["dense"] += k.numel() * k.element_size() + v.numel() * v.element_size()
-        for kind, r in self._ring_parts():  # the ladder's refinement rows (both rungs)
-            out[kind] += sum(t.numel() * t.element_size() for t in r.values())
-        for at, kr, vr in self.heavy:  # heavy rows: their refinement parts and positions
-            for kind, r in (("keys", kr), ("values", vr)):
-                out[kind] += sum(t.numel() * t.element_size() for t in (r or {}).values())
-            out["index"] += 0 if at is None else at.numel() * at.element_size()
+        self.refine.count(out)  # the ladder's refinement rows (both rungs), heavy rows (parts and positions)
         return out
-
-    def heavy_bytes(self) -> int:
-        """Bytes of the heavy rows held: refinement parts and positions (0 without them)."""
-        return sum(t.numel() * t.element_size() for h in self.heavy for x in h if x is not None
-                   for t in (x.values() if isinstance(x, dict) else (x,)))  # fmt: skip
-
-    def ladder_bytes(self) -> int:
-        """Bytes of the age ladder's refinement rows held, both rungs (0 without a ladder)."""
-        return sum(t.numel() * t.element_size() for _, r in self._ring_parts() for t in r.values())
 
     def clipped(self) -> int:
         return sum(s.counts.totals()[0] for g in self.groups for s in (g.key, g.value))
@@ -1916,19 +820,17 @@ class LayerStore(LaneLayer, OffloadedStore):
         groups = tuple(
             GroupSnapshot(g.heads, g.head_index, g.all_heads, g.key.snapshot(), g.value.snapshot(),
                           functools.partial(self.read, g), functools.partial(self.read_factored, g),
-                          functools.partial(self.heavy_rows, g, True))
+                          lambda g=g: self.refine.heavy_rows(g, self.table(), True))
             for g in self.groups)  # fmt: skip
-        space = StorageSpace(self.rotate_keys, self.rotate_values, self.key_mean, self.has_head_space,
-                             self.centered_keys, self.to_storage_space, self.kv_to_head_space, self.kv_from_head_space,
-                             self.query_to_head_space, self.output_from_head_space)  # fmt: skip
-        sinks = None if self.sink_k is None or self.sink_v is None else SinkRows(self.sink_k, self.sink_v,
-                                                                                 self.sink_tokens)  # fmt: skip
-        residual = None if self.res_k is None else ResidualRows(self.res_k.shape[2], self.residual_rows)
-        heavy = max([0, *(at.shape[-1] for at, _, _ in self.heavy if at is not None)])
+        space = self.space.snapshot(self.groups, self.num_heads, self.dense.calibrated)
+        sinks, residual = self.dense.snapshot(self.residual_rows)
+        heavy = self.refine.heavy_width()
         return KVSnapshot(
-            self.batch, self.num_heads, self.head_dim, self.block_size, self.device, self.q_end, self.row_start,
-            self.table(), self.capacity, groups, space, self.has_dense_segments, sinks, residual, self.ladder_n, heavy,
-            self.lanes, self.slots, self.tiles, self._staged_snapshot if self.has_host_blocks() else None, self.shift,
+            self.batch, self.num_heads, self.head_dim, self.block_size, self.device, self.q_end, self.starts.row_start,
+            self.table(), self.capacity, groups, space, self.has_dense_segments, sinks, residual, self.refine.ladder_n,
+            heavy, self.lanes is not None, self.slots, self.tiles,
+            self._staged_snapshot if self.has_host_blocks() else None,
+            None if self.grid is None else self.grid.shift,
         )
 
     @contextlib.contextmanager

@@ -78,6 +78,11 @@ class QuantizedTensorStore:
         self._pair: tuple[dict, dict, dict[str, torch.Tensor] | None] | None = None  # paired_state's cache
         self.memo = RowsMemo()  # the kernels' rows built from the state (copies share it: keyed on its tensors)
 
+    def reset(self) -> None:
+        """Forget the static state and the clip counts (the layer's tokens are gone)."""
+        self.counts = ClipCounts(self.device)
+        self.state = {}
+
     @property
     def parts(self) -> dict[str, torch.Tensor]:
         """The block tensors of every part (looked up each time: the arena may have grown)."""
@@ -345,3 +350,11 @@ class WritePlan:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def pool_rows(store: QuantizedTensorStore, x: torch.Tensor) -> torch.Tensor:
+    """Rows ``x[B, Hg, t, D]`` quantized and decoded with ``store``'s state as its pool would read them (float32
+    storage space)."""
+    q = store.quantizer
+    y = store.decode(q.quantize(x, store.state))
+    return q.from_space(y, store.state) if q.space else y.float()

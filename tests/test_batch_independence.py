@@ -77,8 +77,8 @@ def test_padded_row_keeps_its_first_real_tokens_as_sinks(stories):
     pads = int((enc["attention_mask"][1] == 0).sum())
     assert pads > 3
     for la, lb in zip(alone.layers, batched.layers, strict=True):
-        assert int(lb.store.row_start[1]) == pads and int(lb.store.row_start[0]) == 0
-        torch.testing.assert_close(lb.store.sink_k[1], la.store.sink_k[0], atol=1e-5, rtol=0)
+        assert int(lb.store.starts.row_start[1]) == pads and int(lb.store.starts.row_start[0]) == 0
+        torch.testing.assert_close(lb.store.dense.sink_k[1], la.store.dense.sink_k[0], atol=1e-5, rtol=0)
 
 
 def test_store_sinks_per_row():
@@ -200,8 +200,8 @@ def test_short_batch_mate_heavy_rows_picked_as_alone(stories, story_rows):
         assert torch.equal(batched[b].argmax(-1), alone.argmax(-1)), f"row {b}: greedy tokens differ"
         pad = width - len(prompts[b])
         for lb, la in zip(caches[0].layers, caches[-1].layers, strict=True):
-            assert lb.store.heavy and la.store.heavy, f"row {b}: no heavy rows picked"
-            for (at_b, *sides_b), (at_a, *sides_a) in zip(lb.store.heavy, la.store.heavy, strict=True):
+            assert lb.store.refine.heavy and la.store.refine.heavy, f"row {b}: no heavy rows picked"
+            for (at_b, *sides_b), (at_a, *sides_a) in zip(lb.store.refine.heavy, la.store.refine.heavy, strict=True):
                 got = [sorted(p - pad for p in h if p >= 0) for h in at_b[b].tolist()]
                 assert got == [sorted(p for p in h if p >= 0) for h in at_a[0].tolist()], f"row {b}: other rows"
                 for xb, xa in zip(sides_b, sides_a, strict=True):
@@ -262,8 +262,9 @@ def test_three_very_different_lengths_every_config(stories, story_rows, fp32_flo
     floor or with the same greedy token at every position.
 
     Per-channel key blocks (``int*-channel``) are cut on each row's own grid, counted from its first real token
-    (``LayerStore.shift``), so a padded row's blocks hold the tokens they hold alone. The trellis precisions
-    (``tqt*``: a Viterbi search per row, ~10x the time of the others on CPU) run the 60 vs 3 tokens rows only."""
+    (``LayerStore.grid``, :mod:`kvquant.grid`), so a padded row's blocks hold the tokens they hold alone. The trellis
+    precisions (``tqt*``: a Viterbi search per row, ~10x the time of the others on CPU) run the 60 vs 3 tokens rows
+    only."""
     model, _ = stories
     prompts, follow = story_rows
     if config.default.key.startswith("tqt"):
@@ -315,7 +316,7 @@ def test_store_fits_each_row_on_its_own_first_tokens():
     """LayerStore: a row with enough real tokens is fitted at once on them, a short row later on its own first
     CALIB_MIN_TOKENS real tokens; the scales equal those of each row alone (fed the same chunks), bit for bit,
     whatever the other row holds."""
-    from kvquant.store import CALIB_MIN_TOKENS
+    from kvquant.dense import CALIB_MIN_TOKENS
 
     cfg = _cfg("int8", headroom=1.0)
     g = torch.Generator().manual_seed(1)
@@ -325,23 +326,23 @@ def test_store_fits_each_row_on_its_own_first_tokens():
     k[1, :, :pad] = 1e3  # pads: never seen by a scale
     batched = LayerStore([KVPrecision("int8", "int8")] * 2, cfg, 32, 2, torch.device("cpu"))
     batched.append(k[:, :, :T], v[:, :, :T], row_start=torch.tensor([0, pad]))
-    assert batched.calibrated_rows == [True, False] and not batched.calibrated
+    assert batched.dense.calibrated_rows == [True, False] and not batched.dense.calibrated
     for t in range(T, T + CALIB_MIN_TOKENS):
         batched.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
-    assert batched.calibrated and batched.q_end == batched.cache_pos
+    assert batched.dense.calibrated and batched.q_end == batched.cache_pos
     for b, first in ((0, 0), (1, pad)):
         alone = LayerStore([KVPrecision("int8", "int8")] * 2, cfg, 32, 1, torch.device("cpu"))
         alone.append(k[b:b + 1, :, first:T], v[b:b + 1, :, first:T])  # the prompt's real tokens, then one by one
         for t in range(T, T + CALIB_MIN_TOKENS):
             alone.append(k[b:b + 1, :, t:t + 1], v[b:b + 1, :, t:t + 1])
-        assert alone.calibrated
+        assert alone.dense.calibrated
         torch.testing.assert_close(batched.groups[0].key.state["scale"][b], alone.groups[0].key.state["scale"][0],
                                    rtol=0, atol=0)
 
 
 def test_store_zero_head_falls_back_within_its_row():
     """A head that saw only zeros takes its own row's largest max, never a batch-mate's."""
-    from kvquant.store import safe_amax
+    from kvquant.dense import safe_amax
 
     amax = torch.tensor([[0.0, 2.0], [0.0, 0.0], [5.0, 0.0]])
     assert safe_amax(amax).tolist() == [[2.0, 2.0], [1.0, 1.0], [5.0, 5.0]]
@@ -429,7 +430,8 @@ def test_store_per_channel_blocks_on_each_rows_grid(name, extra):
     batched.append(k[:, :, :W], v[:, :, :W], row_start=rs)
     for b, n in enumerate(lens):
         alone[b].append(k[b:b + 1, :, W - n:W], v[b:b + 1, :, W - n:W])
-    assert batched.shift == [0, 7]  # (-57) mod 16: the short row's first real token starts a block
+    # (-57) mod 16: the short row's first real token starts a block
+    assert batched.grid is not None and batched.grid.shift == [0, 7]
     for t in range(W, W + steps + 1):
         past = batched.cache_pos
         for b, s in enumerate(alone):
@@ -487,7 +489,7 @@ def test_per_channel_crop_into_a_shifted_row_is_refused():
     store = LayerStore([cfg.default], cfg, 8, 2, torch.device("cpu"))
     k = torch.randn(2, 1, 70, 8)
     store.append(k, k, row_start=torch.tensor([0, 57]))
-    assert store.shift == [0, 7]
+    assert store.grid is not None and store.grid.shift == [0, 7]
     with pytest.raises(ValueError, match="left-padded row"):
         store.check_crop(60)
     before = store.read(store.groups[0], 0, 70)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kvquant import KVPrecision, KVQuantConfig, ModelShape, QuantizedKVCache
+from kvquant.dense import CALIB_MAX_TOKENS, CALIB_MIN_TOKENS
 from kvquant.kernels.attention_torch import dequantize_history
-from kvquant.store import CALIB_MAX_TOKENS, CALIB_MIN_TOKENS, LayerStore
+from kvquant.store import LayerStore
 
 SHAPE = ModelShape(num_layers=2, num_kv_heads=2, head_dim=32)
 
@@ -30,7 +31,7 @@ def test_one_token_prompt_does_not_fix_the_scale(precision):
     x[:, :, 0] *= 0.1  # a small first token (e.g. BOS)
     for t in range(40):
         store.append(x[:, :, t:t + 1], x[:, :, t:t + 1])
-    assert store.calibrated and store.q_end == 40
+    assert store.dense.calibrated and store.q_end == 40
     assert store.clipped() == 0
     k, _ = dequantize_history(store, 40)
     assert (k - x).abs().max() < 0.2  # within a quantization step (a 1-token scale: errors > 2)
@@ -40,11 +41,11 @@ def test_all_zero_prefill_waits_for_a_nonzero_value():
     """An all-zero prefill used to give a ~1e-38 scale: every later key read back as ~0."""
     store = _store("int8")
     store.append(torch.zeros(1, 2, 20, 32), torch.zeros(1, 2, 20, 32))
-    assert not store.calibrated and store.q_end == 0  # held in full precision
+    assert not store.dense.calibrated and store.q_end == 0  # held in full precision
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 2, 20, 32, generator=g)
     store.append(x, x)
-    assert store.calibrated
+    assert store.dense.calibrated
     k, v = dequantize_history(store, 40)
     assert torch.equal(k[:, :, :20], torch.zeros(1, 2, 20, 32))
     assert ((k[:, :, 20:] - x).abs().max() / x.abs().max()) < 0.02
@@ -53,7 +54,7 @@ def test_all_zero_prefill_waits_for_a_nonzero_value():
 def test_zeros_for_too_long_fall_back_to_a_safe_scale():
     store = _store("int8", headroom=1.0)
     store.append(torch.zeros(1, 2, CALIB_MAX_TOKENS, 32), torch.zeros(1, 2, CALIB_MAX_TOKENS, 32))
-    assert store.calibrated
+    assert store.dense.calibrated
     scale = store.groups[0].key.state["scale"]
     torch.testing.assert_close(scale, torch.full_like(scale, 1 / 127))  # amax 1.0: values up to 1 kept
     assert CALIB_MIN_TOKENS < CALIB_MAX_TOKENS

@@ -174,7 +174,7 @@ def test_head_space_attention_is_exact(row, option, Tq, monkeypatch):
     q = torch.randn(2, 3 * layer.num_heads, Tq, 64, device=DEV)
     out = dispatch.attend(q, k[:, :, 70:], v[:, :, 70:], layer, 70, None, 0.125)
     ref = model_space_reference(q, k, v, layer, 70, 0.125)
-    if layer.rotate_keys:  # the reference is in storage space; dispatch's input and output are in model space
+    if layer.space.rotate_keys:  # the reference is in storage space; dispatch's input and output are in model space
         from kvquant.rotation import fwht
 
         ref = fwht(model_space_reference(fwht(q), fwht(k), fwht(v), layer, 70, 0.125))

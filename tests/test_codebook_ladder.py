@@ -165,8 +165,8 @@ def ladder_reference(q, k, v, layer, past, scaling):
 def ladder_history(k, v, layer):
     """The history ``k``, ``v`` as :func:`ladder_reference` reads it (its pool rows, the ladder's refined)."""
     kh, vh = k.clone(), v.clone()
-    lo, hi = layer.q_end - layer.ladder_n, layer.q_end
-    lo2 = layer.q_end - layer.ladder2_n
+    lo, hi = layer.q_end - layer.refine.ladder_n, layer.q_end
+    lo2 = layer.q_end - layer.refine.ladder2_n
     for g in layer.groups:
         for s, x, src in ((g.key, kh, k), (g.value, vh, v)):
             full = s.gather(layer.table())
@@ -224,14 +224,15 @@ def test_ladder_attention_is_exact(Tq, row, rung2, monkeypatch):
     read; so does the second rung."""
     monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
     layer, k, v = ladder_layer(Tq=Tq, row=row, ladder2_tokens=rung2)
-    assert layer.ladder_n == 24 and layer.ladder2_n == rung2 and layer.q_end == 70 + Tq - 5  # (fresh chunk too)
+    rings = layer.refine
+    assert rings.ladder_n == 24 and rings.ladder2_n == rung2 and layer.q_end == 70 + Tq - 5  # (fresh chunk too)
     q = torch.randn(2, 3 * layer.num_heads, Tq, 64, device=DEV)
     out = dispatch.attend(q, k[:, :, 70:], v[:, :, 70:], layer, 70, None, 0.125)
     assert (out - ladder_reference(q, k, v, layer, 70, 0.125)).abs().max() <= 2e-4
     plain = model_space_reference(q, k, v, layer, 70, 0.125)  # the same store read without its ladder
     assert (out - plain).abs().max() > 1e-3
     if rung2:  # the same store read with one rung
-        layer.ladder2, layer.ladder2_n = [], 0
+        layer.refine.ladder2, layer.refine.ladder2_n = [], 0
         assert (out - dispatch.attend(q, k[:, :, 70:], v[:, :, 70:], layer, 70, None, 0.125)).abs().max() > 1e-4
 
 
@@ -270,7 +271,7 @@ def test_ladder_decode_steps_crop_reorder_copy(rung2, monkeypatch):
         vs.append(vv)
     k, v = torch.cat(ks, 2), torch.cat(vs, 2)
     past = 63
-    assert layer.q_end == past - 5 and layer.ladder_n == 10 and layer.ladder2_n == rung2
+    assert layer.q_end == past - 5 and layer.refine.ladder_n == 10 and layer.refine.ladder2_n == rung2
 
     def check(layer, k, v, past):
         torch.manual_seed(1)
@@ -286,14 +287,15 @@ def test_ladder_decode_steps_crop_reorder_copy(rung2, monkeypatch):
     check(layer, k.flip(0), v.flip(0), past)
     check(twin, k, v, past)  # the copy is untouched by the reorder
     layer.crop(52)  # 6 tokens below q_end = 58: 4 ring rows stay
-    assert layer.q_end == 52 and layer.ladder_n == 4 and layer.ladder2_n == max(0, rung2 - 6)
+    assert layer.q_end == 52 and layer.refine.ladder_n == 4 and layer.refine.ladder2_n == max(0, rung2 - 6)
     check(layer, k.flip(0), v.flip(0), 52)
     for t in range(52, 60):  # the ring refills with the tokens written after the crop
         layer.append(k.flip(0)[:, :, t:t + 1], v.flip(0)[:, :, t:t + 1])
-    assert layer.q_end == 55 and layer.ladder_n == 7 and layer.ladder2_n == min(rung2, max(0, rung2 - 6) + 3)
+    rings = layer.refine
+    assert layer.q_end == 55 and rings.ladder_n == 7 and rings.ladder2_n == min(rung2, max(0, rung2 - 6) + 3)
     check(layer, k.flip(0), v.flip(0), 60)
     layer.reset()
-    assert layer.ladder_n == layer.ladder2_n == 0 and layer.ladder == layer.ladder2 == []
+    assert layer.refine.ladder_n == layer.refine.ladder2_n == 0 and layer.refine.ladder == layer.refine.ladder2 == []
 
 
 def test_ladder_bytes_are_counted():
@@ -305,14 +307,14 @@ def test_ladder_bytes_are_counted():
     refinable = {"keys": 2, "values": 3}  # codebook heads per side in ROW
     for kind, heads in refinable.items():
         assert mb[kind] - ma[kind] == 2 * heads * 32 * (64 // 8 + 1)  # batch 2, 32 rows, 9 B a row
-    assert b.ladder_bytes() == 2 * 5 * 32 * 9
+    assert b.refine.ladder_bytes() == 2 * 5 * 32 * 9
     assert mb["scales"] == ma["scales"] and mb["dense"] == ma["dense"]
     c, _, _ = ladder_layer(ladder=32, past=100, ladder2_tokens=20)  # the second ring: D / 8 bytes a row
     mc = c.memory()
     rung2 = {"keys": 1, "values": 2}  # ROW's tq3 heads (its tqv3 heads keep one rung)
     for kind, heads in rung2.items():
         assert mc[kind] - mb[kind] == 2 * heads * 20 * (64 // 8)
-    assert c.ladder_bytes() == b.ladder_bytes() + 2 * 3 * 20 * 8
+    assert c.refine.ladder_bytes() == b.refine.ladder_bytes() + 2 * 3 * 20 * 8
 
 
 def test_ladder_config_is_checked():
@@ -349,9 +351,9 @@ def test_triton_reads_the_ladder(Tq, row, case, monkeypatch):
     kw = {"ladder": 24, **LADDER_CASES[case]}
     past = kw.pop("past", 70)
     layer, k, v = ladder_layer(past=past, Tq=Tq, row=row, **kw)
-    assert layer.ladder_n > 0 and layer.ladder2_n == kw.get("ladder2_tokens", 0)
+    assert layer.refine.ladder_n > 0 and layer.refine.ladder2_n == kw.get("ladder2_tokens", 0)
     if case == "short":
-        assert layer.q_end - layer.ladder_n < layer.sink_tokens
+        assert layer.q_end - layer.refine.ladder_n < layer.sink_tokens
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 3 * layer.num_heads, Tq, 64, generator=g).to(DEV)
     out = triton_matches_torch(monkeypatch, (q, k[:, :, past:], v[:, :, past:], layer, past, None, 0.125))
@@ -374,7 +376,7 @@ def test_ladder_with_left_padding(monkeypatch):
     both.append(k[:, :, :T], v[:, :, :T], row_start=torch.tensor([0, pad]))
     one = LayerStore(ROW, cfg, 64, 1, DEV)
     one.append(k[1:, :, pad:T], v[1:, :, pad:T])
-    assert both.ladder_n == one.ladder_n == 12
+    assert both.refine.ladder_n == one.refine.ladder_n == 12
     q = torch.randn(2, 9, 1, 64, generator=g)
     mask = torch.ones(2, 1, 1, T + 1, dtype=torch.bool)
     mask[1, :, :, :pad] = False
@@ -387,7 +389,7 @@ def test_ladder_with_left_padding(monkeypatch):
 def test_ladder_reads_any_range():
     """A read that starts or ends inside the ring reads the same rows as a whole read (tiles may split anywhere)."""
     layer, _, _ = ladder_layer(ladder=20)
-    lo, hi = layer.q_end - layer.ladder_n, layer.q_end
+    lo, hi = layer.q_end - layer.refine.ladder_n, layer.q_end
     for g in layer.groups:
         k, v = layer.read(g, 0, 70)
         for a, b in ((lo + 3, hi - 2), (lo - 5, lo + 1), (hi - 1, 70), (lo + 7, 70)):

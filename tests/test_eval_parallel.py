@@ -108,7 +108,7 @@ def test_cache_layers_follow_the_dtype_of_their_first_kv(stories):
                 logits = torch.cat([logits, m(input_ids=ids[:, t:t + 1], **cache_kw(cache)).logits], dim=1)
             assert [layer.dtype for layer in cache.layers[:3]] == [torch.float32, torch.bfloat16, torch.float32]
             assert all(layer.store.device == layer.device == torch.device("cpu") for layer in cache.layers)
-            assert cache.layers[1].store.dense_dtype is None or cache.layers[1].store.dense_dtype == torch.bfloat16
+            assert cache.layers[1].store.dense.dtype is None or cache.layers[1].store.dense.dtype == torch.bfloat16
             if preset == "fp32":  # passthrough: the mixed model's numbers up to bf16 rounding (measured max 0.032)
                 torch.testing.assert_close(logits, ref, atol=0.1, rtol=0)
             top1 = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()

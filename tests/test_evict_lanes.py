@@ -81,7 +81,7 @@ def exact_bytes(store: LayerStore) -> int:
     total = 0
     for row in counts:
         for h, n in enumerate(row):
-            gi, _ = store.head_lane[h]
+            gi, _ = store.lanes.head_lane[h]
             total += math.ceil(n / BS) * store.blocks.lane_bytes(gi)
     return total
 
@@ -102,7 +102,7 @@ def check_own_lanes(store: LayerStore) -> None:
             lanes = store.tables[b * H + h]
             assert len(lanes) == math.ceil(n / BS)
             for e in lanes:
-                assert store.blocks.lane_where(e)[1] == store.head_lane[h][0]
+                assert store.blocks.lane_where(e)[1] == store.lanes.head_lane[h][0]
                 assert e not in seen
                 seen.add(e)
 
@@ -187,7 +187,7 @@ def test_each_head_reads_its_own_lanes(model4, monkeypatch):
                 assert torch.equal(by_position(st, k, b, h), by_position(rs, rk, b, h))
                 assert torch.equal(by_position(st, v, b, h), by_position(rs, rv, b, h))
         for h in range(st.num_heads):  # scribble over (row 0, head h)'s lanes: only that head's history moves
-            gi, _ = st.head_lane[h]
+            gi, _ = st.lanes.head_lane[h]
             for e in st.tables[h]:
                 b, _, i = st.blocks.lane_where(e)
                 for t in st.blocks.parts[gi]["key"].values():
@@ -268,7 +268,7 @@ def lane_store(config, batch=1, num_blocks=0, fixed=False, lanes=True, kv_heads=
 
 def step(st: LayerStore, x: torch.Tensor, y: torch.Tensor) -> None:
     """One decode token through a lane store (what the cache does for an AdaKV layer)."""
-    target, appended = st.grow_lanes()
+    target, appended = st.lanes.grow()
     S = st.cache_pos
     if appended:
         st.append(x, y)
@@ -291,7 +291,7 @@ def decode_until_full(model, ids: torch.Tensor, cache, state, steps: int) -> tup
 
 def snapshot(st: LayerStore):
     b = st.blocks
-    return ([list(t) for t in st.tables], [list(r) for r in st.fill], list(b.refs), list(b.lane_refs),
+    return ([list(t) for t in st.tables], [list(r) for r in st.lanes.fill], list(b.refs), list(b.lane_refs),
             sorted(b.free), [sorted(f) for f in b.lane_free], st.cache_pos, st.q_end)  # fmt: skip
 
 
@@ -309,7 +309,7 @@ def test_bounded_arena_full_changes_nothing_and_release_frees_every_lane():
     assert [len(t) for t in st.tables] == [2, 3] and st.blocks.used == 3 and not st.blocks.free
     for _ in range(12):  # head 1 takes the last free lane at 48; head 0 fills its second lane up to 32
         step(st, torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32))
-    assert st.fill == [[32, 52]] and [len(t) for t in st.tables] == [2, 4]
+    assert st.lanes.fill == [[32, 52]] and [len(t) for t in st.tables] == [2, 4]
     assert st.blocks_needed(1) > len(st.blocks.free)  # the pool's admission check sees it too
     before = snapshot(st)
     with pytest.raises(KVCacheFull):
@@ -334,7 +334,7 @@ def test_static_scales_held_dense_until_calibrated(monkeypatch):
         keep[0, 1, :9] = True
         gen = torch.Generator().manual_seed(6)
         st.append_kept(torch.randn(1, 2, T, 32, generator=gen), torch.randn(1, 2, T, 32, generator=gen), keep)
-        assert st.q_end == 0 and not st.calibrated
+        assert st.q_end == 0 and not st.dense.calibrated
         for _ in range(20):
             x, y = torch.randn(1, 2, 1, 32, generator=gen), torch.randn(1, 2, 1, 32, generator=gen)
             if lanes:
@@ -343,7 +343,7 @@ def test_static_scales_held_dense_until_calibrated(monkeypatch):
                 st.append(x, y)
         stores.append(st)
     st, rs = stores
-    assert st.lanes and st.calibrated and st.q_end == st.cache_pos == 29 and st.fill == [[24, 29]]
+    assert st.lanes and st.dense.calibrated and st.q_end == st.cache_pos == 29 and st.lanes.fill == [[24, 29]]
     assert [len(t) for t in st.tables] == [2, 2]
     k, v = dequantize_history(st, st.cache_pos)
     rk, rv = dequantize_history(rs, rs.cache_pos)
@@ -385,17 +385,18 @@ def test_uniform_budget_layers_keep_per_row_blocks(model):
 
 @pytest.mark.parametrize("policy", ["peaked", "peaked-h2o", "peaked-kchannel"])
 def test_lane_decode_reads_nothing_back_from_the_device(model, monkeypatch, policy):
-    """One sequence, no shared lane: a decode step's lane bookkeeping (grow_lanes) and per-head write (overwrite)
+    """One sequence, no shared lane: a decode step's lane bookkeeping (Lanes.grow) and per-head write (overwrite)
     read no tensor on the host: which lanes a step needs follows from the host's fills (``-kchannel``: per-channel
     keys, each head's tail written on the device and its full blocks flushed into lanes from the host's counts)."""
+    import kvquant.lanes as kl
     import kvquant.store as ks
 
     def boom(*_a, **_k):
         raise AssertionError("a lane decode step read a tensor on the host")
 
     calls = []
-    for name in ("grow_lanes", "overwrite"):
-        orig = getattr(ks.LayerStore, name)
+    for owner, name in ((kl.Lanes, "grow"), (ks.LayerStore, "overwrite")):
+        orig = getattr(owner, name)
 
         def guarded(self, *a, _orig=orig, _name=name, **k):
             with monkeypatch.context() as m:
@@ -405,14 +406,14 @@ def test_lane_decode_reads_nothing_back_from_the_device(model, monkeypatch, poli
             calls.append(_name)
             return out
 
-        monkeypatch.setattr(ks.LayerStore, name, guarded)
+        monkeypatch.setattr(owner, name, guarded)
     kchannel = policy.endswith("-kchannel")
     default = {"key": "int8-channel", "value": "int8-token"} if kchannel else "int4"
     # (the finiteness check of stored values is a host read)
     config = cfg(policy_of(policy.removesuffix("-kchannel")), default=default, check_finite=False)
     steps = 40 if kchannel else 6  # (kchannel: heads' tails cross block boundaries: flushes)
     cache, _ = run(model, config, torch.randint(3, 128, (1, 70)), torch.randint(3, 128, (1, steps)))
-    assert calls.count("grow_lanes") == calls.count("overwrite") == steps * len(cache.layers)
+    assert calls.count("grow") == calls.count("overwrite") == steps * len(cache.layers)
     for layer in cache.layers:
         if kchannel:
             assert layer.store.tail_lanes and layer.store.memory()["lanes"] > 2
@@ -462,7 +463,7 @@ def test_identical_prompt_rows_share_their_lanes_once(model, default):
 @pytest.mark.parametrize("budget", ["even", "peaked"])
 def test_one_sequence_reads_runs_of_lanes_in_place(model, monkeypatch, budget):
     """One sequence: a row's heads take lane j side by side in one block when that lane is free, so heads that
-    grow together form runs the attention reads in place (``_lane_runs``); uneven heads are gathered. Logits
+    grow together form runs the attention reads in place (``Lanes.runs``); uneven heads are gathered. Logits
     equal the per-row-block layout's across block boundaries either way."""
     torch.manual_seed(11)
     ids, cont = torch.randint(3, 128, (1, 100)), torch.randint(3, 128, (1, 40))
@@ -471,7 +472,7 @@ def test_one_sequence_reads_runs_of_lanes_in_place(model, monkeypatch, budget):
     for layer in cache.layers:
         st = layer.store
         st.table()
-        assert (st._lane_runs[0] is not None) == (budget != "peaked")
+        assert (st.lanes.runs[0] is not None) == (budget != "peaked")
         check_own_lanes(st)
         assert held(st) == exact_bytes(st) and st.memory()["reserved"] == st.blocks.nbytes()
     with monkeypatch.context() as m:

@@ -53,11 +53,11 @@ def reference(store: LayerStore, seq_k: torch.Tensor, seq_v: torch.Tensor, b: in
     in per-row blocks)."""
     n = seq_k.shape[2]
     q = max(0, (n - store.residual_tokens) // BS) * BS
-    gi, _ = store.head_lane[h]
+    gi, _ = store.lanes.head_lane[h]
     g = store.groups[gi]
     out = []
     for seq, st in ((seq_k, g.key), (seq_v, g.value)):
-        seq = seq.to(store.dense_dtype).float()
+        seq = seq.to(store.dense.dtype).float()
         i = g.heads.index(h)  # static scales: this (row, head)'s
         state = {name: t[b:b + 1, i:i + 1] if t.dim() == 2 else t for name, t in st.state.items()}
         sinks = store.sink_tokens if q else 0
@@ -82,10 +82,10 @@ def check_tails(store: LayerStore, seqs: dict[tuple[int, int], tuple[torch.Tenso
     for (b, h), (sk, sv) in seqs.items():
         rk, rv, q = reference(store, sk, sv, b, h)
         n = sk.shape[2]
-        assert store.fill[b][h] == n and store.qfill[b][h] == q
+        assert store.lanes.fill[b][h] == n and store.lanes.qfill[b][h] == q
         assert len(store.tables[b * H + h]) == q // BS
         for e in store.tables[b * H + h]:
-            assert store.blocks.lane_where(e)[1] == store.head_lane[h][0]
+            assert store.blocks.lane_where(e)[1] == store.lanes.head_lane[h][0]
             assert (b, e) not in lanes_seen
             lanes_seen.add((b, e))
         torch.testing.assert_close(k[b, h, :n], rk[0, 0], rtol=0, atol=0)
@@ -96,10 +96,10 @@ def check_tails(store: LayerStore, seqs: dict[tuple[int, int], tuple[torch.Tenso
     assert mem["lanes"] == len(lanes)
     lane_bytes = sum(store.blocks.lane_bytes(store.blocks.lane_where(e)[1]) for e in lanes)
     assert held(store) == lane_bytes
-    width = max(store.fill[b][h] - store.qfill[b][h] for b in range(store.batch) for h in range(H))
-    assert store.res_k.shape[2] == width
-    sinks = 2 * store.sink_k.numel() * store.sink_k.element_size() if store.sink_k is not None else 0
-    assert mem["dense"] == 2 * store.batch * H * width * D * store.res_k.element_size() + sinks
+    width = max(store.lanes.fill[b][h] - store.lanes.qfill[b][h] for b in range(store.batch) for h in range(H))
+    assert store.dense.res_k.shape[2] == width
+    sinks = 2 * store.dense.sink_k.numel() * store.dense.sink_k.element_size() if store.dense.sink_k is not None else 0
+    assert mem["dense"] == 2 * store.batch * H * width * D * store.dense.res_k.element_size() + sinks
 
 
 def prompt(store: LayerStore, counts: list[list[int]], T: int, gen: torch.Generator):
@@ -135,7 +135,7 @@ def test_each_head_holds_its_lanes_and_tail_exactly(name):
     check_tails(st, seqs)
     decode(st, seqs, 41, gen)
     check_tails(st, seqs)
-    assert st.q_end == min(min(r) for r in st.qfill) and st.q_end < max(max(r) for r in st.qfill)
+    assert st.q_end == min(min(r) for r in st.lanes.qfill) and st.q_end < max(max(r) for r in st.lanes.qfill)
 
 
 def test_static_scales_held_dense_until_calibrated_then_flushed_per_head():
@@ -144,10 +144,10 @@ def test_static_scales_held_dense_until_calibrated_then_flushed_per_head():
     gen = torch.Generator().manual_seed(8)
     st = lane_store(cfg("int8-r8"), batch=2)
     seqs = prompt(st, [[4, 9], [7, 2]], 12, gen)
-    assert not st.calibrated and st.q_end == 0 and not any(st.tables)
+    assert not st.dense.calibrated and st.q_end == 0 and not any(st.tables)
     check_tails(st, seqs)
     decode(st, seqs, 40, gen)
-    assert st.calibrated and all(st.tables)
+    assert st.dense.calibrated and all(st.tables)
     check_tails(st, seqs)
 
 
@@ -165,7 +165,7 @@ def test_attention_equals_the_reference_over_lanes_and_tails(name, decode_step):
     Tq = 1 if decode_step else 3
     q = torch.randn(B, H, Tq, D, generator=gen)
     fk, fv = torch.randn(B, H, Tq, D, generator=gen), torch.randn(B, H, Tq, D, generator=gen)
-    counts = torch.tensor(st.fill)
+    counts = torch.tensor(st.lanes.fill)
     keep = torch.arange(S).view(1, 1, -1) < counts.unsqueeze(-1)  # [B, H, S]
     mask = torch.cat([keep.unsqueeze(2).expand(B, H, Tq, S), torch.ones(B, H, Tq, Tq).tril().bool()], dim=-1)
     got = attend_torch(q, fk, fv, st, S, mask, D ** -0.5)
@@ -186,11 +186,11 @@ def test_a_head_reads_only_its_own_tail():
     seqs = prompt(st, [[5, 70], [37, 16]], 80, gen)
     decode(st, seqs, 9, gen)
     k, _ = dequantize_history(st, st.cache_pos)
-    filled = (torch.arange(st.cache_pos).view(1, 1, -1) < torch.tensor(st.fill).unsqueeze(-1)).unsqueeze(-1)
+    filled = (torch.arange(st.cache_pos).view(1, 1, -1) < torch.tensor(st.lanes.fill).unsqueeze(-1)).unsqueeze(-1)
     for b in range(2):
         for h in range(2):
-            n = st.fill[b][h] - st.qfill[b][h]
-            st.res_k[b, h, :n] += 1.0
+            n = st.lanes.fill[b][h] - st.lanes.qfill[b][h]
+            st.dense.res_k[b, h, :n] += 1.0
             k2, _ = dequantize_history(st, st.cache_pos)
             moved = (torch.where(filled, k2, 0) != torch.where(filled, k, 0)).any(dim=-1).any(dim=-1)
             assert moved[b, h] and moved.sum() == 1
@@ -203,15 +203,15 @@ def test_bounded_arena_full_changes_nothing_and_release_frees_every_lane():
     gen = torch.Generator().manual_seed(3)
     st = lane_store(cfg("int8-kchannel"), num_blocks=2, fixed=True)  # 4 lanes
     seqs = prompt(st, [[20, 40]], 60, gen)  # lanes 1 + 2, tails 4 + 8
-    assert [len(t) for t in st.tables] == [1, 2] and st.tail_lengths() == [[4, 8]]
+    assert [len(t) for t in st.tables] == [1, 2] and st.lanes.tail_lengths() == [[4, 8]]
     decode(st, seqs, 8, gen)  # head 1 flushes at 48: the last free lane
     assert [len(t) for t in st.tables] == [1, 3] and not st.blocks.free and not any(st.blocks.lane_free)
     decode(st, seqs, 3, gen)  # head 0's tail at 15
-    before = snapshot(st), st.res_k.clone(), list(map(list, st.qfill))
+    before = snapshot(st), st.dense.res_k.clone(), list(map(list, st.lanes.qfill))
     assert st.blocks_needed(1) > 0
     with pytest.raises(KVCacheFull):
         step(st, torch.randn(1, 2, 1, D), torch.randn(1, 2, 1, D))  # head 0's tail fills a block: no lane free
-    assert snapshot(st) == before[0] and torch.equal(st.res_k, before[1]) and st.qfill == before[2]
+    assert snapshot(st) == before[0] and torch.equal(st.dense.res_k, before[1]) and st.lanes.qfill == before[2]
     check_tails(st, seqs)
     st.release()
     assert st.blocks.used == 0 and not any(st.blocks.lane_refs)
@@ -237,7 +237,7 @@ def model_seqs(store: LayerStore, chunks: list) -> dict:
     out = {}
     for b in range(store.batch):
         for h in range(store.num_heads):
-            pos = store.slots.pos[b, h, :store.fill[b][h]].long()
+            pos = store.slots.pos[b, h, :store.lanes.fill[b][h]].long()
             assert (pos >= 0).all()
             out[(b, h)] = (keys[b:b + 1, h:h + 1, pos], values[b:b + 1, h:h + 1, pos])
     return out
@@ -265,7 +265,8 @@ def test_model_prefill_and_decode_hold_the_reference(model, monkeypatch, name):
     for layer in cache.layers:
         st = layer.store
         check_tails(st, model_seqs(st, seen[layer.layer_idx]))
-        assert max(max(r) for r in st.qfill) > min(min(r) for r in st.qfill)  # heads hold different lane counts
+        qfill = st.lanes.qfill
+        assert max(max(r) for r in qfill) > min(min(r) for r in qfill)  # heads hold different lane counts
     report = cache.memory_report()
     assert sum(report["per_precision"].values()) == sum(report[f"bytes_{k}"] for k in ("keys", "values", "scales",
                                                                                        "dense"))  # fmt: skip
@@ -304,10 +305,10 @@ def test_beams_share_lanes_and_each_row_equals_its_own_run(model, name):
     cache.reorder_cache(torch.tensor([1, 1]))
     for la in cache.layers:
         st = la.store
-        assert st.tables[0:2] == st.tables[2:4] and st.qfill[0] == st.qfill[1]
-        assert torch.equal(st.res_k[0], st.res_k[1])
+        assert st.tables[0:2] == st.tables[2:4] and st.lanes.qfill[0] == st.lanes.qfill[1]
+        assert torch.equal(st.dense.res_k[0], st.dense.res_k[1])
     d = cache.dump()["layers"][0]  # the debug dump lists each (row, head)'s tail
-    assert d["lanes"] and d["tail_tokens"] == cache.layers[0].store.tail_lengths()
+    assert d["lanes"] and d["tail_tokens"] == cache.layers[0].store.lanes.tail_lengths()
 
 
 @pytest.mark.parametrize("name", ["int8-kchannel", "int4-kchannel"])
@@ -341,8 +342,8 @@ def test_reset_and_crop(model):
         cache.crop(100)
     cache.reset()
     for la in cache.layers:
-        assert la.store.blocks.used == 0 and la.store.res_k is None and la.store.q_end == 0
-        assert la.store.qfill == [[0, 0]]
+        assert la.store.blocks.used == 0 and la.store.dense.res_k is None and la.store.q_end == 0
+        assert la.store.lanes.qfill == [[0, 0]]
     new = torch.randint(3, 128, (1, 70))
     with torch.no_grad():
         got = model(new, **cache_kw(cache)).logits
@@ -362,7 +363,8 @@ def test_bounded_pool_refuses_a_step_before_any_layer_writes(model):
     cache = QuantizedKVCache.from_pool(pool, ids)
 
     def state():
-        return [(snapshot(la.store), la.store.res_k.clone(), [list(r) for r in la.store.qfill]) for la in cache.layers]
+        return [(snapshot(la.store), la.store.dense.res_k.clone(), [list(r) for r in la.store.lanes.qfill])
+                for la in cache.layers]
 
     before, after = decode_until_full(model, ids, cache, state, 300)
     for (s0, r0, q0), (s1, r1, q1) in zip(before, after, strict=True):
@@ -387,4 +389,5 @@ def test_identical_prompt_rows_share_their_lanes_once(model, name):
         assert held(three.store) == held(one.store) == three.store.memory()["shared"]
         H = three.store.num_heads
         assert three.store.tables[:H] == three.store.tables[H:2 * H] == three.store.tables[2 * H:]
-        assert three.store.res_k.shape[0] == 3 and torch.equal(three.store.res_k[0], three.store.res_k[2])
+        res_k = three.store.dense.res_k
+        assert res_k.shape[0] == 3 and torch.equal(res_k[0], res_k[2])

@@ -42,9 +42,9 @@ def heavy_reference(q, k, v, layer, past, scaling):
     kh, vh = ladder_history(k, v, layer)
     end = layer.q_end
     for gi, g in enumerate(layer.groups):
-        at = layer.heavy[gi][0] if layer.heavy else None
+        at = layer.refine.heavy[gi][0] if layer.refine.heavy else None
         for side, (s, x, src) in enumerate(((g.key, kh, k), (g.value, vh, v))):
-            if at is None or layer.heavy[gi][1 + side] is None:
+            if at is None or layer.refine.heavy[gi][1 + side] is None:
                 continue
             parts = {n: t[:, :, :end] for n, t in s.gather(layer.table()).items()}
             rows = src[:, g.head_index, :end].half().float()
@@ -80,7 +80,7 @@ def test_picks_are_the_top_scores_below_the_ladder(row):
     layer, k, _, scores = heavy_layer(row, ladder_tokens=10)
     lo, hi = 4, layer.q_end - 10
     for gi, g in enumerate(layer.groups):
-        at = layer.heavy[gi][0]
+        at = layer.refine.heavy[gi][0]
         if at is None:
             assert not any(hasattr(s.quantizer, "refine") for s in (g.key, g.value))
             continue
@@ -106,11 +106,11 @@ def test_attention_reads_heavy_rows_refined(row, Tq, monkeypatch):
     assert (out - ref).abs().max() <= 2e-4
     monkeypatch.setattr(attention_torch, "WORKSPACE_BYTES", 4096)  # tiles of a block: the online softmax
     assert (dispatch.attend(q, fk, fv, layer, 70, None, 0.125) - ref).abs().max() <= 2e-4
-    heavy, layer.heavy = layer.heavy, []
+    heavy, layer.refine.heavy = layer.refine.heavy, []
     assert (dispatch.attend(q, fk, fv, layer, 70, None, 0.125) - out).abs().max() > 1e-3
     plain = model_space_reference(q, k[:, :, :70 + Tq], v[:, :, :70 + Tq], layer, 70, 0.125)
     assert (dispatch.attend(q, fk, fv, layer, 70, None, 0.125) - plain).abs().max() <= 2e-4
-    layer.heavy = heavy
+    layer.refine.heavy = heavy
 
 
 def test_heavy_rows_lower_the_error_where_attention_looks(monkeypatch):
@@ -137,10 +137,11 @@ def test_decode_steps_crop_reorder_copy_reset(monkeypatch):
     and a copy carry them; crop drops the rows cut off; reset forgets them. Attention stays exact throughout."""
     monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
     layer, k, v, _ = heavy_layer(ROWS["tqt"], past=60, heavy=8, ladder_tokens=6, ladder2_tokens=3)
-    picks = [h[0].clone() for h in layer.heavy if h[0] is not None]
+    picks = [h[0].clone() for h in layer.refine.heavy if h[0] is not None]
     for t in range(60, 66):
         layer.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
-    assert all(torch.equal(h[0], p) for h, p in zip([h for h in layer.heavy if h[0] is not None], picks, strict=True))
+    held = [h for h in layer.refine.heavy if h[0] is not None]
+    assert all(torch.equal(h[0], p) for h, p in zip(held, picks, strict=True))
 
     def check(layer, k, v, past):
         torch.manual_seed(1)
@@ -154,12 +155,12 @@ def test_decode_steps_crop_reorder_copy_reset(monkeypatch):
     layer.index_batch(torch.tensor([1, 0]))
     check(layer, k.flip(0), v.flip(0), 66)
     check(twin, k, v, 66)  # the copy is untouched by the reorder
-    top = max(int(h[0].max()) for h in layer.heavy if h[0] is not None)
+    top = max(int(h[0].max()) for h in layer.refine.heavy if h[0] is not None)
     layer.crop(top)  # the highest pick (and any at or above it) is cut off
-    assert all(int(h[0].max()) < top for h in layer.heavy if h[0] is not None)
+    assert all(int(h[0].max()) < top for h in layer.refine.heavy if h[0] is not None)
     check(layer, k.flip(0), v.flip(0), top)
     layer.reset()
-    assert layer.heavy == []
+    assert layer.refine.heavy == []
 
 
 def test_bytes_are_counted_and_sized():
@@ -172,7 +173,7 @@ def test_bytes_are_counted_and_sized():
     for kind, n in refinable.items():
         assert mb[kind] - ma[kind] == 2 * 12 * n * (64 // 8 + 1)
     assert mb["index"] - ma["index"] == 2 * 12 * 3 * 2
-    assert b.heavy_bytes() == 2 * 12 * (5 * 9 + 3 * 2)
+    assert b.refine.heavy_bytes() == 2 * 12 * (5 * 9 + 3 * 2)
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +206,8 @@ def test_cache_picks_by_the_prompt_and_sizes_them(model, batch, monkeypatch):
             model.generate(ids, attention_mask=mask, **cache_kw(cache), max_new_tokens=5, do_sample=False)
         for layer in cache.layers:
             store = layer.store
-            first = store.row_start.view(-1, 1, 1) + 4
-            for at, _, _ in store.heavy:
+            first = store.starts.row_start.view(-1, 1, 1) + 4
+            for at, _, _ in store.refine.heavy:
                 assert at.shape[-1] == 10 and bool(((at >= first) & (at < 50 - 5 - 6)).all())
         shape = ModelShape.of(model)
         assert cache.memory_report()["bytes_total"] == sequence_bytes(shape, cfg, 54, batch)["total"]
@@ -231,7 +232,7 @@ def test_needs_the_models_queries_and_config_checks():
         KVQuantConfig.from_dict({"default": "tq3", "heavy_tokens": 8, "offload": {"device_blocks": 4}})
     # layers without a codebook side hold none
     plain = LayerStore([KVPrecision("int8", "int8")], KVQuantConfig(heavy_tokens=8), 64, 1, DEV)
-    assert plain.heavy_tokens == 0
+    assert plain.refine.heavy_tokens == 0
 
 
 HEAVY_CASES = {  # heavy_layer keywords
@@ -248,15 +249,16 @@ def test_triton_reads_heavy_rows(Tq, row, case, monkeypatch):
     """The Triton kernels (decode, chunk) read a store with heavy rows as the torch path does: the pool in-kernel at
     its base width, each heavy row's base softmax term then traded for its refined one (swap_rows)."""
     layer, k, v, _ = heavy_layer(row, **HEAVY_CASES[case])
-    assert layer.heavy
+    assert layer.refine.heavy
     q = torch.randn(2, 3 * layer.num_heads, Tq, 64, generator=torch.Generator().manual_seed(3))
     args = (q, k[:, :, 70:70 + Tq], v[:, :, 70:70 + Tq], layer, 70, None, 0.125)
     out = triton_matches_torch(monkeypatch, args)
     monkeypatch.undo()  # (triton_matches_torch stubbed the torch path out)
-    heavy, layer.heavy = layer.heavy, []  # the swap is what moves it: without it the kernels read other values
+    # the swap is what moves it: without it the kernels read other values
+    heavy, layer.refine.heavy = layer.refine.heavy, []
     monkeypatch.setenv("KVQUANT_ATTENTION", "torch")
     assert (out - dispatch.attend(*args)).abs().max() > 1e-3
-    layer.heavy = heavy
+    layer.refine.heavy = heavy
 
 
 def test_swap_rows_with_a_mask_and_softcap():
@@ -302,7 +304,7 @@ def test_picks_do_not_depend_on_the_score_tile(model, monkeypatch):
             cache = QuantizedKVCache(model, cfg)
             with torch.no_grad():
                 model(ids, **cache_kw(cache))
-            picks.append([h[0] for layer in cache.layers for h in layer.store.heavy])
+            picks.append([h[0] for layer in cache.layers for h in layer.store.refine.heavy])
         assert all(torch.equal(a, b) for a, b in zip(*picks, strict=True))
     finally:
         kvquant.unwrap(model)
@@ -321,7 +323,7 @@ def test_generate_with_heavy_rows_triton_matches_torch(model, monkeypatch):
         mask[1, :5] = 0
         ref_tokens, ref_logits, _, _ = generate(model, ids, mask, "torch", monkeypatch, new_tokens=4)
         tokens, logits, calls, cache = generate(model, ids, mask, "triton", monkeypatch, new_tokens=4)
-        assert all(layer.store.heavy for layer in cache.layers)
+        assert all(layer.store.refine.heavy for layer in cache.layers)
         assert calls.count(1) == 3 * 2  # 3 decode steps x 2 layers, none fell back
         assert torch.equal(tokens, ref_tokens) and (logits - ref_logits).abs().max() <= E2E_TOL  # (measured 1.8e-5)
     finally:

@@ -132,7 +132,7 @@ def test_short_batch_mate_fitted_row_read_alike(model, monkeypatch):
     seq_t, logits_t, _, cache_t = generate(model, ids, mask, "torch", monkeypatch, new_tokens=14)
     seq_k, logits_k, calls_k, cache_k = generate(model, ids, mask, "triton", monkeypatch, new_tokens=14)
     assert len(calls_k) == model.config.num_hidden_layers * 14
-    assert cache_k.layers[0].store.calibrated_rows == [True, True] and cache_k.layers[0].store.calibrated
+    assert cache_k.layers[0].store.dense.calibrated_rows == [True, True] and cache_k.layers[0].store.dense.calibrated
     assert torch.equal(seq_t, seq_k)
     assert differing_codes(cache_t, cache_k) == 0, "a rounding-boundary flip: pick other fixed inputs"
     err = (logits_t - logits_k).abs().max().item()
@@ -155,7 +155,7 @@ def test_greedy_codebook_ladder(model, monkeypatch):
     seq_k, logits_k, calls_k, cache_k = generate(model, ids, mask, "triton", monkeypatch, new_tokens=4)
     layers = model.config.num_hidden_layers
     assert len(calls_k) == layers * 4  # every call through the kernels
-    assert [layer.store.ladder_n for layer in cache_k.layers] == [5] * layers  # a full ring was read
+    assert [layer.store.refine.ladder_n for layer in cache_k.layers] == [5] * layers  # a full ring was read
     assert torch.equal(seq_t, seq_k)
     assert differing_codes(cache_t, cache_k) == 0, "a rounding-boundary flip: pick other fixed inputs"
     err = (logits_t - logits_k).abs().max().item()

@@ -183,9 +183,10 @@ def test_rows_kernel_eight_tile_steps(prec):
                                            ("int4-channel", {"residual_tokens": 20})],
                          ids=["int4-channel", "int8-kchannel", "int4-kchannel-sinks", "int4-channel-residual"])
 def test_per_row_block_grids(preset, extra):
-    """Left-padded rows with per-channel keys hold their blocks on their own grids (``LayerStore.shift``): the
-    kernels read each row's key range mapped onto its slots (``split_ranges``), its pool's rows in the residual
-    hidden (``dense_segments``), and match the torch walk, decode steps and chunks of 5, as the pool grows."""
+    """Left-padded rows with per-channel keys hold their blocks on their own grids (``LayerStore.grid``,
+    :mod:`kvquant.grid`): the kernels read each row's key range mapped onto its slots (``split_ranges``), its pool's
+    rows in the residual hidden (``dense_segments``), and match the torch walk, decode steps and chunks of 5, as the
+    pool grows."""
     base = KVQuantConfig.preset(preset).to_dict() if "kchannel" in preset else {"default": preset}
     cfg = KVQuantConfig.from_dict({**base, "block_size": 16, **extra})
     H, D, W, T = 2, 16, 40, 72
@@ -196,7 +197,7 @@ def test_per_row_block_grids(preset, extra):
     store = LayerStore([cfg.default] * H, cfg, D, 3, DEV)
     k, v, q, rs = k.to(DEV), v.to(DEV), q.to(DEV), rs.to(DEV)
     store.append(k[:, :, :W], v[:, :, :W], row_start=rs)
-    assert store.shift == [0, 11, 12]
+    assert store.grid is not None and store.grid.shift == [0, 11, 12]
     t = W
     while t < T:
         n = min(1 if t % 3 else 5, T - t)

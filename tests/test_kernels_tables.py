@@ -173,8 +173,8 @@ def test_shuffled_block_tables(fam, Tq, block):
     layer.append(fk, fv)
     past = 71
     assert layer.q_end == past + Tq - 9 and layer.q_end % block  # a partial last block in the pool
-    fk, fv = layer.kv_to_head_space(fk, fv)  # what dispatch hands the kernels (rotated, as for tq*)
-    q = layer.query_to_head_space((torch.randn(2, 6, Tq, 64, generator=g) * 1.5).to(DEV))
+    fk, fv = layer.snapshot().space.kv_to_head(fk, fv)  # what dispatch hands the kernels (rotated, as for tq*)
+    q = layer.snapshot().space.query_to_head((torch.randn(2, 6, Tq, 64, generator=g) * 1.5).to(DEV))
     out = attend_triton(q, fk, fv, layer, past, None, 0.125, splits=3, block_m=16)
     ref = attend_naive(q, fk, fv, layer, past, None, 0.125)
     walk = attend_torch(q, fk, fv, layer, past, None, 0.125)
@@ -191,7 +191,7 @@ def test_half_queries(fam, dtype):
     for past, Tq in ((60, 1), (33, 5)):
         row = row_of([("X4", "X3"), ("X3", "tq3")], fam)
         layer, k, v = codebook_layer(row, D=64, past=past, Tq=Tq, steps=(20,))
-        fk, fv = layer.kv_to_head_space(k[:, :, past:], v[:, :, past:])
+        fk, fv = layer.snapshot().space.kv_to_head(k[:, :, past:], v[:, :, past:])
         q = torch.randn(2, 4, Tq, 64, device=DEV)
         out = attend_triton(q.to(dtype), fk.to(dtype), fv.to(dtype), layer, past, None, 0.125, splits=2, block_m=16)
         assert out.dtype == dtype

@@ -163,6 +163,6 @@ def test_rung_parts_are_what_the_store_keeps(precision):
     cache.update(k, torch.randn_like(k), 0)
     store = cache.layers[0].store
     q = store.groups[0].key.quantizer
-    for rung, ring in ((1, store.ladder), (2, store.ladder2)):
+    for rung, ring in ((1, store.refine.ladder), (2, store.refine.ladder2)):
         held = {n: (tuple(t.shape[3:]), t.dtype) for pair in ring for r in pair if r is not None for n, t in r.items()}
         assert held == {n: (s.shape, s.dtype) for n, s in q.rung_parts(rung).items()}, rung

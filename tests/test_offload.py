@@ -76,7 +76,7 @@ def test_small_workspace_walks_many_tiles_with_prefetch(monkeypatch):
     fk, fv = torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32)
     ref = attend_torch(q, fk, fv, plain, 200, None, 0.2)
     torch.testing.assert_close(attend_torch(q, fk, fv, off, 200, None, 0.2), ref, atol=1e-5, rtol=1e-5)
-    assert off.prefetcher.prefetched >= 8
+    assert off.host.prefetcher.prefetched >= 8
 
 
 def test_model_logits_match_and_device_bytes_stay_bounded_to_4k():

@@ -59,9 +59,9 @@ def test_torch_path_equals_naive_with_options(opts, tq, monkeypatch):
     g = torch.Generator().manual_seed(9)
     k, v = torch.randn(2, 3, tq, D, generator=g), torch.randn(2, 3, tq, D, generator=g)
     q = torch.randn(2, 6, tq, D, generator=g)
-    ks, vs = store.to_storage_space(k, v)
+    ks, vs = store.space.to_storage(k, v)
     past = store.append(k, v)
-    qs = q if not store.rotate_keys else __import__("kvquant.rotation", fromlist=["fwht"]).fwht(q)
+    qs = q if not store.space.rotate_keys else __import__("kvquant.rotation", fromlist=["fwht"]).fwht(q)
     got = attend_torch(qs, ks, vs, store, past, None, D**-0.5)
     want = attend_naive(qs, ks, vs, store, past, None, D**-0.5)
     assert (got - want).abs().max() < 1e-3

@@ -79,9 +79,9 @@ def test_fp32_model_dense_buffers_widen():
     cfg = KVQuantConfig.from_dict({"default": "int8-token", "block_size": 16, "sink_tokens": 2, "residual_tokens": 8})
     store = LayerStore([KVPrecision("int8-token", "int8-token")] * 2, cfg, 64, 2, torch.device("cpu"))
     store.append(k[:, :, :4] / BIG, v[:, :, :4])  # small values first: fp16 buffers
-    assert store.res_k.dtype == torch.float16
+    assert store.dense.res_k.dtype == torch.float16
     store.append(k[:, :, 4:], v[:, :, 4:])
-    assert store.res_k.dtype == torch.float32 and store.sink_k.dtype == torch.float32
+    assert store.dense.res_k.dtype == torch.float32 and store.dense.sink_k.dtype == torch.float32
     hk, _ = dequantize_history(store, 40)
     assert torch.isfinite(hk).all()
 
@@ -93,10 +93,10 @@ def test_fp32_model_dense_buffers_widen_for_the_rotated_magnitudes(rotate):
     cfg = KVQuantConfig.from_dict({"default": "int8-token", "block_size": 16, "residual_tokens": 8, "rotate": rotate})
     store = LayerStore([KVPrecision("int8-token", "int8-token")] * 2, cfg, 64, 1, torch.device("cpu"))
     store.append(torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 64))
-    assert store.res_k.dtype == torch.float16
+    assert store.dense.res_k.dtype == torch.float16
     k = torch.full((1, 2, 1, 64), 2e4)
     store.append(k, k.clone())
-    assert store.res_k.dtype == torch.float32
+    assert store.dense.res_k.dtype == torch.float32
     hk, hv = dequantize_history(store, 5)
     assert torch.isfinite(hk).all() and torch.isfinite(hv).all()
 

@@ -32,14 +32,14 @@ def test_snapshot_holds_the_store_by_reference():
     snap = store.snapshot()
     assert isinstance(store, SnapshotSource) and as_snapshot(snap) is snap
     assert (snap.batch, snap.num_heads, snap.head_dim, snap.block_size) == (2, 2, 32, 16)
-    assert snap.q_end == store.q_end < 60 and snap.table is store.table() and snap.row_start is store.row_start
+    assert snap.q_end == store.q_end < 60 and snap.table is store.table() and snap.row_start is store.starts.row_start
     assert len(snap.groups) == len(store.groups) == 2
     for part, group in zip(snap.groups, store.groups, strict=True):
         assert part.heads == group.heads and part.head_index is group.head_index
         for p, s in ((part.key, group.key), (part.value, group.value)):
             assert p.quantizer is s.quantizer and p.state is s.state
             assert all(p.parts[n] is t for n, t in s.parts.items())
-    assert snap.sinks is not None and snap.sinks.k is store.sink_k and snap.sinks.tokens == 4
+    assert snap.sinks is not None and snap.sinks.k is store.dense.sink_k and snap.sinks.tokens == 4
     assert snap.residual is not None and snap.residual.held == 60 - store.q_end
     assert snap.has_dense_segments and snap.ladder_n == 0 and snap.heavy_rows == 0 and snap.slots is None
     with pytest.raises(AttributeError):

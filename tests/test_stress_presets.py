@@ -148,11 +148,11 @@ def test_center_keys_state_follows_the_batch():
     store = LayerStore([KVPrecision("int8-token", "int8-token")] * 2, cfg, 16, 3, torch.device("cpu"))
     k = torch.randn(3, 2, 20, 16) + torch.arange(3.0).view(3, 1, 1, 1) * 10
     store.append(k, torch.randn(3, 2, 20, 16))
-    torch.testing.assert_close(store.key_mean[:, :, 0], k.mean(2))
+    torch.testing.assert_close(store.space.key_mean[:, :, 0], k.mean(2))
     store.index_batch(torch.tensor([2, 0]))
-    torch.testing.assert_close(store.key_mean[:, :, 0], k.mean(2)[[2, 0]])
+    torch.testing.assert_close(store.space.key_mean[:, :, 0], k.mean(2)[[2, 0]])
     store.reset()
-    assert store.key_mean is None
+    assert store.space.key_mean is None
     with pytest.raises(kvquant.ConfigError, match="center_keys"):
         KVQuantConfig.from_dict({"center_keys": "yes"})
 
