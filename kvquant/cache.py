@@ -122,10 +122,11 @@ class QuantizedLayer(CacheLayerMixin):
         window: int | None = None,
         watch: OutlierWatch | None = None,
         policy: Policy | None = None,
-        plan: LayerPlan | None = None,
+        *,
+        plan: LayerPlan,
     ) -> None:
         super().__init__()
-        #: what this layer gets (None: planned from ``row``, ``config`` and ``window`` when the store is made)
+        #: what this layer gets (kvquant.plan): the store is built from it
         self.layer_plan = plan
         self.watch = watch
         # eviction (kvquant.evict): which tokens this layer keeps; sliding-window layers keep their window
@@ -155,9 +156,7 @@ class QuantizedLayer(CacheLayerMixin):
         blocks = self.pool.layer_blocks(self.layer_idx, device) if self.pool is not None else None
         self.store = LayerStore(
             self.row, self.config, self.head_dim, batch=batch, device=device, static_amax=self.static_amax,
-            capacity=self.capacity, blocks=blocks, window=self.window,
-            lanes=self.layer_plan is None and self.policy is not None and self.policy.budget.per_head,
-            plan=self.layer_plan,
+            capacity=self.capacity, blocks=blocks, window=self.window, plan=self.layer_plan,
         )  # fmt: skip
         self.is_initialized = True
         return self.store
@@ -424,7 +423,7 @@ class QuantizedKVCache(Cache):
         layers = [
             QuantizedLayer(i, list(lp.row), self.kv_config, self.shape.head_dim, static[i] if static else None,
                            capacity, pool, windows[i], self.outlier_watch,
-                           evict.for_layer(i) if evict and lp.evict else None, lp)
+                           evict.for_layer(i) if evict and lp.evict else None, plan=lp)
             for i, lp in enumerate(self.plan.layers)
         ]  # fmt: skip
         self.clip_monitor = ClipMonitor(layers, self.session_id)
