@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from kvquant import ConfigError, KVQuantConfig, ModelShape
 from kvquant.cli import build_parser, main
-from kvquant.config import _TOP_LEVEL
+from kvquant.config import TOP_LEVEL
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "tinystories-stories260k.yaml"
@@ -39,8 +39,8 @@ VALUES = st.recursive(
     max_leaves=8,
 )
 CONFIG_DICTS = st.one_of(
-    st.dictionaries(st.sampled_from(sorted(_TOP_LEVEL)), VALUES, max_size=5),  # known fields, any values
-    st.dictionaries(st.one_of(st.sampled_from(sorted(_TOP_LEVEL)), st.text(max_size=5)), VALUES, max_size=3),
+    st.dictionaries(st.sampled_from(sorted(TOP_LEVEL)), VALUES, max_size=5),  # known fields, any values
+    st.dictionaries(st.one_of(st.sampled_from(sorted(TOP_LEVEL)), st.text(max_size=5)), VALUES, max_size=3),
 )
 SHAPES = [ModelShape(2, 2, 8), ModelShape(3, 1, 64), ModelShape(40, 8, 128)]
 
