@@ -99,7 +99,7 @@ def has_head_space(groups: list[HeadGroup], calibrated: bool) -> bool:
 
 def centered_keys(groups: list[HeadGroup]) -> bool:
     """True when some head's keys are stored with a per-channel mean removed (codebook quantizers)."""
-    return any(g.key.quantizer.space and getattr(g.key.quantizer, "center", False) for g in groups)
+    return any(g.key.quantizer.space and g.key.quantizer.center for g in groups)
 
 
 def map_heads(groups: list[HeadGroup], x: torch.Tensor, side: str, method: str) -> torch.Tensor:

@@ -65,6 +65,7 @@ class Quantizer(ABC):
     # store writing straight to this quantizer may skip its own check (kvquant.store.LayerStore.append)
     checks_finite = False
     space = False  # True: rows are read in a per-head rotated space (codebook quantizers, see ``fit``)
+    center = False  # True: a space quantizer also removes a per-channel key mean in that space
 
     def __init__(self, head_dim: int) -> None:
         self.head_dim = head_dim
