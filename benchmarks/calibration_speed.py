@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import kvquant  # noqa: E402
 from kvquant import KVQuantConfig  # noqa: E402
-from kvquant.calibrate_target import KEY_CANDIDATES, VALUE_CANDIDATES  # noqa: E402
+from kvquant.calibrate_target import BLOCK_KEY_CANDIDATES, KEY_CANDIDATES, VALUE_CANDIDATES  # noqa: E402
 from kvquant.models import load_model  # noqa: E402
 from kvquant.transformers_compat import cache_kw  # noqa: E402
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sinks", type=int, default=4, help="fp16 sinks of the candidate configs (4)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    keys, values = KEY_CANDIDATES.split(","), VALUE_CANDIDATES.split(",")
+    keys, values = (BLOCK_KEY_CANDIDATES + "," + KEY_CANDIDATES).split(","), VALUE_CANDIDATES.split(",")
     labels = [c for c in dict.fromkeys(keys + values) if not c.startswith("tqc")]
     if args.candidates is not None:
         labels = [c for c in args.candidates.split(",") if c]

@@ -35,7 +35,16 @@ from .allocate import (
     parse_candidates,
     plan_to_config,
 )
-from .calibrate_target import KEY_CANDIDATES, TARGET_EPILOG, TIERS, VALUE_CANDIDATES
+from .calibrate_target import (
+    BLOCK_KEY_CANDIDATES,
+    EXPECT_TOKENS,
+    KEY_CANDIDATES,
+    LADDER,
+    RESIDUAL,
+    TARGET_EPILOG,
+    TIERS,
+    VALUE_CANDIDATES,
+)
 from .config import CONFIG_SUFFIXES, KVPrecision, KVQuantConfig, check_int
 from .errors import ArgumentError, ConfigError
 from .inputs import looks_like_path
@@ -561,13 +570,22 @@ def register(subparsers: Any) -> None:
                    help="a named target: " + ", ".join(f"{k} = --target-bytes {v}" for k, v in TIERS.items()))
     p.add_argument("--context", type=int, default=1024,
                    help="--target-bytes: the tokens at which the bytes are counted (1024)")
-    p.add_argument("--key-candidates", dest="key_candidates", default=KEY_CANDIDATES,
-                   help=f"--target-bytes: key labels (default: {KEY_CANDIDATES}; tqc<bits>: per-channel widths)")
-    p.add_argument("--value-candidates", dest="value_candidates", default=VALUE_CANDIDATES,
+    p.add_argument("--key-candidates", dest="key_candidates",
+                   help=f"--target-bytes: key labels (default: {KEY_CANDIDATES}; with --residual 0: "
+                   f"{BLOCK_KEY_CANDIDATES}; tqc<bits>: per-channel widths)")
+    p.add_argument("--value-candidates", dest="value_candidates",
                    help=f"--target-bytes: value labels (default: {VALUE_CANDIDATES})")
     p.add_argument("--fast", action="store_true",
-                   help="--target-bytes: no tqv*/tqc* codebook candidates: CPU decode >= 0.5x "
-                   "int4-kchannel-sinks's, at a higher error")
+                   help="--target-bytes: no tqv*/tqc* codebook candidates: faster CPU decode, at a higher error")
+    p.add_argument("--residual", type=int, default=RESIDUAL,
+                   help=f"--target-bytes: the newest tokens every layer keeps exactly in fp16 ({RESIDUAL}; their "
+                   "bytes count in the target); 0: none, and per-channel block keys (int*-channel) become candidates")
+    p.add_argument("--ladder", type=int, default=LADDER,
+                   help=f"--target-bytes: an age ladder: the newest quantized tokens of codebook heads keep one "
+                   f"refinement bit ({LADDER}; bytes counted); 0: none (needed to add evict or offload later)")
+    p.add_argument("--expect-tokens", dest="expect_tokens", type=int, default=EXPECT_TOKENS,
+                   help="--target-bytes: targets of each held-out window scored by exact one-token decode for the "
+                   f"stated expectation ({EXPECT_TOKENS})")
     p.add_argument("--target-weight", dest="target_weight", type=float, default=1.0,
                    help="--target-bytes: weight of the target-token NLL term beside KL in the objective (1.0)")
     p.add_argument("--heldout-windows", dest="heldout_windows", type=int, default=4,

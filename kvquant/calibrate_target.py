@@ -12,8 +12,15 @@ and codebook state, sink tokens, the residual window). The steps:
    target-token term (:func:`kvquant.sensitivity.estimate_fisher` / :func:`~kvquant.sensitivity.measure_kl`);
 4. a greedy multiple-choice knapsack over the units in bytes (:func:`allocate_bytes`), checked against
    ``sequence_bytes`` of the config it makes, and tightened until that fits;
-5. the expectation: KL and perplexity change against FP16 on the held-out windows (simulated protocol: every
-   position fake-quantized, the residual window not modelled), mean +- standard error over the windows.
+5. the expectation: KL and perplexity change against FP16 on the held-out windows under exact one-token decode
+   (the last ``expect_tokens`` of each window fed one at a time through a real :class:`~kvquant.QuantizedKVCache`,
+   so the residual window and sinks count as they will), mean +- standard error over the windows.
+
+The template carries the options every layer gets: ``sink_tokens``, an exact fp16 residual window of the newest
+``residual_tokens`` (``residual_step`` 1; ``--residual``, default :data:`RESIDUAL`) and an age ladder
+(``ladder_tokens``, ``--ladder``, default :data:`LADDER`), whose bytes the target counts. Per-channel block keys
+(``int*-channel``) cannot take an exact window (their block is quantized whole), so they are candidates only with
+``--residual 0``; the per-channel key widths of ``tqc*`` serve the same outlier channels per token.
 
 Candidate labels are precisions (:data:`kvquant.quantizers.PRECISIONS`) plus ``tqc<bits>`` (keys only: one
 ``tqc-<widths>`` per head at ``bits`` average width). Trellis codes (``tqt*``) are not default candidates: their
@@ -36,19 +43,28 @@ from .config import KVPrecision, KVQuantConfig
 from .errors import ArgumentError, ConfigError
 from .memory import sequence_bytes
 from .plan import logit_softcap
-from .quantizers import CODEBOOK, PRECISIONS, TRELLIS, VECTOR, is_precision
+from .quantizers import CHANNEL, CODEBOOK, PRECISIONS, TRELLIS, VECTOR, is_precision
 from .shape import ModelShape
 
 #: named tiers: ``--tier NAME`` is ``--target-bytes F``
 TIERS: dict[str, float] = {"auto-8bit": 0.5, "auto-4bit": 0.27, "auto-3bit": 0.21}
 #: the default candidates: the lowest error per byte (the vector ``tqv*`` and channel-width ``tqc*`` codebooks
 #: included; their CPU decode is slower, see ``--fast``)
-KEY_CANDIDATES = "fp16,int8-channel,int8-token,int4-channel,int4,tq4,tq3,tqv4,tqc4,tqc3"
+KEY_CANDIDATES = "fp16,int8-token,int4,tq4,tq3,tqv4,tqc4,tqc3"
 VALUE_CANDIDATES = "fp16,int8-token,int4,tq4,tq3,tqv4,tqv3"
 #: ``--fast``: the families whose CPU decode, mixed per head as the calibrator mixes them, stays at or above half of
 #: ``int4-kchannel-sinks``'s (writing each token included; benchmarks/calibration_speed.py): no ``tqv*`` / ``tqc*``
-FAST_KEY_CANDIDATES = "fp16,int8-channel,int8-token,int4-channel,int3-channel,int4,tq4,tq3"
+FAST_KEY_CANDIDATES = "fp16,int8-token,int4,tq4,tq3"
 FAST_VALUE_CANDIDATES = "fp16,int8-token,int4,tq4,tq3"
+#: with ``--residual 0`` the per-channel block keys join the candidates (default and ``--fast``)
+BLOCK_KEY_CANDIDATES = "fp16,int8-channel,int8-token,int4-channel,int4,tq4,tq3,tqv4,tqc4,tqc3"
+FAST_BLOCK_KEY_CANDIDATES = "fp16,int8-channel,int8-token,int4-channel,int3-channel,int4,tq4,tq3"
+#: ``--residual``: the newest tokens every layer keeps exactly in fp16 (residual_step 1)
+RESIDUAL = 16
+#: ``--ladder``: the newest quantized tokens whose codebook K/V keep one refinement bit (``ladder_tokens``)
+LADDER = 64
+#: ``--expect-tokens``: the tokens of each held-out window decoded one at a time for the expectation
+EXPECT_TOKENS = 64
 TARGET_EPILOG = """
 a byte target (--target-bytes F or --tier NAME) instead of --budget-bits:
   kvquant calibrate --model smollm2-135m --data wikitext-2 --target-bytes 0.27 -o smollm2-0.27x.yaml
@@ -60,11 +76,15 @@ a byte target (--target-bytes F or --tier NAME) instead of --budget-bits:
   (--heldout-windows + --calib-windows) x --calib-window tokens of --data are read: the last --calib-windows fit
   the config (per-channel tqc key widths, each unit's fisher or kl sensitivity plus --target-weight x a
   target-token NLL term), the held-out ones before them measure the expectation written in the config's header
-  (KL and ppl change against FP16, mean +- SE; simulated protocol). Trellis codes (tqt*) decode an order of
-  magnitude slower on CPU and are never default candidates (add them to --key/--value-candidates to allow them).
-  The default candidates give the lowest error per byte; the configs they make decode on CPU at ~0.35x the speed
-  of int4-kchannel-sinks (the tqv*/tqc* codebooks). --fast leaves those out (keys fp16,int8-channel,int8-token,
-  int4-channel,int3-channel,int4,tq4,tq3; values fp16,int8-token,int4,tq4,tq3): >= 0.5x on CPU, at a higher error.
+  (KL and ppl change against FP16, mean +- SE, the last --expect-tokens of each decoded one token at a time).
+  Every layer keeps the --residual newest tokens exactly in fp16 (default 16), and the --ladder newest quantized
+  tokens of its codebook heads keep one refinement bit (default 64; not on sliding-window layers; a config with a
+  ladder excludes evict and offload: give --ladder 0 to combine them); their bytes count in the target.
+  Per-channel block keys (int*-channel) cannot take the exact window and are candidates only with --residual 0.
+  Trellis codes (tqt*) decode an order of magnitude slower on CPU and are never default candidates (add them to
+  --key/--value-candidates to allow them). The default candidates give the lowest error per byte; the tqv*/tqc*
+  codebooks among them read slowly on the CPU torch path. --fast leaves those out (keys fp16,int8-token,int4,
+  tq4,tq3; values fp16,int8-token,int4,tq4,tq3), at a higher error.
   Refused before any work, nothing written: a target below what the candidates can store, codebook keys on a
   model with attention logit softcapping when only they meet the target, less text than the windows need.
 """
@@ -91,6 +111,21 @@ def parse_target(target_bytes: float | None, tier: str | None) -> float:
         raise ArgumentError(f"--target-bytes: {target_bytes!r} must be a fraction of the FP16 bytes in (0, 1], "
                             "e.g. 0.27")
     return float(target_bytes)
+
+
+def default_candidates(residual: int, fast: bool) -> tuple[str, str]:
+    """The default ``(key, value)`` candidate lists for ``--residual`` and ``--fast``."""
+    if residual:
+        return (FAST_KEY_CANDIDATES, FAST_VALUE_CANDIDATES) if fast else (KEY_CANDIDATES, VALUE_CANDIDATES)
+    return (FAST_BLOCK_KEY_CANDIDATES, FAST_VALUE_CANDIDATES) if fast else (BLOCK_KEY_CANDIDATES, VALUE_CANDIDATES)
+
+
+def calibration_template(sinks: int = 4, residual: int = RESIDUAL, ladder: int = LADDER) -> KVQuantConfig:
+    """The options every layer of a calibrated config gets: ``sinks`` fp16 sink tokens, an exact fp16 window of
+    the ``residual`` newest tokens (``residual_step`` 1; 0: none) and an age ladder of the ``ladder`` newest
+    quantized tokens (``ladder_tokens``: one refinement bit per coordinate of their codebook K/V; 0: none)."""
+    return KVQuantConfig(sink_tokens=sinks, residual_tokens=residual, residual_step=1 if residual else None,
+                         ladder_tokens=ladder)
 
 
 def parse_kind_candidates(text: str, kind: int) -> list[str]:
@@ -226,11 +261,12 @@ def fit_bytes(shape: ModelShape, template: KVQuantConfig, sens: dict[str, torch.
 # ------------------------------------------------------------------------------------------ expectation
 @dataclass
 class Expectation:
-    """KL and perplexity change against FP16 on held-out windows: per-window values, their means and SEs."""
+    """KL and perplexity change against FP16 on held-out windows: per-window values, their means and SEs, and the
+    ``decoded`` targets of each window scored by exact one-token decode."""
 
     kl: list[float]
     dnll: list[float]  # mean NLL rise per window (nats per token)
-    tokens: int
+    decoded: int
 
     @staticmethod
     def _mean_se(xs: Sequence[float]) -> tuple[float, float]:
@@ -242,31 +278,48 @@ class Expectation:
         k, ks = self._mean_se(self.kl)
         d, ds = self._mean_se([math.expm1(x) * 100 for x in self.dnll])
         return (f"KL {k:.4f} +- {ks:.4f} nats/token, ppl {d:+.2f}% +- {ds:.2f}% vs FP16 over {len(self.kl)} held-out "
-                f"windows ({self.tokens} tokens; simulated protocol)")
+                f"windows (the last {self.decoded} targets of each; exact one-token decode)")
 
     def as_dict(self) -> dict[str, float]:
         k, ks = self._mean_se(self.kl)
         d, ds = self._mean_se([math.expm1(x) * 100 for x in self.dnll])
-        return {"kl": k, "kl_se": ks, "dppl_pct": d, "dppl_pct_se": ds, "windows": len(self.kl)}
+        return {"kl": k, "kl_se": ks, "dppl_pct": d, "dppl_pct_se": ds, "windows": len(self.kl),
+                "decoded": self.decoded}
 
 
 @torch.no_grad()
-def expectation(model: Any, windows: torch.Tensor, cfg: KVQuantConfig) -> Expectation:
-    """:class:`Expectation` of ``cfg`` against FP16 on ``windows[n, T]`` (one simulated-protocol forward each)."""
-    from .sensitivity import _call, _kl_mean, _nll_mean
-    from .simulate import SimulatedQuantCache
+def expectation(model: Any, windows: torch.Tensor, cfg: KVQuantConfig, decoded: int = EXPECT_TOKENS,
+                progress: Callable[[int, int], None] | None = None) -> Expectation:
+    """:class:`Expectation` of ``cfg`` against FP16 on ``windows[n, T]``: each window's first ``T - 1 - decoded``
+    tokens are prefilled into a :class:`~kvquant.QuantizedKVCache` of ``cfg``, then the next ``decoded`` are fed
+    one at a time (exact one-token decode) and their predictions scored against one FP16 forward over the window."""
+    from .cache import QuantizedKVCache
+    from .sensitivity import _kl_mean, _nll_mean
+    from .transformers_compat import cache_kw
+    from .wrap import wrapped
 
+    n, T = windows.shape
+    prefill = T - 1 - decoded
+    if prefill < 1:
+        raise ArgumentError(f"--expect-tokens: {decoded} leaves no prefill in a --calib-window of {T}")
     dev = next(model.parameters()).device
-    ref_cfg = cfg.with_updates(default=KVPrecision("fp16", "fp16"), layers={}, heads={})
     kls, dn = [], []
-    for w in range(windows.shape[0]):
+    for w in range(n):
         x = windows[w : w + 1].to(dev)
-        lp = torch.log_softmax(_call(model, SimulatedQuantCache(model, ref_cfg), input_ids=x).float(), -1)
-        logits = _call(model, SimulatedQuantCache(model, cfg), input_ids=x).float()
+        lp = torch.log_softmax(model(input_ids=x).logits[:, prefill : T - 1].float(), -1)
+        with wrapped(model, cfg):
+            cache = QuantizedKVCache(model, cfg)
+            model(x[:, :prefill], **cache_kw(cache), use_cache=True, logits_to_keep=1)
+            steps = []
+            for s in range(prefill, T - 1):
+                steps.append(model(x[:, s : s + 1], **cache_kw(cache), use_cache=True).logits[:, -1:].float())
+                if progress is not None:
+                    progress(w * decoded + s - prefill + 1, n * decoded)
+        logits = torch.cat(steps, dim=1)
         kls.append(_kl_mean(lp, logits))
-        lq = torch.log_softmax(logits[:, :-1], -1)
-        dn.append(_nll_mean(lq, x[:, 1:]) - _nll_mean(lp[:, :-1], x[:, 1:]))
-    return Expectation(kls, dn, int(windows.numel()))
+        target = x[:, prefill + 1 :]
+        dn.append(_nll_mean(torch.log_softmax(logits, -1), target) - _nll_mean(lp, target))
+    return Expectation(kls, dn, decoded)
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -335,16 +388,22 @@ def check_reachable(shape: ModelShape, template: KVQuantConfig, labels: dict[int
 
 
 def check_template(template: KVQuantConfig, shape: ModelShape, labels: dict[int, list[str]]) -> None:
-    """Every plain label must be storable for the model under the template's options (group size, packing)."""
+    """Every plain label must be storable for the model under the template's options (group size, packing, a
+    residual step that a per-channel block cannot take)."""
+    step = template.residual_step or template.block_size
     for kind, names in labels.items():
+        option = "--key-candidates" if kind == 0 else "--value-candidates"
         for c in names:
             if TQC_LABEL.fullmatch(c) or not is_precision(c):
                 continue
+            if c in CHANNEL and template.residual_tokens and step != template.block_size:
+                raise ArgumentError(f"{option}: {c}: a per-channel block cannot take the exact residual window of "
+                                    f"{template.residual_tokens} tokens (residual_step {step}); leave it out or give "
+                                    "--residual 0")
             pair = KVPrecision(c, "fp16") if kind == 0 else KVPrecision("fp16", c)
             try:
                 template.with_updates(default=pair, layers={}, heads={}).validate(shape)
             except ConfigError as e:
-                option = "--key-candidates" if kind == 0 else "--value-candidates"
                 raise ArgumentError(f"{option}: {c}: {str(e).split(': ', 1)[-1]}") from None
 
 
@@ -391,6 +450,7 @@ def calibrate_target(
     window: int = 512,
     windows: int = 2,
     heldout: int = 4,
+    expect_tokens: int = EXPECT_TOKENS,
     samples: int = 8,
     seed: int = 0,
     template: KVQuantConfig | None = None,
@@ -406,11 +466,14 @@ def calibrate_target(
 
     t0 = time.perf_counter()
     shape = ModelShape.of(model)
-    template = template or KVQuantConfig(sink_tokens=4)
+    template = template or calibration_template()
     labels = {0: parse_kind_candidates(key_candidates, 0), 1: parse_kind_candidates(value_candidates, 1)}
     check_template(template, shape, labels)
     if not (isinstance(target_weight, (int, float)) and math.isfinite(target_weight) and target_weight >= 0):
         raise ArgumentError(f"--target-weight: {target_weight!r} must be a number >= 0")
+    if not 1 <= expect_tokens <= window - 2:
+        raise ArgumentError(f"--expect-tokens: {expect_tokens} must be >= 1 and leave a prefill in a --calib-window "
+                            f"of {window} (at most {window - 2})")
     fp = fp16_bytes(shape, context)
     capacity = int(target * fp)
     labels = check_reachable(shape, template, labels, target, context, logit_softcap(model))
@@ -430,12 +493,15 @@ def calibrate_target(
         seconds["channel_widths"] = time.perf_counter() - t
     resolve = resolver(tqc)
     cands = sorted(set(labels[0]) | set(labels[1]) | {"fp16"})
+    # sensitivities fake-quantize every position: the residual window and the ladder are decode properties, seen
+    # by the bytes and the expectation only
+    measured = template.with_updates(residual_tokens=0, residual_step=None, ladder_tokens=0, ladder2_tokens=0)
     t = time.perf_counter()
     if method == "kl":
-        sens = measure_kl(model, split.fit, cands, "fp16", template, progress=_progress("kl", progress),
+        sens = measure_kl(model, split.fit, cands, "fp16", measured, progress=_progress("kl", progress),
                           resolve=resolve, target_weight=target_weight)
     elif method == "fisher":
-        sens = estimate_fisher(model, split.fit, cands, "fp16", template, samples=samples, seed=seed,
+        sens = estimate_fisher(model, split.fit, cands, "fp16", measured, samples=samples, seed=seed,
                                progress=_progress("fisher", progress), resolve=resolve, target_weight=target_weight)
     else:
         raise ArgumentError(f"--method: unknown {method!r} (known: fisher, kl)")
@@ -447,7 +513,7 @@ def calibrate_target(
     seconds["allocate"] = time.perf_counter() - t
     t = time.perf_counter()
     _say(f"expectation on {split.heldout.shape[0]} held-out windows", progress)
-    expect = expectation(model, split.heldout, cfg)
+    expect = expectation(model, split.heldout, cfg, expect_tokens, progress=_progress("expectation", progress))
     seconds["expectation"] = time.perf_counter() - t
     seconds["total"] = time.perf_counter() - t0
     return TargetResult(cfg, alloc, split, expect, fp, capacity, shape, {k: round(v, 1) for k, v in seconds.items()})
@@ -481,8 +547,11 @@ def target_header(res: TargetResult, *, model_name: str, data_name: str, target:
         f"calibration text: {data_name}; {res.split.describe()}",
         "  (evaluation windows are cut from the start of a corpus: score on other text or on its start)",
         f"target: {target}x the FP16 bytes at context {context} tokens = {human(res.capacity)}",
+        f"every layer: {res.config.sink_tokens} fp16 sink tokens, the {res.config.residual_tokens} newest tokens "
+        f"exactly in fp16 (residual window), an age ladder of {res.config.ladder_tokens} rows (codebook heads of "
+        "full-attention layers)",
         f"bytes held at context {context}: {held} ({human(held)}, {held / res.fp16:.4f}x FP16; kvquant.memory."
-        "sequence_bytes: scales, codebook state and sinks included)",
+        "sequence_bytes: scales, codebook state, sinks and the residual window included)",
         f"objective: {method} KL + {target_weight} x target-token NLL term per unit (layer, KV head, K or V); "
         f"greedy by decrease per byte; predicted {res.allocation.predicted:.5f}",
         f"expected (held-out calibration windows): {res.expect.line()}",
@@ -505,7 +574,8 @@ def command_line(args: Any) -> str:
     parts += ["--context", str(args.context), "--key-candidates", args.key_candidates, "--value-candidates",
               args.value_candidates, "--method", args.method, "--target-weight", str(args.target_weight),
               "--calib-window", str(args.calib_window), "--calib-windows", str(args.calib_windows),
-              "--heldout-windows", str(args.heldout_windows), "--sinks", str(args.sinks)]
+              "--heldout-windows", str(args.heldout_windows), "--expect-tokens", str(args.expect_tokens),
+              "--sinks", str(args.sinks), "--residual", str(args.residual), "--ladder", str(args.ladder)]
     if args.method == "fisher":
         parts += ["--samples", str(args.samples), "--seed", str(args.seed)]
     if args.dtype != "float32":
@@ -533,15 +603,19 @@ def cmd_calibrate_target(args: Any) -> int:
     check_int(args.samples, "--samples", 1, 4096, ArgumentError)
     check_int(args.seed, "--seed", 0, 2**32 - 1, ArgumentError)
     check_int(args.sinks, "--sinks", 0, 4096, ArgumentError)
+    check_int(args.residual, "--residual", 0, 4096, ArgumentError)
+    check_int(args.ladder, "--ladder", 0, 4096, ArgumentError)
+    check_int(args.expect_tokens, "--expect-tokens", 1, args.calib_window - 2, ArgumentError)
     if args.method not in ("fisher", "kl"):
         raise ArgumentError(f"--method: unknown {args.method!r} (known: fisher, kl)")
     if not (math.isfinite(args.target_weight) and args.target_weight >= 0):
         raise ArgumentError(f"--target-weight: {args.target_weight} must be a number >= 0")
     parse_dtype(args.dtype)
-    if args.fast:
-        if args.key_candidates != KEY_CANDIDATES or args.value_candidates != VALUE_CANDIDATES:
-            raise ArgumentError("--fast: it sets the candidates; give it or --key/--value-candidates, not both")
-        args.key_candidates, args.value_candidates = FAST_KEY_CANDIDATES, FAST_VALUE_CANDIDATES
+    if args.fast and (args.key_candidates is not None or args.value_candidates is not None):
+        raise ArgumentError("--fast: it sets the candidates; give it or --key/--value-candidates, not both")
+    keys, values = default_candidates(args.residual, args.fast)
+    args.key_candidates = keys if args.key_candidates is None else args.key_candidates
+    args.value_candidates = values if args.value_candidates is None else args.value_candidates
     labels = {0: parse_kind_candidates(args.key_candidates, 0), 1: parse_kind_candidates(args.value_candidates, 1)}
     force = bool(args.force)
     out = check_output(args.output, CONFIG_SUFFIXES, "-o", force)
@@ -549,7 +623,7 @@ def cmd_calibrate_target(args: Any) -> int:
     check_disjoint([("-o", out)], inputs)
     hf_config = read_model_config(args.model, what="--model")
     shape = ModelShape.from_config(hf_config)
-    template = KVQuantConfig(sink_tokens=args.sinks)
+    template = calibration_template(args.sinks, args.residual, args.ladder)
     check_template(template, shape, labels)
     check_reachable(shape, template, labels, target, args.context, logit_softcap(hf_config))
     text = load_text(args.data)  # before the model: a bad --data fails fast
@@ -557,7 +631,8 @@ def cmd_calibrate_target(args: Any) -> int:
     res = calibrate_target(
         loaded.model, loaded.tokenizer, text.text, target, context=args.context, key_candidates=args.key_candidates,
         value_candidates=args.value_candidates, method=args.method, target_weight=args.target_weight,
-        window=args.calib_window, windows=args.calib_windows, heldout=args.heldout_windows, samples=args.samples,
+        window=args.calib_window, windows=args.calib_windows, heldout=args.heldout_windows,
+        expect_tokens=args.expect_tokens, samples=args.samples,
         seed=args.seed, template=template, bos_id=window_bos(loaded.tokenizer, "auto"), progress=True,
     )
     header = target_header(res, model_name=args.model, data_name=f"{args.data} ({text.source})", target=target,

@@ -24,7 +24,7 @@ import torch
 
 from .config import KVPrecision, KVQuantConfig
 from .measured import RECOMMENDED, STRESS
-from .quantizers import CHANNEL, FLOAT_DTYPES
+from .quantizers import CHANNEL, CHANNEL_PREFIX, FLOAT_DTYPES
 
 logger = logging.getLogger("kvquant")
 
@@ -44,8 +44,10 @@ def key_channel_ratios(keys: torch.Tensor) -> tuple[float, float]:
 
 
 def key_is_per_channel(precision: str | None) -> bool:
-    """True for key precisions that hold outlier / offset channels: per channel, or not quantized."""
-    return precision is None or precision in CHANNEL or precision in FLOAT_DTYPES
+    """True for key precisions that hold outlier / offset channels: per channel (``int*-channel``; ``tqc-<widths>``,
+    which centres each channel and gives it its own width), or not quantized."""
+    return (precision is None or precision in CHANNEL or precision in FLOAT_DTYPES
+            or precision.startswith(CHANNEL_PREFIX))
 
 
 def safer_preset(plan: list[list[KVPrecision]]) -> str:

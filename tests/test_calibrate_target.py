@@ -13,7 +13,11 @@ from kvquant.calibrate_target import (
     TIERS,
     allocate_bytes,
     calibrate_target,
+    calibration_template,
     check_reachable,
+    check_template,
+    default_candidates,
+    expectation,
     fp16_bytes,
     parse_kind_candidates,
     parse_target,
@@ -21,13 +25,15 @@ from kvquant.calibrate_target import (
 )
 from kvquant.errors import ArgumentError
 from kvquant.memory import sequence_bytes
+from kvquant.quantizers import CHANNEL
 from kvquant.text import token_windows, tokenize
 from kvquant.transformers_compat import cache_kw
 
 # head_dim 8: the per-token scale of int4 and the 8-bit norm of tq* weigh heavily, so 0.27x is out of reach here
-KEYS, VALUES = "fp16,int8-token,int4-channel,int4,tq4,tq3", "fp16,int8-token,int4,tq4,tq3"
-SMALL = dict(window=64, windows=2, heldout=2, samples=2, key_candidates=KEYS, value_candidates=VALUES)
-CONTEXT, TARGET = 256, 0.4
+KEYS, VALUES = "fp16,int8-token,int4,tq4,tq3", "fp16,int8-token,int4,tq4,tq3"
+SMALL = dict(window=64, windows=2, heldout=2, samples=2, key_candidates=KEYS, value_candidates=VALUES,
+             expect_tokens=16)
+CONTEXT, TARGET = 256, 0.45
 
 
 def _cli(argv: list[str]) -> int:
@@ -39,7 +45,8 @@ def _cli(argv: list[str]) -> int:
 def _args(stories_path, data, out, target: str = str(TARGET)) -> list[str]:
     return ["calibrate", "--model", str(stories_path), "--data", str(data), "--target-bytes", target,
             "--context", str(CONTEXT), "--calib-window", "64", "--calib-windows", "2", "--heldout-windows", "2",
-            "--samples", "2", "--key-candidates", KEYS, "--value-candidates", VALUES, "-o", str(out)]
+            "--samples", "2", "--expect-tokens", "16", "--key-candidates", KEYS, "--value-candidates", VALUES,
+            "-o", str(out)]
 
 
 # ------------------------------------------------------------------ no model
@@ -98,8 +105,16 @@ def test_calibration_never_reads_the_scoring_windows(stories, tinystories_text, 
     scored_end = scoring[-1].start + scoring[-1].ids.numel()
     assert scored_end <= res.split.start
     assert seen
-    for x in seen:
-        for row in x.reshape(-1, x.shape[-1]):
+    rows: list[torch.Tensor] = []
+    for x in seen:  # a one-token forward continues the window before it (the expectation's exact decode)
+        if x.shape == (1, 1) and rows:
+            rows[-1] = torch.cat([rows[-1], x[0]])
+        else:
+            rows.extend(x.reshape(-1, x.shape[-1]))
+    # each held-out window: its prefill and the 16 tokens decoded after it, one window less its last token
+    assert sum(r.numel() == 63 for r in rows) >= 2, "the decoded windows were not seen"
+    for row in rows:
+        if row.numel() >= 8:
             at = (ids.unfold(0, row.numel(), 1) == row).all(dim=1).nonzero().flatten()
             assert at.numel() and int(at.min()) >= res.split.start, "calibration read text outside its range"
 
@@ -114,8 +129,11 @@ def test_the_result_holds_its_bytes_and_states_its_expectation(stories, target_r
     assert "held-out" in res.expect.line() and "+-" in res.expect.line()
     # more than the cheapest uniform config: the allocation spent the target
     cheapest = sequence_bytes(shape, KVQuantConfig.from_dict({"default": {"key": "tq3", "value": "tq3"},
-                                                              "sink_tokens": 4}), CONTEXT)["total"]
+                                                              "sink_tokens": 4, "residual_tokens": 16,
+                                                              "residual_step": 1, "ladder_tokens": 64}),
+                              CONTEXT)["total"]
     assert held > cheapest
+    assert (res.config.sink_tokens, res.config.residual_tokens, res.config.ladder_tokens) == (4, 16, 64)
 
 
 def test_the_command_writes_a_config_whose_cache_holds_the_promised_bytes(stories, stories_path, tmp_path,
@@ -128,7 +146,7 @@ def test_the_command_writes_a_config_whose_cache_holds_the_promised_bytes(storie
     out = tmp_path / "cal.yaml"
     assert _cli(_args(stories_path, data, out)) == 0
     text = out.read_text()
-    for needle in ("kvquant version", "target: 0.4x", "bytes held at context 256", "expected (held-out",
+    for needle in ("kvquant version", "target: 0.45x", "bytes held at context 256", "expected (held-out",
                    "kvquant calibrate --model"):
         assert needle in text
     cfg = KVQuantConfig.load(out)
@@ -165,6 +183,12 @@ def test_refusals_write_nothing(stories_path, tmp_path, tinystories_text, capsys
     assert "--data:" in capsys.readouterr().err
     assert _cli(_args(stories_path, data, out) + ["--fast"]) == 2
     assert "--fast:" in capsys.readouterr().err
+    argv = _args(stories_path, data, out)
+    argv[argv.index("--key-candidates") + 1] = "int4-channel,tq4"
+    assert _cli(argv) == 2
+    assert "--key-candidates: int4-channel: a per-channel block cannot take" in capsys.readouterr().err
+    assert _cli(_args(stories_path, data, out) + ["--expect-tokens", "63"]) == 2
+    assert "--expect-tokens: 63" in capsys.readouterr().err
     assert not out.exists()
 
 
@@ -194,3 +218,30 @@ def test_softcapped_models_get_no_codebook_keys(stories):
     labels = check_reachable(shape, tpl, {0: ["tq3", "int8-token", "fp16"], 1: ["tq3"]}, 0.6, CONTEXT, softcap=50.0)
     assert labels[0] == ["int8-token", "fp16"]
     assert check_reachable(shape, tpl, codebook_only, 0.45, CONTEXT, softcap=None) == codebook_only
+
+
+def test_block_keys_need_residual_0(stories):
+    """An exact residual window (``residual_step`` 1) and per-channel block keys cannot share a layer: refused,
+    naming the candidate and the way out; with ``--residual 0`` they are candidates again."""
+    model, _ = stories
+    shape = ModelShape.of(model)
+    labels = {0: ["int4-channel", "tq4"], 1: ["int4"]}
+    with pytest.raises(ArgumentError, match="--key-candidates: int4-channel: .*--residual 0"):
+        check_template(calibration_template(4, 16), shape, labels)
+    check_template(calibration_template(4, 0), shape, labels)
+    assert "int4-channel" in default_candidates(0, False)[0] and "int4-channel" in default_candidates(0, True)[0]
+    assert not any(c in CHANNEL for c in (default_candidates(16, False)[0] + "," + default_candidates(16, True)[0])
+                   .split(","))
+
+
+def test_the_expectation_is_exact_decode_and_sees_the_residual_window(stories, tinystories_text):
+    """The expectation decodes through a real cache: a window kept whole in the fp16 residual scores ~0, the same
+    precisions without it do not (the simulated protocol would quantize both)."""
+    model, tok = stories
+    windows = split_calibration(tokenize(tinystories_text, tok), 64, 1, 2).heldout
+    base = {"default": {"key": "int4", "value": "int4"}, "sink_tokens": 0}
+    whole = expectation(model, windows, KVQuantConfig.from_dict({**base, "residual_tokens": 64, "residual_step": 1}),
+                        decoded=16)
+    none = expectation(model, windows, KVQuantConfig.from_dict(base), decoded=16)
+    assert whole.decoded == 16 and len(whole.kl) == 2 and "exact one-token decode" in whole.line()
+    assert max(whole.kl) < 1e-5 < min(none.kl)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvquant
-from kvquant import KVPrecision, KVQuantConfig, QuantizedKVCache
+from kvquant import KVPrecision, KVQuantConfig, ModelShape, QuantizedKVCache
 from kvquant.attention import install_attention
 from kvquant.eval.recipe import RecipeError, parse_recipe
 from kvquant.models import load_model
@@ -175,6 +175,10 @@ def test_outlier_warning_fires_once_and_names_a_safer_preset(variants, caplog):
     # silent: a per-channel key preset on the stress model, any preset on the plain model
     assert _warnings(caplog, variants["+kbias"], "int8-kchannel", ids) == []
     assert _warnings(caplog, variants["base"], "int8", ids) == []
+    # channel-width codebook keys centre and size each channel: silent too
+    hd = ModelShape.of(variants["+kbias"]).head_dim
+    tqc = KVQuantConfig(default=KVPrecision("tqc-" + "4" * hd, "int4"))
+    assert _warnings(caplog, variants["+kbias"], tqc, ids) == []
 
 
 def test_outlier_warning_stays_one_short_line():
