@@ -570,10 +570,16 @@ class LayerStore:
         pool_end = min(end, lanes_end)
         pool_end = min(pool_end, self.q_end - self.refine.ladder_n)  # the ladder's young rows: read() refines them
         a = start
-        if a < pool_end and self.dense.sink_k is not None and a < self.starts.sink_end:  # sink rows: read() merges them
-            b = min(pool_end, -(-self.starts.sink_end // self.block_size) * self.block_size)
-            k, v = self.read(group, a, b)
-            pieces.append((a, b, Factored(k), Factored(v)))
+        if a < pool_end and self.dense.sink_k is not None and a < self.starts.sink_end:
+            if self.starts.pad_end == 0 and self.grid is None and not group.per_block:
+                # every row's sinks are [0, sink_end) (no padding): from the sink buffer, the pool factored after them
+                b = min(pool_end, self.starts.sink_end)
+                k, v = (group_rows(t[:, :, a:b], group) for t in (self.dense.sink_k, self.dense.sink_v))
+                k, v = dense_to_group_space(group, k, v, self.dense.calibrated)
+            else:  # sinks at each row's own first tokens, or per-block parts: read() merges them into their blocks
+                b = min(pool_end, -(-self.starts.sink_end // self.block_size) * self.block_size)
+                k, v = self.read(group, a, b)
+            pieces.append((a, b, Factored(k.float()), Factored(v.float())))
             a = b
         if a < pool_end:  # (offloaded blocks: read_pool stages them, as for read)
             if self.tail_lanes and pool_end > self.q_end:  # heads whose lanes end sooner: their tails merged in

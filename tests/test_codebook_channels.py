@@ -47,6 +47,23 @@ def test_pack_roundtrip():
     assert torch.equal(q.unpack(q.pack(codes)), codes)
 
 
+def test_code_is_the_nearest_level_of_each_channels_width():
+    """The encoder's one batched search gives each channel the nearest level of its own width (a brute-force argmin
+    over that width's levels), at any row count; far-out values take the outermost level, width 0 its mean (0)."""
+    q = ChannelCodebook(64, WIDTHS)
+    g = torch.Generator().manual_seed(3)
+    for shape in [(1, 3, 1, 64), (2, 1, 37, 64)]:
+        u = torch.randn(shape, generator=g) * 2
+        u[..., 20] = 50.0
+        u[..., 21] = -50.0
+        codes, c = q._code(u)
+        for j, b in enumerate(WIDTHS):
+            lv = torch.tensor(gaussian_levels(b)) if b else torch.zeros(1)
+            want = (u[..., j:j + 1] - lv).abs().argmin(-1)
+            assert torch.equal(codes[..., j], want), j
+            assert torch.equal(c[..., j], lv[want]), j
+
+
 def test_trailing_zero_width_channels():
     """A row whose last channels have width 0 (their code starts past the row's last byte) unpacks to zeros there,
     and the kernels' channel info points inside the row for every channel."""

@@ -34,7 +34,7 @@ def test_gaussian_mse_between_bound_and_scalar_code(bits):
 
 
 def test_pack_roundtrip():
-    for width, n in ((6, 32), (4, 16), (8, 32), (12, 16)):
+    for width, n in ((6, 32), (4, 16), (8, 32), (12, 16), (1, 64), (2, 8), (3, 16)):
         codes = torch.randint(0, 2**width, (3, 2, 5, n))
         packed = pack_bits(codes, width)
         assert packed.shape[-1] == n * width // 8 and packed.dtype == torch.uint8

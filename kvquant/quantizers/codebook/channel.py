@@ -174,17 +174,26 @@ class ChannelCodebook(Refinable):
         return y.float() + _per_head(state["mean"].float(), y)
 
     # -- math -------------------------------------------------------------------------------
+    @functools.cached_property
+    def _bounds(self) -> torch.Tensor:
+        """``[D, 2^8 - 1]``: each channel's decision boundaries (midpoints of its width's levels), ascending, padded
+        with +inf (:meth:`_code`)."""
+        bounds = torch.full((self.head_dim, 2**GAUSS_MAX_BITS - 1), math.inf)
+        for j, b in enumerate(self.widths.tolist()):
+            if b:
+                lv = torch.tensor(gaussian_levels(b))
+                bounds[j, : len(lv) - 1] = (lv[1:] + lv[:-1]) / 2
+        return bounds
+
     def _code(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Nearest level of each channel's width for unit-scale rows ``u[..., D]``: ``(codes, levels)``."""
-        codes = torch.zeros(u.shape, dtype=torch.long, device=u.device)
-        c = torch.zeros_like(u)
-        for b, idx in self.by_width.items():
-            idx = idx.to(u.device)
-            lv = torch.tensor(gaussian_levels(b), device=u.device, dtype=u.dtype)
-            k = torch.bucketize(u.index_select(-1, idx).contiguous(), (lv[1:] + lv[:-1]) / 2)
-            codes[..., idx] = k
-            c[..., idx] = lv[k]
-        return codes, c
+        """Nearest level of each channel's width for unit-scale rows ``u[..., D]``: ``(codes, levels)``; one
+        batched search over every channel's own boundaries (a NaN takes the outermost code)."""
+        dev = u.device
+        flat = u.reshape(-1, self.head_dim).t().contiguous()  # [D, rows]
+        codes = torch.searchsorted(self._bounds.to(dev, u.dtype), flat).t().reshape(u.shape)
+        codes = torch.minimum(codes, self._mask.to(dev))
+        ch = torch.arange(self.head_dim, device=dev)
+        return codes, self.table.to(dev, u.dtype)[ch, codes]
 
     def _encode(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Rows ``x`` -> ``(codes, divisor, norm)``: the codes, the scale the whitened row was divided by before

@@ -100,6 +100,9 @@ def unpack_bits(packed: torch.Tensor, width: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits` (``width`` <= 16): ``[..., n * width / 8]`` uint8 -> codes ``[..., n]``
     (int64). A code spans at most three bytes: one gather of a 24-bit word per code, a shift, a mask."""
     dev = packed.device
+    if 8 % width == 0:  # whole codes per byte: one shift per code slot of a byte
+        shift = torch.arange(0, 8, width, device=dev)
+        return ((packed.long().unsqueeze(-1) >> shift) & ((1 << width) - 1)).flatten(-2)[..., :n]
     start = torch.arange(n, device=dev) * width
     byte, shift = start // 8, start % 8
     p = torch.nn.functional.pad(packed, (0, 2)).long()
