@@ -1,8 +1,8 @@
 """CPU decode speed of calibrated configs and of each calibration candidate, against int4-kchannel-sinks, same run.
 
-``kvquant calibrate --fast`` keeps to the candidates (``kvquant.calibrate_target.FAST_KEY_CANDIDATES`` /
-``FAST_VALUE_CANDIDATES``) whose calibrated mixes decode at no less than half of ``int4-kchannel-sinks``'s tokens per
-CPU-second (issue 36's speed rule); this script is how that is measured::
+Issue 36's speed rule: a calibrated config decodes at no less than half of ``int4-kchannel-sinks``'s tokens per
+CPU-second on CPU, writing each token included; this script is how that is measured
+(docs/results/calibration-tiers.md)::
 
     python benchmarks/calibration_speed.py                                   # every candidate, uniform K and V
     python benchmarks/calibration_speed.py --configs cal.yaml,int4-kchannel --candidates ""   # configs only

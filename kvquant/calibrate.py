@@ -41,6 +41,7 @@ from .calibrate_target import (
     KEY_CANDIDATES,
     LADDER,
     RESIDUAL,
+    RESIDUAL_STEP,
     TARGET_EPILOG,
     TIERS,
     VALUE_CANDIDATES,
@@ -580,6 +581,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--residual", type=int, default=RESIDUAL,
                    help=f"--target-bytes: the newest tokens every layer keeps exactly in fp16 ({RESIDUAL}; their "
                    "bytes count in the target); 0: none, and per-channel block keys (int*-channel) become candidates")
+    p.add_argument("--residual-step", dest="residual_step", type=int, default=RESIDUAL_STEP,
+                   help=f"--target-bytes: tokens of the full window quantized at a time ({RESIDUAL_STEP}: it holds "
+                   f"--residual to --residual + {RESIDUAL_STEP - 1}); 1: exactly --residual, slower CPU decode; 128: "
+                   "whole blocks, and int*-channel keys become candidates")
     p.add_argument("--ladder", type=int, default=LADDER,
                    help=f"--target-bytes: an age ladder: the newest quantized tokens of codebook heads keep one "
                    f"refinement bit ({LADDER}; bytes counted); 0: none (needed to add evict or offload later)")

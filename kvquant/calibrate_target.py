@@ -17,7 +17,8 @@ and codebook state, sink tokens, the residual window). The steps:
    so the residual window and sinks count as they will), mean +- standard error over the windows.
 
 The template carries the options every layer gets: ``sink_tokens``, an exact fp16 residual window of the newest
-``residual_tokens`` (``residual_step`` 1; ``--residual``, default :data:`RESIDUAL`) and an age ladder
+``residual_tokens`` (``--residual``, default :data:`RESIDUAL`; quantized ``residual_step`` tokens at a time,
+``--residual-step``, default :data:`RESIDUAL_STEP`) and an age ladder
 (``ladder_tokens``, ``--ladder``, default :data:`LADDER`), whose bytes the target counts. Per-channel block keys
 (``int*-channel``) cannot take an exact window (their block is quantized whole), so they are candidates only with
 ``--residual 0``; the per-channel key widths of ``tqc*`` serve the same outlier channels per token.
@@ -49,18 +50,29 @@ from .shape import ModelShape
 #: named tiers: ``--tier NAME`` is ``--target-bytes F``
 TIERS: dict[str, float] = {"auto-8bit": 0.5, "auto-4bit": 0.27, "auto-3bit": 0.21}
 #: the default candidates: the lowest error per byte (the vector ``tqv*`` and channel-width ``tqc*`` codebooks
-#: included; their CPU decode is slower, see ``--fast``)
+#: included). With the default residual step their calibrated mixes decode on the CPU torch path at 0.53-0.81x of
+#: ``int4-kchannel-sinks``'s tokens per CPU-second (benchmarks/calibration_speed.py; docs/results/calibration-tiers.md)
 KEY_CANDIDATES = "fp16,int8-token,int4,tq4,tq3,tqv4,tqc4,tqc3"
 VALUE_CANDIDATES = "fp16,int8-token,int4,tq4,tq3,tqv4,tqv3"
-#: ``--fast``: the families whose CPU decode, mixed per head as the calibrator mixes them, stays at or above half of
-#: ``int4-kchannel-sinks``'s (writing each token included; benchmarks/calibration_speed.py): no ``tqv*`` / ``tqc*``
+#: ``--fast``: no ``tqv*`` / ``tqc*``: faster CPU decode still, at a higher error
 FAST_KEY_CANDIDATES = "fp16,int8-token,int4,tq4,tq3"
 FAST_VALUE_CANDIDATES = "fp16,int8-token,int4,tq4,tq3"
 #: with ``--residual 0`` the per-channel block keys join the candidates (default and ``--fast``)
 BLOCK_KEY_CANDIDATES = "fp16,int8-channel,int8-token,int4-channel,int4,tq4,tq3,tqv4,tqc4,tqc3"
 FAST_BLOCK_KEY_CANDIDATES = "fp16,int8-channel,int8-token,int4-channel,int3-channel,int4,tq4,tq3"
-#: ``--residual``: the newest tokens every layer keeps exactly in fp16 (residual_step 1)
+#: targets below this fraction also get 2-bit codebook candidates: with the residual window, sinks and ladder
+#: counted, 3-bit codes alone cannot go much under 0.22x at 1K tokens
+LOW_TARGET = 0.25
+LOW_KEY_CANDIDATES = "tqc2"
+LOW_VALUE_CANDIDATES = "tqv2,tq2"
+LOW_FAST_CANDIDATES = "tq2"
+#: ``--residual``: the newest tokens every layer keeps exactly in fp16
 RESIDUAL = 16
+#: ``--residual-step``: tokens quantized at a time once the window is full (the window holds RESIDUAL to
+#: RESIDUAL + RESIDUAL_STEP - 1 tokens). Encoding one token per step costs each codebook head a call per step;
+#: 16 at a time is what keeps the calibrated configs' CPU decode at half of int4-kchannel-sinks' or above
+#: (docs/results/calibration-tiers.md)
+RESIDUAL_STEP = 16
 #: ``--ladder``: the newest quantized tokens whose codebook K/V keep one refinement bit (``ladder_tokens``)
 LADDER = 64
 #: ``--expect-tokens``: the tokens of each held-out window decoded one at a time for the expectation
@@ -77,14 +89,17 @@ a byte target (--target-bytes F or --tier NAME) instead of --budget-bits:
   the config (per-channel tqc key widths, each unit's fisher or kl sensitivity plus --target-weight x a
   target-token NLL term), the held-out ones before them measure the expectation written in the config's header
   (KL and ppl change against FP16, mean +- SE, the last --expect-tokens of each decoded one token at a time).
-  Every layer keeps the --residual newest tokens exactly in fp16 (default 16), and the --ladder newest quantized
+  Every layer keeps the --residual newest tokens exactly in fp16 (default 16; --residual-step 16 of them are
+  quantized at a time once the window is full, so it holds 16 to 31), and the --ladder newest quantized
   tokens of its codebook heads keep one refinement bit (default 64; not on sliding-window layers; a config with a
   ladder excludes evict and offload: give --ladder 0 to combine them); their bytes count in the target.
-  Per-channel block keys (int*-channel) cannot take the exact window and are candidates only with --residual 0.
+  Below --target-bytes 0.25 the 2-bit codebooks join the defaults (keys tqc2, values tqv2,tq2; --fast: tq2).
+  Per-channel block keys (int*-channel) cannot take that window; they are candidates with --residual 0 or with
+  --residual-step 128 (whole blocks).
   Trellis codes (tqt*) decode an order of magnitude slower on CPU and are never default candidates (add them to
-  --key/--value-candidates to allow them). The default candidates give the lowest error per byte; the tqv*/tqc*
-  codebooks among them read slowly on the CPU torch path. --fast leaves those out (keys fp16,int8-token,int4,
-  tq4,tq3; values fp16,int8-token,int4,tq4,tq3), at a higher error.
+  --key/--value-candidates to allow them). The default candidates give the lowest error per byte; their configs
+  decoded at 0.53-0.81x of int4-kchannel-sinks' CPU speed on three models. --fast leaves the tqv*/tqc* codebooks
+  out (keys fp16,int8-token,int4,tq4,tq3; values fp16,int8-token,int4,tq4,tq3): faster, at a higher error.
   Refused before any work, nothing written: a target below what the candidates can store, codebook keys on a
   model with attention logit softcapping when only they meet the target, less text than the windows need.
 """
@@ -113,18 +128,32 @@ def parse_target(target_bytes: float | None, tier: str | None) -> float:
     return float(target_bytes)
 
 
-def default_candidates(residual: int, fast: bool) -> tuple[str, str]:
-    """The default ``(key, value)`` candidate lists for ``--residual`` and ``--fast``."""
-    if residual:
-        return (FAST_KEY_CANDIDATES, FAST_VALUE_CANDIDATES) if fast else (KEY_CANDIDATES, VALUE_CANDIDATES)
-    return (FAST_BLOCK_KEY_CANDIDATES, FAST_VALUE_CANDIDATES) if fast else (BLOCK_KEY_CANDIDATES, VALUE_CANDIDATES)
+def default_candidates(
+    residual: int, fast: bool, step: int = RESIDUAL_STEP, block_size: int = 128, target: float = 1.0
+) -> tuple[str, str]:
+    """The default ``(key, value)`` candidate lists for ``--residual``, ``--fast``, ``--residual-step`` and the byte
+    target (per-channel block keys join them when no window is kept, or when it is quantized a whole block at a
+    time; below :data:`LOW_TARGET` the 2-bit codebooks of :data:`LOW_KEY_CANDIDATES` / :data:`LOW_VALUE_CANDIDATES`
+    join them)."""
+    if residual and step != block_size:
+        keys, values = (FAST_KEY_CANDIDATES, FAST_VALUE_CANDIDATES) if fast else (KEY_CANDIDATES, VALUE_CANDIDATES)
+    else:
+        keys, values = ((FAST_BLOCK_KEY_CANDIDATES, FAST_VALUE_CANDIDATES) if fast
+                        else (BLOCK_KEY_CANDIDATES, VALUE_CANDIDATES))  # fmt: skip
+    if target < LOW_TARGET:
+        low = LOW_FAST_CANDIDATES if fast else None
+        keys += "," + (low or LOW_KEY_CANDIDATES)
+        values += "," + (low or LOW_VALUE_CANDIDATES)
+    return keys, values
 
 
-def calibration_template(sinks: int = 4, residual: int = RESIDUAL, ladder: int = LADDER) -> KVQuantConfig:
+def calibration_template(sinks: int = 4, residual: int = RESIDUAL, ladder: int = LADDER,
+                         step: int = RESIDUAL_STEP) -> KVQuantConfig:
     """The options every layer of a calibrated config gets: ``sinks`` fp16 sink tokens, an exact fp16 window of
-    the ``residual`` newest tokens (``residual_step`` 1; 0: none) and an age ladder of the ``ladder`` newest
-    quantized tokens (``ladder_tokens``: one refinement bit per coordinate of their codebook K/V; 0: none)."""
-    return KVQuantConfig(sink_tokens=sinks, residual_tokens=residual, residual_step=1 if residual else None,
+    the ``residual`` newest tokens (0: none), quantized ``step`` tokens at a time once full (``residual_step``), and
+    an age ladder of the ``ladder`` newest quantized tokens (``ladder_tokens``: one refinement bit per coordinate of
+    their codebook K/V; 0: none)."""
+    return KVQuantConfig(sink_tokens=sinks, residual_tokens=residual, residual_step=step if residual else None,
                          ladder_tokens=ladder)
 
 
@@ -304,10 +333,10 @@ def expectation(model: Any, windows: torch.Tensor, cfg: KVQuantConfig, decoded: 
         raise ArgumentError(f"--expect-tokens: {decoded} leaves no prefill in a --calib-window of {T}")
     dev = next(model.parameters()).device
     kls, dn = [], []
-    for w in range(n):
-        x = windows[w : w + 1].to(dev)
-        lp = torch.log_softmax(model(input_ids=x).logits[:, prefill : T - 1].float(), -1)
-        with wrapped(model, cfg):
+    with wrapped(model, cfg):  # (without a kvquant cache the wrapped model's attention is plain SDPA: the FP16 side)
+        for w in range(n):
+            x = windows[w : w + 1].to(dev)
+            lp = torch.log_softmax(model(input_ids=x, use_cache=False).logits[:, prefill : T - 1].float(), -1)
             cache = QuantizedKVCache(model, cfg)
             model(x[:, :prefill], **cache_kw(cache), use_cache=True, logits_to_keep=1)
             steps = []
@@ -315,10 +344,10 @@ def expectation(model: Any, windows: torch.Tensor, cfg: KVQuantConfig, decoded: 
                 steps.append(model(x[:, s : s + 1], **cache_kw(cache), use_cache=True).logits[:, -1:].float())
                 if progress is not None:
                     progress(w * decoded + s - prefill + 1, n * decoded)
-        logits = torch.cat(steps, dim=1)
-        kls.append(_kl_mean(lp, logits))
-        target = x[:, prefill + 1 :]
-        dn.append(_nll_mean(torch.log_softmax(logits, -1), target) - _nll_mean(lp, target))
+            logits = torch.cat(steps, dim=1)
+            kls.append(_kl_mean(lp, logits))
+            target = x[:, prefill + 1 :]
+            dn.append(_nll_mean(torch.log_softmax(logits, -1), target) - _nll_mean(lp, target))
     return Expectation(kls, dn, decoded)
 
 
@@ -398,8 +427,8 @@ def check_template(template: KVQuantConfig, shape: ModelShape, labels: dict[int,
                 continue
             if c in CHANNEL and template.residual_tokens and step != template.block_size:
                 raise ArgumentError(f"{option}: {c}: a per-channel block cannot take the exact residual window of "
-                                    f"{template.residual_tokens} tokens (residual_step {step}); leave it out or give "
-                                    "--residual 0")
+                                    f"{template.residual_tokens} tokens quantized {step} at a time; leave it out, or "
+                                    f"give --residual-step {template.block_size} (whole blocks) or --residual 0")
             pair = KVPrecision(c, "fp16") if kind == 0 else KVPrecision("fp16", c)
             try:
                 template.with_updates(default=pair, layers={}, heads={}).validate(shape)
@@ -530,6 +559,16 @@ def _label_counts(res: TargetResult) -> str:
     return "; ".join(out)
 
 
+def _window_words(cfg: KVQuantConfig) -> str:
+    """The residual window of ``cfg`` in words."""
+    r = cfg.residual_tokens
+    step = cfg.residual_step or cfg.block_size
+    if not r:
+        return "no residual window"
+    held = f"the {r} newest tokens" if step == 1 else f"the {r} to {r + step - 1} newest tokens"
+    return f"{held} exactly in fp16 (residual window{'' if step == 1 else f', quantized {step} at a time'})"
+
+
 def target_header(res: TargetResult, *, model_name: str, data_name: str, target: float, context: int, method: str,
                   target_weight: float, command: str | None, version: str) -> str:
     """The provenance comment block of a written config (model, data, target, command, version, expectation, bytes)."""
@@ -547,9 +586,8 @@ def target_header(res: TargetResult, *, model_name: str, data_name: str, target:
         f"calibration text: {data_name}; {res.split.describe()}",
         "  (evaluation windows are cut from the start of a corpus: score on other text or on its start)",
         f"target: {target}x the FP16 bytes at context {context} tokens = {human(res.capacity)}",
-        f"every layer: {res.config.sink_tokens} fp16 sink tokens, the {res.config.residual_tokens} newest tokens "
-        f"exactly in fp16 (residual window), an age ladder of {res.config.ladder_tokens} rows (codebook heads of "
-        "full-attention layers)",
+        f"every layer: {res.config.sink_tokens} fp16 sink tokens, {_window_words(res.config)}, an age ladder of "
+        f"{res.config.ladder_tokens} rows (codebook heads of full-attention layers)",
         f"bytes held at context {context}: {held} ({human(held)}, {held / res.fp16:.4f}x FP16; kvquant.memory."
         "sequence_bytes: scales, codebook state, sinks and the residual window included)",
         f"objective: {method} KL + {target_weight} x target-token NLL term per unit (layer, KV head, K or V); "
@@ -575,7 +613,8 @@ def command_line(args: Any) -> str:
               args.value_candidates, "--method", args.method, "--target-weight", str(args.target_weight),
               "--calib-window", str(args.calib_window), "--calib-windows", str(args.calib_windows),
               "--heldout-windows", str(args.heldout_windows), "--expect-tokens", str(args.expect_tokens),
-              "--sinks", str(args.sinks), "--residual", str(args.residual), "--ladder", str(args.ladder)]
+              "--sinks", str(args.sinks), "--residual", str(args.residual), "--residual-step", str(args.residual_step),
+              "--ladder", str(args.ladder)]
     if args.method == "fisher":
         parts += ["--samples", str(args.samples), "--seed", str(args.seed)]
     if args.dtype != "float32":
@@ -604,6 +643,7 @@ def cmd_calibrate_target(args: Any) -> int:
     check_int(args.seed, "--seed", 0, 2**32 - 1, ArgumentError)
     check_int(args.sinks, "--sinks", 0, 4096, ArgumentError)
     check_int(args.residual, "--residual", 0, 4096, ArgumentError)
+    check_int(args.residual_step, "--residual-step", 1, KVQuantConfig().block_size, ArgumentError)
     check_int(args.ladder, "--ladder", 0, 4096, ArgumentError)
     check_int(args.expect_tokens, "--expect-tokens", 1, args.calib_window - 2, ArgumentError)
     if args.method not in ("fisher", "kl"):
@@ -613,7 +653,8 @@ def cmd_calibrate_target(args: Any) -> int:
     parse_dtype(args.dtype)
     if args.fast and (args.key_candidates is not None or args.value_candidates is not None):
         raise ArgumentError("--fast: it sets the candidates; give it or --key/--value-candidates, not both")
-    keys, values = default_candidates(args.residual, args.fast)
+    keys, values = default_candidates(args.residual, args.fast, args.residual_step, KVQuantConfig().block_size,
+                                      target)
     args.key_candidates = keys if args.key_candidates is None else args.key_candidates
     args.value_candidates = values if args.value_candidates is None else args.value_candidates
     labels = {0: parse_kind_candidates(args.key_candidates, 0), 1: parse_kind_candidates(args.value_candidates, 1)}
@@ -623,7 +664,7 @@ def cmd_calibrate_target(args: Any) -> int:
     check_disjoint([("-o", out)], inputs)
     hf_config = read_model_config(args.model, what="--model")
     shape = ModelShape.from_config(hf_config)
-    template = calibration_template(args.sinks, args.residual, args.ladder)
+    template = calibration_template(args.sinks, args.residual, args.ladder, args.residual_step)
     check_template(template, shape, labels)
     check_reachable(shape, template, labels, target, args.context, logit_softcap(hf_config))
     text = load_text(args.data)  # before the model: a bad --data fails fast

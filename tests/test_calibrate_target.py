@@ -130,10 +130,11 @@ def test_the_result_holds_its_bytes_and_states_its_expectation(stories, target_r
     # more than the cheapest uniform config: the allocation spent the target
     cheapest = sequence_bytes(shape, KVQuantConfig.from_dict({"default": {"key": "tq3", "value": "tq3"},
                                                               "sink_tokens": 4, "residual_tokens": 16,
-                                                              "residual_step": 1, "ladder_tokens": 64}),
+                                                              "residual_step": 16, "ladder_tokens": 64}),
                               CONTEXT)["total"]
     assert held > cheapest
-    assert (res.config.sink_tokens, res.config.residual_tokens, res.config.ladder_tokens) == (4, 16, 64)
+    assert (res.config.sink_tokens, res.config.residual_tokens, res.config.residual_step,
+            res.config.ladder_tokens) == (4, 16, 16, 64)
 
 
 def test_the_command_writes_a_config_whose_cache_holds_the_promised_bytes(stories, stories_path, tmp_path,
@@ -221,14 +222,20 @@ def test_softcapped_models_get_no_codebook_keys(stories):
 
 
 def test_block_keys_need_residual_0(stories):
-    """An exact residual window (``residual_step`` 1) and per-channel block keys cannot share a layer: refused,
-    naming the candidate and the way out; with ``--residual 0`` they are candidates again."""
+    """An exact residual window quantized less than a block at a time and per-channel block keys cannot share a
+    layer: refused, naming the candidate and the ways out; with ``--residual 0`` or whole-block steps they are
+    candidates again."""
     model, _ = stories
     shape = ModelShape.of(model)
     labels = {0: ["int4-channel", "tq4"], 1: ["int4"]}
     with pytest.raises(ArgumentError, match="--key-candidates: int4-channel: .*--residual 0"):
         check_template(calibration_template(4, 16), shape, labels)
     check_template(calibration_template(4, 0), shape, labels)
+    check_template(calibration_template(4, 16, step=128), shape, labels)
+    assert "int4-channel" in default_candidates(16, False, 128)[0]
+    assert "tqc2" in default_candidates(16, False, target=0.21)[0] and "tqv2" in default_candidates(16, False,
+                                                                                                   target=0.21)[1]
+    assert "tqc2" not in default_candidates(16, False, target=0.27)[0]
     assert "int4-channel" in default_candidates(0, False)[0] and "int4-channel" in default_candidates(0, True)[0]
     assert not any(c in CHANNEL for c in (default_candidates(16, False)[0] + "," + default_candidates(16, True)[0])
                    .split(","))
