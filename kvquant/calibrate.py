@@ -572,10 +572,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--context", type=int, default=1024,
                    help="--target-bytes: the tokens at which the bytes are counted (1024)")
     p.add_argument("--key-candidates", dest="key_candidates",
-                   help=f"--target-bytes: key labels (default: {KEY_CANDIDATES}; with --residual 0: "
-                   f"{BLOCK_KEY_CANDIDATES}; tqc<bits>: per-channel widths)")
+                   help=f"--target-bytes: key labels (default: {KEY_CANDIDATES}; with --residual 0 or --residual-step "
+                   f"128: {BLOCK_KEY_CANDIDATES}; below 0.25x also tqc2; tqc<bits>: per-channel widths)")
     p.add_argument("--value-candidates", dest="value_candidates",
-                   help=f"--target-bytes: value labels (default: {VALUE_CANDIDATES})")
+                   help=f"--target-bytes: value labels (default: {VALUE_CANDIDATES}; below 0.25x also tqv2,tq2)")
     p.add_argument("--fast", action="store_true",
                    help="--target-bytes: no tqv*/tqc* codebook candidates: faster CPU decode, at a higher error")
     p.add_argument("--residual", type=int, default=RESIDUAL,
