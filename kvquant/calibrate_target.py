@@ -129,7 +129,8 @@ def parse_target(target_bytes: float | None, tier: str | None) -> float:
 
 
 def default_candidates(
-    residual: int, fast: bool, step: int = RESIDUAL_STEP, block_size: int = 128, target: float = 1.0
+    residual: int, fast: bool, step: int = RESIDUAL_STEP, block_size: int = KVQuantConfig.block_size,
+    target: float = 1.0,
 ) -> tuple[str, str]:
     """The default ``(key, value)`` candidate lists for ``--residual``, ``--fast``, ``--residual-step`` and the byte
     target (per-channel block keys join them when no window is kept, or when it is quantized a whole block at a
@@ -643,7 +644,7 @@ def cmd_calibrate_target(args: Any) -> int:
     check_int(args.seed, "--seed", 0, 2**32 - 1, ArgumentError)
     check_int(args.sinks, "--sinks", 0, 4096, ArgumentError)
     check_int(args.residual, "--residual", 0, 4096, ArgumentError)
-    check_int(args.residual_step, "--residual-step", 1, KVQuantConfig().block_size, ArgumentError)
+    check_int(args.residual_step, "--residual-step", 1, KVQuantConfig.block_size, ArgumentError)
     check_int(args.ladder, "--ladder", 0, 4096, ArgumentError)
     check_int(args.expect_tokens, "--expect-tokens", 1, args.calib_window - 2, ArgumentError)
     if args.method not in ("fisher", "kl"):
@@ -653,8 +654,7 @@ def cmd_calibrate_target(args: Any) -> int:
     parse_dtype(args.dtype)
     if args.fast and (args.key_candidates is not None or args.value_candidates is not None):
         raise ArgumentError("--fast: it sets the candidates; give it or --key/--value-candidates, not both")
-    keys, values = default_candidates(args.residual, args.fast, args.residual_step, KVQuantConfig().block_size,
-                                      target)
+    keys, values = default_candidates(args.residual, args.fast, args.residual_step, target=target)
     args.key_candidates = keys if args.key_candidates is None else args.key_candidates
     args.value_candidates = values if args.value_candidates is None else args.value_candidates
     labels = {0: parse_kind_candidates(args.key_candidates, 0), 1: parse_kind_candidates(args.value_candidates, 1)}

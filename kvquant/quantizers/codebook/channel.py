@@ -101,7 +101,6 @@ class ChannelCodebook(Refinable):
         self.table = table
         self.norm_mask = self.widths >= int(self.bits)  # the channels the row norm is taken over
         self.error_weight = torch.where(self.widths > 0, 4.0 ** self.widths.double(), 0.0).float()  # see search
-        self.by_width = {b: torch.tensor([j for j, w in enumerate(widths) if w == b]) for b in sorted(set(widths)) if b}
         bit = torch.arange(GAUSS_MAX_BITS)
         self._bit = bit
         self._select = (bit[None, :] < self.widths[:, None]).flatten().nonzero().squeeze(1)  # channel-major bits
